@@ -1,0 +1,1 @@
+"""loopwise agents package (filled in by later issues)."""

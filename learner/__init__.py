@@ -1,0 +1,1 @@
+"""loopwise learner package (filled in by later issues)."""

@@ -1,0 +1,1 @@
+"""loopwise memory package (filled in by later issues)."""

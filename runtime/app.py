@@ -1,0 +1,224 @@
+"""The FastAPI app factory: routes, auth, body limits, request ids, and the one error handler.
+
+``create_app(server_settings, engine_settings, engine, model_id)`` builds everything on ``app.state``
+(no module globals); the lifespan starts and stops the engine. Routes:
+
+- ``POST /v1/chat/completions`` (``serving_chat``), ``GET /v1/models``, ``GET /v1/models/{id}``
+- ``GET /health`` (a one-token generate), ``GET /ready``, ``GET /metrics`` (Prometheus)
+
+Every error leaves as OpenAI's envelope (``runtime/errors.py``): validation failures are 400 with
+``param`` (never FastAPI's 422), a bad or missing key 401, an unknown model 404, an oversized body 413,
+overload 429 with ``Retry-After``, and a 500 carries only the request id (the traceback is logged).
+
+Not here: the admin API and feedback endpoints (later issues), process startup (``serve.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.chat_format import ChatFormatter
+from runtime.engine import Engine, EngineError
+from runtime.errors import APIError, from_engine, from_validation
+from runtime.metrics import Metrics
+from runtime.openai_schemas import ChatCompletionRequest
+from runtime.serving_chat import ChatService
+from runtime.settings import EngineSettings, ServerSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def create_app(server: ServerSettings, engine_settings: EngineSettings, engine: Engine, model_id: str, *, metrics: Metrics | None = None) -> FastAPI:
+    metrics = metrics or Metrics(engine.stats)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        tokenizer = getattr(engine, "tokenizer", None)
+        model_type = getattr(getattr(getattr(engine, "model", None), "config", None), "model_type", None)
+        formatter = ChatFormatter(tokenizer, model_type=model_type, parser=server.tool_call_parser)
+        app.state.chat = ChatService(engine, formatter, model_id, engine_settings.default_max_tokens, metrics)
+        app.state.ready = True
+        log.info("serving model %s (tool-call parser %s)", model_id, formatter.parser_name)
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            await engine.close()
+
+    app = FastAPI(title="loopwise", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.model_id = model_id
+    app.state.ready = False
+    app.state.created = int(time.time())
+    _install_error_handlers(app)
+
+    @app.middleware("http")
+    async def request_context(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = rid
+        endpoint = request.url.path
+        t0 = time.perf_counter()
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            try:
+                if request.url.path.startswith("/v1/"):
+                    _check_auth(request, server.api_keys)
+                response = await call_next(request)
+            except APIError as exc:
+                response = _error_response(exc)
+            except Exception:
+                log.exception("unhandled error in %s %s", request.method, request.url.path)
+                response = _error_response(
+                    APIError(500, f"The server had an error processing your request (request id {rid}).", type="server_error", code="internal_error")
+                )
+        response.headers["x-request-id"] = rid
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        if response.status_code < 400:
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+        return response
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _read_json(request, server.max_body_bytes)
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+        if req.model != model_id:
+            raise APIError(404, f"The model `{req.model}` does not exist or you do not have access to it.", param="model", code="model_not_found")
+        svc: ChatService = request.app.state.chat
+        rid = request.state.request_id
+        try:
+            prep = svc.prepare(req, rid)
+            if req.stream:
+                opened = await svc.open_streams(prep)
+                return StreamingResponse(svc.stream(req, prep, opened), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            completion = await _unless_disconnected(request, svc.complete(req, prep))
+        except EngineError as exc:
+            raise from_engine(exc) from exc
+        if completion is None:
+            return Response(status_code=499)
+        return JSONResponse(completion.model_dump(exclude_none=False))
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(model_id, app.state.created)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        if model != model_id:
+            raise APIError(404, f"The model `{model}` does not exist or you do not have access to it.", param="model", code="model_not_found")
+        return _model_card(model_id, app.state.created)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        try:
+            await asyncio.wait_for(engine.health(), timeout=30)
+        except (EngineError, TimeoutError) as exc:
+            log.error("health check failed: %r", exc)
+            raise APIError(503, "engine health check failed", type="server_error", code="unhealthy") from exc
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> dict[str, Any]:
+        if not app.state.ready:
+            raise APIError(503, "not ready", type="server_error", code="not_ready")
+        return {"status": "ready", "model": model_id}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _model_card(model_id: str, created: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "loopwise"}
+
+
+def _check_auth(request: Request, keys: tuple[str, ...]) -> None:
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+    if not token:
+        raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.", type="authentication_error", code="invalid_api_key")
+    if token not in keys:
+        raise APIError(401, "Incorrect API key provided.", type="authentication_error", code="invalid_api_key")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _unless_disconnected(request: Request, coro: Awaitable[T]) -> T | None:
+    """Await ``coro``; if the client goes away first, cancel it (which cancels its generation)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.info("client disconnected; cancelling generation")
+                task.cancel()
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = tuple(x for x in err.get("loc", ()) if x != "body")
+        return _error_response(APIError(400, str(err.get("msg")), param=".".join(map(str, loc)) or None, code="invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = "not_found" if exc.status_code == 404 else None
+        return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=code))

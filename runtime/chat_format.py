@@ -1,0 +1,128 @@
+"""Chat messages + tools → the exact prompt token ids the engine sees. The runtime's only templating step.
+
+Models whose chat template has a tool section (it references ``tools``) get the tools and tool calls
+through the template itself, Hugging Face style. Models without one (SmolLM2 among them) get tools
+rendered the Hermes/Qwen2.5 way: a system block listing the function signatures in ``<tools>`` and
+asking for ``<tool_call>{"name": …, "arguments": …}</tool_call>``; earlier assistant tool calls are
+rendered back in that format and tool results as a user turn of ``<tool_response>`` blocks. The
+``qwen25`` parser then reads the model's calls.
+
+Not here: validation of request fields (``openai_schemas``) or parsing of output (``tool_parsers``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.engine import InvalidRequest
+from runtime.openai_schemas import AssistantMessage, Message, SystemMessage, TextPart, Tool, ToolMessage, UnsupportedPart
+from runtime.tool_parsers import parser_for_model
+
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class ChatFormatter:
+    """Holds the tokenizer and the template's capabilities; ``render`` is a pure function of its inputs."""
+
+    def __init__(self, tokenizer: Any, model_type: str | None = None, parser: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        template = tokenizer.chat_template
+        if not template:
+            raise ValueError("the tokenizer has no chat_template; loopwise needs one to serve chat")
+        self.native_tools = "tools" in template
+        self.parser_name = parser or (parser_for_model(model_type, template) if self.native_tools else "qwen25")
+
+    def render(self, messages: list[Message], tools: list[Tool] | None) -> RenderedPrompt:
+        plain = [to_plain(m, i) for i, m in enumerate(messages)]
+        kwargs: dict[str, Any] = {}
+        if self.native_tools:
+            if tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        else:
+            plain = hermes_messages(plain, tools)
+        text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kwargs)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return RenderedPrompt(text=text, token_ids=tuple(ids))
+
+
+def text_of(content: Any, param: str) -> str:
+    """Join text parts; reject media parts with a clear 400."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, part in enumerate(content):
+        if isinstance(part, UnsupportedPart):
+            raise InvalidRequest(f"{part.type} content is not supported by this model", param=f"{param}[{j}]")
+        assert isinstance(part, TextPart)
+        out.append(part.text)
+    return "".join(out)
+
+
+def to_plain(msg: Message, i: int) -> dict[str, Any]:
+    """A validated message as a Hugging Face chat-template dict (tool call arguments as objects)."""
+    role = "system" if isinstance(msg, SystemMessage) else msg.role
+    d: dict[str, Any] = {"role": role, "content": text_of(msg.content, f"messages[{i}].content")}
+    if isinstance(msg, AssistantMessage) and msg.tool_calls:
+        calls = []
+        for j, call in enumerate(msg.tool_calls):
+            try:
+                args = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise InvalidRequest(
+                    f"tool call arguments are not valid JSON: {exc.msg}",
+                    param=f"messages[{i}].tool_calls[{j}].function.arguments",
+                ) from exc
+            calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}})
+        d["tool_calls"] = calls
+    if isinstance(msg, ToolMessage):
+        d["tool_call_id"] = msg.tool_call_id
+    return d
+
+
+def hermes_messages(plain: list[dict[str, Any]], tools: list[Tool] | None) -> list[dict[str, Any]]:
+    """Rewrite messages for a template without a tool section (Hermes / Qwen2.5 conventions)."""
+    out: list[dict[str, Any]] = []
+    if tools:
+        block = TOOLS_PREAMBLE + "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools) + TOOLS_POSTAMBLE
+        if plain and plain[0]["role"] == "system":
+            out.append({"role": "system", "content": plain[0]["content"] + "\n\n" + block})
+            plain = plain[1:]
+        else:
+            out.append({"role": "system", "content": block})
+    for m in plain:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(
+                "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) + "\n</tool_call>"
+                for c in m["tool_calls"]
+            )
+            content = (m["content"] + "\n" if m["content"] else "") + calls
+            out.append({"role": "assistant", "content": content})
+        elif m["role"] == "tool":
+            block = "<tool_response>\n" + m["content"] + "\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("_tool"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool": True})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    for m in out:
+        m.pop("_tool", None)
+    return out

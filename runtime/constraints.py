@@ -1,0 +1,72 @@
+"""Decoding constraints for ``response_format`` and forced tool calls, as engine :class:`Grammar` values.
+
+``tool_choice`` ``required`` or a named function is enforced by a grammar that admits exactly one tool
+call in the format the tool-call parser reads (Hermes ``<tool_call>`` JSON for ``qwen25``, bare JSON
+with ``parameters`` for ``llama3``), whose ``arguments`` match the tool's JSON schema. The grammar is
+built with xgrammar and handed to the engine as EBNF text, which the SGLang backend can forward as-is.
+JSON is generated compactly (no free whitespace), so a sampling model cannot pad it forever.
+
+Not here: ``tool_choice: auto`` (the model decides; the parser extracts calls afterwards) and
+parallel forced calls (a forced choice yields exactly one call).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xgrammar as xgr
+
+from runtime.engine import Grammar, InvalidRequest
+from runtime.openai_schemas import ChatCompletionRequest, NamedToolChoice
+
+_CALL_FORMATS: dict[str, tuple[str, str, str]] = {
+    # parser name: (prefix, arguments key, suffix)
+    "qwen25": ("<tool_call>\n", "arguments", "\n</tool_call>"),
+    "hermes": ("<tool_call>\n", "arguments", "\n</tool_call>"),
+    "qwen": ("<tool_call>\n", "arguments", "\n</tool_call>"),
+    "llama3": ("<|python_tag|>", "parameters", ""),
+}
+
+
+def grammar_for(req: ChatCompletionRequest, parser_name: str) -> Grammar | None:
+    """The constraint a request asks for, or None when decoding is free."""
+    choice = req.tool_choice
+    if req.tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+        tools = {t.function.name: t.function.parameters for t in req.tools}
+        if isinstance(choice, NamedToolChoice):
+            tools = {choice.function.name: tools[choice.function.name]}
+        return Grammar("ebnf", tool_call_ebnf(tools, parser_name))
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Grammar("json_object")
+    assert fmt.json_schema is not None
+    return Grammar("json_schema", json.dumps(fmt.json_schema.schema_))
+
+
+def tool_call_ebnf(tools: dict[str, dict[str, Any]], parser_name: str) -> str:
+    """EBNF admitting exactly one call to one of ``tools`` (name → parameters schema)."""
+    if parser_name not in _CALL_FORMATS:
+        raise InvalidRequest(
+            f"tool_choice 'required' or a named function is not supported with the {parser_name!r} tool-call parser",
+            param="tool_choice",
+        )
+    prefix, args_key, suffix = _CALL_FORMATS[parser_name]
+    alternatives = []
+    for name, params in tools.items():
+        call_schema = {
+            "type": "object",
+            "properties": {"name": {"const": name}, args_key: params},
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        }
+        parts = [xgr.Grammar.from_json_schema(json.dumps(call_schema), any_whitespace=False)]
+        if prefix:
+            parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"))
+        if suffix:
+            parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}"))
+        alternatives.append(xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0])
+    grammar = xgr.Grammar.union(*alternatives) if len(alternatives) > 1 else alternatives[0]
+    return str(grammar)

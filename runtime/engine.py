@@ -1,0 +1,199 @@
+"""The engine contract: token ids in, token ids + logprobs out.
+
+Every serving backend (embedded transformers+peft, an SGLang server over HTTP, the fake used in tests)
+implements :class:`Engine`. Chat templating, tool rendering and tool-call parsing happen above this
+line in the runtime, never inside an engine, so what an engine is given and what it returns are the
+exact tokens that get recorded and trained on.
+
+What lives here: the request/response value types, the protocol, and the engine exception hierarchy::
+
+    EngineError
+    ├── EngineOverloaded      queue full; the HTTP layer answers 429 with Retry-After
+    ├── EngineClosed          the engine is shutting down or never started
+    ├── InvalidRequest        a request the engine cannot serve (bad grammar, prompt too long, ...)
+    └── AdapterError          adapter load/unload/lookup failures
+
+What does not: scheduling, batching or sampling code (see ``runtime/engines/``).
+
+Logprob convention: ``logprobs`` are of the distribution the token was sampled from: the model's
+logits divided by the temperature (raw logits for greedy), with a grammar mask applied when the
+request is constrained; top-p truncation is not applied to them. This matches what a learner
+recomputes from ``logits / T`` for importance ratios.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(Exception):
+    """Base class of every engine failure."""
+
+
+class EngineOverloaded(EngineError):
+    """The bounded request queue is full; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineClosed(EngineError):
+    """The engine is not running (not started yet, or shutting down)."""
+
+
+class InvalidRequest(EngineError):
+    """The engine cannot serve this request as given; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class AdapterError(EngineError):
+    """An adapter could not be found, loaded or unloaded."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A decoding constraint, in the same vocabulary as SGLang's ``/generate`` sampling params."""
+
+    kind: Literal["json_schema", "json_object", "ebnf"]
+    spec: str = ""  # the JSON schema text, or the EBNF grammar text; empty for json_object
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings; the matched string is excluded from the text
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's eos ids
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    grammar: Grammar | None = None
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None  # None serves the base model
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class Timings:
+    queued_s: float = 0.0  # submit → first scheduled
+    ttft_s: float = 0.0  # submit → first token
+    total_s: float = 0.0  # submit → finished
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """Tokens produced since the previous chunk, and the text that is now safe to show.
+
+    ``text`` never contains a (partial) stop string and never ends in half a UTF-8 character.
+    The last chunk of a stream has ``finish_reason`` set.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None  # the stop string or token id that ended generation
+    timings: Timings | None = None  # set on the last chunk
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]  # every sampled token, including a final eos/stop token
+    text: str
+    finish_reason: FinishReason
+    logprobs: tuple[TokenLogprob, ...] = ()
+    matched_stop: str | int | None = None
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    backend: str
+    model: str  # the served model's id
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str = ""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the runtime needs from a serving backend."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """Yield chunks until one has ``finish_reason``. Closing the iterator early cancels the request.
+
+        Raises :class:`EngineOverloaded` at the first ``__anext__`` when the queue is full.
+        """
+        ...
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult: ...
+
+    async def health(self) -> None:
+        """Generate one token; raise :class:`EngineError` if that fails."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for /metrics: queue depth, running requests, ..."""
+        ...
+
+
+async def collect(req: GenerateRequest, chunks: AsyncIterator[StreamChunk]) -> GenerateResult:
+    """Fold a stream into a :class:`GenerateResult` (shared by engines that implement ``generate`` via ``stream``)."""
+    ids: list[int] = []
+    text: list[str] = []
+    lps: list[TokenLogprob] = []
+    last: StreamChunk | None = None
+    async for chunk in chunks:
+        ids.extend(chunk.token_ids)
+        text.append(chunk.text)
+        lps.extend(chunk.logprobs)
+        last = chunk
+    if last is None or last.finish_reason is None:
+        raise EngineError(f"stream for {req.request_id} ended without a finish reason")
+    return GenerateResult(
+        request_id=req.request_id,
+        prompt_ids=req.input_ids,
+        output_ids=tuple(ids),
+        text="".join(text),
+        finish_reason=last.finish_reason,
+        logprobs=tuple(lps),
+        matched_stop=last.matched_stop,
+        timings=last.timings or Timings(),
+    )

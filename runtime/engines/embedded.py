@@ -1,0 +1,399 @@
+"""The embedded engine: a transformers model in this process, with continuous batching on CPU or GPU.
+
+Architecture: one scheduler thread owns the model and the running batch. Each loop iteration it
+(1) drops cancelled requests, (2) admits waiting requests up to ``max_batch_size``, prefilling each
+one alone (exact, no padded prefill) and merging its KV into the batch, then (3) runs one decode step
+for every running row together, samples per row (temperature, top-p, seed, grammar mask, logprobs)
+and hands each request its new text through its asyncio queue. The event loop never runs model code.
+
+Why not transformers' ``init_continuous_batching``/``generate_batch``: measured for this issue, it has
+one generation config for all requests (no per-request temperature, seed or grammar), returns only the
+chosen token's logprob (no top-k), and has no per-request adapter. Those are what this API promises.
+
+Concurrency invariants:
+- ``_waiting`` is guarded by ``_cv``; the scheduler thread alone touches ``_running`` and the KV batch.
+- A request's ``cancelled`` flag is written by the event loop and read by the scheduler; the flag is a
+  plain bool (atomic under the GIL) and the scheduler drops the row at its next step.
+- Chunks cross threads only through ``loop.call_soon_threadsafe(queue.put_nowait, ...)``.
+
+Not here yet: LoRA adapters (requests naming one are rejected), prefix caching, chunked prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import xgrammar as xgr
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from runtime.engine import (
+    AdapterError,
+    EngineClosed,
+    EngineError,
+    EngineInfo,
+    EngineOverloaded,
+    GenerateRequest,
+    GenerateResult,
+    Grammar,
+    InvalidRequest,
+    SamplingParams,
+    StreamChunk,
+    Timings,
+    TokenLogprob,
+    collect,
+)
+from runtime.engines.kv_batch import BatchKV
+from runtime.engines.sampling import RowSampling, sample_next
+from runtime.engines.textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+def pick_dtype(name: str) -> torch.dtype:
+    """``auto``: bfloat16 where the CPU has native bf16 matmuls (AMX / AVX512-BF16) or on CUDA, else float32."""
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
+
+
+@dataclass
+class _Seq:
+    req: GenerateRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[StreamChunk | BaseException]
+    text: TextStream
+    row: RowSampling
+    stop_ids: frozenset[int]
+    matcher: Any | None  # xgrammar.GrammarMatcher
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_sched: float = 0.0
+    t_first: float = 0.0
+    generated: int = 0
+    last_token: int = 0
+    cancelled: bool = False
+    done: bool = False
+
+    def send(self, item: StreamChunk | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EmbeddedEngine:
+    """transformers (+ peft later) in process. Construct, ``await start()``, then ``stream``/``generate``."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        model_id: str,
+        dtype: str = "auto",
+        max_batch_size: int = 32,
+        max_queue: int = 256,
+        max_model_len: int | None = None,
+        threads: int | None = None,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
+        self._path = Path(model_path)
+        self._model_id = model_id
+        self._dtype = pick_dtype(dtype)
+        self._max_batch = max_batch_size
+        self._max_queue = max_queue
+        self._max_model_len_cfg = max_model_len
+        self._threads = threads
+        self._on_step = on_step
+        self._cv = threading.Condition()
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._kv: BatchKV | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._info: EngineInfo | None = None
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self._grammar_compiler: Any = None
+        self.tokens_generated = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineClosed("engine not started")
+        return self._info
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._loop_forever, name="loopwise-engine", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        t0 = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(self._path)
+        self.model = AutoModelForCausalLM.from_pretrained(self._path, dtype=self._dtype)
+        self.model.eval()
+        cfg = self.model.config
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
+        limit = int(getattr(cfg, "max_position_embeddings", 2048))
+        max_len = min(self._max_model_len_cfg or limit, limit)
+        vocab = int(cfg.vocab_size)
+        tok_info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=vocab, stop_token_ids=list(eos_ids))
+        self._grammar_compiler = xgr.GrammarCompiler(tok_info, max_threads=1)
+        self._info = EngineInfo(
+            backend="embedded",
+            model=self._model_id,
+            max_model_len=max_len,
+            vocab_size=vocab,
+            eos_token_ids=eos_ids,
+            dtype=str(self._dtype).removeprefix("torch."),
+        )
+        log.info("model loaded in %.2fs (%s, %s)", time.perf_counter() - t0, self._path, self._info.dtype)
+
+    async def close(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    # ---- public API ------------------------------------------------------------------------
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        seq = self._submit(req)
+        try:
+            while True:
+                item = await seq.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            seq.cancelled = True  # no-op if finished; otherwise the scheduler drops the row
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        return await collect(req, self.stream(req))
+
+    async def health(self) -> None:
+        eos = self.info.eos_token_ids[:1] or (0,)
+        req = GenerateRequest(request_id="health", input_ids=eos, sampling=SamplingParams(max_new_tokens=1, temperature=0))
+        res = await self.generate(req)
+        if len(res.output_ids) != 1:
+            raise EngineError("health generate returned no token")
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        raise AdapterError("the embedded engine does not serve LoRA adapters yet")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise AdapterError(f"adapter {name!r} is not loaded")
+
+    def stats(self) -> dict[str, float]:
+        return {"waiting": float(len(self._waiting)), "running": float(len(self._running))}
+
+    # ---- submission (event loop thread) ----------------------------------------------------
+    def _submit(self, req: GenerateRequest) -> _Seq:
+        if self._thread is None or self._stopping:
+            raise EngineClosed("engine is not running")
+        if req.adapter is not None:
+            raise InvalidRequest("the embedded engine does not serve LoRA adapters yet", param="model")
+        info = self.info
+        sp = req.sampling
+        if not req.input_ids:
+            raise InvalidRequest("empty prompt", param="messages")
+        if len(req.input_ids) + sp.max_new_tokens > info.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {info.max_model_len} tokens. However, you requested "
+                f"{len(req.input_ids) + sp.max_new_tokens} tokens ({len(req.input_ids)} in the messages, "
+                f"{sp.max_new_tokens} in the completion). Please reduce the length of the messages or completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if max(req.input_ids) >= info.vocab_size or min(req.input_ids) < 0:
+            raise InvalidRequest("token id out of vocabulary range", param="input_ids")
+        matcher = self._matcher(sp.grammar) if sp.grammar is not None else None
+        gen = None
+        if sp.seed is not None and sp.temperature > 0:
+            gen = torch.Generator().manual_seed(sp.seed)
+        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(info.eos_token_ids))
+        seq = _Seq(
+            req=req,
+            loop=asyncio.get_running_loop(),
+            queue=asyncio.Queue(),
+            text=TextStream(self.tokenizer, sp.stop),
+            row=RowSampling(sp.temperature, sp.top_p, gen, sp.top_logprobs if sp.logprobs else 0),
+            stop_ids=stop_ids,
+            matcher=matcher,
+        )
+        with self._cv:
+            if len(self._waiting) >= self._max_queue:
+                raise EngineOverloaded(
+                    f"server overloaded: {len(self._waiting)} requests waiting (max_queue={self._max_queue})",
+                    retry_after=1.0,
+                )
+            self._waiting.append(seq)
+            self._cv.notify()
+        return seq
+
+    def _matcher(self, grammar: Grammar) -> Any:
+        try:
+            compiled = _compile(self._grammar_compiler, grammar)
+        except (RuntimeError, ValueError) as exc:
+            raise InvalidRequest(f"invalid {grammar.kind} constraint: {exc}", param="response_format") from exc
+        return xgr.GrammarMatcher(compiled)
+
+    # ---- scheduler thread ------------------------------------------------------------------
+    def _loop_forever(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._stopping and not self._waiting and not self._running:
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    admitted: list[_Seq] = []
+                    while self._waiting and len(self._running) + len(admitted) < self._max_batch:
+                        seq = self._waiting.popleft()
+                        if not seq.cancelled:
+                            admitted.append(seq)
+                try:
+                    self._drop_cancelled()
+                    for seq in admitted:
+                        self._prefill(seq)
+                    if self._running:
+                        self._decode_step()
+                except Exception as exc:  # the model raised: fail every running request, keep serving
+                    log.exception("engine step failed; failing %d running requests", len(self._running))
+                    for seq in self._running:
+                        seq.send(EngineError(f"generation failed: {type(exc).__name__}"))
+                    self._running, self._kv = [], None
+        for seq in [*self._running, *self._waiting]:
+            seq.send(EngineClosed("engine shut down"))
+
+    def _drop_cancelled(self) -> None:
+        keep = [i for i, s in enumerate(self._running) if not s.cancelled]
+        if len(keep) != len(self._running):
+            self._running = [self._running[i] for i in keep]
+            assert self._kv is not None
+            self._kv.keep(keep)
+
+    def _prefill(self, seq: _Seq) -> None:
+        seq.t_sched = time.perf_counter()
+        ids = torch.tensor([seq.req.input_ids], dtype=torch.long)  # (1, T)
+        kv = BatchKV(self.model.config.num_hidden_layers)
+        out = self.model(
+            input_ids=ids,
+            position_ids=torch.arange(ids.shape[1])[None, :],
+            cache=kv.as_cache(),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv.advance(ids.shape[1], torch.ones_like(ids))
+        if self._on_step is not None:
+            self._on_step(1)
+        finished = self._sample_and_emit([seq], out.logits[:, -1, :])
+        if finished[0]:
+            return
+        if self._kv is None or self._kv.rows == 0:
+            self._kv = kv
+        else:
+            self._kv.merge(kv)
+        self._running.append(seq)
+
+    def _decode_step(self) -> None:
+        kv = self._kv
+        assert kv is not None and kv.rows == len(self._running)
+        ids = torch.tensor([[s.last_token] for s in self._running], dtype=torch.long)  # (B, 1)
+        ones = torch.ones_like(ids)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=torch.cat([kv.mask, ones], dim=1),  # (B, length + 1)
+            position_ids=kv.positions[:, None],
+            cache=kv.as_cache(),
+            use_cache=True,
+        )
+        kv.advance(1, ones)
+        if self._on_step is not None:
+            self._on_step(len(self._running))
+        finished = self._sample_and_emit(self._running, out.logits[:, -1, :])
+        keep = [i for i, f in enumerate(finished) if not f]
+        if len(keep) != len(self._running):
+            self._running = [self._running[i] for i in keep]
+            kv.keep(keep)
+
+    def _sample_and_emit(self, seqs: list[_Seq], logits: torch.Tensor) -> list[bool]:
+        """Sample one token for each of ``seqs`` from ``logits`` (B, V); emit; return which finished."""
+        logits = logits.float()
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[-1])
+            for i in constrained:
+                seqs[i].matcher.fill_next_token_bitmask(bitmask, i)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=constrained)
+        sampled = sample_next(logits, [s.row for s in seqs])
+        now = time.perf_counter()
+        finished = []
+        for i, seq in enumerate(seqs):
+            tok = sampled.token_ids[i]
+            seq.generated += 1
+            seq.last_token = tok
+            if seq.generated == 1:
+                seq.t_first = now
+            self.tokens_generated += 1
+            finish, matched = None, None
+            if seq.matcher is not None and not seq.matcher.accept_token(tok):
+                finish = "stop"  # cannot happen under a correct mask; stop rather than emit garbage
+            text = "" if tok in seq.stop_ids else seq.text.push(tok)
+            if tok in seq.stop_ids:
+                finish, matched = "stop", tok
+            elif seq.text.stopped is not None:
+                finish, matched = "stop", seq.text.stopped
+            elif seq.matcher is not None and seq.matcher.is_terminated():
+                finish = "stop"
+            elif seq.generated >= seq.req.sampling.max_new_tokens:
+                finish = "length"
+            elif len(seq.req.input_ids) + seq.generated >= self.info.max_model_len:
+                finish = "length"
+            lp = ()
+            if seq.row.top_logprobs or seq.req.sampling.logprobs:
+                lp = (TokenLogprob(tok, sampled.logprobs[i], tuple(sampled.top[i])),)
+            if finish is not None:
+                text += seq.text.flush()
+                seq.done = True
+                timings = Timings(seq.t_sched - seq.t_submit, seq.t_first - seq.t_submit, now - seq.t_submit)
+                seq.send(StreamChunk((tok,), text, lp, finish, matched, timings))  # type: ignore[arg-type]
+            else:
+                seq.send(StreamChunk((tok,), text, lp))
+            finished.append(finish is not None)
+        return finished
+
+
+def _compile(compiler: Any, grammar: Grammar) -> Any:
+    """Compile a constraint; xgrammar's compiler caches compiled grammars itself."""
+    if grammar.kind == "json_object":
+        return compiler.compile_builtin_json_grammar()
+    if grammar.kind == "json_schema":
+        return compiler.compile_json_schema(grammar.spec, any_whitespace=False)
+    return compiler.compile_grammar(grammar.spec)
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))

@@ -1,0 +1,69 @@
+"""Batched next-token sampling with per-row temperature, top-p, seed, grammar mask and logprobs.
+
+Pure functions over tensors; the scheduler owns the per-request state (generators, grammar matchers).
+Logprobs follow the convention in ``runtime/engine.py``: ``log_softmax(logits / T)`` (raw logits for
+greedy rows) after the grammar mask, before top-p.
+
+Not here: repetition/presence penalties and logit bias (the OpenAI surface rejects them for now).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RowSampling:
+    temperature: float
+    top_p: float
+    generator: torch.Generator | None  # None: the global RNG (no seed given)
+    top_logprobs: int
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]  # per row, best first; empty where top_logprobs == 0
+
+
+def sample_next(logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
+    """Sample one token per row. ``logits``: (B, V) float32, already grammar-masked (-inf)."""
+    batch = logits.shape[0]
+    temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=logits.dtype)
+    scaled = logits / temps[:, None]  # (B, V)
+    logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
+
+    greedy = [r.temperature <= 0 for r in rows]
+    chosen = torch.empty(batch, dtype=torch.long)
+    if any(greedy):
+        chosen[:] = torch.argmax(logprobs, dim=-1)
+    sampled_rows = [i for i, g in enumerate(greedy) if not g]
+    if sampled_rows:
+        idx = torch.tensor(sampled_rows)
+        probs = _top_p_probs(logprobs[idx].exp(), torch.tensor([rows[i].top_p for i in sampled_rows]))  # (S, V)
+        for j, i in enumerate(sampled_rows):
+            chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+
+    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0]  # (B,)
+    k = max(r.top_logprobs for r in rows)
+    top: list[list[tuple[int, float]]] = [[] for _ in rows]
+    if k > 0:
+        vals, ids = torch.topk(logprobs, k, dim=-1)  # (B, k)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+        for i, r in enumerate(rows):
+            top[i] = list(zip(ids_l[i][: r.top_logprobs], vals_l[i][: r.top_logprobs], strict=True))
+    return SampleOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(), top=top)
+
+
+def _top_p_probs(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tail outside the nucleus of each row. ``probs``: (S, V); ``top_p``: (S,)."""
+    if bool((top_p >= 1.0).all()):
+        return probs
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # (S, V)
+    cum = torch.cumsum(sorted_p, dim=-1)
+    drop = (cum - sorted_p) > top_p[:, None]  # keep the token that crosses the threshold
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_p)

@@ -1,0 +1,83 @@
+"""HTTP-facing errors and their one translation into OpenAI's envelope.
+
+``{"error": {"message", "type", "param", "code"}}`` with the status OpenAI uses. Domain errors from the
+engine (``runtime.engine``) are mapped here; nothing else in the runtime builds error responses.
+A 500 never carries the exception text: it is logged with the request id, and the client gets the id.
+
+Not here: deciding *whether* a request is valid (schemas and the engine do that).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from runtime.engine import AdapterError, EngineClosed, EngineError, EngineOverloaded, InvalidRequest
+
+
+class APIError(Exception):
+    """An error the HTTP layer answers with, already in OpenAI's terms."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def from_engine(exc: EngineError) -> APIError:
+    if isinstance(exc, EngineOverloaded):
+        retry = max(1, round(exc.retry_after))
+        return APIError(429, str(exc), type="rate_limit_error", code="server_overloaded", headers={"Retry-After": str(retry)})
+    if isinstance(exc, InvalidRequest):
+        return APIError(400, str(exc), param=exc.param, code=exc.code or "invalid_value")
+    if isinstance(exc, AdapterError):
+        return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, EngineClosed):
+        return APIError(503, "the engine is not available", type="server_error", code="engine_unavailable")
+    return APIError(500, "generation failed", type="server_error", code="internal_error")
+
+
+_UNION_TAGS = {"system", "developer", "user", "assistant", "tool", "text", "image_url", "input_audio", "file", "image", "audio", "function"}
+
+
+def param_of(loc: tuple[int | str, ...]) -> str | None:
+    """``('messages', 0, 'tool', 'tool_call_id')`` → ``messages[0].tool_call_id``."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif item in _UNION_TAGS or "[" in item or item in {"str", "list", "dict", "int", "float", "bool"}:
+            continue  # pydantic's name for a union member, not a field
+        else:
+            out += ("." if out else "") + item
+    return out or None
+
+
+def from_validation(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    param = param_of(tuple(err["loc"]))
+    msg = err["msg"]
+    if err["type"] == "union_tag_invalid" and param and param.endswith("]"):
+        param += ".role" if param.startswith("messages") else ".type"
+    if err["type"] == "missing":
+        msg = f"'{param}' is a required property" if param else "missing required property"
+    elif param:
+        msg = f"Invalid value for '{param}': {msg}"
+    return APIError(400, msg, param=param, code="invalid_value")

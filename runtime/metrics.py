@@ -1,0 +1,59 @@
+"""Prometheus metrics for one app instance (its own registry, so tests can build several apps).
+
+Exposed at ``GET /metrics``: request counts by endpoint and status, request latency and time to first
+token, prompt and generated token counters (``rate(loopwise_generated_tokens_total[1m])`` is tokens/s;
+``loopwise_generation_tokens_per_second`` is the same over the last 10 s for a glance), queue depth
+and running requests (read from the engine at scrape time), and the decode batch size per step.
+
+Not here: per-adapter or per-experiment metrics (they arrive with adapters and A/B routing).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], dict[str, float]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("loopwise_requests", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.latency = Histogram("loopwise_request_latency_seconds", "request latency", ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("loopwise_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("loopwise_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generated_tokens = Counter("loopwise_generated_tokens", "tokens generated", registry=r)
+        self.batch_size = Histogram("loopwise_batch_size", "rows per engine forward step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        queue = Gauge("loopwise_queue_depth", "requests waiting for a batch slot", registry=r)
+        queue.set_function(lambda: engine_stats().get("waiting", 0.0))
+        running = Gauge("loopwise_running_requests", "requests being decoded", registry=r)
+        running.set_function(lambda: engine_stats().get("running", 0.0))
+        tps = Gauge("loopwise_generation_tokens_per_second", "tokens generated per second over the last 10 s", registry=r)
+        tps.set_function(self._recent_rate)
+        self._lock = threading.Lock()
+        self._recent: deque[tuple[float, int]] = deque()
+
+    def on_step(self, rows: int) -> None:
+        """Called by the engine thread after each forward step."""
+        self.batch_size.observe(rows)
+        self.generated_tokens.inc(rows)
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, rows))
+            while self._recent and self._recent[0][0] < now - 10:
+                self._recent.popleft()
+
+    def _recent_rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            total = sum(n for t, n in self._recent if t >= now - 10)
+        return total / 10.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,247 @@
+"""Pydantic models of the OpenAI Chat Completions request and response (the subset loopwise serves).
+
+Requests are validated here; every failure becomes a 400 in OpenAI's error envelope with ``param``
+naming the field (``runtime/errors.py``). Unknown request fields are ignored, as OpenAI-compatible
+servers do, so newer SDKs keep working. Fields loopwise cannot honour yet (``logit_bias``, penalties
+other than 0) are rejected with a clear message rather than silently ignored.
+
+Not here: turning messages into tokens (``runtime/chat_format.py``) or calling the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_In):
+    type: Literal["text"]
+    text: str
+
+
+class UnsupportedPart(_In):
+    type: Literal["image_url", "input_audio", "file", "image", "audio"]
+
+
+ContentPart = Annotated[TextPart | UnsupportedPart, Field(discriminator="type")]
+
+
+class FunctionCall(_In):
+    name: str
+    arguments: str
+
+
+class ToolCall(_In):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(_In):
+    role: Literal["system", "developer"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class UserMessage(_In):
+    role: Literal["user"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class AssistantMessage(_In):
+    role: Literal["assistant"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    name: str | None = None
+    refusal: str | None = None
+
+
+class ToolMessage(_In):
+    role: Literal["tool"]
+    content: str | list[ContentPart]
+    tool_call_id: str
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionDef(_In):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _valid_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        check_json_schema(v)
+        return v
+
+
+class Tool(_In):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_In):
+    name: str
+
+
+class NamedToolChoice(_In):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(_In):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _valid_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        check_json_schema(v)
+        return v
+
+
+class ResponseFormat(_In):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class StreamOptions(_In):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_In):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=16)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # SGLang-style extras (``extra_body``)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            if not self.tools:
+                raise ValueError("tool_choice requires tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools:
+            names = {t.function.name for t in self.tools}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
+        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
+            raise ValueError("presence_penalty, frequency_penalty and logit_bias are not supported by this server")
+        if self.tools and self.response_format is not None and self.response_format.type != "text":
+            if self.tool_choice not in (None, "none"):
+                raise ValueError("response_format cannot be combined with tool calls; set tool_choice to none")
+        return self
+
+
+def check_json_schema(schema: dict[str, Any]) -> None:
+    """Raise ``ValueError`` if ``schema`` is not a valid JSON Schema (Draft 2020-12 meta-schema)."""
+    from jsonschema import exceptions, validators
+
+    try:
+        validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
+    except exceptions.SchemaError as exc:
+        raise ValueError(f"invalid JSON schema: {exc.message}") from exc
+    json.dumps(schema)
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Out):
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
+class ResponseMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class Choice(_Out):
+    index: int
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[Choice]
+    usage: Usage

@@ -1,0 +1,107 @@
+"""loopwise's one settings object: frozen pydantic-settings, built once at the edge (``serve.py``).
+
+Sources, highest priority first: ``serve.py`` flags, ``LOOPWISE_…`` environment variables (nested
+with ``__``, e.g. ``LOOPWISE_ENGINE__MAX_BATCH_SIZE=16``; the server fields also answer to their
+short names, e.g. ``LOOPWISE_PORT``), an optional TOML/JSON config file (``LOOPWISE_CONFIG`` or
+``--config``), then the defaults below. Each component receives only its own sub-model.
+
+``serve.py``'s flags are generated from the fields of :class:`ServerSettings` and
+:class:`EngineSettings` (name, help text, default), so there is no second list to keep in sync.
+
+Not here: validation that needs the model loaded (context length, vocabulary) — the engine does that.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerSettings(_Frozen):
+    model: str = Field("default", description="'default' (SmolLM2-135M-Instruct), 'tiny' (a tiny random model for smoke runs), or a local Hugging Face model folder")
+    served_model_name: str | None = Field(None, description="model id clients use; defaults to the model's name")
+    backend: Literal["embedded"] = Field("embedded", description="serving engine")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0 picks a free one)")
+    data_dir: Path = Field(Path(".data"), description="where models are cached and interactions are stored")
+    api_keys: tuple[str, ...] = Field((), description="API key clients must send as a Bearer token (repeatable; none = open)", json_schema_extra={"flag": "--api-key"})
+    admin_key: str | None = Field(None, description="key for the admin API")
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="largest accepted request body")
+    tool_call_parser: str | None = Field(None, description="tool-call parser (qwen25, hermes, llama3, pythonic, mistral); default chosen per model")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return tuple(k for k in v.split(",") if k)
+        return v
+
+
+class EngineSettings(_Frozen):
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="weights dtype; auto = bf16 on CPUs with native bf16 (AMX/AVX512-BF16) or GPUs, else fp32")
+    max_batch_size: int = Field(32, ge=1, description="most requests decoded together in one step")
+    max_queue: int = Field(256, ge=0, description="most requests waiting for a batch slot; beyond it the server answers 429")
+    max_model_len: int | None = Field(None, ge=16, description="context window; default the model's max_position_embeddings")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores available")
+    default_max_tokens: int = Field(1024, ge=1, description="completion length when a request gives no max_tokens")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOOPWISE_", env_nested_delimiter="__", frozen=True, extra="forbid")
+
+    config: Path | None = Field(None, description="optional TOML or JSON config file")
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls))
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """Reads ``LOOPWISE_CONFIG`` (TOML or JSON) if set. ``serve.py`` passes ``--config`` the same way."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        import os
+
+        path = os.environ.get("LOOPWISE_CONFIG")
+        return load_config_file(Path(path)) if path else {}
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc}") from exc
+    data: dict[str, Any] = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    return data
+
+
+def short_env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    """``LOOPWISE_PORT`` etc.: the server fields also answer to their short names."""
+    out: dict[str, Any] = {}
+    for name in ServerSettings.model_fields:
+        key = f"LOOPWISE_{name.upper()}"
+        if key in environ:
+            out[name] = environ[key]
+    return out

@@ -1,0 +1,375 @@
+"""Tool-call parsers: turn raw model output text into OpenAI-style tool calls.
+
+Each parser understands one text format that models use to emit function
+calls, registered under the name SGLang uses for ``--tool-call-parser``:
+
+* ``qwen25`` (aliases ``hermes``, ``qwen``): ``<tool_call>{json}</tool_call>`` blocks.
+* ``llama3``: Llama 3.1/3.2 JSON, optionally after ``<|python_tag|>``, ``;``-separated.
+* ``pythonic``: ``[f(a=1), g(b="x")]``, optionally in ``<|python_start|>``/``<|python_end|>``.
+* ``mistral``: ``[TOOL_CALLS] [{json}, ...]`` and ``[TOOL_CALLS]name[ARGS]{json}``.
+
+``parse`` splits a *complete* generation into normal content and tool calls;
+``stream_hold_index`` tells a streamer how much text it may flush safely.
+
+What this module does NOT do:
+
+* It does not validate arguments against the tools' JSON schemas (constrained
+  decoding or the caller does that); arguments are only required to be a JSON
+  object (or, for ``pythonic``, Python literals).
+* It does not stream tool-call deltas; streaming code holds text back from
+  ``stream_hold_index`` and calls ``parse`` on the full text at the end.
+* It never raises on malformed model output and never drops text: anything it
+  cannot parse (bad JSON, positional arguments, a name not in ``tool_names``)
+  stays in ``content``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import re
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_DECODER = json.JSONDecoder()
+_WS = re.compile(r"\s*")
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON object text (json.dumps(..., ensure_ascii=False))
+    id: str
+
+
+@dataclass(frozen=True)
+class ParseResult:
+    content: str | None
+    tool_calls: list[ParsedToolCall]
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class UnknownToolParser(KeyError, ValueError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass
+class _Out:
+    """Accumulates content pieces and accepted calls for one parse."""
+
+    tool_names: set[str] | None
+    parts: list[str] = field(default_factory=list)
+    calls: list[ParsedToolCall] = field(default_factory=list)
+
+    def text(self, s: str) -> None:
+        self.parts.append(s)
+
+    def call(self, name: str, args: Any) -> bool:
+        if self.tool_names is not None and name not in self.tool_names:
+            logger.debug("tool call to unknown tool %r kept as content", name)
+            return False
+        try:
+            arguments = json.dumps(args, ensure_ascii=False)
+        except (TypeError, ValueError):
+            logger.debug("tool call %r has non-JSON arguments; kept as content", name)
+            return False
+        self.calls.append(ParsedToolCall(name, arguments, new_call_id()))
+        return True
+
+    def result(self) -> ParseResult:
+        return ParseResult("".join(self.parts).strip() or None, self.calls)
+
+
+def _call_from_obj(obj: Any, require_args: bool = False) -> tuple[str, dict] | None:
+    """``{"name": ..., "arguments"|"parameters": {...}}`` -> (name, args), else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    key = "arguments" if "arguments" in obj else "parameters" if "parameters" in obj else None
+    if key is None:
+        return None if require_args else (obj["name"], {})
+    args = obj[key]
+    if isinstance(args, str):  # some models emit the arguments as a JSON string
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if args is None:
+        args = {}
+    return (obj["name"], args) if isinstance(args, dict) else None
+
+
+def _scan_json(s: str, sep: str, end: str | None = None) -> list[tuple[Any, str]] | None:
+    """Decode ``v SEP v SEP ...`` spanning all of ``s`` (or up to ``end`` + whitespace).
+
+    Returns ``[(value, raw_text), ...]`` or None if ``s`` is not exactly that.
+    """
+    out: list[tuple[Any, str]] = []
+    i = _WS.match(s, 0).end()
+    while True:
+        try:
+            value, j = _DECODER.raw_decode(s, i)
+        except (ValueError, RecursionError):
+            return None
+        out.append((value, s[i:j]))
+        i = _WS.match(s, j).end()
+        if i == len(s):
+            return out if end is None else None
+        if s[i] == sep:
+            i = _WS.match(s, i + 1).end()
+            if i == len(s) and end is None:  # tolerate a trailing separator
+                return out
+            continue
+        if end is not None and s[i] == end and not s[i + 1:].strip():
+            return out
+        return None
+
+
+def _hold_for_markers(text: str, markers: tuple[str, ...]) -> int:
+    """Earliest index of a marker in text, or of a partial marker ending text."""
+    best = len(text)
+    for m in markers:
+        i = text.find(m)
+        if i >= 0:
+            best = min(best, i)
+            continue
+        for k in range(min(len(m) - 1, len(text)), 0, -1):
+            if text.endswith(m[:k]):
+                best = min(best, len(text) - k)
+                break
+    return best
+
+
+class ToolCallParser(ABC):
+    name: str = ""
+    markers: tuple[str, ...] = ()
+
+    def detect(self, text: str) -> bool:
+        return any(m in text for m in self.markers)
+
+    @abstractmethod
+    def parse(self, text: str, tool_names: set[str] | None = None) -> ParseResult: ...
+
+    def stream_hold_index(self, text: str) -> int:
+        return _hold_for_markers(text, self.markers)
+
+
+class Qwen25Parser(ToolCallParser):
+    name = "qwen25"
+    START, END = "<tool_call>", "</tool_call>"
+    markers = (START,)
+
+    def parse(self, text: str, tool_names: set[str] | None = None) -> ParseResult:
+        out, pos = _Out(tool_names), 0
+        while (start := text.find(self.START, pos)) >= 0:
+            out.text(text[pos:start])
+            end = text.find(self.END, start)
+            body_start = start + len(self.START)
+            if end >= 0:
+                body, pos = text[body_start:end], end + len(self.END)
+            else:  # generation cut off before </tool_call>
+                body, pos = text[body_start:], len(text)
+            try:
+                call = _call_from_obj(json.loads(body))
+            except (ValueError, RecursionError):
+                call = None
+            if call is None or not out.call(*call):
+                out.text(text[start:pos])
+        out.text(text[pos:])
+        return out.result()
+
+
+class Llama3Parser(ToolCallParser):
+    name = "llama3"
+    TAG = "<|python_tag|>"
+    markers = (TAG,)
+    _TRAILERS = ("<|eom_id|>", "<|eot_id|>")
+
+    def detect(self, text: str) -> bool:
+        return self.TAG in text or text.lstrip().startswith("{")
+
+    def stream_hold_index(self, text: str) -> int:
+        hold = super().stream_hold_index(text)
+        stripped = text.lstrip()
+        if stripped.startswith("{"):
+            hold = min(hold, len(text) - len(stripped))
+        return hold
+
+    def parse(self, text: str, tool_names: set[str] | None = None) -> ParseResult:
+        out = _Out(tool_names)
+        tag = text.find(self.TAG)
+        pre, body = (text[:tag], text[tag + len(self.TAG):]) if tag >= 0 else ("", text)
+        body = body.strip()
+        for t in self._TRAILERS:
+            body = body.removesuffix(t).rstrip()
+        # Without the tag, require "parameters"/"arguments" so that a plain JSON
+        # answer such as {"name": "Bob"} is not mistaken for a call.
+        items = _scan_json(body, ";") if body.startswith("{") else None
+        calls = [(_call_from_obj(v, require_args=tag < 0), raw) for v, raw in items or []]
+        if not calls or any(c is None for c, _ in calls):
+            out.text(text)
+            return out.result()
+        out.text(pre)
+        rejected = [raw for c, raw in calls if not out.call(*c)]
+        if rejected:
+            out.text((self.TAG if tag >= 0 else "") + "; ".join(rejected))
+        return out.result()
+
+
+class _JsonNames(ast.NodeTransformer):
+    VALUES = {"true": True, "false": False, "null": None}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(self.VALUES[node.id]) if node.id in self.VALUES else node
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and (base := _dotted(node.value)):
+        return f"{base}.{node.attr}"
+    return None
+
+
+def _parse_call_list(src: str) -> list[tuple[str, dict, str]] | None:
+    """``[f(a=1), g(b='x')]`` -> [(name, kwargs, raw_call_text)], else None."""
+    try:
+        tree = ast.parse(src.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for elt in tree.body.elts:
+        if not isinstance(elt, ast.Call) or elt.args or not (name := _dotted(elt.func)):
+            return None
+        args = {}
+        for kw in elt.keywords:
+            if kw.arg is None:  # **kwargs
+                return None
+            try:
+                args[kw.arg] = ast.literal_eval(_JsonNames().visit(kw.value))
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                return None
+        calls.append((name, args, ast.get_source_segment(src.strip(), elt) or name))
+    return calls
+
+
+class PythonicParser(ToolCallParser):
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+    markers = (START,)
+    _LIST_START = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
+    _LIST_PREFIX = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*(?:\(.*)?)?", re.DOTALL)
+
+    def detect(self, text: str) -> bool:
+        return self.START in text or bool(self._LIST_START.search(text))
+
+    def stream_hold_index(self, text: str) -> int:
+        hold = super().stream_hold_index(text)
+        for m in re.finditer(r"\[", text[:hold]):
+            if self._LIST_PREFIX.fullmatch(text, m.start()):
+                return m.start()
+        return hold
+
+    def parse(self, text: str, tool_names: set[str] | None = None) -> ParseResult:
+        out = _Out(tool_names)
+        start = text.find(self.START)
+        if start >= 0:
+            rest = text[start + len(self.START):]
+            end = rest.find(self.END)
+            body, post = (rest[:end], rest[end + len(self.END):]) if end >= 0 else (rest, "")
+            pre, calls = text[:start], _parse_call_list(body)
+        else:
+            pre, post, calls = text, "", None
+            for m in self._LIST_START.finditer(text):
+                if (calls := _parse_call_list(text[m.start():])) is not None:
+                    pre = text[:m.start()]
+                    break
+        if calls is None:
+            out.text(text)
+            return out.result()
+        out.text(pre)
+        rejected = [raw for name, args, raw in calls if not out.call(name, args)]
+        if rejected:
+            out.text("[" + ", ".join(rejected) + "]")
+        out.text(post)
+        return out.result()
+
+
+class MistralParser(ToolCallParser):
+    name = "mistral"
+    TAG = "[TOOL_CALLS]"
+    markers = (TAG,)
+    _NAMED = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*(?:\[ARGS\])?\s*")
+
+    def parse(self, text: str, tool_names: set[str] | None = None) -> ParseResult:
+        out = _Out(tool_names)
+        first, *segments = text.split(self.TAG)
+        out.text(first)
+        for seg in segments:
+            calls: list[tuple[tuple[str, dict] | None, str]] | None = None
+            if seg.lstrip().startswith("["):  # [TOOL_CALLS] [{...}, {...}]
+                items = _scan_json(seg.lstrip()[1:], ",", end="]")
+                calls = [(_call_from_obj(v), raw) for v, raw in items or []]
+            elif m := self._NAMED.match(seg):  # [TOOL_CALLS]name[ARGS]{...}
+                try:
+                    args, j = _DECODER.raw_decode(seg, m.end())
+                except (ValueError, RecursionError):
+                    args, j = None, 0
+                if isinstance(args, dict) and not seg[j:].strip():
+                    calls = [((m.group(1), args), seg)]
+            if not calls or any(c is None for c, _ in calls):
+                out.text(self.TAG + seg)
+                continue
+            rejected = [raw for c, raw in calls if not out.call(*c)]
+            if rejected and seg.lstrip().startswith("["):
+                out.text(f"{self.TAG} [" + ", ".join(rejected) + "]")
+            elif rejected:
+                out.text(self.TAG + seg)
+        return out.result()
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {
+    "qwen25": Qwen25Parser,
+    "qwen": Qwen25Parser,
+    "hermes": Qwen25Parser,
+    "llama3": Llama3Parser,
+    "pythonic": PythonicParser,
+    "mistral": MistralParser,
+}
+
+
+def available_parsers() -> list[str]:
+    return sorted(PARSERS)
+
+
+def get_parser(name: str) -> ToolCallParser:
+    cls = PARSERS.get(name.strip().lower()) if isinstance(name, str) else None
+    if cls is None:
+        raise UnknownToolParser(
+            f"unknown tool-call parser {name!r}; known parsers: {', '.join(available_parsers())}"
+        )
+    return cls()
+
+
+def parser_for_model(model_type: str | None, chat_template: str | None) -> str:
+    """Pick a default parser name from a model's config type and chat template."""
+    template, mtype = chat_template or "", (model_type or "").lower()
+    if "<|python_tag|>" in template:
+        return "llama3"
+    if "<|python_start|>" in template:  # Llama 4
+        return "pythonic"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if mtype.startswith("llama") and "<|start_header_id|>" in template and "ipython" in template:
+        return "llama3"  # Llama 3.2-style template: JSON calls, no python_tag in it
+    return "qwen25"  # Hermes-style <tool_call> JSON, which loopwise renders when needed

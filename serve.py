@@ -1,0 +1,139 @@
+"""loopwise's entry point and composition root: ``python serve.py [--model default|tiny|PATH] [--port 8000] ...``.
+
+Builds the frozen settings (flags > ``LOOPWISE_…`` env > config file > defaults), configures structlog
+JSON logging once, resolves the model (converting SmolLM2 on first use), builds the engine and the app,
+and runs uvicorn. Flags are generated from the settings fields, so ``--help`` lists every server and
+engine setting with its description and default.
+
+Not here: any serving logic (``runtime/``). The learner process arrives with its own issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import structlog
+import uvicorn
+
+from runtime.settings import EngineSettings, ServerSettings, Settings, load_config_file, short_env_overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="serve.py", description="loopwise: OpenAI-compatible serving with an online learning loop")
+    parser.add_argument("--config", type=Path, help="TOML or JSON config file (sections [server] and [engine])")
+    for section, model in (("server", ServerSettings), ("engine", EngineSettings)):
+        group = parser.add_argument_group(section)
+        for name, field in model.model_fields.items():
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            flag = str(extra.get("flag") or "--" + name.replace("_", "-"))
+            kwargs: dict[str, Any] = {"dest": f"{section}.{name}", "default": argparse.SUPPRESS}
+            help_text = f"{field.description} (default: {field.default})"
+            if get_origin(field.annotation) is tuple:
+                kwargs["action"] = "append"
+            elif get_origin(field.annotation) is not None and set(get_args(field.annotation)) <= {str} and get_args(field.annotation):
+                kwargs["choices"] = get_args(field.annotation)
+            group.add_argument(flag, help=help_text, **kwargs)
+    return parser
+
+
+def settings_from_args(argv: list[str] | None = None) -> Settings:
+    args = vars(build_parser().parse_args(argv))
+    config = args.pop("config", None) or os.environ.get("LOOPWISE_CONFIG")
+    data: dict[str, Any] = load_config_file(Path(config)) if config else {}
+    data.setdefault("server", {}).update(short_env_overrides(dict(os.environ)))
+    for key, value in args.items():
+        section, name = key.split(".", 1)
+        data.setdefault(section, {})[name] = value
+    # Values given here outrank LOOPWISE_* env vars; fields not given fall back to env, then defaults.
+    env_settings = Settings()
+    merged = {
+        "server": {**env_settings.server.model_dump(exclude_unset=True), **data.get("server", {})},
+        "engine": {**env_settings.engine.model_dump(exclude_unset=True), **data.get("engine", {})},
+    }
+    return Settings.model_validate(merged)
+
+
+def configure_logging(level: str) -> None:
+    shared = [structlog.contextvars.merge_contextvars, structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name, structlog.processors.TimeStamper(fmt="iso")]
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = settings_from_args(argv)
+    server = settings.server
+    configure_logging(server.log_level)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    from runtime.app import create_app  # heavy imports after argument parsing, so --help is instant
+    from runtime.engines.embedded import EmbeddedEngine
+    from runtime.metrics import Metrics
+    from runtime.model_store import ModelStoreError, resolve_model
+
+    try:
+        model_path = resolve_model(server.model, server.data_dir / "models")
+    except ModelStoreError as exc:
+        sys.exit(f"error: {exc}")
+    model_id = server.served_model_name or (model_path.name if server.model not in ("default", "tiny") else {"default": "SmolLM2-135M-Instruct", "tiny": "tiny"}[server.model])
+
+    holder: dict[str, Metrics] = {}
+    engine = EmbeddedEngine(
+        model_path,
+        model_id=model_id,
+        dtype=settings.engine.dtype,
+        max_batch_size=settings.engine.max_batch_size,
+        max_queue=settings.engine.max_queue,
+        max_model_len=settings.engine.max_model_len,
+        threads=settings.engine.threads,
+        on_step=lambda rows: holder["m"].on_step(rows),
+    )
+    holder["m"] = Metrics(engine.stats)
+    app = create_app(server, settings.engine, engine, model_id, metrics=holder["m"])
+
+    sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((server.host, server.port))
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=5)
+    uv = uvicorn.Server(config)
+
+    async def announce_then_serve() -> None:
+        import asyncio
+
+        serve = asyncio.create_task(uv.serve(sockets=[sock]))
+        while not uv.started and not serve.done():
+            await asyncio.sleep(0.05)
+        if uv.started:
+            print(f"loopwise serving model '{model_id}' ({model_path}) on http://{host}:{port}/v1", flush=True)
+        await serve
+
+    import asyncio
+
+    asyncio.run(announce_then_serve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""loopwise tools package (filled in by later issues)."""
