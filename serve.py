@@ -45,16 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(argv: list[str] | None = None) -> Settings:
     args = vars(build_parser().parse_args(argv))
     config = args.pop("config", None) or os.environ.get("LOOPWISE_CONFIG")
-    data: dict[str, Any] = load_config_file(Path(config)) if config else {}
-    data.setdefault("server", {}).update(short_env_overrides(dict(os.environ)))
+    file_data: dict[str, Any] = load_config_file(Path(config)) if config else {}
+    data: dict[str, Any] = {"server": short_env_overrides(dict(os.environ))}
     for key, value in args.items():
         section, name = key.split(".", 1)
         data.setdefault(section, {})[name] = value
-    # Values given here outrank LOOPWISE_* env vars; fields not given fall back to env, then defaults.
+    # flags (and short env names) > LOOPWISE_* env vars > config file > defaults.
     env_settings = Settings()
     merged = {
-        "server": {**env_settings.server.model_dump(exclude_unset=True), **data.get("server", {})},
-        "engine": {**env_settings.engine.model_dump(exclude_unset=True), **data.get("engine", {})},
+        "server": {**file_data.get("server", {}), **env_settings.server.model_dump(exclude_unset=True), **data.get("server", {})},
+        "engine": {**file_data.get("engine", {}), **env_settings.engine.model_dump(exclude_unset=True), **data.get("engine", {})},
     }
     return Settings.model_validate(merged)
 

@@ -130,8 +130,8 @@ def create_app(server: ServerSettings, engine_settings: EngineSettings, engine: 
     async def health() -> dict[str, Any]:
         try:
             await asyncio.wait_for(engine.health(), timeout=30)
-        except (EngineError, TimeoutError) as exc:
-            log.error("health check failed: %r", exc)
+        except Exception as exc:  # any failure to generate means unhealthy; the cause goes to the log
+            log.exception("health check failed")
             raise APIError(503, "engine health check failed", type="server_error", code="unhealthy") from exc
         return {"status": "ok"}
 
@@ -182,22 +182,36 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:  # JSON may escape lone surrogates (\ud800), which are not text: the tokenizer would fail on them
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        msg = "We could not parse the JSON body of your request: it contains an unpaired surrogate escape"
+        raise APIError(400, msg, code="invalid_json") from exc
     return body
 
 
 async def _unless_disconnected(request: Request, coro: Awaitable[T]) -> T | None:
-    """Await ``coro``; if the client goes away first, cancel it (which cancels its generation)."""
+    """Await ``coro``; if the client goes away first, cancel it (which cancels its generation).
+
+    The disconnect is awaited with ``request.receive()``: under the ``http`` middleware (Starlette's
+    BaseHTTPMiddleware) ``request.is_disconnected()`` never reports it.
+    """
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(disconnected())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                log.info("client disconnected; cancelling generation")
-                task.cancel()
-                return None
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and not watcher.cancelled() and watcher.exception() is None:
+            log.info("client disconnected; cancelling generation")
+            task.cancel()
+            return None
+        return await task
     finally:
+        watcher.cancel()
         if not task.done():
             task.cancel()
 

@@ -56,17 +56,20 @@ def tool_call_ebnf(tools: dict[str, dict[str, Any]], parser_name: str) -> str:
     prefix, args_key, suffix = _CALL_FORMATS[parser_name]
     alternatives = []
     for name, params in tools.items():
-        call_schema = {
-            "type": "object",
-            "properties": {"name": {"const": name}, args_key: params},
-            "required": ["name", args_key],
-            "additionalProperties": False,
-        }
-        parts = [xgr.Grammar.from_json_schema(json.dumps(call_schema), any_whitespace=False)]
-        if prefix:
-            parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"))
-        if suffix:
-            parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}"))
-        alternatives.append(xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0])
+        # `{"name": <name>, "<args_key>": <arguments>}` with the arguments grammar built from the tool's own
+        # schema, so its local `$ref`s (`#/$defs/...`) resolve against that schema's root
+        head = prefix + "{" + json.dumps("name") + ": " + json.dumps(name) + ", " + json.dumps(args_key) + ": "
+        try:
+            arguments = xgr.Grammar.from_json_schema(json.dumps(params), any_whitespace=False)
+        except (RuntimeError, ValueError) as exc:
+            raise InvalidRequest(f"cannot build a grammar for the parameters of tool {name!r}: {exc}", param="tools") from exc
+        tail = "}" + suffix
+        alternatives.append(
+            xgr.Grammar.concat(
+                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(head)}"),
+                arguments,
+                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(tail)}"),
+            )
+        )
     grammar = xgr.Grammar.union(*alternatives) if len(alternatives) > 1 else alternatives[0]
     return str(grammar)

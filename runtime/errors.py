@@ -54,16 +54,16 @@ def from_engine(exc: EngineError) -> APIError:
     return APIError(500, "generation failed", type="server_error", code="internal_error")
 
 
-_UNION_TAGS = {"system", "developer", "user", "assistant", "tool", "text", "image_url", "input_audio", "file", "image", "audio", "function"}
+_UNION_TAGS = {"system", "developer", "user", "assistant", "tool", "text", "image_url", "input_audio", "file", "image", "audio"}
 
 
 def param_of(loc: tuple[int | str, ...]) -> str | None:
     """``('messages', 0, 'tool', 'tool_call_id')`` → ``messages[0].tool_call_id``."""
     out = ""
-    for item in loc:
+    for prev, item in zip((None, *loc), loc):
         if isinstance(item, int):
             out += f"[{item}]"
-        elif item in _UNION_TAGS or "[" in item or item in {"str", "list", "dict", "int", "float", "bool"}:
+        elif (item in _UNION_TAGS and isinstance(prev, int)) or "[" in item or item in {"str", "list", "dict", "int", "float", "bool"}:
             continue  # pydantic's name for a union member, not a field
         else:
             out += ("." if out else "") + item
@@ -72,7 +72,7 @@ def param_of(loc: tuple[int | str, ...]) -> str | None:
 
 def from_validation(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
-    param = param_of(tuple(err["loc"]))
+    param = param_of(tuple(err["loc"])) or getattr((err.get("ctx") or {}).get("error"), "param", None)
     msg = err["msg"]
     if err["type"] == "union_tag_invalid" and param and param.endswith("]"):
         param += ".role" if param.startswith("messages") else ".type"

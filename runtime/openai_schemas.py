@@ -141,7 +141,7 @@ class ChatCompletionRequest(_In):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's; wider values overflow torch's seed
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -163,22 +163,31 @@ class ChatCompletionRequest(_In):
     @model_validator(mode="after")
     def _cross_field(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
             if not self.tools:
-                raise ValueError("tool_choice requires tools")
+                raise FieldError("tool_choice", "tool_choice requires tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tools:
             names = {t.function.name for t in self.tools}
             if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
+                raise FieldError("tool_choice", f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
         if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise ValueError("presence_penalty, frequency_penalty and logit_bias are not supported by this server")
+            field = "presence_penalty" if self.presence_penalty else "frequency_penalty" if self.frequency_penalty else "logit_bias"
+            raise FieldError(field, "presence_penalty, frequency_penalty and logit_bias are not supported by this server")
         if self.tools and self.response_format is not None and self.response_format.type != "text":
             if self.tool_choice not in (None, "none"):
-                raise ValueError("response_format cannot be combined with tool calls; set tool_choice to none")
+                raise FieldError("response_format", "response_format cannot be combined with tool calls; set tool_choice to none")
         return self
+
+
+class FieldError(ValueError):
+    """A cross-field check that failed; ``param`` names the field (pydantic reports such errors without a location)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def check_json_schema(schema: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ Not here: authentication, body limits, error envelopes (``app``), or recording (
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -121,7 +122,13 @@ class ChatService:
 
     # ---- non-streamed ----------------------------------------------------------------------
     async def complete(self, req: _Req, prep: Prepared) -> ChatCompletion:
-        results: list[GenerateResult] = await asyncio.gather(*(self.engine.generate(r) for r in prep.engine_reqs))
+        tasks = [asyncio.ensure_future(self.engine.generate(r)) for r in prep.engine_reqs]
+        try:
+            results: list[GenerateResult] = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:  # one choice failed or the client left: stop the others too
+                t.cancel()
+            raise
         choices = []
         for i, res in enumerate(results):
             self.metrics.ttft.observe(res.timings.ttft_s)
@@ -208,7 +215,10 @@ class ChatService:
             for t in tasks:
                 t.cancel()
             for it, _ in opened:
-                await it.aclose()  # type: ignore[attr-defined]
+                # a stream still inside its pump's anext() cannot be closed from here ("already running");
+                # cancelling that pump closes it (and so cancels its generation)
+                with contextlib.suppress(RuntimeError):
+                    await it.aclose()  # type: ignore[attr-defined]
 
     def _envelope(self, prep: Prepared, req: _Req) -> dict[str, Any]:
         return {"id": prep.completion_id, "object": "chat.completion.chunk", "created": prep.created, "model": req.model, "system_fingerprint": None}

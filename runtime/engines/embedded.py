@@ -244,7 +244,8 @@ class EmbeddedEngine:
             matcher=matcher,
         )
         with self._cv:
-            if len(self._waiting) >= self._max_queue:
+            free_slots = max(0, self._max_batch - len(self._running))  # those go straight into the batch, not the queue
+            if len(self._waiting) >= self._max_queue + free_slots:
                 raise EngineOverloaded(
                     f"server overloaded: {len(self._waiting)} requests waiting (max_queue={self._max_queue})",
                     retry_after=1.0,
@@ -389,7 +390,8 @@ class EmbeddedEngine:
 def _compile(compiler: Any, grammar: Grammar) -> Any:
     """Compile a constraint; xgrammar's compiler caches compiled grammars itself."""
     if grammar.kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
+        # a JSON object, generated compactly (the builtin JSON grammar also admits arrays and free whitespace)
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     if grammar.kind == "json_schema":
         return compiler.compile_json_schema(grammar.spec, any_whitespace=False)
     return compiler.compile_grammar(grammar.spec)

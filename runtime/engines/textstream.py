@@ -51,14 +51,14 @@ class TextStream:
 
     def flush(self) -> str:
         """At the end of generation: release everything still held (except a matched stop string)."""
+        out = ""
         if self.stopped is None:
             tail = self._decode(self._read, len(self._ids)) if self._read < len(self._ids) else ""
             self._text += tail
             self._read = len(self._ids)
-            end = len(self._text)
-        else:
-            end = len(self._text)
-        out = self._text[self._emitted : end]
+            out = self._release()  # the held tail may complete a stop string; it must still be cut
+        end = len(self._text)
+        out += self._text[self._emitted : end]
         self._emitted = end
         return out
 

@@ -1,0 +1,152 @@
+"""runtime/engines/sampling.py: batched per-row sampling, logprobs and top-p, on hand-made logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from runtime.engines.sampling import RowSampling, _top_p_probs, sample_next
+
+
+def row(temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None, top_logprobs: int = 0) -> RowSampling:
+    return RowSampling(temperature=temperature, top_p=top_p, generator=generator, top_logprobs=top_logprobs)
+
+
+LOGITS = torch.tensor(
+    [
+        [1.0, 3.0, 2.0, -1.0, 0.5],
+        [0.0, -2.0, 0.1, 4.0, 3.9],
+    ]
+)
+
+
+def test_greedy_picks_argmax_with_log_softmax_logprob() -> None:
+    out = sample_next(LOGITS.clone(), [row(), row()])
+    assert out.token_ids == [1, 3]
+    expected = torch.log_softmax(LOGITS, dim=-1)
+    assert out.logprobs == pytest.approx([expected[0, 1].item(), expected[1, 3].item()], abs=1e-6)
+    # hand check of row 0: log(e^3 / sum e^x)
+    denom = sum(math.exp(x) for x in [1.0, 3.0, 2.0, -1.0, 0.5])
+    assert out.logprobs[0] == pytest.approx(3.0 - math.log(denom), abs=1e-6)
+    assert out.top == [[], []]
+
+
+def test_temperature_scales_the_logprobs() -> None:
+    g = torch.Generator().manual_seed(0)
+    out = sample_next(LOGITS.clone(), [row(temperature=0.5, generator=g), row(temperature=2.0, generator=g)])
+    lp0 = torch.log_softmax(LOGITS[0] / 0.5, dim=-1)
+    lp1 = torch.log_softmax(LOGITS[1] / 2.0, dim=-1)
+    assert out.logprobs[0] == pytest.approx(lp0[out.token_ids[0]].item(), abs=1e-6)
+    assert out.logprobs[1] == pytest.approx(lp1[out.token_ids[1]].item(), abs=1e-6)
+    # and they differ from the unscaled distribution
+    raw = torch.log_softmax(LOGITS, dim=-1)
+    assert abs(out.logprobs[0] - raw[0, out.token_ids[0]].item()) > 1e-3
+
+
+def test_temperature_logprobs_in_top_list_are_scaled() -> None:
+    out = sample_next(LOGITS[:1].clone(), [row(temperature=0.5, generator=torch.Generator().manual_seed(1), top_logprobs=5)])
+    lp = torch.log_softmax(LOGITS[0] / 0.5, dim=-1)
+    assert [i for i, _ in out.top[0]] == [1, 2, 0, 4, 3]
+    assert [v for _, v in out.top[0]] == pytest.approx([lp[i].item() for i in [1, 2, 0, 4, 3]], abs=1e-6)
+
+
+def test_tiny_top_p_always_picks_argmax_when_sampling() -> None:
+    logits = torch.tensor([[0.0, 0.2, 0.1, 0.15]])  # nearly flat: sampling would wander without top-p
+    g = torch.Generator().manual_seed(123)
+    picks = {sample_next(logits.clone(), [row(temperature=1.0, top_p=1e-6, generator=g)]).token_ids[0] for _ in range(50)}
+    assert picks == {1}
+
+
+def test_flat_distribution_without_top_p_does_wander() -> None:
+    # the counterpart of the test above: it is top-p, not the logits, that pins the choice
+    logits = torch.tensor([[0.0, 0.2, 0.1, 0.15]])
+    g = torch.Generator().manual_seed(123)
+    picks = {sample_next(logits.clone(), [row(temperature=1.0, generator=g)]).token_ids[0] for _ in range(50)}
+    assert len(picks) >= 3
+
+
+def test_seeded_generator_reproduces_draws() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(7))
+
+    def draws(seed: int) -> list[list[int]]:
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(3)]
+        rows = [row(temperature=1.0, generator=g) for g in gens]
+        return [sample_next(logits.clone(), rows).token_ids for _ in range(20)]
+
+    a, b, c = draws(10), draws(10), draws(99)
+    assert a == b
+    assert a != c
+
+
+def test_mixed_top_logprobs_per_row() -> None:
+    out = sample_next(LOGITS.clone(), [row(top_logprobs=0), row(top_logprobs=3)])
+    assert out.top[0] == []
+    assert len(out.top[1]) == 3
+    lp1 = torch.log_softmax(LOGITS[1], dim=-1)
+    assert [i for i, _ in out.top[1]] == [3, 4, 2]
+    vals = [v for _, v in out.top[1]]
+    assert vals == sorted(vals, reverse=True)
+    assert vals == pytest.approx([lp1[3].item(), lp1[4].item(), lp1[2].item()], abs=1e-6)
+    # the chosen (greedy) token is the first of its top list, with the same logprob
+    assert out.top[1][0][0] == out.token_ids[1]
+    assert out.top[1][0][1] == pytest.approx(out.logprobs[1], abs=1e-7)
+
+
+def test_greedy_and_sampled_rows_in_one_batch() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, -30.0, 30.0], [9.0, 0.0, 0.0]])
+    out = sample_next(logits.clone(), [row(), row(temperature=1.0, generator=g), row()])
+    assert out.token_ids == [1, 2, 0]
+
+
+def test_masked_tokens_are_never_sampled() -> None:
+    inf = float("-inf")
+    logits = torch.tensor([[5.0, inf, 0.0, inf, -1.0], [inf, 0.0, inf, 0.0, inf]])
+    g = torch.Generator().manual_seed(5)
+    seen: set[tuple[int, int]] = set()
+    for _ in range(200):
+        out = sample_next(logits.clone(), [row(temperature=2.0, generator=g), row(temperature=1.0, generator=g)])
+        seen.add((0, out.token_ids[0]))
+        seen.add((1, out.token_ids[1]))
+        assert all(math.isfinite(lp) for lp in out.logprobs)
+    assert {t for r, t in seen if r == 0} == {0, 2, 4}
+    assert {t for r, t in seen if r == 1} == {1, 3}
+
+
+def test_masked_tokens_greedy_logprob_after_mask() -> None:
+    inf = float("-inf")
+    logits = torch.tensor([[10.0, 1.0, inf, 1.0]])
+    logits[0, 0] = inf  # the grammar forbids the model's favourite
+    out = sample_next(logits.clone(), [row(top_logprobs=2)])
+    assert out.token_ids == [1]  # first of the tied maxima
+    assert out.logprobs[0] == pytest.approx(math.log(0.5), abs=1e-6)
+
+
+def test_top_p_hand_computed_example() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = _top_p_probs(probs, torch.tensor([0.7]))
+    assert out[0].tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
+
+
+def test_top_p_keeps_the_token_crossing_the_threshold_and_respects_order() -> None:
+    probs = torch.tensor([[0.05, 0.15, 0.5, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    out = _top_p_probs(probs, torch.tensor([0.81, 0.45]))
+    # row 0: 0.5 + 0.3 = 0.8 < 0.81, so 0.15 (crossing it) stays; 0.05 goes
+    assert out[0].tolist() == pytest.approx([0.0, 0.15, 0.5, 0.3])
+    # row 1: ties; 0.25 < 0.45 so a second token is needed, 0.5 > 0.45 so not a third
+    assert int((out[1] > 0).sum()) == 2
+    assert float(out[1].sum()) == pytest.approx(0.5)
+
+
+def test_top_p_one_is_identity() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    assert torch.equal(_top_p_probs(probs, torch.tensor([1.0])), probs)
+
+
+def test_top_p_mixed_rows_only_truncate_their_own_nucleus() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
+    out = _top_p_probs(probs, torch.tensor([1.0, 0.4]))
+    assert out[0].tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05])
+    assert out[1].tolist() == pytest.approx([0.5, 0.0, 0.0, 0.0])

@@ -1,0 +1,174 @@
+"""serve.py's flags and runtime/settings.py: one frozen Settings from flags > env > config file > defaults."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+import serve
+from runtime.settings import EngineSettings, ServerSettings, Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FLAGS = ["--model", "--backend", "--host", "--port", "--data-dir", "--api-key", "--admin-key", "--max-batch-size", "--max-queue", "--dtype", "--config"]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No LOOPWISE_* variable from the outside world leaks into these tests."""
+    for key in list(os.environ):
+        if key.startswith("LOOPWISE_"):
+            monkeypatch.delenv(key)
+
+
+def test_parser_has_the_flags() -> None:
+    parser = serve.build_parser()
+    options = {s for a in parser._actions for s in a.option_strings}
+    assert set(FLAGS) <= options
+    ns = vars(parser.parse_args(["--model", "tiny", "--port", "9", "--api-key", "k1", "--api-key", "k2", "--dtype", "float32"]))
+    assert ns == {"config": None, "server.model": "tiny", "server.port": "9", "server.api_keys": ["k1", "k2"], "engine.dtype": "float32"}
+
+
+def test_defaults() -> None:
+    s = serve.settings_from_args([])
+    assert isinstance(s, Settings)
+    assert isinstance(s.server, ServerSettings) and isinstance(s.engine, EngineSettings)
+    assert (s.server.host, s.server.port, s.server.model, s.server.backend) == ("127.0.0.1", 8000, "default", "embedded")
+    assert s.server.data_dir == Path(".data")
+    assert s.server.api_keys == () and s.server.admin_key is None
+    assert (s.engine.max_batch_size, s.engine.max_queue, s.engine.dtype) == (32, 256, "auto")
+
+
+def test_all_flags_parse_into_typed_settings(tmp_path: Path) -> None:
+    s = serve.settings_from_args(
+        [
+            "--model", "tiny", "--backend", "embedded", "--host", "0.0.0.0", "--port", "8123",
+            "--data-dir", str(tmp_path), "--api-key", "k1", "--api-key", "k2", "--admin-key", "adm",
+            "--max-batch-size", "4", "--max-queue", "0", "--dtype", "bfloat16",
+        ]
+    )  # fmt: skip
+    assert s.server.model == "tiny"
+    assert s.server.host == "0.0.0.0"
+    assert s.server.port == 8123
+    assert s.server.data_dir == tmp_path
+    assert s.server.api_keys == ("k1", "k2")
+    assert s.server.admin_key == "adm"
+    assert (s.engine.max_batch_size, s.engine.max_queue, s.engine.dtype) == (4, 0, "bfloat16")
+
+
+def test_settings_are_frozen() -> None:
+    s = serve.settings_from_args([])
+    with pytest.raises(ValidationError):
+        s.server.port = 1  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        s.engine.max_queue = 1  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        s.engine = EngineSettings()  # type: ignore[misc]
+    assert s.server.port == 8000 and s.engine.max_queue == 256
+
+
+def test_env_short_name_used_without_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOPWISE_PORT", "9001")
+    assert serve.settings_from_args([]).server.port == 9001
+
+
+def test_flag_beats_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOPWISE_PORT", "9001")
+    monkeypatch.setenv("LOOPWISE_ENGINE__MAX_BATCH_SIZE", "4")
+    s = serve.settings_from_args(["--port", "9002", "--max-batch-size", "2"])
+    assert s.server.port == 9002
+    assert s.engine.max_batch_size == 2
+
+
+def test_nested_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOPWISE_ENGINE__MAX_BATCH_SIZE", "4")
+    monkeypatch.setenv("LOOPWISE_SERVER__HOST", "0.0.0.0")
+    s = serve.settings_from_args([])
+    assert s.engine.max_batch_size == 4
+    assert s.server.host == "0.0.0.0"
+    assert s.engine.max_queue == 256  # untouched fields keep their defaults
+
+
+def test_api_keys_from_env_are_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOPWISE_API_KEYS", "a,b")
+    assert serve.settings_from_args([]).server.api_keys == ("a", "b")
+
+
+@pytest.fixture()
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "loopwise.toml"
+    path.write_text('[server]\nport = 7000\nhost = "0.0.0.0"\n\n[engine]\nmax_queue = 7\n')
+    return path
+
+
+def test_config_file(config_file: Path) -> None:
+    s = serve.settings_from_args(["--config", str(config_file)])
+    assert (s.server.port, s.server.host, s.engine.max_queue) == (7000, "0.0.0.0", 7)
+    assert s.engine.max_batch_size == 32
+
+
+def test_json_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text('{"server": {"port": 7100}, "engine": {"max_batch_size": 3}}')
+    s = serve.settings_from_args(["--config", str(path)])
+    assert (s.server.port, s.engine.max_batch_size) == (7100, 3)
+
+
+def test_flags_beat_config_file(config_file: Path) -> None:
+    s = serve.settings_from_args(["--config", str(config_file), "--port", "7001", "--max-queue", "8"])
+    assert (s.server.port, s.server.host, s.engine.max_queue) == (7001, "0.0.0.0", 8)
+
+
+def test_env_beats_config_file(config_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOPWISE_PORT", "9001")
+    monkeypatch.setenv("LOOPWISE_ENGINE__MAX_QUEUE", "5")
+    s = serve.settings_from_args(["--config", str(config_file)])
+    assert (s.server.port, s.engine.max_queue) == (9001, 5)
+    assert s.server.host == "0.0.0.0"  # not in env: the file's value
+
+
+def test_config_from_env_variable(config_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOPWISE_CONFIG", str(config_file))
+    s = serve.settings_from_args(["--max-queue", "9"])
+    assert (s.server.port, s.engine.max_queue) == (7000, 9)
+
+
+@pytest.mark.parametrize(
+    ("argv", "loc"),
+    [
+        (["--port", "-1"], ("server", "port")),
+        (["--port", "70000"], ("server", "port")),
+        (["--dtype", "fp8"], ("engine", "dtype")),
+        (["--max-batch-size", "0"], ("engine", "max_batch_size")),
+        (["--max-queue", "-1"], ("engine", "max_queue")),
+        (["--backend", "vllm"], ("server", "backend")),
+    ],
+)
+def test_invalid_values_raise(argv: list[str], loc: tuple[str, str]) -> None:
+    with pytest.raises(ValidationError) as ei:
+        serve.settings_from_args(argv)
+    assert tuple(ei.value.errors()[0]["loc"]) == loc
+
+
+def test_invalid_config_file_key_raises(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[engine]\nmax_batchsize = 3\n")  # typo: extra keys are forbidden
+    with pytest.raises(ValidationError):
+        serve.settings_from_args(["--config", str(path)])
+
+
+def test_help_subprocess_is_quick_and_lists_flags() -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    for flag in FLAGS:
+        assert flag + " " in proc.stdout, flag
+    assert "(default: 8000)" in proc.stdout
+    assert elapsed < 15  # no torch/transformers import before parsing
