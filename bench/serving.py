@@ -9,10 +9,11 @@ What it measures (each phase runs alone on the machine; servers are started and 
    clients, against a real ``serve.py`` process. Target ≥ 5×.
 2. Peer: the same 16-client load against ``transformers serve --continuous-batching`` (same model
    folder, fp32, CPU). Target loopwise / peer ≥ 1.0.
-3. Batch-1 decode speed in process, as a fraction of the memory-bandwidth bound (bandwidth measured
-   here with a large tensor copy, divided by the bytes of weights read per token).
+3. Batch-1 decode speed in process, as a fraction of the memory-bandwidth bound (read bandwidth
+   measured here by summing a 512 MiB tensor, divided by the bytes of weights read per token).
 4. HTTP overhead: p50/p95 latency of non-streamed ``/v1/chat/completions`` (16 new tokens) vs
-   ``engine.generate`` in process for the same token ids. Target p50 ratio ≤ 1.10.
+   ``engine.generate`` in process for the same token ids, the two alternating request by request
+   (the server idles while the in-process engine runs). Target p50 ratio ≤ 1.10.
 
 Completion lengths can differ between servers (each stops at its own end-of-text), so throughput is
 total completion tokens (from ``usage``) over wall time. Results also go to bench/results/serving.json.
@@ -93,24 +94,14 @@ async def run_load(base: str, model: str, texts: list[str], clients: int, max_to
     return {"clients": clients, "requests": len(texts), "completion_tokens": tokens, "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1)}
 
 
-def http_latencies(base: str, model: str, n: int) -> list[float]:
-    out = []
-    with httpx.Client(base_url=base, timeout=120) as client:
-        body = {"model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-        client.post("/v1/chat/completions", json=body).raise_for_status()  # warm-up
-        for _ in range(n):
-            t0 = time.perf_counter()
-            client.post("/v1/chat/completions", json=body).raise_for_status()
-            out.append(time.perf_counter() - t0)
-    return out
-
-
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-async def in_process(model_path: Path, n: int, decode_tokens: int) -> dict:
+async def in_process(model_path: Path, n: int, decode_tokens: int, http_base: str | None = None) -> dict:
+    """Latency in process; with ``http_base``, each in-process request alternates with the same request
+    over HTTP to the (otherwise idle) server, so machine noise hits both sides alike."""
     import torch
 
     from runtime.engine import GenerateRequest, SamplingParams
@@ -123,11 +114,21 @@ async def in_process(model_path: Path, n: int, decode_tokens: int) -> dict:
     ids = tuple(tok.encode(text, add_special_tokens=False))
     req16 = GenerateRequest("lat", ids, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
     await eng.generate(req16)
-    lat = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        await eng.generate(req16)
-        lat.append(time.perf_counter() - t0)
+    lat, http_lat = [], []
+    body = {"model": "m", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=http_base or "http://unused", timeout=120) as client:
+        if http_base:
+            (await client.post("/v1/chat/completions", json=body)).raise_for_status()  # warm-up
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await eng.generate(req16)
+            lat.append(time.perf_counter() - t0)
+            if http_base:
+                t0 = time.perf_counter()
+                r = await client.post("/v1/chat/completions", json=body)
+                http_lat.append(time.perf_counter() - t0)
+                r.raise_for_status()
+                assert r.json()["usage"]["prompt_tokens"] == len(ids), "HTTP and in-process prompts differ"
     # batch-1 decode: time from first to last token
     req = GenerateRequest("dec", ids, SamplingParams(max_new_tokens=decode_tokens, temperature=0, ignore_eos=True))
     res = await eng.generate(req)
@@ -136,17 +137,18 @@ async def in_process(model_path: Path, n: int, decode_tokens: int) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
     dtype = eng.info.dtype
     await eng.close()
-    # memory bandwidth: copy a 512 MiB buffer (read + write), best of 5
-    src = torch.empty(128 * 1024 * 1024, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
+    # memory read bandwidth (a GEMV reads each weight once): sum a 512 MiB buffer, best of 5
+    src = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         best = min(best, time.perf_counter() - t0)
-    bandwidth = 2 * src.numel() * 4 / best  # bytes/s
+    bandwidth = src.numel() * 4 / best  # bytes/s
     bound = bandwidth / weight_bytes
     return {
+        "http_p50_s": statistics.median(http_lat) if http_lat else None,
+        "http_p95_s": pct(http_lat, 0.95) if http_lat else None,
         "engine_p50_s": statistics.median(lat),
         "engine_p95_s": pct(lat, 0.95),
         "decode_tok_s": round(decode_tps, 1),
@@ -182,45 +184,48 @@ def main() -> None:
     proc, base = start_process(cmd, lambda line: (m := re.search(r"on (http://[\d.]+:\d+)/v1", line)) and m.group(1), out_dir / "loopwise.log")
     try:
         results["loopwise_sequential"] = asyncio.run(run_load(base, "m", texts, 1, args.new_tokens))
+        print("loopwise, one at a time:", results["loopwise_sequential"], flush=True)
         results["loopwise_concurrent"] = asyncio.run(run_load(base, "m", texts, args.clients, args.new_tokens))
-        lat = http_latencies(base, "m", args.latency_samples)
-        results["http_p50_s"], results["http_p95_s"] = statistics.median(lat), pct(lat, 0.95)
+        print(f"loopwise, {args.clients} clients:", results["loopwise_concurrent"], flush=True)
+        # 3 + 4: in process, alternating with the same request over HTTP to the idle server
+        results["in_process"] = asyncio.run(in_process(model_path, args.latency_samples, args.new_tokens, http_base=base))
+        results["http_p50_s"], results["http_p95_s"] = results["in_process"]["http_p50_s"], results["in_process"]["http_p95_s"]
+        print("in process (and HTTP alternating):", results["in_process"], flush=True)
     finally:
         stop_process(proc)
-
-    # 3 + 4 (engine side): in process, nothing else running
-    results["in_process"] = asyncio.run(in_process(model_path, args.latency_samples, args.new_tokens))
 
     # 2: the peer
     if not args.skip_peer:
         port = 8911
         tf = str(Path(sys.executable).with_name("transformers"))
         cmd = [tf, "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32", "--port", str(port), str(model_path)]
-        peer, _ = start_process(cmd, lambda line: True, out_dir / "peer.log")
+        peer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(out_dir / "peer.log", "w"))  # noqa: SIM115
         try:
-            base_peer = f"http://127.0.0.1:{port}"
+            base_peer = f"http://localhost:{port}"
             deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
+            while True:
                 try:
                     if httpx.get(base_peer + "/health", timeout=2).status_code == 200:
                         break
                 except httpx.HTTPError:
-                    pass
+                    if time.monotonic() > deadline or peer.poll() is not None:
+                        raise RuntimeError(f"transformers serve did not start; see {out_dir / 'peer.log'}") from None
                 time.sleep(1)
             asyncio.run(run_load(base_peer, str(model_path), texts[:2], 2, 8))  # warm-up (model load)
             results["peer_concurrent"] = asyncio.run(run_load(base_peer, str(model_path), texts, args.clients, args.new_tokens))
+            print(f"transformers serve --continuous-batching, {args.clients} clients:", results["peer_concurrent"], flush=True)
         finally:
             stop_process(peer)
 
     seq, conc, ip = results["loopwise_sequential"], results["loopwise_concurrent"], results["in_process"]
     print(f"\nmodel: {model_path.name}  dtype: {ip['dtype']}  requests: {args.requests}  new tokens: {args.new_tokens}  cores: {os.cpu_count()}")
     print(f"{'measure':48s} {'value':>12s} {'baseline':>12s} {'ratio':>8s}")
-    print(f"{'batching: tok/s 16 clients vs one at a time':48s} {conc['tok_s']:12.1f} {seq['tok_s']:12.1f} {conc['tok_s'] / seq['tok_s']:8.2f}")
+    print(f"{f'batching: tok/s {args.clients} clients vs one at a time':48s} {conc['tok_s']:12.1f} {seq['tok_s']:12.1f} {conc['tok_s'] / seq['tok_s']:8.2f}")
     if "peer_concurrent" in results:
         peer = results["peer_concurrent"]
         print(f"{'peer: tok/s loopwise vs transformers serve --cb':48s} {conc['tok_s']:12.1f} {peer['tok_s']:12.1f} {conc['tok_s'] / peer['tok_s']:8.2f}")
     print(f"{'batch-1 decode tok/s vs bandwidth bound':48s} {ip['decode_tok_s']:12.1f} {ip['bound_tok_s']:12.1f} {ip['fraction_of_bound']:8.2f}")
-    print(f"   (bandwidth {ip['bandwidth_GBps']} GB/s, weights {ip['weights_MB']} MB per token)")
+    print(f"   (read bandwidth {ip['bandwidth_GBps']} GB/s, {ip['weights_MB']} MB of weights read per token)")
     print(f"{'HTTP p50 latency (16 tokens) vs in-process':48s} {results['http_p50_s'] * 1000:10.1f}ms {ip['engine_p50_s'] * 1000:10.1f}ms {results['http_p50_s'] / ip['engine_p50_s']:8.2f}")
     print(f"{'HTTP p95 latency (16 tokens) vs in-process':48s} {results['http_p95_s'] * 1000:10.1f}ms {ip['engine_p95_s'] * 1000:10.1f}ms {results['http_p95_s'] / ip['engine_p95_s']:8.2f}")
     (out_dir / "serving.json").write_text(json.dumps(results, indent=2))

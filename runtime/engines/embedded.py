@@ -52,6 +52,7 @@ from runtime.engine import (
     TokenLogprob,
     collect,
 )
+from runtime.engines.cpu_linear import pack_linears
 from runtime.engines.kv_batch import BatchKV
 from runtime.engines.sampling import RowSampling, sample_next
 from runtime.engines.textstream import TextStream
@@ -149,6 +150,8 @@ class EmbeddedEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self._path)
         self.model = AutoModelForCausalLM.from_pretrained(self._path, dtype=self._dtype)
         self.model.eval()
+        if self._dtype == torch.float32:
+            log.info("packed %d linear layers for oneDNN", pack_linears(self.model))
         cfg = self.model.config
         eos = self.model.generation_config.eos_token_id
         if eos is None:
