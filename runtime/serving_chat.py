@@ -41,6 +41,7 @@ from runtime.openai_schemas import (
     TopLogprob,
     Usage,
 )
+from runtime.token_bytes import token_bytes_fn
 from runtime.tool_parsers import ParseResult, get_parser
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class ChatService:
         self.metrics = metrics
         self.parser = get_parser(formatter.parser_name)
         self._tok = formatter.tokenizer
+        self._bytes = token_bytes_fn(formatter.tokenizer)
 
     # ---- preparation -----------------------------------------------------------------------
     def prepare(self, req: ChatCompletionRequest, request_id: str) -> Prepared:
@@ -235,9 +237,10 @@ class ChatService:
         for lp in lps:
             if isinstance(matched_stop, int) and lp.token_id == matched_stop and lp is lps[-1]:
                 continue  # the stop token is not part of the content
-            tok = self._tok.decode([lp.token_id])
-            top = [TopLogprob(token=(t := self._tok.decode([tid])), logprob=v, bytes=list(t.encode())) for tid, v in lp.top]
-            out.append(TokenLogprobOut(token=tok, logprob=lp.logprob, bytes=list(tok.encode()), top_logprobs=top))
+            top = [TopLogprob(token=self._tok.decode([tid]), logprob=v, bytes=list(self._bytes(tid))) for tid, v in lp.top]
+            out.append(
+                TokenLogprobOut(token=self._tok.decode([lp.token_id]), logprob=lp.logprob, bytes=list(self._bytes(lp.token_id)), top_logprobs=top)
+            )
         return out
 
 
