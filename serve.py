@@ -60,7 +60,12 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
 
 
 def configure_logging(level: str) -> None:
-    shared = [structlog.contextvars.merge_contextvars, structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name, structlog.processors.TimeStamper(fmt="iso")]
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso"),
+    ]
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -70,7 +75,11 @@ def configure_logging(level: str) -> None:
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                structlog.processors.JSONRenderer(),
+            ],
         )
     )
     root = logging.getLogger()
@@ -97,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
         model_path = resolve_model(server.model, server.data_dir / "models")
     except ModelStoreError as exc:
         sys.exit(f"error: {exc}")
-    model_id = server.served_model_name or (model_path.name if server.model not in ("default", "tiny") else {"default": "SmolLM2-135M-Instruct", "tiny": "tiny"}[server.model])
+    model_id = server.served_model_name or (
+        model_path.name if server.model not in ("default", "tiny") else {"default": "SmolLM2-135M-Instruct", "tiny": "tiny"}[server.model]
+    )
 
     holder: dict[str, Metrics] = {}
     engine = EmbeddedEngine(

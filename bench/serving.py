@@ -40,10 +40,22 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TOPICS = [
-    "a lighthouse keeper", "a robot learning to paint", "a lost dog in the city", "the first snow of winter",
-    "a dragon who hates fire", "a baker's secret recipe", "a train that never stops", "an old map",
-    "a garden on the moon", "a clock that runs backwards", "a shy ghost", "a pirate's last voyage",
-    "a library at midnight", "a village by the sea", "a young inventor", "a mountain rescue",
+    "a lighthouse keeper",
+    "a robot learning to paint",
+    "a lost dog in the city",
+    "the first snow of winter",
+    "a dragon who hates fire",
+    "a baker's secret recipe",
+    "a train that never stops",
+    "an old map",
+    "a garden on the moon",
+    "a clock that runs backwards",
+    "a shy ghost",
+    "a pirate's last voyage",
+    "a library at midnight",
+    "a village by the sea",
+    "a young inventor",
+    "a mountain rescue",
 ]
 
 
@@ -52,7 +64,7 @@ def prompts(n: int) -> list[str]:
 
 
 def start_process(cmd: list[str], ready_url_of, log_path: Path, timeout: float = 600) -> tuple[subprocess.Popen, str]:
-    log = open(log_path, "w")  # noqa: SIM115
+    log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
@@ -180,7 +192,20 @@ def main() -> None:
     results: dict = {"model": str(model_path), "new_tokens": args.new_tokens}
 
     # 1 + 4 (HTTP side): loopwise server
-    cmd = [sys.executable, "serve.py", "--model", str(model_path), "--served-model-name", "m", "--port", "0", "--data-dir", args.data_dir, "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "serve.py",
+        "--model",
+        str(model_path),
+        "--served-model-name",
+        "m",
+        "--port",
+        "0",
+        "--data-dir",
+        args.data_dir,
+        "--log-level",
+        "warning",
+    ]
     proc, base = start_process(cmd, lambda line: (m := re.search(r"on (http://[\d.]+:\d+)/v1", line)) and m.group(1), out_dir / "loopwise.log")
     try:
         results["loopwise_sequential"] = asyncio.run(run_load(base, "m", texts, 1, args.new_tokens))
@@ -199,7 +224,7 @@ def main() -> None:
         port = 8911
         tf = str(Path(sys.executable).with_name("transformers"))
         cmd = [tf, "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32", "--port", str(port), str(model_path)]
-        peer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(out_dir / "peer.log", "w"))  # noqa: SIM115
+        peer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(out_dir / "peer.log", "w"))
         try:
             base_peer = f"http://localhost:{port}"
             deadline = time.monotonic() + 300
@@ -220,14 +245,22 @@ def main() -> None:
     seq, conc, ip = results["loopwise_sequential"], results["loopwise_concurrent"], results["in_process"]
     print(f"\nmodel: {model_path.name}  dtype: {ip['dtype']}  requests: {args.requests}  new tokens: {args.new_tokens}  cores: {os.cpu_count()}")
     print(f"{'measure':48s} {'value':>12s} {'baseline':>12s} {'ratio':>8s}")
-    print(f"{f'batching: tok/s {args.clients} clients vs one at a time':48s} {conc['tok_s']:12.1f} {seq['tok_s']:12.1f} {conc['tok_s'] / seq['tok_s']:8.2f}")
+    print(
+        f"{f'batching: tok/s {args.clients} clients vs one at a time':48s} {conc['tok_s']:12.1f} {seq['tok_s']:12.1f} {conc['tok_s'] / seq['tok_s']:8.2f}"
+    )
     if "peer_concurrent" in results:
         peer = results["peer_concurrent"]
-        print(f"{'peer: tok/s loopwise vs transformers serve --cb':48s} {conc['tok_s']:12.1f} {peer['tok_s']:12.1f} {conc['tok_s'] / peer['tok_s']:8.2f}")
+        print(
+            f"{'peer: tok/s loopwise vs transformers serve --cb':48s} {conc['tok_s']:12.1f} {peer['tok_s']:12.1f} {conc['tok_s'] / peer['tok_s']:8.2f}"
+        )
     print(f"{'batch-1 decode tok/s vs bandwidth bound':48s} {ip['decode_tok_s']:12.1f} {ip['bound_tok_s']:12.1f} {ip['fraction_of_bound']:8.2f}")
     print(f"   (read bandwidth {ip['bandwidth_GBps']} GB/s, {ip['weights_MB']} MB of weights read per token)")
-    print(f"{'HTTP p50 latency (16 tokens) vs in-process':48s} {results['http_p50_s'] * 1000:10.1f}ms {ip['engine_p50_s'] * 1000:10.1f}ms {results['http_p50_s'] / ip['engine_p50_s']:8.2f}")
-    print(f"{'HTTP p95 latency (16 tokens) vs in-process':48s} {results['http_p95_s'] * 1000:10.1f}ms {ip['engine_p95_s'] * 1000:10.1f}ms {results['http_p95_s'] / ip['engine_p95_s']:8.2f}")
+    print(
+        f"{'HTTP p50 latency (16 tokens) vs in-process':48s} {results['http_p50_s'] * 1000:10.1f}ms {ip['engine_p50_s'] * 1000:10.1f}ms {results['http_p50_s'] / ip['engine_p50_s']:8.2f}"
+    )
+    print(
+        f"{'HTTP p95 latency (16 tokens) vs in-process':48s} {results['http_p95_s'] * 1000:10.1f}ms {ip['engine_p95_s'] * 1000:10.1f}ms {results['http_p95_s'] / ip['engine_p95_s']:8.2f}"
+    )
     (out_dir / "serving.json").write_text(json.dumps(results, indent=2))
 
 

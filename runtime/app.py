@@ -158,7 +158,9 @@ def _check_auth(request: Request, keys: tuple[str, ...]) -> None:
     header = request.headers.get("authorization", "")
     token = header[7:].strip() if header.lower().startswith("bearer ") else ""
     if not token:
-        raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.", type="authentication_error", code="invalid_api_key")
+        raise APIError(
+            401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.", type="authentication_error", code="invalid_api_key"
+        )
     if token not in keys:
         raise APIError(401, "Incorrect API key provided.", type="authentication_error", code="invalid_api_key")
 

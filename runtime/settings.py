@@ -27,13 +27,17 @@ class _Frozen(BaseModel):
 
 
 class ServerSettings(_Frozen):
-    model: str = Field("default", description="'default' (SmolLM2-135M-Instruct), 'tiny' (a tiny random model for smoke runs), or a local Hugging Face model folder")
+    model: str = Field(
+        "default", description="'default' (SmolLM2-135M-Instruct), 'tiny' (a tiny random model for smoke runs), or a local Hugging Face model folder"
+    )
     served_model_name: str | None = Field(None, description="model id clients use; defaults to the model's name")
     backend: Literal["embedded"] = Field("embedded", description="serving engine")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0 picks a free one)")
     data_dir: Path = Field(Path(".data"), description="where models are cached and interactions are stored")
-    api_keys: tuple[str, ...] = Field((), description="API key clients must send as a Bearer token (repeatable; none = open)", json_schema_extra={"flag": "--api-key"})
+    api_keys: tuple[str, ...] = Field(
+        (), description="API key clients must send as a Bearer token (repeatable; none = open)", json_schema_extra={"flag": "--api-key"}
+    )
     admin_key: str | None = Field(None, description="key for the admin API")
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="largest accepted request body")
     tool_call_parser: str | None = Field(None, description="tool-call parser (qwen25, hermes, llama3, pythonic, mistral); default chosen per model")
@@ -48,7 +52,9 @@ class ServerSettings(_Frozen):
 
 
 class EngineSettings(_Frozen):
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="weights dtype; auto = bf16 on CPUs with native bf16 (AMX/AVX512-BF16) or GPUs, else fp32")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weights dtype; auto = bf16 on CPUs with native bf16 (AMX/AVX512-BF16) or GPUs, else fp32"
+    )
     max_batch_size: int = Field(32, ge=1, description="most requests decoded together in one step")
     max_queue: int = Field(256, ge=0, description="most requests waiting for a batch slot; beyond it the server answers 429")
     max_model_len: int | None = Field(None, ge=16, description="context window; default the model's max_position_embeddings")

@@ -32,7 +32,7 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def _scan_json(s: str, sep: str, end: str | None = None) -> list[tuple[Any, str]
             if i == len(s) and end is None:  # tolerate a trailing separator
                 return out
             continue
-        if end is not None and s[i] == end and not s[i + 1:].strip():
+        if end is not None and s[i] == end and not s[i + 1 :].strip():
             return out
         return None
 
@@ -206,7 +206,7 @@ class Llama3Parser(ToolCallParser):
     def parse(self, text: str, tool_names: set[str] | None = None) -> ParseResult:
         out = _Out(tool_names)
         tag = text.find(self.TAG)
-        pre, body = (text[:tag], text[tag + len(self.TAG):]) if tag >= 0 else ("", text)
+        pre, body = (text[:tag], text[tag + len(self.TAG) :]) if tag >= 0 else ("", text)
         body = body.strip()
         for t in self._TRAILERS:
             body = body.removesuffix(t).rstrip()
@@ -225,7 +225,7 @@ class Llama3Parser(ToolCallParser):
 
 
 class _JsonNames(ast.NodeTransformer):
-    VALUES = {"true": True, "false": False, "null": None}
+    VALUES: ClassVar[dict[str, object]] = {"true": True, "false": False, "null": None}
 
     def visit_Name(self, node: ast.Name) -> ast.AST:
         return ast.Constant(self.VALUES[node.id]) if node.id in self.VALUES else node
@@ -284,15 +284,15 @@ class PythonicParser(ToolCallParser):
         out = _Out(tool_names)
         start = text.find(self.START)
         if start >= 0:
-            rest = text[start + len(self.START):]
+            rest = text[start + len(self.START) :]
             end = rest.find(self.END)
-            body, post = (rest[:end], rest[end + len(self.END):]) if end >= 0 else (rest, "")
+            body, post = (rest[:end], rest[end + len(self.END) :]) if end >= 0 else (rest, "")
             pre, calls = text[:start], _parse_call_list(body)
         else:
             pre, post, calls = text, "", None
             for m in self._LIST_START.finditer(text):
-                if (calls := _parse_call_list(text[m.start():])) is not None:
-                    pre = text[:m.start()]
+                if (calls := _parse_call_list(text[m.start() :])) is not None:
+                    pre = text[: m.start()]
                     break
         if calls is None:
             out.text(text)
@@ -355,9 +355,7 @@ def available_parsers() -> list[str]:
 def get_parser(name: str) -> ToolCallParser:
     cls = PARSERS.get(name.strip().lower()) if isinstance(name, str) else None
     if cls is None:
-        raise UnknownToolParser(
-            f"unknown tool-call parser {name!r}; known parsers: {', '.join(available_parsers())}"
-        )
+        raise UnknownToolParser(f"unknown tool-call parser {name!r}; known parsers: {', '.join(available_parsers())}")
     return cls()
 
 

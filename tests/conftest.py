@@ -44,7 +44,7 @@ class ServerProcess:
 
     def __init__(self, args: list[str], data_dir: Path, env: dict[str, str] | None = None, timeout: float = 180) -> None:
         self.log_path = data_dir / f"server-{time.monotonic_ns()}.log"
-        self._log = open(self.log_path, "w+")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "w+")
         cmd = [sys.executable, str(ROOT / "serve.py"), "--port", "0", "--data-dir", str(data_dir), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **(env or {})})
         self.base_url = self._wait_for_url(timeout)

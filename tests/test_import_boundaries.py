@@ -69,8 +69,7 @@ def test_ast_scanner_sees_plain_relative_and_nested_imports(tmp_path: Path) -> N
     mod = tmp_path / "tools" / "web" / "fetch.py"
     mod.parent.mkdir(parents=True)
     mod.write_text(
-        "import json\nfrom . import util\nfrom ..base import Tool\n"
-        "def f():\n    from runtime.engine import Grammar\n    import agents.loop as al\n"
+        "import json\nfrom . import util\nfrom ..base import Tool\ndef f():\n    from runtime.engine import Grammar\n    import agents.loop as al\n"
     )
     assert imported_modules(mod, tmp_path) == {"json", "tools.web.util", "tools.base", "runtime.engine", "agents.loop"}
     assert {"runtime.engine", "runtime.engines.kv_batch", "torch", "xgrammar"} <= imported_modules(ROOT / "runtime/engines/embedded.py")
@@ -80,8 +79,7 @@ def test_runtime_never_imports_agents_memory_or_tools() -> None:
     files = sources("runtime")
     assert len(files) >= 10
     offenders = {
-        str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f) if m.split(".")[0] in {"agents", "memory", "tools", "serve"})
-        for f in files
+        str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f) if m.split(".")[0] in {"agents", "memory", "tools", "serve"}) for f in files
     }
     assert {k: v for k, v in offenders.items() if v} == {}
 
@@ -99,8 +97,5 @@ def test_runtime_imports_only_learner_records_from_learner() -> None:
 def test_tools_imports_nothing_else_from_the_project() -> None:
     files = sources("tools")
     assert files, "tools has no sources"
-    offenders = {
-        str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f) if m.split(".")[0] in PROJECT_PACKAGES - {"tools"})
-        for f in files
-    }
+    offenders = {str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f) if m.split(".")[0] in PROJECT_PACKAGES - {"tools"}) for f in files}
     assert {k: v for k, v in offenders.items() if v} == {}

@@ -16,7 +16,19 @@ from runtime.settings import EngineSettings, ServerSettings, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FLAGS = ["--model", "--backend", "--host", "--port", "--data-dir", "--api-key", "--admin-key", "--max-batch-size", "--max-queue", "--dtype", "--config"]
+FLAGS = [
+    "--model",
+    "--backend",
+    "--host",
+    "--port",
+    "--data-dir",
+    "--api-key",
+    "--admin-key",
+    "--max-batch-size",
+    "--max-queue",
+    "--dtype",
+    "--config",
+]
 
 
 @pytest.fixture(autouse=True)

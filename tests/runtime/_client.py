@@ -78,9 +78,7 @@ def stream_chat(server: Any, body: dict[str, Any], timeout: float = 60) -> SSE:
         return SSE(r.status_code, r.headers, raw)
 
 
-def assert_error(
-    resp: httpx.Response, status: int, *, type: str = "invalid_request_error", code: Any = ..., param: Any = ...
-) -> dict[str, Any]:
+def assert_error(resp: httpx.Response, status: int, *, type: str = "invalid_request_error", code: Any = ..., param: Any = ...) -> dict[str, Any]:
     """The response is ``status`` with exactly OpenAI's envelope; returns the inner error object."""
     assert resp.status_code == status, (resp.status_code, resp.text)
     assert resp.headers["content-type"].startswith("application/json"), resp.headers

@@ -95,10 +95,7 @@ def test_developer_role_renders_as_system(fmt: ChatFormatter) -> None:
 
 def test_tools_without_system_message_get_their_own_system_block(fmt: ChatFormatter) -> None:
     text = render_text(fmt, [{"role": "user", "content": "weather?"}], tools=[WEATHER_TOOL, TIME_TOOL])
-    assert text == (
-        "<|im_start|>system\n" + TOOLS_BLOCK + "<|im_end|>\n"
-        "<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert text == ("<|im_start|>system\n" + TOOLS_BLOCK + "<|im_end|>\n<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_tools_appended_to_existing_system_message(fmt: ChatFormatter) -> None:
@@ -107,10 +104,7 @@ def test_tools_appended_to_existing_system_message(fmt: ChatFormatter) -> None:
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather?"}],
         tools=[WEATHER_TOOL, TIME_TOOL],
     )
-    assert text == (
-        "<|im_start|>system\nBe brief.\n\n" + TOOLS_BLOCK + "<|im_end|>\n"
-        "<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert text == ("<|im_start|>system\nBe brief.\n\n" + TOOLS_BLOCK + "<|im_end|>\n<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n")
     # one JSON line per tool inside <tools>, each a faithful dump of the tool
     inner = text.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0].split("\n")
     assert [json.loads(line) for line in inner] == [WEATHER_TOOL, TIME_TOOL]
@@ -134,8 +128,7 @@ def test_assistant_tool_calls_and_merged_tool_responses(fmt: ChatFormatter) -> N
         ],
     )
     assert text == (
-        DEFAULT_SYSTEM
-        + "<|im_start|>user\nweather and time?<|im_end|>\n"
+        DEFAULT_SYSTEM + "<|im_start|>user\nweather and time?<|im_end|>\n"
         "<|im_start|>assistant\n"
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call><|im_end|>\n'

@@ -294,7 +294,9 @@ def test_from_engine_overloaded_is_429_with_retry_after() -> None:
     err = from_engine(EngineOverloaded("server overloaded: 3 requests waiting", retry_after=2.4))
     assert err.status == 429
     assert err.headers == {"Retry-After": "2"}
-    assert err.body() == {"error": {"message": "server overloaded: 3 requests waiting", "type": "rate_limit_error", "param": None, "code": "server_overloaded"}}
+    assert err.body() == {
+        "error": {"message": "server overloaded: 3 requests waiting", "type": "rate_limit_error", "param": None, "code": "server_overloaded"}
+    }
     assert from_engine(EngineOverloaded("x", retry_after=0.1)).headers == {"Retry-After": "1"}  # never 0
 
 

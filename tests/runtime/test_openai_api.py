@@ -66,9 +66,7 @@ def oai(tiny_server) -> openai.OpenAI:
 
 def test_non_streamed_completion_shape(tiny_server, oai):
     before = time.time()
-    r = oai.chat.completions.create(
-        model=MODEL, messages=USER, max_tokens=8, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
-    )
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
     assert r.id.startswith("chatcmpl-") and len(r.id) > len("chatcmpl-")
     assert r.object == "chat.completion"
     assert isinstance(r.created, int) and before - 5 <= r.created <= time.time() + 5
@@ -187,9 +185,7 @@ def test_stream_without_include_usage_has_no_usage(tiny_server):
 
 
 def test_n2_non_streamed(oai):
-    r = oai.chat.completions.create(
-        model=MODEL, messages=USER, n=2, max_tokens=12, temperature=1.0, seed=21, extra_body={"ignore_eos": True}
-    )
+    r = oai.chat.completions.create(model=MODEL, messages=USER, n=2, max_tokens=12, temperature=1.0, seed=21, extra_body={"ignore_eos": True})
     assert [c.index for c in r.choices] == [0, 1]
     assert all(c.finish_reason == "length" and c.message.role == "assistant" for c in r.choices)
     assert r.choices[0].message.content != r.choices[1].message.content  # each choice samples on its own
@@ -277,9 +273,7 @@ def test_no_logprobs_unless_asked(oai):
 
 def test_seed_reproducibility(oai):
     def run(seed: int) -> str:
-        r = oai.chat.completions.create(
-            model=MODEL, messages=USER, max_tokens=32, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}
-        )
+        r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=32, temperature=1.0, seed=seed, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 32
         return r.choices[0].message.content
 
@@ -368,11 +362,7 @@ def test_tool_choice_named(oai, name):
 
 
 def test_tool_choice_required_streamed(tiny_server, oai):
-    chunks = list(
-        oai.chat.completions.create(
-            model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=120, seed=6, stream=True
-        )
-    )
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=120, seed=6, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas, "no tool_calls deltas"
@@ -462,9 +452,7 @@ def test_response_format_json_schema(oai, seed):
 def test_response_format_json_schema_streamed(tiny_server):
     sse = stream_chat(
         tiny_server,
-        chat_body(
-            max_tokens=120, seed=9, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
-        ),
+        chat_body(max_tokens=120, seed=9, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}),
     )
     assert sse.done
     jsonschema.validate(json.loads(sse.content()), ANSWER)
@@ -473,15 +461,11 @@ def test_response_format_json_schema_streamed(tiny_server):
 
 def test_response_format_json_object(oai):
     # greedy is deterministic and finishes; sampled output must parse whenever it finished on its own
-    r = oai.chat.completions.create(
-        model=MODEL, messages=USER, max_tokens=300, temperature=0, response_format={"type": "json_object"}
-    )
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=300, temperature=0, response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     for seed in (1, 2):
-        r = oai.chat.completions.create(
-            model=MODEL, messages=USER, max_tokens=300, seed=seed, response_format={"type": "json_object"}
-        )
+        r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=300, seed=seed, response_format={"type": "json_object"})
         text = r.choices[0].message.content
         assert text.lstrip().startswith("{")
         if r.choices[0].finish_reason == "stop":
@@ -600,9 +584,7 @@ def test_request_ids(tiny_server):
     assert post_chat(tiny_server, chat_body(max_tokens=1), headers={"x-request-id": mine}).headers["x-request-id"] == mine
     err = post_chat(tiny_server, chat_body(model="nope"), headers={"x-request-id": "err-req-7"})
     assert err.status_code == 404 and err.headers["x-request-id"] == "err-req-7"
-    assert (
-        httpx.get(tiny_server.base_url + "/health", headers={"x-request-id": "h-1"}, timeout=30).headers["x-request-id"] == "h-1"
-    )
+    assert httpx.get(tiny_server.base_url + "/health", headers={"x-request-id": "h-1"}, timeout=30).headers["x-request-id"] == "h-1"
     sse_headers = stream_chat(tiny_server, chat_body(max_tokens=1)).headers
     assert re.fullmatch(r"[0-9a-f]{32}", sse_headers["x-request-id"])
 

@@ -52,9 +52,7 @@ def test_greedy_answer_and_stream_match(smol):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert "<|im_end|>" not in choice.message.content
 
-    sse = stream_chat(
-        smol, {"model": NAME, "messages": QUESTION, "temperature": 0, "max_tokens": 24, "stream_options": {"include_usage": True}}
-    )
+    sse = stream_chat(smol, {"model": NAME, "messages": QUESTION, "temperature": 0, "max_tokens": 24, "stream_options": {"include_usage": True}})
     assert sse.status == 200 and sse.done
     assert sse.content() == choice.message.content
     assert sse.choice_events()[-1]["choices"][0]["finish_reason"] == "stop"

@@ -1,5 +1,6 @@
 """Tests for runtime.tool_parsers, using strings in the formats models really emit."""
 
+import dataclasses
 import json
 import re
 
@@ -59,7 +60,7 @@ def test_get_parser_unknown_name_lists_known_names():
         ("mistral", "{{ '[TOOL_CALLS] [' }}{% for t in tool_calls %}", "mistral"),
         ("mistral", "[INST] {{ message['content'] }} [/INST]", "qwen25"),
         ("llama4", "{{- '<|python_start|>' }}", "pythonic"),
-        ("qwen2", "<tool_call>\n{\"name\": ...}\n</tool_call>", "qwen25"),
+        ("qwen2", '<tool_call>\n{"name": ...}\n</tool_call>', "qwen25"),
         ("llama", None, "qwen25"),  # e.g. SmolLM2: no tool section in its template
         (None, None, "qwen25"),
     ],
@@ -70,7 +71,7 @@ def test_parser_for_model(model_type, template, expected):
 
 def test_results_are_frozen():
     call = ParsedToolCall("f", "{}", new_call_id())
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         call.name = "g"
 
 
