@@ -21,13 +21,13 @@ from typing import Any, get_args, get_origin
 import structlog
 import uvicorn
 
-from runtime.settings import EngineSettings, ServerSettings, Settings, load_config_file, short_env_overrides
+from runtime.settings import EngineSettings, RecorderSettings, ServerSettings, Settings, load_config_file, short_env_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="serve.py", description="loopwise: OpenAI-compatible serving with an online learning loop")
     parser.add_argument("--config", type=Path, help="TOML or JSON config file (sections [server] and [engine])")
-    for section, model in (("server", ServerSettings), ("engine", EngineSettings)):
+    for section, model in (("server", ServerSettings), ("engine", EngineSettings), ("recorder", RecorderSettings)):
         group = parser.add_argument_group(section)
         for name, field in model.model_fields.items():
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
             help_text = f"{field.description} (default: {field.default})"
             if get_origin(field.annotation) is tuple:
                 kwargs["action"] = "append"
+            elif field.annotation is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
             elif get_origin(field.annotation) is not None and set(get_args(field.annotation)) <= {str} and get_args(field.annotation):
                 kwargs["choices"] = get_args(field.annotation)
             group.add_argument(flag, help=help_text, **kwargs)
@@ -53,8 +55,8 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
     # flags (and short env names) > LOOPWISE_* env vars > config file > defaults.
     env_settings = Settings()
     merged = {
-        "server": {**file_data.get("server", {}), **env_settings.server.model_dump(exclude_unset=True), **data.get("server", {})},
-        "engine": {**file_data.get("engine", {}), **env_settings.engine.model_dump(exclude_unset=True), **data.get("engine", {})},
+        section: {**file_data.get(section, {}), **getattr(env_settings, section).model_dump(exclude_unset=True), **data.get(section, {})}
+        for section in ("server", "engine", "recorder")
     }
     return Settings.model_validate(merged)
 
@@ -122,7 +124,14 @@ def main(argv: list[str] | None = None) -> None:
         on_step=lambda rows: holder["m"].on_step(rows),
     )
     holder["m"] = Metrics(engine.stats)
-    app = create_app(server, settings.engine, engine, model_id, metrics=holder["m"])
+    recorder = None
+    if settings.recorder.record:
+        from learner.store import SqliteStore, db_path
+        from runtime.recorder import Recorder
+
+        store = SqliteStore(db_path(server.data_dir), synchronous_full=settings.recorder.durability == "sync")
+        recorder = Recorder(store, durability=settings.recorder.durability, queue_size=settings.recorder.queue_size, metrics=holder["m"])
+    app = create_app(server, settings.engine, engine, model_id, metrics=holder["m"], recorder=recorder, recorder_settings=settings.recorder)
 
     sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

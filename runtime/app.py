@@ -36,15 +36,27 @@ from runtime.engine import Engine, EngineError
 from runtime.errors import APIError, from_engine, from_validation
 from runtime.metrics import Metrics
 from runtime.openai_schemas import ChatCompletionRequest
+from runtime.recorder import Recorder
 from runtime.serving_chat import ChatService
-from runtime.settings import EngineSettings, ServerSettings
+from runtime.settings import EngineSettings, RecorderSettings, ServerSettings
+from runtime.store_routes import install_store_routes, prune_forever, session_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def create_app(server: ServerSettings, engine_settings: EngineSettings, engine: Engine, model_id: str, *, metrics: Metrics | None = None) -> FastAPI:
+def create_app(
+    server: ServerSettings,
+    engine_settings: EngineSettings,
+    engine: Engine,
+    model_id: str,
+    *,
+    metrics: Metrics | None = None,
+    recorder: Recorder | None = None,
+    recorder_settings: RecorderSettings | None = None,
+) -> FastAPI:
     metrics = metrics or Metrics(engine.stats)
+    recorder_settings = recorder_settings or RecorderSettings(record=recorder is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -52,14 +64,28 @@ def create_app(server: ServerSettings, engine_settings: EngineSettings, engine: 
         tokenizer = getattr(engine, "tokenizer", None)
         model_type = getattr(getattr(getattr(engine, "model", None), "config", None), "model_type", None)
         formatter = ChatFormatter(tokenizer, model_type=model_type, parser=server.tool_call_parser)
-        app.state.chat = ChatService(engine, formatter, model_id, engine_settings.default_max_tokens, metrics)
+        app.state.chat = ChatService(engine, formatter, model_id, engine_settings.default_max_tokens, metrics, recorder=recorder)
+        retention: asyncio.Task[None] | None = None
+        if recorder is not None:
+            recorder.start()
+            if recorder_settings.retention_days:
+                retention = asyncio.create_task(prune_forever(recorder, recorder_settings.retention_days))
         app.state.ready = True
-        log.info("serving model %s (tool-call parser %s)", model_id, formatter.parser_name)
+        log.info(
+            "serving model %s (tool-call parser %s, recording %s)",
+            model_id,
+            formatter.parser_name,
+            recorder_settings.durability if recorder else "off",
+        )
         try:
             yield
         finally:
             app.state.ready = False
+            if retention is not None:
+                retention.cancel()
             await engine.close()
+            if recorder is not None:
+                await asyncio.to_thread(recorder.close)  # writes everything still queued
 
     app = FastAPI(title="loopwise", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
@@ -68,6 +94,7 @@ def create_app(server: ServerSettings, engine_settings: EngineSettings, engine: 
     app.state.ready = False
     app.state.created = int(time.time())
     _install_error_handlers(app)
+    install_store_routes(app, recorder, server.admin_key)
 
     @app.middleware("http")
     async def request_context(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -105,16 +132,20 @@ def create_app(server: ServerSettings, engine_settings: EngineSettings, engine: 
         svc: ChatService = request.app.state.chat
         rid = request.state.request_id
         try:
-            prep = svc.prepare(req, rid)
+            prep = svc.prepare(req, rid, session_of(request, req.user))
             if req.stream:
                 opened = await svc.open_streams(prep)
-                return StreamingResponse(svc.stream(req, prep, opened), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                headers = {"Cache-Control": "no-cache", **prep.headers()}
+                return StreamingResponse(svc.stream(req, prep, opened), media_type="text/event-stream", headers=headers)
             completion = await _unless_disconnected(request, svc.complete(req, prep))
         except EngineError as exc:
             raise from_engine(exc) from exc
         if completion is None:
             return Response(status_code=499)
-        return JSONResponse(completion.model_dump(exclude_none=False))
+        body = completion.model_dump(exclude_none=False)
+        if body["loopwise"] is None:
+            del body["loopwise"]
+        return JSONResponse(body, headers=prep.headers())
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -11,6 +11,7 @@ Not here: turning messages into tokens (``runtime/chat_format.py``) or calling t
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -254,3 +255,30 @@ class ChatCompletion(_Out):
     system_fingerprint: str | None = None
     choices: list[Choice]
     usage: Usage
+    loopwise: dict[str, Any] | None = None  # ids to attach feedback to (trajectory_id, turn_id, adapter)
+
+
+class FeedbackRequest(_In):
+    """``POST /v1/feedback``: a reward for a completion, turn or trajectory, at any later time."""
+
+    trajectory_id: str | None = None
+    turn_id: str | None = None
+    completion_id: str | None = None
+    reward: float | None = None
+    turn_rewards: dict[str, float] | None = None
+    source: str = Field("feedback", min_length=1, max_length=200)
+    comment: str | None = Field(None, max_length=10_000)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=200)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> FeedbackRequest:
+        targets = [t for t in (self.trajectory_id, self.turn_id, self.completion_id) if t is not None]
+        if len(targets) != 1 and not (not targets and self.turn_rewards):
+            raise FieldError("trajectory_id", "give exactly one of trajectory_id, turn_id or completion_id")
+        if targets and self.reward is None:
+            raise FieldError("reward", "reward is required")
+        values = [self.reward] if self.reward is not None else []
+        values += list((self.turn_rewards or {}).values())
+        if any(not math.isfinite(v) for v in values):
+            raise FieldError("reward", "rewards must be finite numbers")
+        return self

@@ -24,9 +24,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.chat_format import ChatFormatter
+from learner.records import ToolCallRecord, Turn, TurnTimings
+from runtime.chat_format import ChatFormatter, to_plain
 from runtime.constraints import grammar_for
-from runtime.engine import Engine, EngineError, GenerateRequest, GenerateResult, InvalidRequest, SamplingParams, StreamChunk, TokenLogprob
+from runtime.engine import (
+    Engine,
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+    InvalidRequest,
+    SamplingParams,
+    StreamChunk,
+    Timings,
+    TokenLogprob,
+)
 from runtime.metrics import Metrics
 from runtime.openai_schemas import (
     ChatCompletion,
@@ -43,6 +54,7 @@ from runtime.openai_schemas import (
 from runtime.openai_schemas import (
     ChatCompletionRequest as _Req,
 )
+from runtime.recorder import ANONYMOUS, Recorder, TurnSlot, messages_key
 from runtime.token_bytes import token_bytes_fn
 from runtime.tool_parsers import ParseResult, get_parser
 
@@ -57,11 +69,40 @@ class Prepared:
     engine_reqs: list[GenerateRequest]
     tool_names: set[str] | None  # None: tool calls are not parsed (no tools, or tool_choice none)
     forced_tool: bool  # tool_choice required / named: the whole output is one call
+    messages: list[dict[str, Any]]  # the request's messages as chat-template dicts
+    slots: list[TurnSlot] | None  # recorded turn ids per choice; None when recording is off
+
+    def loopwise(self, adapter: str | None = None) -> dict[str, Any] | None:
+        """The ``loopwise`` response field: ids to attach feedback to (choice 0, and every choice when n > 1)."""
+        if self.slots is None:
+            return None
+        first = self.slots[0]
+        out: dict[str, Any] = {"trajectory_id": first.trajectory_id, "turn_id": first.turn_id, "adapter": adapter}
+        if len(self.slots) > 1:
+            out["choices"] = [{"index": i, "trajectory_id": s.trajectory_id, "turn_id": s.turn_id} for i, s in enumerate(self.slots)]
+        return out
+
+    def headers(self) -> dict[str, str]:
+        if self.slots is None:
+            return {}
+        return {
+            "X-Loopwise-Trajectory-Id": ",".join(s.trajectory_id for s in self.slots),
+            "X-Loopwise-Turn-Id": ",".join(s.turn_id for s in self.slots),
+        }
 
 
 class ChatService:
-    def __init__(self, engine: Engine, formatter: ChatFormatter, model_id: str, default_max_tokens: int, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        formatter: ChatFormatter,
+        model_id: str,
+        default_max_tokens: int,
+        metrics: Metrics,
+        recorder: Recorder | None = None,
+    ) -> None:
         self.engine = engine
+        self.recorder = recorder
         self.formatter = formatter
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
@@ -71,7 +112,7 @@ class ChatService:
         self._bytes = token_bytes_fn(formatter.tokenizer)
 
     # ---- preparation -----------------------------------------------------------------------
-    def prepare(self, req: ChatCompletionRequest, request_id: str) -> Prepared:
+    def prepare(self, req: ChatCompletionRequest, request_id: str, session_id: str = ANONYMOUS) -> Prepared:
         tools_on = bool(req.tools) and req.tool_choice != "none"
         prompt = self.formatter.render(req.messages, req.tools if tools_on else None)
         prompt_len = len(prompt.token_ids)
@@ -107,7 +148,7 @@ class ChatService:
                 stop=stop,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
-                logprobs=req.logprobs,
+                logprobs=req.logprobs or self.recorder is not None,  # recorded turns always keep logprobs
                 top_logprobs=req.top_logprobs or 0,
                 grammar=grammar,
             )
@@ -115,6 +156,7 @@ class ChatService:
         forced = tools_on and (req.tool_choice == "required" or not isinstance(req.tool_choice, str | None))
         names = {t.function.name for t in req.tools} if tools_on and req.tools else None
         self.metrics.prompt_tokens.inc(prompt_len * req.n)
+        plain = [to_plain(m, i) for i, m in enumerate(req.messages)]
         return Prepared(
             completion_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
             created=int(time.time()),
@@ -122,6 +164,47 @@ class ChatService:
             engine_reqs=reqs,
             tool_names=names,
             forced_tool=forced,
+            messages=plain,
+            slots=self.recorder.assign(session_id, plain, req.n) if self.recorder is not None else None,
+        )
+
+    def _turn(self, prep: Prepared, i: int, res: GenerateResult, content: str | None, calls: list[ToolCall], finish: str) -> Turn:
+        """The record of choice ``i``: exact prompt ids, output ids and logprobs as the engine gave them."""
+        assert prep.slots is not None
+        slot = prep.slots[i]
+        sp = prep.engine_reqs[i].sampling
+        reply: dict[str, Any] = {"role": "assistant", "content": content or ""}
+        if calls:
+            reply["tool_calls"] = [c.model_dump() for c in calls]
+        return Turn(
+            turn_id=slot.turn_id,
+            trajectory_id=slot.trajectory_id,
+            session_id=slot.session_id,
+            index=slot.index,
+            parent_turn_id=slot.parent_turn_id,
+            completion_id=prep.completion_id,
+            choice_index=i,
+            model=self.model_id,
+            adapter=prep.engine_reqs[i].adapter,
+            context_ids=list(res.prompt_ids),
+            output_ids=list(res.output_ids),
+            logprobs=[lp.logprob for lp in res.logprobs],
+            loss_mask=[1] * len(res.output_ids),
+            sampling={
+                "temperature": sp.temperature,
+                "top_p": sp.top_p,
+                "seed": sp.seed,
+                "max_new_tokens": sp.max_new_tokens,
+                "stop": list(sp.stop),
+                "grammar": sp.grammar.kind if sp.grammar else None,
+            },
+            tool_calls=[ToolCallRecord(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in calls],
+            finish_reason=finish,
+            timings=TurnTimings(queued_s=res.timings.queued_s, ttft_s=res.timings.ttft_s, total_s=res.timings.total_s),
+            messages=prep.messages,
+            output_text=res.text,
+            prefix_key=messages_key(prep.messages),
+            continuation_key=messages_key([*prep.messages, reply]),
         )
 
     # ---- non-streamed ----------------------------------------------------------------------
@@ -134,6 +217,7 @@ class ChatService:
                 t.cancel()
             raise
         choices = []
+        turns: list[Turn] = []
         for i, res in enumerate(results):
             self.metrics.ttft.observe(res.timings.ttft_s)
             parsed = self._parse(res.text, prep)
@@ -146,6 +230,11 @@ class ChatService:
             )
             logprobs = ChoiceLogprobs(content=self._logprobs(res.logprobs, res.matched_stop)) if req.logprobs else None
             choices.append(Choice(index=i, message=message, logprobs=logprobs, finish_reason=_openai_finish(finish)))
+            if self.recorder is not None:
+                turns.append(self._turn(prep, i, res, message.content, message.tool_calls or [], _openai_finish(finish)))
+        if turns:
+            assert self.recorder is not None
+            await self.recorder.record(turns)
         completion_tokens = sum(len(r.output_ids) for r in results)
         prompt_tokens = len(prep.prompt_ids)
         return ChatCompletion(
@@ -154,6 +243,7 @@ class ChatService:
             model=req.model,
             choices=choices,
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens),
+            loopwise=prep.loopwise(),
         )
 
     def _parse(self, text: str, prep: Prepared) -> ParseResult:
@@ -194,6 +284,7 @@ class ChatService:
         states = [_ChoiceStream(i, prep, self) for i in range(len(opened))]
         tasks = [asyncio.create_task(pump(i, it, first)) for i, (it, first) in enumerate(opened)]
         completion_tokens = 0
+        finals: list[dict[str, Any]] = []
         try:
             for st in states:
                 yield self._sse(
@@ -214,7 +305,20 @@ class ChatService:
                     continue
                 completion_tokens += len(item.token_ids)
                 for choice in states[index].feed(item, req.logprobs):
-                    yield self._sse(prep, req, [choice], include_usage)
+                    if choice["finish_reason"] is not None:
+                        finals.append(choice)  # sent after the turns are recorded (sync durability)
+                    else:
+                        yield self._sse(prep, req, [choice], include_usage)
+            if self.recorder is not None and all(st.result is not None for st in states):
+                await self.recorder.record([self._turn(prep, st.index, st.result, st.content, st.calls, st.finish) for st in states])  # type: ignore[arg-type]
+            ids = prep.loopwise()
+            for choice in sorted(finals, key=lambda c: c["index"]):
+                body = {**self._envelope(prep, req), "choices": [choice]}
+                if include_usage:
+                    body["usage"] = None
+                if ids is not None:
+                    body["loopwise"] = ids
+                yield _sse_raw(body)
             if include_usage:
                 p = len(prep.prompt_ids)
                 usage = {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
@@ -261,8 +365,37 @@ class _ChoiceStream:
         self.text = ""  # all text generated so far
         self.shown = 0  # chars of self.text sent as content
         self.in_call = False
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.content = ""  # content the client received
+        self.calls: list[ToolCall] = []
+        self.finish = ""
+        self.result: GenerateResult | None = None  # set at the end, for recording
 
     def feed(self, chunk: StreamChunk, want_logprobs: bool) -> list[dict[str, Any]]:
+        out = self._deltas(chunk, want_logprobs)
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        for c in out:
+            self.content += c["delta"].get("content") or ""
+            for call in c["delta"].get("tool_calls") or []:
+                self.calls.append(_tool_call(call["id"], call["function"]["name"], call["function"]["arguments"]))
+            if c["finish_reason"] is not None:
+                self.finish = c["finish_reason"]
+                req = self.prep.engine_reqs[self.index]
+                self.result = GenerateResult(
+                    request_id=req.request_id,
+                    prompt_ids=req.input_ids,
+                    output_ids=tuple(self.token_ids),
+                    text=self.text,
+                    finish_reason=chunk.finish_reason or "stop",
+                    logprobs=tuple(self.logprobs),
+                    matched_stop=chunk.matched_stop,
+                    timings=chunk.timings or Timings(),
+                )
+        return out
+
+    def _deltas(self, chunk: StreamChunk, want_logprobs: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         self.text += chunk.text
         lps = ChoiceLogprobs(content=self.svc._logprobs(chunk.logprobs, chunk.matched_stop)).model_dump() if want_logprobs else None

@@ -62,12 +62,22 @@ class EngineSettings(_Frozen):
     default_max_tokens: int = Field(1024, ge=1, description="completion length when a request gives no max_tokens")
 
 
+class RecorderSettings(_Frozen):
+    record: bool = Field(True, description="record every turn (exact tokens) in the interaction store under --data-dir")
+    durability: Literal["async", "sync"] = Field(
+        "async", description="async: group commit within 50 ms; sync: a response is sent only after its turn is committed"
+    )
+    queue_size: int = Field(1024, ge=1, description="turns waiting to be written before requests wait (backpressure)")
+    retention_days: float | None = Field(None, gt=0, description="prune unrewarded turns older than this many days")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOPWISE_", env_nested_delimiter="__", frozen=True, extra="forbid")
 
     config: Path | None = Field(None, description="optional TOML or JSON config file")
     server: ServerSettings = Field(default_factory=ServerSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    recorder: RecorderSettings = Field(default_factory=RecorderSettings)
 
     @classmethod
     def settings_customise_sources(

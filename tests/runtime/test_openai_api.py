@@ -88,7 +88,7 @@ def test_non_streamed_completion_shape(tiny_server, oai):
     assert raw.status_code == 200
     assert raw.headers["content-type"] == "application/json"
     body = raw.json()
-    assert set(body) == {"id", "object", "created", "model", "system_fingerprint", "choices", "usage"}
+    assert set(body) == {"id", "object", "created", "model", "system_fingerprint", "choices", "usage", "loopwise"}
     assert set(body["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
     assert body["choices"][0]["message"]["content"] == choice.message.content  # seeded: same text
     assert body["usage"] == {
@@ -149,7 +149,10 @@ def test_stream_raw_sse_with_include_usage(tiny_server):
     assert sse.headers["content-type"].startswith("text/event-stream")
     assert sse.done, "stream must end with data: [DONE]"
     events = sse.events
-    assert all(set(e) == {"id", "object", "created", "model", "system_fingerprint", "choices", "usage"} for e in events)
+    base_keys = {"id", "object", "created", "model", "system_fingerprint", "choices", "usage"}
+    finish_chunks = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert all(set(e) == base_keys for e in events if e not in finish_chunks)
+    assert all(set(e) == base_keys | {"loopwise"} for e in finish_chunks)  # the recorded ids ride on the finish chunk
     assert len({e["id"] for e in events}) == 1 and len({e["created"] for e in events}) == 1
     assert all(e["object"] == "chat.completion.chunk" and e["model"] == MODEL for e in events)
     # every chunk has usage null except the final one, which has no choices

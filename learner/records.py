@@ -1,0 +1,120 @@
+"""The wire types of recorded interactions: sessions, trajectories, turns and rewards (pydantic only).
+
+These are the contract between the runtime (which writes them), the interaction store (which keeps
+them) and the learner (which trains on them). Importing this module never imports torch.
+
+A **turn** is one engine call: the exact context token ids the engine was given, the output token ids
+it produced (including a final eos), their sampling logprobs and a loss mask (1 = a model token to
+train on). Training never re-tokenizes ``messages``/``output_text``; those are for people to read.
+A **trajectory** is a chain of turns of one conversation (see ``runtime/recorder.py`` for stitching);
+``parent_turn_id`` links a turn to the turn it continues, also across branches.
+A **reward** targets a turn or a trajectory and says where it came from (``feedback``,
+``verifier:<name>``, ``self-verdict``, ...).
+
+Not here: storage (``learner/store.py``) or how samples are built for training.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ToolCallRecord(_Record):
+    id: str
+    name: str
+    arguments: str  # the JSON string as returned to the client
+
+
+class TurnTimings(_Record):
+    queued_s: float = 0.0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+class Turn(_Record):
+    turn_id: str
+    trajectory_id: str
+    session_id: str
+    index: int = Field(ge=0, description="position of this turn in its trajectory")
+    parent_turn_id: str | None = None
+    completion_id: str
+    choice_index: int = 0
+    created_at: float = Field(default_factory=time.time)
+    model: str
+    adapter: str | None = None  # the adapter version that produced it; None = the base model
+    context_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    tool_calls: list[ToolCallRecord] = Field(default_factory=list)
+    finish_reason: str
+    timings: TurnTimings = Field(default_factory=TurnTimings)
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    output_text: str = ""
+    continuation_key: str = ""  # hash of messages + this turn's reply, for stitching the next request
+    prefix_key: str = ""  # hash of the messages this turn answered
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Turn:
+        n = len(self.output_ids)
+        if len(self.loss_mask) != n or (self.logprobs and len(self.logprobs) != n):
+            raise ValueError(f"output_ids ({n}), logprobs ({len(self.logprobs)}) and loss_mask ({len(self.loss_mask)}) must align")
+        return self
+
+
+class Trajectory(_Record):
+    trajectory_id: str
+    session_id: str
+    created_at: float = Field(default_factory=time.time)
+    turns: list[Turn] = Field(default_factory=list)
+    rewards: list[Reward] = Field(default_factory=list)
+
+
+class Session(_Record):
+    session_id: str  # the client's session key (``user`` field or ``X-Session-Id``), or a generated ``anon-…``
+    created_at: float = Field(default_factory=time.time)
+
+
+class Reward(_Record):
+    reward_id: str = Field(default_factory=lambda: new_id("rwd"))
+    target: Literal["turn", "trajectory"]
+    target_id: str
+    value: float
+    source: str = "feedback"
+    created_at: float = Field(default_factory=time.time)
+    comment: str | None = None
+    idempotency_key: str | None = None
+
+    @field_validator("value")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("reward must be a finite number")
+        return v
+
+
+Trajectory.model_rebuild()
+
+
+class TurnRef(_Record):
+    """Where a recorded turn sits, for stitching the next request onto it."""
+
+    turn_id: str
+    trajectory_id: str
+    session_id: str
+    index: int
+    has_successor: bool  # a later turn already continues it (a new continuation is a branch)

@@ -1,0 +1,467 @@
+"""The SQLite interaction store: round trips, atomic batches, WAL + concurrent reads, rewards, stitching
+lookups, listing, secure deletion, pruning, migrations, and the ``python -m learner export`` CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from learner import store as store_mod
+from learner.records import Reward, ToolCallRecord, Turn, TurnTimings
+from learner.store import MIGRATIONS, SCHEMA_VERSION, SqliteStore, UnknownTarget, db_path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def make_turn(
+    i: int,
+    *,
+    session: str = "sess-a",
+    trajectory: str = "traj-a",
+    index: int = 0,
+    parent: str | None = None,
+    created_at: float | None = None,
+    ckey: str = "",
+    content: str = "hello",
+    completion: str | None = None,
+    choice: int = 0,
+    context_len: int = 200,
+    output_len: int = 64,
+) -> Turn:
+    rng = random.Random(i)
+    return Turn(
+        turn_id=f"turn-{i}",
+        trajectory_id=trajectory,
+        session_id=session,
+        index=index,
+        parent_turn_id=parent,
+        completion_id=completion or f"cmpl-{i}",
+        choice_index=choice,
+        created_at=1_000.0 + i if created_at is None else created_at,
+        model="tiny",
+        adapter=None if i % 2 else "lora-v3",
+        context_ids=[rng.randrange(2**31 - 1) for _ in range(context_len)],
+        output_ids=[rng.randrange(50_000) for _ in range(output_len)],
+        logprobs=[f32(-rng.random() * 8) for _ in range(output_len)],
+        loss_mask=[rng.randrange(2) for _ in range(output_len)],
+        sampling={"temperature": 0.7, "seed": i},
+        tool_calls=[ToolCallRecord(id=f"call-{i}", name="calc", arguments='{"x": 1}')] if i % 3 == 0 else [],
+        finish_reason="stop",
+        timings=TurnTimings(queued_s=0.5, ttft_s=0.25, total_s=1.5),
+        messages=[{"role": "user", "content": content}],
+        output_text=f"reply {i} ✓",
+        continuation_key=ckey,
+        prefix_key=f"pk-{i}",
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = SqliteStore(tmp_path / "nested" / "interactions.db")
+    yield s
+    s.close()
+
+
+# -- basics ----------------------------------------------------------------------------------------------
+
+
+def test_creates_parent_dirs_wal_mode_and_latest_version(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "x.db"
+    s = SqliteStore(path)
+    assert path.is_file()
+    conn = s._conn()
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+    assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
+    assert conn.execute("PRAGMA secure_delete").fetchone()[0] == 1
+    assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 4000
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 2
+    assert s.integrity_check() == "ok"
+    s.close()
+    full = SqliteStore(path, synchronous_full=True)
+    assert full._conn().execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    full.close()
+    # WAL mode is a property of the file: a plain connection sees it too
+    raw = sqlite3.connect(path)
+    assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    raw.close()
+
+
+def test_db_path_default_name() -> None:
+    assert store_mod.DEFAULT_DB_NAME == "interactions.db"
+    assert db_path(Path(".data")) == Path(".data") / "interactions.db"
+
+
+def test_round_trip_exact(store: SqliteStore) -> None:
+    turns = [make_turn(i, index=i, parent=f"turn-{i - 1}" if i else None) for i in range(5)]
+    turns.append(make_turn(99, output_len=0, context_len=1).model_copy(update={"logprobs": []}))  # empty output
+    store.append_turns(turns)
+    for t in turns:
+        got = store.get_turn(t.turn_id)
+        assert got == t  # every field, token ids and float32 logprobs bit for bit
+        assert got.context_ids == t.context_ids and max(t.context_ids or [0]) < 2**31
+    assert store.get_turn("turn-missing") is None
+    assert store.turn_exists("turn-3") and not store.turn_exists("nope")
+    assert store.trajectory_exists("traj-a") and not store.trajectory_exists("traj-nope")
+    assert store.stats() == {"sessions": 1, "trajectories": 1, "turns": 6, "rewards": 0}
+
+
+def test_token_columns_are_packed_arrays_not_json(store: SqliteStore) -> None:
+    t = make_turn(1)
+    store.append_turns([t])
+    ctx, out, lp, mask, sampling = store._conn().execute("SELECT context_ids, output_ids, logprobs, loss_mask, sampling FROM turns").fetchone()
+    assert isinstance(ctx, bytes) and len(ctx) == 4 * 200
+    assert len(out) == 4 * 64 and len(lp) == 4 * 64 and len(mask) == 64
+    assert struct.unpack("<200i", ctx) == tuple(t.context_ids)  # little-endian int32
+    assert json.loads(sampling) == {"temperature": 0.7, "seed": 1}
+
+
+def test_arbitrary_floats_come_back_at_float32_precision(store: SqliteStore) -> None:
+    values = [-0.1, -1e-7, -3.141592653589793, -123.456789]
+    t = make_turn(1, output_len=4).model_copy(update={"logprobs": values})
+    store.append_turns([t])
+    got = store.get_turn("turn-1").logprobs
+    for a, b in zip(got, values, strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_append_is_append_only_and_idempotent(store: SqliteStore) -> None:
+    t = make_turn(1, content="first")
+    store.append_turns([t])
+    store.append_turns([t.model_copy(update={"messages": [{"role": "user", "content": "changed"}]})])  # same id again
+    assert store.get_turn("turn-1").messages == [{"role": "user", "content": "first"}]  # never updated
+    assert store.stats()["turns"] == 1
+
+
+def test_batch_is_atomic(store: SqliteStore) -> None:
+    store.append_turns([make_turn(0, session="sess-0", trajectory="traj-0")])
+    good = [make_turn(i, session="sess-new", trajectory="traj-new", index=i) for i in range(1, 6)]
+    bad = make_turn(6, session="sess-new", trajectory="traj-new").model_copy(update={"context_ids": [1, 2**40]})  # not int32
+    with pytest.raises(OverflowError):
+        store.append_turns([*good, bad, make_turn(7, session="sess-new", trajectory="traj-new")])
+    # nothing of the failed batch, not even its session/trajectory rows (inserted before the turns)
+    assert store.stats() == {"sessions": 1, "trajectories": 1, "turns": 1, "rewards": 0}
+    assert not store.trajectory_exists("traj-new") and not store.turn_exists("turn-1")
+    assert not store._conn().in_transaction
+    store.append_turns(good)  # the store is still usable
+    assert store.stats()["turns"] == 6
+
+
+def test_concurrent_reads_while_a_writer_thread_appends(store: SqliteStore) -> None:
+    batches, size = 40, 64
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            for b in range(batches):
+                store.append_turns([make_turn(b * size + i, trajectory=f"traj-{b}", index=i, context_len=50, output_len=8) for i in range(size)])
+                time.sleep(0.002)
+        except BaseException as e:
+            errors.append(e)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    seen: list[int] = []
+    while th.is_alive():
+        st = store.stats()
+        seen.append(st["turns"])
+        assert st["turns"] % size == 0  # a batch is visible whole or not at all
+        assert st["trajectories"] == st["turns"] // size
+        listed = store.list_trajectories(limit=3)
+        assert all(x["turns"] == size for x in listed)
+    th.join()
+    assert not errors
+    assert seen == sorted(seen)
+    assert any(0 < n < batches * size for n in seen), seen  # reads really happened during the writes
+    assert store.stats()["turns"] == batches * size
+    assert store.integrity_check() == "ok"
+
+
+# -- rewards --------------------------------------------------------------------------------------------
+
+
+def test_rewards_idempotency_and_unknown_target(store: SqliteStore) -> None:
+    store.append_turns([make_turn(1), make_turn(2, index=1, parent="turn-1")])
+    r1, created = store.add_reward(Reward(target="turn", target_id="turn-1", value=0.5, source="verifier:math", idempotency_key="k1"))
+    assert created
+    again, created = store.add_reward(Reward(target="turn", target_id="turn-1", value=-9.0, idempotency_key="k1"))
+    assert not created and again == r1 and again.value == 0.5
+    r2, created = store.add_reward(Reward(target="trajectory", target_id="traj-a", value=1.0, comment="good"))
+    assert created
+    with pytest.raises(UnknownTarget):
+        store.add_reward(Reward(target="turn", target_id="turn-nope", value=1.0))
+    with pytest.raises(UnknownTarget):
+        store.add_reward(Reward(target="trajectory", target_id="turn-1", value=1.0))  # a turn id is not a trajectory
+    with pytest.raises(LookupError):
+        store.add_reward(Reward(target="turn", target_id="traj-a", value=1.0))
+    assert store.stats()["rewards"] == 2
+    traj = store.get_trajectory("traj-a")
+    assert [t.turn_id for t in traj.turns] == ["turn-1", "turn-2"]
+    assert {r.reward_id for r in traj.rewards} == {r1.reward_id, r2.reward_id}
+    assert traj.rewards[0] == r1  # the full record round-trips
+
+
+def test_idempotency_key_is_unique_in_the_schema(store: SqliteStore) -> None:
+    store.append_turns([make_turn(1)])
+    store.add_reward(Reward(target="turn", target_id="turn-1", value=1.0, idempotency_key="dup"))
+    with pytest.raises(sqlite3.IntegrityError):
+        store._conn().execute(
+            "INSERT INTO rewards (reward_id, target, target_id, value, source, created_at, idempotency_key)"
+            " VALUES ('x', 'turn', 'turn-1', 1, 's', 0, 'dup')"
+        )
+
+
+# -- stitching lookups -----------------------------------------------------------------------------------
+
+
+def test_find_continuation_and_has_successor(store: SqliteStore) -> None:
+    store.append_turns([make_turn(1, ckey="c1", index=0), make_turn(2, ckey="c2", index=1, parent="turn-1")])
+    ref = store.find_continuation("sess-a", "c1")
+    assert ref is not None and ref.turn_id == "turn-1" and ref.index == 0 and ref.trajectory_id == "traj-a"
+    assert ref.has_successor  # turn-2 continues it in the same trajectory
+    ref2 = store.find_continuation("sess-a", "c2")
+    assert ref2.turn_id == "turn-2" and ref2.index == 1 and not ref2.has_successor
+    assert store.find_continuation("sess-other", "c1") is None  # scoped to the session
+    assert store.find_continuation("sess-a", "nope") is None
+    # a child in ANOTHER trajectory (a branch) does not count as a successor
+    store.append_turns([make_turn(3, ckey="c3", trajectory="traj-b", index=2, parent="turn-2")])
+    assert not store.find_continuation("sess-a", "c2").has_successor
+    # several matches: the newest wins
+    store.append_turns([make_turn(4, ckey="same", created_at=5000.0), make_turn(5, ckey="same", created_at=6000.0, trajectory="traj-c")])
+    assert store.find_continuation("sess-a", "same").turn_id == "turn-5"
+
+
+def test_turns_for_completion_ordered_by_choice(store: SqliteStore) -> None:
+    choices = [make_turn(i, completion="cmpl-n", choice=c, trajectory=f"traj-{c}") for i, c in [(1, 2), (2, 0), (3, 1)]]
+    store.append_turns([*choices, make_turn(4, completion="other")])
+    assert store.turns_for_completion("cmpl-n") == ["turn-2", "turn-3", "turn-1"]
+    assert store.turns_for_completion("missing") == []
+
+
+# -- listing ---------------------------------------------------------------------------------------------
+
+
+def test_list_trajectories_filters(store: SqliteStore) -> None:
+    for k in range(4):  # traj-k created at 100*k, two turns each
+        store.append_turns([make_turn(10 * k + j, trajectory=f"traj-{k}", index=j, created_at=100.0 * k + j) for j in range(2)])
+    store.add_reward(Reward(target="trajectory", target_id="traj-1", value=1.0))
+    store.add_reward(Reward(target="turn", target_id="turn-31", value=0.0))
+    store.add_reward(Reward(target="turn", target_id="turn-30", value=1.0))
+    everything = store.list_trajectories()
+    assert [x["trajectory_id"] for x in everything] == ["traj-3", "traj-2", "traj-1", "traj-0"]  # newest first
+    assert everything[0] == {"trajectory_id": "traj-3", "session_id": "sess-a", "created_at": 300.0, "turns": 2, "rewards": 2, "last_turn_at": 301.0}
+    assert everything[2]["rewards"] == 1 and everything[3]["rewards"] == 0
+    assert [x["trajectory_id"] for x in store.list_trajectories(limit=2)] == ["traj-3", "traj-2"]
+    assert [x["trajectory_id"] for x in store.list_trajectories(since=100.0)] == ["traj-3", "traj-2", "traj-1"]
+    assert [x["trajectory_id"] for x in store.list_trajectories(rewarded=True)] == ["traj-3", "traj-1"]
+    assert [x["trajectory_id"] for x in store.list_trajectories(rewarded=False)] == ["traj-2", "traj-0"]
+    assert [x["trajectory_id"] for x in store.list_trajectories(rewarded=True, since=200.0)] == ["traj-3"]
+    assert store.get_trajectory("traj-nope") is None
+
+
+def test_iter_samples(store: SqliteStore) -> None:
+    store.append_turns([make_turn(1, index=0), make_turn(2, index=1, parent="turn-1"), make_turn(3, trajectory="traj-b", created_at=5000.0)])
+    store.add_reward(Reward(target="turn", target_id="turn-1", value=0.25, created_at=1.0))
+    store.add_reward(Reward(target="turn", target_id="turn-1", value=0.75, created_at=2.0))
+    store.add_reward(Reward(target="trajectory", target_id="traj-a", value=-1.0))
+    samples = list(store.iter_samples(page_size=2))  # pages really used
+    assert [s["turn_id"] for s in samples] == ["turn-1", "turn-2", "turn-3"]
+    s1 = samples[0]
+    t1 = store.get_turn("turn-1")
+    assert s1["context_ids"] == t1.context_ids and s1["output_ids"] == t1.output_ids
+    assert s1["logprobs"] == t1.logprobs and s1["loss_mask"] == t1.loss_mask
+    assert (s1["index"], s1["adapter"], s1["finish_reason"], s1["session_id"]) == (0, None, "stop", "sess-a")
+    assert s1["reward"] == 0.75 and s1["trajectory_reward"] == -1.0 and len(s1["rewards"]) == 3
+    assert samples[1]["reward"] is None and samples[1]["trajectory_reward"] == -1.0
+    assert samples[2]["reward"] is None and samples[2]["trajectory_reward"] is None and samples[2]["rewards"] == []
+    assert [s["turn_id"] for s in store.iter_samples(rewarded=True)] == ["turn-1", "turn-2"]
+    assert [s["turn_id"] for s in store.iter_samples(rewarded=False)] == ["turn-3"]
+    assert [s["turn_id"] for s in store.iter_samples(since=1002.0)] == ["turn-2", "turn-3"]
+
+
+# -- deletion -------------------------------------------------------------------------------------------
+
+
+def test_delete_session_is_complete_and_overwrites_content(tmp_path: Path) -> None:
+    path = tmp_path / "interactions.db"
+    s = SqliteStore(path)
+    marker = "SECRET-MARKER-7f3a9c"
+    doomed = [make_turn(i, session="sess-doomed", trajectory=f"traj-d{i % 2}", content=marker * 50) for i in range(6)]
+    kept = [make_turn(100 + i, session="sess-kept", trajectory="traj-k", content="keep me") for i in range(3)]
+    s.append_turns(doomed[:3] + kept)
+    s.append_turns(doomed[3:])
+    s.add_reward(Reward(target="turn", target_id="turn-1", value=1.0, idempotency_key="idem-doomed"))
+    s.add_reward(Reward(target="trajectory", target_id="traj-d0", value=1.0))
+    s.add_reward(Reward(target="trajectory", target_id="traj-k", value=1.0))
+    s._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the marker is in the main file now
+    assert marker.encode() in path.read_bytes()
+
+    assert s.delete_session("sess-doomed") == 6
+    conn = s._conn()
+    for table in ("sessions", "trajectories", "turns"):
+        assert conn.execute(f"SELECT COUNT(*) FROM {table} WHERE session_id = 'sess-doomed'").fetchone()[0] == 0
+    assert conn.execute("SELECT COUNT(*) FROM rewards WHERE target_id IN ('turn-1', 'traj-d0') OR idempotency_key = 'idem-doomed'").fetchone()[0] == 0
+    assert s.stats() == {"sessions": 1, "trajectories": 1, "turns": 3, "rewards": 1}
+    assert s.get_trajectory("traj-k").turns[0].messages == [{"role": "user", "content": "keep me"}]
+    assert s.delete_session("sess-doomed") == 0
+    assert s.integrity_check() == "ok"
+    # nothing of the deleted session is left in the file or its WAL
+    wal = path.with_name(path.name + "-wal")
+    raw = path.read_bytes() + (wal.read_bytes() if wal.exists() else b"")
+    assert marker.encode() not in raw
+    assert b"sess-doomed" not in raw
+    s.close()
+
+
+def test_prune_keeps_rewarded_and_recent(store: SqliteStore) -> None:
+    store.append_turns(
+        [
+            make_turn(1, trajectory="traj-old", created_at=10.0),
+            make_turn(2, trajectory="traj-old", index=1, created_at=11.0),
+            make_turn(3, trajectory="traj-turn-rewarded", created_at=10.0),
+            make_turn(4, trajectory="traj-turn-rewarded", index=1, created_at=11.0),
+            make_turn(5, trajectory="traj-traj-rewarded", created_at=10.0),
+            make_turn(6, trajectory="traj-new", created_at=1000.0),
+            make_turn(7, session="sess-old", trajectory="traj-old2", created_at=5.0),
+        ]
+    )
+    store.add_reward(Reward(target="turn", target_id="turn-3", value=1.0))
+    store.add_reward(Reward(target="trajectory", target_id="traj-traj-rewarded", value=1.0))
+    assert store.prune(older_than=100.0) == 4  # turns 1, 2, 4 (its sibling's reward is per turn), 7
+    assert {s["turn_id"] for s in store.iter_samples()} == {"turn-3", "turn-5", "turn-6"}
+    assert not store.trajectory_exists("traj-old") and not store.trajectory_exists("traj-old2")
+    assert store.trajectory_exists("traj-turn-rewarded") and store.trajectory_exists("traj-new")
+    assert store.stats() == {"sessions": 1, "trajectories": 3, "turns": 3, "rewards": 2}  # sess-old is gone
+    assert store.prune(older_than=100.0) == 0
+
+
+# -- migrations -----------------------------------------------------------------------------------------
+
+
+def test_migrates_an_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.db"
+    path.write_bytes(b"")  # version 0
+    s = SqliteStore(path)
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    s.append_turns([make_turn(1)])
+    assert s.get_turn("turn-1") == make_turn(1)
+    s.close()
+    assert SqliteStore(path).stats()["turns"] == 1  # reopening does not migrate again
+
+
+def test_migrates_a_genuine_v1_database(tmp_path: Path) -> None:
+    path = tmp_path / "v1.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    assert store_mod.migrate(conn, MIGRATIONS[:1]) == 1  # the v1-only code path
+    v1_indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert "rewards_idempotency" not in v1_indexes
+    turns = [make_turn(i, index=i) for i in range(3)]
+    conn.executemany(f"INSERT INTO turns ({store_mod.TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [store_mod.turn_row(t) for t in turns])
+    conn.execute("INSERT INTO sessions VALUES ('sess-a', 1.0)")
+    conn.execute("INSERT INTO trajectories VALUES ('traj-a', 'sess-a', 1.0)")
+    cols = store_mod.REWARD_COLUMNS
+    # v1 had no unique index: a racing writer could store one key twice
+    conn.execute(f"INSERT INTO rewards ({cols}) VALUES ('r1', 'turn', 'turn-0', 1.0, 'feedback', 1.0, NULL, 'k')")
+    conn.execute(f"INSERT INTO rewards ({cols}) VALUES ('r2', 'turn', 'turn-1', 0.5, 'feedback', 2.0, 'dup', 'k')")
+    conn.execute(f"INSERT INTO rewards ({cols}) VALUES ('r3', 'trajectory', 'traj-a', -1.0, 'verifier:x', 3.0, NULL, NULL)")
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    conn.close()
+
+    s = SqliteStore(path)
+    c = s._conn()
+    assert c.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert "rewards_idempotency" in {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    for t in turns:
+        assert s.get_turn(t.turn_id) == t  # data intact
+    traj = s.get_trajectory("traj-a")
+    assert [t.turn_id for t in traj.turns] == ["turn-0", "turn-1", "turn-2"]
+    assert [(r.reward_id, r.value, r.idempotency_key) for r in traj.rewards] == [("r1", 1.0, "k"), ("r2", 0.5, None), ("r3", -1.0, None)]
+    assert s.stats() == {"sessions": 1, "trajectories": 1, "turns": 3, "rewards": 3}
+    got, created = s.add_reward(Reward(target="turn", target_id="turn-2", value=9.0, idempotency_key="k"))
+    assert not created and got.reward_id == "r1"
+    assert s.integrity_check() == "ok"
+    s.close()
+
+
+def test_a_failing_migration_leaves_the_previous_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "x.db"
+    SqliteStore(path).close()
+
+    def broken_v3(conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TABLE half_done (x)")
+        raise RuntimeError("boom")
+
+    conn = sqlite3.connect(path, isolation_level=None)
+    with pytest.raises(RuntimeError, match="boom"):
+        store_mod.migrate(conn, [*MIGRATIONS, broken_v3])
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name = 'half_done'").fetchone()[0] == 0  # rolled back
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")  # as if written by a newer loopwise
+    conn.close()
+    with pytest.raises(store_mod.SchemaTooNew):
+        SqliteStore(path)
+
+
+# -- export CLI -----------------------------------------------------------------------------------------
+
+
+def _export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "learner", "export", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_export_cli_jsonl(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    s = SqliteStore(db_path(data_dir))
+    s.append_turns([make_turn(1), make_turn(2, index=1, parent="turn-1"), make_turn(3, trajectory="traj-b", created_at=1_767_225_600.0)])
+    s.add_reward(Reward(target="turn", target_id="turn-2", value=0.5))
+    expected = {t.turn_id: t for t in (s.get_turn(f"turn-{i}") for i in (1, 2, 3))}
+    s.close()
+
+    out = tmp_path / "samples.jsonl"
+    proc = _export("--format", "jsonl", "--data-dir", str(data_dir), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "exported 3 samples" in proc.stderr
+    lines = out.read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len(rows) == 3
+    keys = {"turn_id", "trajectory_id", "session_id", "index", "context_ids", "output_ids", "logprobs", "loss_mask", "adapter", "finish_reason"}
+    keys |= {"created_at", "reward", "trajectory_reward", "rewards"}
+    for row in rows:
+        assert set(row) == keys
+        t = expected[row["turn_id"]]
+        assert row["context_ids"] == t.context_ids and row["output_ids"] == t.output_ids
+        assert row["logprobs"] == t.logprobs and row["loss_mask"] == t.loss_mask
+    assert rows[1]["reward"] == 0.5 and rows[1]["rewards"][0]["source"] == "feedback"
+
+    proc = _export("--format", "jsonl", "--db", str(db_path(data_dir)), "--rewarded")  # stdout
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(x)["turn_id"] for x in proc.stdout.splitlines()] == ["turn-2"]
+
+    proc = _export("--format", "jsonl", "--db", str(db_path(data_dir)), "--since", "2026-01-01T00:00:00")
+    assert [json.loads(x)["turn_id"] for x in proc.stdout.splitlines()] == ["turn-3"]
+    proc = _export("--format", "jsonl", "--db", str(db_path(data_dir)), "--since", "1002")
+    assert [json.loads(x)["turn_id"] for x in proc.stdout.splitlines()] == ["turn-2", "turn-3"]
+
+
+def test_export_cli_errors(tmp_path: Path) -> None:
+    SqliteStore(tmp_path / "interactions.db").close()
+    proc = _export("--format", "parquet", "--data-dir", str(tmp_path))
+    assert proc.returncode == 2 and "unsupported export format 'parquet'" in proc.stderr and "jsonl" in proc.stderr
+    proc = _export("--format", "jsonl", "--db", str(tmp_path / "missing.db"))
+    assert proc.returncode == 2 and "no interaction store" in proc.stderr
+    assert not (tmp_path / "missing.db").exists()  # export never creates a store
+    proc = _export("--format", "jsonl", "--data-dir", str(tmp_path), "--since", "yesterday-ish")
+    assert proc.returncode == 2 and "not a Unix time" in proc.stderr
