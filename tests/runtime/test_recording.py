@@ -113,7 +113,7 @@ def test_three_requests_stitch_into_one_trajectory_and_an_edit_branches(rec_serv
     assert [t["turn_id"] for t in turns] == [first["loopwise"]["turn_id"], second["loopwise"]["turn_id"], third["loopwise"]["turn_id"]]
     assert turns[1]["parent_turn_id"] == turns[0]["turn_id"] and turns[2]["parent_turn_id"] == turns[1]["turn_id"]
     # edit the second user message: the request continues turn 0 again, which already has a successor
-    edited = msgs[:2] + [{"role": "user", "content": "second, edited"}]
+    edited = [*msgs[:2], {"role": "user", "content": "second, edited"}]
     branch = chat(rec_server, edited, session=sess).json()
     assert branch["loopwise"]["trajectory_id"] != tid
     bturn = trajectory(rec_server, branch["loopwise"]["trajectory_id"])["turns"][0]
