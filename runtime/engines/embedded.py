@@ -16,7 +16,11 @@ Concurrency invariants:
   plain bool (atomic under the GIL) and the scheduler drops the row at its next step.
 - Chunks cross threads only through ``loop.call_soon_threadsafe(queue.put_nowait, ...)``.
 
-Not here yet: LoRA adapters (requests naming one are rejected), prefix caching, chunked prefill.
+LoRA adapters: ``load_adapter`` wraps the model in peft once and adds adapters by name; every forward
+passes ``adapter_names`` per row, so requests for different adapters and the base share one batch.
+Loads and unloads run on the scheduler thread between steps (``_run_in_scheduler``).
+
+Not here yet: prefix caching, chunked prefill.
 """
 
 from __future__ import annotations
@@ -125,6 +129,9 @@ class EmbeddedEngine:
         self._kv: BatchKV | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._commands: deque[tuple[Callable[[], None], asyncio.Future[None]]] = deque()
+        self._peft: Any = None  # a peft PeftModel around self.model once an adapter is loaded
+        self._adapters: set[str] = set()
         self._info: EngineInfo | None = None
         self.model: Any = None
         self.tokenizer: Any = None
@@ -204,10 +211,56 @@ class EmbeddedEngine:
             raise EngineError("health generate returned no token")
 
     async def load_adapter(self, name: str, path: str) -> None:
-        raise AdapterError("the embedded engine does not serve LoRA adapters yet")
+        """Load a peft LoRA adapter under ``name``; it is served from the next step on, mixed with others."""
+        if name in self._adapters:
+            raise AdapterError(f"adapter {name!r} is already loaded (versions are immutable: load it under a new name)")
+        await self._run_in_scheduler(lambda: self._load_adapter_now(name, path))
 
     async def unload_adapter(self, name: str) -> None:
-        raise AdapterError(f"adapter {name!r} is not loaded")
+        """Drop an adapter. The caller (the adapter registry) makes sure no request still uses it."""
+        if name not in self._adapters:
+            raise AdapterError(f"adapter {name!r} is not loaded")
+        await self._run_in_scheduler(lambda: self._unload_adapter_now(name))
+
+    def adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    async def _run_in_scheduler(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the scheduler thread between two steps, so weights never change under a forward."""
+        if self._thread is None or self._stopping:
+            raise EngineClosed("engine is not running")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._cv:
+            self._commands.append((fn, fut))
+            self._cv.notify()
+        await fut
+
+    def _load_adapter_now(self, name: str, path: str) -> None:
+        from peft import PeftModel
+
+        try:
+            if self._peft is None:
+                self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
+                self._peft.eval()
+            else:
+                self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise AdapterError(f"could not load adapter {name!r} from {path}: {exc}") from exc
+        self._adapters.add(name)
+
+    def _unload_adapter_now(self, name: str) -> None:
+        assert self._peft is not None
+        if any(s.req.adapter == name for s in [*self._running, *self._waiting]):
+            raise AdapterError(f"adapter {name!r} still has requests in flight")
+        self._peft.delete_adapter(name)
+        self._adapters.discard(name)
+
+    def _forward(self, seqs: list[_Seq], **kwargs: Any) -> Any:
+        """The model's forward; with adapters loaded, each row names its own (``__base__`` for none)."""
+        if self._peft is None:
+            return self.model(**kwargs)
+        names = [s.req.adapter or "__base__" for s in seqs]
+        return self._peft(adapter_names=names, **kwargs)
 
     def stats(self) -> dict[str, float]:
         return {"waiting": float(len(self._waiting)), "running": float(len(self._running))}
@@ -216,8 +269,8 @@ class EmbeddedEngine:
     def _submit(self, req: GenerateRequest) -> _Seq:
         if self._thread is None or self._stopping:
             raise EngineClosed("engine is not running")
-        if req.adapter is not None:
-            raise InvalidRequest("the embedded engine does not serve LoRA adapters yet", param="model")
+        if req.adapter is not None and req.adapter not in self._adapters:
+            raise AdapterError(f"adapter {req.adapter!r} is not loaded")
         info = self.info
         sp = req.sampling
         if not req.input_ids:
@@ -269,15 +322,19 @@ class EmbeddedEngine:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not self._stopping and not self._waiting and not self._running:
+                    while not self._stopping and not self._waiting and not self._running and not self._commands:
                         self._cv.wait()
                     if self._stopping:
                         break
+                    commands = list(self._commands)
+                    self._commands.clear()
                     admitted: list[_Seq] = []
                     while self._waiting and len(self._running) + len(admitted) < self._max_batch:
                         seq = self._waiting.popleft()
                         if not seq.cancelled:
                             admitted.append(seq)
+                for fn, fut in commands:
+                    self._run_command(fn, fut)
                 try:
                     self._drop_cancelled()
                     for seq in admitted:
@@ -292,6 +349,16 @@ class EmbeddedEngine:
         for seq in [*self._running, *self._waiting]:
             seq.send(EngineClosed("engine shut down"))
 
+    @staticmethod
+    def _run_command(fn: Callable[[], None], fut: asyncio.Future[None]) -> None:
+        loop = fut.get_loop()
+        try:
+            fn()
+        except Exception as exc:  # handed to the awaiting caller, which turns it into an error response
+            loop.call_soon_threadsafe(_settle, fut, exc)
+            return
+        loop.call_soon_threadsafe(_settle, fut, None)
+
     def _drop_cancelled(self) -> None:
         keep = [i for i, s in enumerate(self._running) if not s.cancelled]
         if len(keep) != len(self._running):
@@ -303,7 +370,8 @@ class EmbeddedEngine:
         seq.t_sched = time.perf_counter()
         ids = torch.tensor([seq.req.input_ids], dtype=torch.long)  # (1, T)
         kv = BatchKV(self.model.config.num_hidden_layers)
-        out = self.model(
+        out = self._forward(
+            [seq],
             input_ids=ids,
             position_ids=torch.arange(ids.shape[1])[None, :],
             cache=kv.as_cache(),
@@ -327,7 +395,8 @@ class EmbeddedEngine:
         assert kv is not None and kv.rows == len(self._running)
         ids = torch.tensor([[s.last_token] for s in self._running], dtype=torch.long)  # (B, 1)
         ones = torch.ones_like(ids)
-        out = self.model(
+        out = self._forward(
+            self._running,
             input_ids=ids,
             attention_mask=torch.cat([kv.mask, ones], dim=1),  # (B, length + 1)
             position_ids=kv.positions[:, None],
@@ -388,6 +457,15 @@ class EmbeddedEngine:
                 seq.send(StreamChunk((tok,), text, lp))
             finished.append(finish is not None)
         return finished
+
+
+def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
 
 
 def _compile(compiler: Any, grammar: Grammar) -> Any:
