@@ -156,8 +156,23 @@ def _v2_unique_idempotency_key(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE UNIQUE INDEX rewards_idempotency ON rewards (idempotency_key) WHERE idempotency_key IS NOT NULL")
 
 
+def _v3_experiments(conn: sqlite3.Connection) -> None:
+    # A/B experiments (config + running state and decisions) live beside the turns, so they survive
+    # restarts; turns get an (adapter, created_at) index for per-arm statistics.
+    conn.execute(
+        """CREATE TABLE experiments (
+            name TEXT PRIMARY KEY,
+            config TEXT NOT NULL,
+            state TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        )"""
+    )
+    conn.execute("CREATE INDEX turns_adapter ON turns (adapter, created_at)")
+
+
 # MIGRATIONS[i] takes a database from version i to version i + 1 (version 0 = an empty file).
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1_initial, _v2_unique_idempotency_key]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1_initial, _v2_unique_idempotency_key, _v3_experiments]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -585,6 +600,40 @@ class SqliteStore:
                 }
             if len(rows) < page_size:
                 return
+
+    # ---- experiments -------------------------------------------------------------------------
+    def save_experiment(self, name: str, config: dict[str, Any], state: dict[str, Any]) -> None:
+        """Create or update an experiment's config and state (experiments are not turn data: they change)."""
+        now = time.time()
+        with self._write() as conn:
+            conn.execute(
+                """INSERT INTO experiments (name, config, state, created_at, updated_at) VALUES (?, ?, ?, ?, ?)
+                   ON CONFLICT(name) DO UPDATE SET config = excluded.config, state = excluded.state, updated_at = excluded.updated_at""",
+                (name, _json(config), _json(state), now, now),
+            )
+
+    def load_experiments(self) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+        rows = self._conn().execute("SELECT name, config, state FROM experiments ORDER BY created_at").fetchall()
+        return [(r[0], json.loads(r[1]), json.loads(r[2])) for r in rows]
+
+    def arm_observations(self, adapter: str, since: float, source: str | None = None) -> dict[str, list[float]]:
+        """For one adapter version since ``since``: its turn-level reward values (optionally of one source),
+        and per turn its total latency and output tokens/s."""
+        conn = self._conn()
+        query = """SELECT r.value FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
+                   WHERE t.adapter IS ? AND t.created_at >= ?"""
+        args: list[Any] = [adapter, since]
+        if source is not None:
+            query += " AND r.source = ?"
+            args.append(source)
+        rewards = [row[0] for row in conn.execute(query + " ORDER BY r.created_at", args)]
+        latency, tps = [], []
+        for n_bytes, timings in conn.execute("SELECT length(output_ids), timings FROM turns WHERE adapter IS ? AND created_at >= ?", (adapter, since)):
+            total = json.loads(timings).get("total_s") or 0.0
+            latency.append(total)
+            if total > 0:
+                tps.append((n_bytes // 4) / total)
+        return {"rewards": rewards, "latency_s": latency, "tokens_per_s": tps}
 
     def integrity_check(self) -> str:
         rows = self._conn().execute("PRAGMA integrity_check").fetchall()

@@ -88,7 +88,7 @@ def test_creates_parent_dirs_wal_mode_and_latest_version(tmp_path: Path) -> None
     assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
     assert conn.execute("PRAGMA secure_delete").fetchone()[0] == 1
     assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 4000
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 3
     assert s.integrity_check() == "ok"
     s.close()
     full = SqliteStore(path, synchronous_full=True)
@@ -465,3 +465,37 @@ def test_export_cli_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "missing.db").exists()  # export never creates a store
     proc = _export("--format", "jsonl", "--data-dir", str(tmp_path), "--since", "yesterday-ish")
     assert proc.returncode == 2 and "not a Unix time" in proc.stderr
+
+
+def test_migrates_a_genuine_v2_database_to_v3_with_experiments(tmp_path: Path) -> None:
+    path = tmp_path / "v2.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    assert store_mod.migrate(conn, MIGRATIONS[:2]) == 2
+    assert "experiments" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    turns = [make_turn(i, index=i) for i in range(4)]
+    conn.executemany(f"INSERT INTO turns ({store_mod.TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [store_mod.turn_row(t) for t in turns])
+    conn.close()
+    s = SqliteStore(path)
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert [s.get_turn(t.turn_id) for t in turns] == turns
+    assert s.load_experiments() == []
+    s.save_experiment("exp1", {"family": "f", "arms": ["f@1", "f@2"]}, {"decision": "continue"})
+    s.save_experiment("exp1", {"family": "f", "arms": ["f@1", "f@2"]}, {"decision": "promote", "winner": "f@2"})
+    assert s.load_experiments() == [("exp1", {"family": "f", "arms": ["f@1", "f@2"]}, {"decision": "promote", "winner": "f@2"})]
+    s.close()
+    assert SqliteStore(path).load_experiments()[0][2]["winner"] == "f@2"  # survives reopening
+
+
+def test_arm_observations_by_adapter_and_source(tmp_path: Path) -> None:
+    s = SqliteStore(tmp_path / "arms.db")
+    turns = [make_turn(i, trajectory=f"traj-{i}", created_at=2_000.0 + i) for i in range(6)]  # even i: lora-v3, odd: base
+    s.append_turns(turns)
+    for t in turns:
+        s.add_reward(Reward(target="turn", target_id=t.turn_id, value=float(int(t.turn_id[-1])), source="verifier:x"))
+    s.add_reward(Reward(target="turn", target_id="turn-0", value=100.0, source="feedback"))
+    arm = s.arm_observations("lora-v3", since=0.0, source="verifier:x")
+    assert sorted(arm["rewards"]) == [0.0, 2.0, 4.0]
+    assert sorted(s.arm_observations("lora-v3", since=0.0)["rewards"]) == [0.0, 2.0, 4.0, 100.0]
+    assert sorted(s.arm_observations(None, since=0.0, source="verifier:x")["rewards"]) == [1.0, 3.0, 5.0]  # the base model
+    assert s.arm_observations("lora-v3", since=2_003.0, source="verifier:x")["rewards"] == [4.0]
+    assert len(arm["latency_s"]) == 3
