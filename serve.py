@@ -21,13 +21,13 @@ from typing import Any, get_args, get_origin
 import structlog
 import uvicorn
 
-from runtime.settings import EngineSettings, RecorderSettings, ServerSettings, Settings, load_config_file, short_env_overrides
+from runtime.settings import AdapterSettings, EngineSettings, RecorderSettings, ServerSettings, Settings, load_config_file, short_env_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="serve.py", description="loopwise: OpenAI-compatible serving with an online learning loop")
     parser.add_argument("--config", type=Path, help="TOML or JSON config file (sections [server] and [engine])")
-    for section, model in (("server", ServerSettings), ("engine", EngineSettings), ("recorder", RecorderSettings)):
+    for section, model in (("server", ServerSettings), ("engine", EngineSettings), ("recorder", RecorderSettings), ("adapters", AdapterSettings)):
         group = parser.add_argument_group(section)
         for name, field in model.model_fields.items():
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
@@ -56,7 +56,7 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
     env_settings = Settings()
     merged = {
         section: {**file_data.get(section, {}), **getattr(env_settings, section).model_dump(exclude_unset=True), **data.get(section, {})}
-        for section in ("server", "engine", "recorder")
+        for section in ("server", "engine", "recorder", "adapters")
     }
     return Settings.model_validate(merged)
 
@@ -131,7 +131,16 @@ def main(argv: list[str] | None = None) -> None:
 
         store = SqliteStore(db_path(server.data_dir), synchronous_full=settings.recorder.durability == "sync")
         recorder = Recorder(store, durability=settings.recorder.durability, queue_size=settings.recorder.queue_size, metrics=holder["m"])
-    app = create_app(server, settings.engine, engine, model_id, metrics=holder["m"], recorder=recorder, recorder_settings=settings.recorder)
+    app = create_app(
+        server,
+        settings.engine,
+        engine,
+        model_id,
+        metrics=holder["m"],
+        recorder=recorder,
+        recorder_settings=settings.recorder,
+        adapter_settings=settings.adapters,
+    )
 
     sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -628,7 +628,9 @@ class SqliteStore:
             args.append(source)
         rewards = [row[0] for row in conn.execute(query + " ORDER BY r.created_at", args)]
         latency, tps = [], []
-        for n_bytes, timings in conn.execute("SELECT length(output_ids), timings FROM turns WHERE adapter IS ? AND created_at >= ?", (adapter, since)):
+        for n_bytes, timings in conn.execute(
+            "SELECT length(output_ids), timings FROM turns WHERE adapter IS ? AND created_at >= ?", (adapter, since)
+        ):
             total = json.loads(timings).get("total_s") or 0.0
             latency.append(total)
             if total > 0:

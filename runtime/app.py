@@ -16,10 +16,12 @@ Not here: the admin API and feedback endpoints (later issues), process startup (
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -31,14 +33,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime.adapter_routes import evaluate_forever, install_adapter_routes
+from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, base_shapes_of, parse_model_name
 from runtime.chat_format import ChatFormatter
 from runtime.engine import Engine, EngineError
 from runtime.errors import APIError, from_engine, from_validation
+from runtime.experiments import Experiments
 from runtime.metrics import Metrics
 from runtime.openai_schemas import ChatCompletionRequest
-from runtime.recorder import Recorder
+from runtime.recorder import ANONYMOUS, Recorder
 from runtime.serving_chat import ChatService
-from runtime.settings import EngineSettings, RecorderSettings, ServerSettings
+from runtime.settings import AdapterSettings, EngineSettings, RecorderSettings, ServerSettings
 from runtime.store_routes import install_store_routes, prune_forever, session_of
 
 log = logging.getLogger(__name__)
@@ -54,9 +59,18 @@ def create_app(
     metrics: Metrics | None = None,
     recorder: Recorder | None = None,
     recorder_settings: RecorderSettings | None = None,
+    adapter_settings: AdapterSettings | None = None,
 ) -> FastAPI:
     metrics = metrics or Metrics(engine.stats)
     recorder_settings = recorder_settings or RecorderSettings(record=recorder is not None)
+    adapter_settings = adapter_settings or AdapterSettings()
+    registry = AdapterRegistry(
+        max_loaded=adapter_settings.max_loaded_adapters,
+        load_fn=lambda ref: engine.load_adapter(ref.name, ref.path),
+        unload_fn=engine.unload_adapter,
+    )
+    experiments = Experiments(recorder.store, registry) if recorder is not None else None  # type: ignore[arg-type]
+    adapter_root = adapter_settings.adapter_root or server.data_dir / "adapters"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -65,11 +79,13 @@ def create_app(
         model_type = getattr(getattr(getattr(engine, "model", None), "config", None), "model_type", None)
         formatter = ChatFormatter(tokenizer, model_type=model_type, parser=server.tool_call_parser)
         app.state.chat = ChatService(engine, formatter, model_id, engine_settings.default_max_tokens, metrics, recorder=recorder)
-        retention: asyncio.Task[None] | None = None
+        background: list[asyncio.Task[None]] = []
         if recorder is not None:
             recorder.start()
             if recorder_settings.retention_days:
-                retention = asyncio.create_task(prune_forever(recorder, recorder_settings.retention_days))
+                background.append(asyncio.create_task(prune_forever(recorder, recorder_settings.retention_days)))
+        if experiments is not None:
+            background.append(asyncio.create_task(evaluate_forever(experiments)))
         app.state.ready = True
         log.info(
             "serving model %s (tool-call parser %s, recording %s)",
@@ -81,8 +97,8 @@ def create_app(
             yield
         finally:
             app.state.ready = False
-            if retention is not None:
-                retention.cancel()
+            for task in background:
+                task.cancel()
             await engine.close()
             if recorder is not None:
                 await asyncio.to_thread(recorder.close)  # writes everything still queued
@@ -95,6 +111,17 @@ def create_app(
     app.state.created = int(time.time())
     _install_error_handlers(app)
     install_store_routes(app, recorder, server.admin_key)
+    install_adapter_routes(
+        app,
+        registry=registry,
+        experiments=experiments,
+        admin_key=server.admin_key,
+        base_shapes=lambda: base_shapes_of(engine.model),  # type: ignore[attr-defined]
+        adapter_root=adapter_root,
+        max_rank=adapter_settings.max_lora_rank,
+    )
+    app.state.registry = registry
+    app.state.experiments = experiments
 
     @app.middleware("http")
     async def request_context(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -127,19 +154,29 @@ def create_app(
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise from_validation(exc) from None
-        if req.model != model_id:
-            raise APIError(404, f"The model `{req.model}` does not exist or you do not have access to it.", param="model", code="model_not_found")
+        session = session_of(request, req.user)
+        lease = _acquire_adapter(req.model, session, req.user)
+        adapter = lease.name if lease is not None else None
         svc: ChatService = request.app.state.chat
         rid = request.state.request_id
+        t0 = time.perf_counter()
+        streaming = False
         try:
-            prep = svc.prepare(req, rid, session_of(request, req.user))
+            prep = svc.prepare(req, rid, session, adapter=adapter)
             if req.stream:
                 opened = await svc.open_streams(prep)
                 headers = {"Cache-Control": "no-cache", **prep.headers()}
-                return StreamingResponse(svc.stream(req, prep, opened), media_type="text/event-stream", headers=headers)
+                streaming = True
+                body_iter = _release_after(svc.stream(req, prep, opened), lambda: _release_adapter(lease, adapter, t0))
+                return StreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
             completion = await _unless_disconnected(request, svc.complete(req, prep))
         except EngineError as exc:
             raise from_engine(exc) from exc
+        finally:
+            if not streaming:
+                _release_adapter(lease, adapter, t0)
+        if completion is not None:
+            metrics.adapter_tokens.labels(adapter or "base").inc(completion.usage.completion_tokens)
         if completion is None:
             return Response(status_code=499)
         body = completion.model_dump(exclude_none=False)
@@ -147,15 +184,59 @@ def create_app(
             del body["loopwise"]
         return JSONResponse(body, headers=prep.headers())
 
+    pins: OrderedDict[tuple[str, str], str] = OrderedDict()  # (session, family) -> version it started on
+
+    def _acquire_adapter(model: str, session: str, user: str | None) -> AdapterRef | None:
+        """The adapter version serving ``model`` (None = the base), acquired until the request ends."""
+        try:
+            kind, target = parse_model_name(model, model_id)
+            if kind == "base":
+                return None
+            assert target is not None
+            if kind == "version":
+                return registry.acquire(target)
+            arm = experiments.route(target, session, user) if experiments is not None else None
+            if arm is not None:
+                with contextlib.suppress(AdapterNotFound):  # an arm unloaded mid-experiment: serve the champion
+                    return registry.acquire(arm)
+            # no experiment: a session stays on the version it started on while that version is loaded
+            pin = (session, target)
+            if session != ANONYMOUS and (pinned := pins.get(pin)) is not None:
+                with contextlib.suppress(AdapterNotFound):
+                    return registry.acquire(pinned)
+            ref = registry.acquire(target)
+            if session != ANONYMOUS:
+                pins[pin] = ref.name
+                while len(pins) > 100_000:
+                    pins.popitem(last=False)
+            return ref
+        except AdapterNotFound as exc:
+            raise APIError(
+                404, f"The model `{model}` does not exist or you do not have access to it.", param="model", code="model_not_found"
+            ) from exc
+
+    def _release_adapter(lease: AdapterRef | None, adapter: str | None, t0: float) -> None:
+        if lease is not None:
+            registry.release(lease)
+        metrics.adapter_requests.labels(adapter or "base").inc()
+        metrics.adapter_latency.labels(adapter or "base").observe(time.perf_counter() - t0)
+
+    def _model_ids() -> list[tuple[str, str]]:
+        ids = [(model_id, "loopwise")]
+        ids += [(a["name"], model_id) for a in registry.list() if a.get("state", "ready") == "ready"]
+        ids += [(family, model_id) for family in registry.aliases()]
+        return ids
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(model_id, app.state.created)]}
+        return {"object": "list", "data": [_model_card(i, app.state.created, owner) for i, owner in _model_ids()]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
-        if model != model_id:
-            raise APIError(404, f"The model `{model}` does not exist or you do not have access to it.", param="model", code="model_not_found")
-        return _model_card(model_id, app.state.created)
+        for i, owner in _model_ids():
+            if i == model:
+                return _model_card(i, app.state.created, owner)
+        raise APIError(404, f"The model `{model}` does not exist or you do not have access to it.", param="model", code="model_not_found")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -179,8 +260,17 @@ def create_app(
     return app
 
 
-def _model_card(model_id: str, created: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "loopwise"}
+def _model_card(model_id: str, created: int, owned_by: str = "loopwise") -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by}
+
+
+async def _release_after(body: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
+    """Stream ``body``; run ``release`` when it ends, however it ends (finished, failed, or the client left)."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        release()
 
 
 def _check_auth(request: Request, keys: tuple[str, ...]) -> None:

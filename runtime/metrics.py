@@ -32,6 +32,13 @@ class Metrics:
         self.recorded_turns = Counter("loopwise_recorded_turns", "turns committed to the interaction store", registry=r)
         self.record_backpressure = Counter("loopwise_record_backpressure", "requests that waited for room in the recorder queue", registry=r)
         self.record_failures = Counter("loopwise_record_failures", "turns that could not be recorded after retries", registry=r)
+        self.adapter_requests = Counter(
+            "loopwise_adapter_requests", "chat requests per served adapter (base = the base model)", ["adapter"], registry=r
+        )
+        self.adapter_latency = Histogram(
+            "loopwise_adapter_latency_seconds", "request latency per adapter", ["adapter"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.adapter_tokens = Counter("loopwise_adapter_generated_tokens", "tokens generated per adapter", ["adapter"], registry=r)
         self.batch_size = Histogram("loopwise_batch_size", "rows per engine forward step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         queue = Gauge("loopwise_queue_depth", "requests waiting for a batch slot", registry=r)
         queue.set_function(lambda: engine_stats().get("waiting", 0.0))

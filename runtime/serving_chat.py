@@ -70,14 +70,15 @@ class Prepared:
     tool_names: set[str] | None  # None: tool calls are not parsed (no tools, or tool_choice none)
     forced_tool: bool  # tool_choice required / named: the whole output is one call
     messages: list[dict[str, Any]]  # the request's messages as chat-template dicts
+    adapter: str | None  # the adapter version serving every choice (None = the base model)
     slots: list[TurnSlot] | None  # recorded turn ids per choice; None when recording is off
 
-    def loopwise(self, adapter: str | None = None) -> dict[str, Any] | None:
+    def loopwise(self) -> dict[str, Any] | None:
         """The ``loopwise`` response field: ids to attach feedback to (choice 0, and every choice when n > 1)."""
         if self.slots is None:
             return None
         first = self.slots[0]
-        out: dict[str, Any] = {"trajectory_id": first.trajectory_id, "turn_id": first.turn_id, "adapter": adapter}
+        out: dict[str, Any] = {"trajectory_id": first.trajectory_id, "turn_id": first.turn_id, "adapter": self.adapter}
         if len(self.slots) > 1:
             out["choices"] = [{"index": i, "trajectory_id": s.trajectory_id, "turn_id": s.turn_id} for i, s in enumerate(self.slots)]
         return out
@@ -112,7 +113,7 @@ class ChatService:
         self._bytes = token_bytes_fn(formatter.tokenizer)
 
     # ---- preparation -----------------------------------------------------------------------
-    def prepare(self, req: ChatCompletionRequest, request_id: str, session_id: str = ANONYMOUS) -> Prepared:
+    def prepare(self, req: ChatCompletionRequest, request_id: str, session_id: str = ANONYMOUS, adapter: str | None = None) -> Prepared:
         tools_on = bool(req.tools) and req.tool_choice != "none"
         prompt = self.formatter.render(req.messages, req.tools if tools_on else None)
         prompt_len = len(prompt.token_ids)
@@ -152,7 +153,7 @@ class ChatService:
                 top_logprobs=req.top_logprobs or 0,
                 grammar=grammar,
             )
-            reqs.append(GenerateRequest(request_id=f"{request_id}-{i}", input_ids=prompt.token_ids, sampling=sampling))
+            reqs.append(GenerateRequest(request_id=f"{request_id}-{i}", input_ids=prompt.token_ids, sampling=sampling, adapter=adapter))
         forced = tools_on and (req.tool_choice == "required" or not isinstance(req.tool_choice, str | None))
         names = {t.function.name for t in req.tools} if tools_on and req.tools else None
         self.metrics.prompt_tokens.inc(prompt_len * req.n)
@@ -165,6 +166,7 @@ class ChatService:
             tool_names=names,
             forced_tool=forced,
             messages=plain,
+            adapter=adapter,
             slots=self.recorder.assign(session_id, plain, req.n) if self.recorder is not None else None,
         )
 

@@ -71,6 +71,12 @@ class RecorderSettings(_Frozen):
     retention_days: float | None = Field(None, gt=0, description="prune unrewarded turns older than this many days")
 
 
+class AdapterSettings(_Frozen):
+    max_loaded_adapters: int = Field(8, ge=1, description="most LoRA adapter versions loaded at once (least recently used unpinned ones are evicted)")
+    max_lora_rank: int = Field(64, ge=1, description="largest LoRA rank accepted")
+    adapter_root: Path | None = Field(None, description="adapters may only be loaded from below this folder (default: <data-dir>/adapters)")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOPWISE_", env_nested_delimiter="__", frozen=True, extra="forbid")
 
@@ -78,6 +84,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
+    adapters: AdapterSettings = Field(default_factory=AdapterSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -50,6 +50,24 @@ async def prune_forever(recorder: Recorder, days: float, every_s: float = 3600) 
         await asyncio.sleep(every_s)
 
 
+def check_admin_key(request: Request, admin_key: str | None) -> None:
+    if not admin_key:
+        raise APIError(403, "the admin API is disabled; start the server with --admin-key", type="permission_error", code="admin_disabled")
+    header = request.headers.get("authorization", "")
+    token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(token.encode(), admin_key.encode()):
+        raise APIError(
+            401, "a valid admin key is required (Authorization: Bearer <admin key>)", type="authentication_error", code="invalid_admin_key"
+        )
+
+
+async def read_json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
+
+
 def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str | None) -> None:
     def need_recorder() -> Recorder:
         if recorder is None:
@@ -57,14 +75,7 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
         return recorder
 
     def check_admin(request: Request) -> Recorder:
-        if not admin_key:
-            raise APIError(403, "the admin API is disabled; start the server with --admin-key", type="permission_error", code="admin_disabled")
-        header = request.headers.get("authorization", "")
-        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), admin_key.encode()):
-            raise APIError(
-                401, "a valid admin key is required (Authorization: Bearer <admin key>)", type="authentication_error", code="invalid_admin_key"
-            )
+        check_admin_key(request, admin_key)
         return need_recorder()
 
     async def exists(rec: Recorder, kind: str, some_id: str) -> bool:
@@ -77,10 +88,7 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> dict[str, Any]:
         rec = need_recorder()
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
+        body = await read_json(request)
         try:
             fb = FeedbackRequest.model_validate(body)
         except ValidationError as exc:

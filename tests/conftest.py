@@ -91,8 +91,10 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
     """Factory: ``start_server(*extra_args)`` → a running tiny-model server, stopped at session end."""
     started: list[ServerProcess] = []
 
-    def start(*extra: str, model: Path | None = None, name: str = "tiny", env: dict[str, str] | None = None) -> ServerProcess:
-        data_dir = tmp_path_factory.mktemp("server")
+    def start(
+        *extra: str, model: Path | None = None, name: str = "tiny", env: dict[str, str] | None = None, data_dir: Path | None = None
+    ) -> ServerProcess:
+        data_dir = data_dir or tmp_path_factory.mktemp("server")
         args = ["--model", str(model or tiny_model_path), "--served-model-name", name, *extra]
         server = ServerProcess(args, data_dir, env=env)
         started.append(server)

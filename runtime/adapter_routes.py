@@ -1,0 +1,200 @@
+"""Admin API for adapters, aliases and A/B experiments, and the periodic experiment evaluator.
+
+All routes need the admin key (``Authorization: Bearer <admin key>``):
+
+- ``GET /admin/adapters``; ``POST /admin/adapters`` ``{"path", "family", "version"?, "alias"?, "pinned"?,
+  "sha256"?}`` (version defaults to the next number; the folder is validated against the base model
+  before anything is loaded); ``DELETE /admin/adapters/{family@N}`` (waits for in-flight requests);
+  ``PUT /admin/aliases/{family}`` ``{"target": "family@N"}`` (flips atomically).
+Experiment calls run on the event loop (their store reads are small aggregates), because promotion
+flips a registry alias and the registry is single-loop by design.
+
+- ``POST /admin/experiments`` (see ``runtime/experiments.py`` for the fields), ``GET /admin/experiments``,
+  ``GET /admin/experiments/{name}`` (recomputes the statistics and applies automatic decisions),
+  ``POST /admin/experiments/{name}/stop``, ``POST /admin/experiments/{name}/promote`` ``{"arm"}``.
+
+Not here: choosing an adapter for a chat request (``app``), the statistics (``experiment_stats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from runtime.adapters import (
+    AdapterCapacity,
+    AdapterError,
+    AdapterExists,
+    AdapterInUse,
+    AdapterInvalid,
+    AdapterNotFound,
+    AdapterRef,
+    AdapterRegistry,
+    validate_adapter,
+)
+from runtime.errors import APIError, from_validation
+from runtime.experiments import ExperimentConfig, ExperimentError, Experiments
+from runtime.store_routes import check_admin_key, read_json
+
+log = logging.getLogger(__name__)
+
+
+class LoadAdapter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    family: str
+    version: int | None = Field(None, ge=1)
+    alias: bool = False
+    pinned: bool = False
+    sha256: str | None = None
+
+
+class SetAlias(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target: str
+
+
+class PromoteArm(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    arm: str
+
+
+def adapter_api_error(exc: AdapterError) -> APIError:
+    if isinstance(exc, AdapterNotFound):
+        return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, AdapterInvalid):
+        return APIError(400, str(exc), param="path", code="invalid_adapter")
+    if isinstance(exc, AdapterExists | AdapterInUse | AdapterCapacity):
+        return APIError(409, str(exc), code=type(exc).__name__)
+    return APIError(400, str(exc), code="adapter_error")
+
+
+def _parse(model: type[BaseModel], body: Any) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+async def evaluate_forever(experiments: Experiments, every_s: float = 10.0) -> None:
+    """Apply automatic promote/rollback decisions to running experiments."""
+    while True:
+        await asyncio.sleep(every_s)
+        for name, state in list(experiments.states.items()):
+            if state["status"] != "running":
+                continue
+            try:
+                experiments.evaluate(name)  # on the loop: alias flips must not race the registry
+            except Exception:  # one experiment's failure must not stop the others; retried next round
+                log.exception("evaluating experiment %s failed", name)
+
+
+def install_adapter_routes(
+    app: FastAPI,
+    *,
+    registry: AdapterRegistry,
+    experiments: Experiments | None,
+    admin_key: str | None,
+    base_shapes: Callable[[], dict[str, tuple[int, int]]],
+    adapter_root: Path | None,
+    max_rank: int,
+) -> None:
+    def need_experiments() -> Experiments:
+        if experiments is None:
+            raise APIError(409, "experiments need the interaction store (recording is off)", code="recording_disabled")
+        return experiments
+
+    @app.get("/admin/adapters")
+    async def list_adapters(request: Request) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        return {"object": "list", "data": registry.list(), "aliases": registry.aliases()}
+
+    @app.post("/admin/adapters")
+    async def load_adapter(request: Request) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        body: LoadAdapter = _parse(LoadAdapter, await read_json(request))
+        try:
+            version = body.version or registry.next_version(body.family)
+            ref = AdapterRef(family=body.family, version=version, path=body.path, pinned=body.pinned, sha256=body.sha256)
+            await asyncio.to_thread(
+                validate_adapter,
+                Path(body.path),
+                base_shapes=base_shapes(),
+                max_rank=max_rank,
+                adapter_root=adapter_root,
+                expected_sha256=body.sha256,
+            )
+            ref = await registry.register(ref, make_alias=body.alias)
+        except AdapterError as exc:
+            raise adapter_api_error(exc) from exc
+        log.info("loaded adapter %s from %s", ref.name, ref.path)
+        return {"object": "adapter", "name": ref.name, "family": ref.family, "version": ref.version, "aliases": registry.aliases()}
+
+    @app.delete("/admin/adapters/{name}")
+    async def unload_adapter(request: Request, name: str) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        try:
+            await registry.unregister(name)
+        except AdapterError as exc:
+            raise adapter_api_error(exc) from exc
+        return {"object": "adapter.deleted", "name": name}
+
+    @app.put("/admin/aliases/{family}")
+    async def set_alias(request: Request, family: str) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        body: SetAlias = _parse(SetAlias, await read_json(request))
+        try:
+            registry.set_alias(family, body.target)
+        except AdapterError as exc:
+            raise adapter_api_error(exc) from exc
+        return {"object": "alias", "family": family, "target": body.target}
+
+    @app.post("/admin/experiments")
+    async def create_experiment(request: Request) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        exps = need_experiments()
+        cfg: ExperimentConfig = _parse(ExperimentConfig, await read_json(request))
+        try:
+            return exps.create(cfg, {a["name"] for a in registry.list() if a.get("state", "ready") == "ready"})
+        except ExperimentError as exc:
+            raise APIError(409, str(exc), code="experiment_conflict") from exc
+
+    @app.get("/admin/experiments")
+    async def list_experiments(request: Request) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        exps = need_experiments()
+        return {"object": "list", "data": [{"name": n, "family": c.family, "status": exps.states[n]["status"]} for n, c in exps.configs.items()]}
+
+    @app.get("/admin/experiments/{name}")
+    async def experiment_status(request: Request, name: str) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        exps = need_experiments()
+        if name not in exps.configs:
+            raise APIError(404, f"unknown experiment {name!r}", param="name", code="not_found")
+        return exps.evaluate(name)
+
+    @app.post("/admin/experiments/{name}/stop")
+    async def stop_experiment(request: Request, name: str) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        exps = need_experiments()
+        if name not in exps.configs:
+            raise APIError(404, f"unknown experiment {name!r}", param="name", code="not_found")
+        return exps.stop(name)
+
+    @app.post("/admin/experiments/{name}/promote")
+    async def promote_experiment(request: Request, name: str) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        exps = need_experiments()
+        if name not in exps.configs:
+            raise APIError(404, f"unknown experiment {name!r}", param="name", code="not_found")
+        body: PromoteArm = _parse(PromoteArm, await read_json(request))
+        try:
+            return exps.promote(name, body.arm)
+        except (ExperimentError, AdapterError) as exc:
+            raise APIError(400, str(exc), param="arm", code="invalid_value") from exc

@@ -1,0 +1,171 @@
+"""Adapters over HTTP against real ``serve.py`` processes: admin load/alias/unload, model selection,
+refusals, hot swap under load with nothing failed, and A/B experiments that route, persist and promote."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.runtime._client import assert_error
+
+ADMIN = "adm"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def make_adapter(base: Path, out: Path, seed: int, r: int = 4) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=r, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, tiny_model_path) -> Path:
+    d = tmp_path_factory.mktemp("adapters-data")
+    for k in range(4):
+        make_adapter(tiny_model_path, d / "adapters" / f"a{k}", seed=30 + k)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(start_server, data_dir):
+    return start_server("--admin-key", ADMIN, "--adapter-root", str(data_dir / "adapters"), "--max-lora-rank", "8")
+
+
+def load(server, path: Path, family: str, **kw) -> httpx.Response:
+    return httpx.post(server.base_url + "/admin/adapters", json={"path": str(path), "family": family, **kw}, headers=AUTH, timeout=60)
+
+
+def chat(server, model: str, session: str | None = None, **kw) -> httpx.Response:
+    headers = {"X-Session-Id": session} if session else {}
+    body = {"model": model, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 6, "temperature": 0, **kw}
+    return httpx.post(server.url + "/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def test_load_select_and_list(server, data_dir):
+    first = load(server, data_dir / "adapters" / "a0", "sel", alias=True)
+    assert first.status_code == 200, first.text
+    assert first.json()["name"] == "sel@1" and first.json()["aliases"]["sel"] == "sel@1"
+    second = load(server, data_dir / "adapters" / "a1", "sel")
+    assert second.json()["name"] == "sel@2"  # the next version number
+    ids = {m["id"] for m in httpx.get(server.url + "/models", timeout=10).json()["data"]}
+    assert {"tiny", "sel", "sel@1", "sel@2"} <= ids
+    outs = {}
+    for model, want in [("tiny", None), ("sel", "sel@1"), ("sel@2", "sel@2"), ("tiny:sel@1", "sel@1"), ("tiny:sel", "sel@1")]:
+        r = chat(server, model)
+        assert r.status_code == 200, (model, r.text)
+        assert r.json()["loopwise"]["adapter"] == want
+        outs[model] = r.json()["choices"][0]["message"]["content"]
+    assert outs["sel"] == outs["tiny:sel@1"] != outs["sel@2"] != outs["tiny"]
+    turn_id = chat(server, "sel@2").json()["loopwise"]["trajectory_id"]
+    traj = httpx.get(server.base_url + f"/admin/trajectories/{turn_id}", headers=AUTH, timeout=10).json()
+    assert traj["turns"][0]["adapter"] == "sel@2"
+    assert_error(chat(server, "sel@9"), 404, code="model_not_found")
+    assert_error(chat(server, "other"), 404, code="model_not_found")
+
+
+def test_bad_adapters_are_refused_and_serving_continues(server, data_dir, tmp_path_factory, tiny_model_path):
+    root = data_dir / "adapters"
+    outside = make_adapter(tiny_model_path, tmp_path_factory.mktemp("outside") / "x", seed=1)
+    assert_error(load(server, outside, "bad"), 400, code="invalid_adapter")
+    big = make_adapter(tiny_model_path, root / "rank16", seed=2, r=16)
+    err = assert_error(load(server, big, "bad"), 400, code="invalid_adapter")
+    assert "rank" in err["message"].lower() or " r " in err["message"] or "16" in err["message"]
+    missing = root / "empty"
+    missing.mkdir()
+    assert "adapter_config.json" in assert_error(load(server, missing, "bad"), 400, code="invalid_adapter")["message"]
+    corrupt = root / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text((root / "a0" / "adapter_config.json").read_text())
+    data = (root / "a0" / "adapter_model.safetensors").read_bytes()
+    (corrupt / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_error(load(server, corrupt, "bad"), 400, code="invalid_adapter")
+    cfg = json.loads((root / "a0" / "adapter_config.json").read_text())
+    wrong = root / "wrong-target"
+    wrong.mkdir()
+    (wrong / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["nonexistent_proj"]}))
+    (wrong / "adapter_model.safetensors").write_bytes(data)
+    assert_error(load(server, wrong, "bad"), 400, code="invalid_adapter")
+    assert "bad" not in {m["id"] for m in httpx.get(server.url + "/models", timeout=10).json()["data"]}
+    assert chat(server, "tiny").status_code == 200 and httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+    assert_error(httpx.get(server.base_url + "/admin/adapters", timeout=10), 401, type="authentication_error", code="invalid_admin_key")
+
+
+def test_hot_swap_under_load_fails_nothing(server, data_dir):
+    assert load(server, data_dir / "adapters" / "a0", "swap", alias=True).status_code == 200
+    stop = threading.Event()
+    results: list[tuple[int, str | None]] = []
+
+    def client(i: int) -> None:
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                body = {"model": "swap", "messages": [{"role": "user", "content": f"c{i}"}], "max_tokens": 4}
+                r = c.post(server.url + "/chat/completions", json=body)
+                results.append((r.status_code, r.json().get("loopwise", {}).get("adapter") if r.status_code == 200 else r.text))
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        for i in range(16):
+            pool.submit(client, i)
+        versions = ["swap@1"]
+        for k in range(20):
+            r = load(server, data_dir / "adapters" / f"a{(k + 1) % 4}", "swap")
+            assert r.status_code == 200, r.text
+            versions.append(r.json()["name"])
+            flip = httpx.put(server.base_url + "/admin/aliases/swap", json={"target": versions[-1]}, headers=AUTH, timeout=30)
+            assert flip.status_code == 200, flip.text
+            gone = httpx.delete(server.base_url + f"/admin/adapters/{versions[-2]}", headers=AUTH, timeout=60)
+            assert gone.status_code == 200, gone.text  # waits for the old version's in-flight requests
+            time.sleep(0.2)
+        stop.set()
+    failed = [r for r in results if r[0] != 200]
+    assert failed == [] and len(results) > 50
+    assert {a for _, a in results} <= set(versions)  # every answer names exactly one loaded version
+    assert len({a for _, a in results}) > 5
+
+
+def test_experiment_routes_sticky_persists_and_promotes(start_server, data_dir):
+    d = data_dir
+    srv = start_server("--admin-key", ADMIN, "--adapter-root", str(d / "adapters"))
+    for k, alias in ((0, True), (1, False)):
+        assert load(srv, d / "adapters" / f"a{k}", "ab", alias=alias).status_code == 200
+    exp = {"name": "ab-test", "family": "ab", "arms": [{"adapter": "ab@1", "weight": 1}, {"adapter": "ab@2", "weight": 1}]}
+    created = httpx.post(srv.base_url + "/admin/experiments", json={**exp, "min_samples": 10, "auto_promote": True}, headers=AUTH, timeout=30)
+    assert created.status_code == 200, created.text
+    assert created.json()["champion"] == "ab@1" and created.json()["status"] == "running"
+    dup = httpx.post(srv.base_url + "/admin/experiments", json={**exp, "name": "ab-2"}, headers=AUTH, timeout=30)
+    assert_error(dup, 409, code="experiment_conflict")
+    arms: dict[str, str] = {}
+    for s in range(40):
+        first = chat(srv, "ab", session=f"user-{s}").json()["loopwise"]
+        again = chat(srv, "ab", session=f"user-{s}").json()["loopwise"]
+        assert first["adapter"] == again["adapter"]  # sticky by session
+        arms[f"user-{s}"] = first["adapter"]
+        # reward: the challenger is clearly better
+        reward = 1.0 if first["adapter"] == "ab@2" else 0.0
+        httpx.post(srv.url + "/feedback", json={"turn_id": first["turn_id"], "reward": reward}, timeout=30).raise_for_status()
+        httpx.post(srv.url + "/feedback", json={"turn_id": again["turn_id"], "reward": reward}, timeout=30).raise_for_status()
+    assert 8 <= sum(a == "ab@2" for a in arms.values()) <= 32  # a split, not everyone on one arm
+    status = httpx.get(srv.base_url + "/admin/experiments/ab-test", headers=AUTH, timeout=30).json()
+    assert status["status"] == "promoted" and status["winner"] == "ab@2", status
+    assert status["decisions"][-1]["action"] == "promote"
+    assert chat(srv, "ab", session="new-user").json()["loopwise"]["adapter"] == "ab@2"  # the alias flipped
+
+    # the experiment and its decision survive a restart (same data dir)
+    srv.stop()
+    again = start_server("--admin-key", ADMIN, "--adapter-root", str(d / "adapters"), data_dir=srv.log_path.parent)
+    st = httpx.get(again.base_url + "/admin/experiments/ab-test", headers=AUTH, timeout=30).json()
+    assert st["status"] == "promoted" and st["winner"] == "ab@2"
