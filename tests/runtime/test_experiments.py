@@ -1,0 +1,126 @@
+"""Experiments in process, on a real SQLite store and a real adapter registry (the engine load is the
+only fake, at the engine edge): creation rules, rollback, no decision below min_samples, routing of a
+stopped arm, persistence."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from learner.records import Reward, Turn
+from learner.store import SqliteStore
+from runtime.adapters import AdapterRef, AdapterRegistry
+from runtime.experiments import ExperimentConfig, ExperimentError, Experiments
+
+
+async def _noop_load(ref: AdapterRef) -> None:
+    return None
+
+
+async def _noop_unload(name: str) -> None:
+    return None
+
+
+def registry_with(*names: str) -> AdapterRegistry:
+    reg = AdapterRegistry(max_loaded=8, load_fn=_noop_load, unload_fn=_noop_unload)
+
+    async def main() -> None:
+        for i, n in enumerate(names):
+            fam, ver = n.split("@")
+            await reg.register(AdapterRef(fam, int(ver), f"/tmp/{n}"), make_alias=i == 0)
+
+    asyncio.run(main())
+    return reg
+
+
+def add_rewards(store: SqliteStore, adapter: str, values: list[float], start: int) -> None:
+    turns = [
+        Turn(
+            turn_id=f"t-{adapter}-{start + i}",
+            trajectory_id=f"tr-{adapter}-{start + i}",
+            session_id="s",
+            index=0,
+            completion_id=f"c-{adapter}-{start + i}",
+            model="m",
+            adapter=adapter,
+            context_ids=[1],
+            output_ids=[2],
+            logprobs=[-0.1],
+            loss_mask=[1],
+            finish_reason="stop",
+        )
+        for i in range(len(values))
+    ]
+    store.append_turns(turns)
+    for t, v in zip(turns, values, strict=True):
+        store.add_reward(Reward(target="turn", target_id=t.turn_id, value=v, source="verifier:exact"))
+
+
+def config(**kw) -> ExperimentConfig:
+    base = {"name": "e", "family": "f", "arms": [{"adapter": "f@1"}, {"adapter": "f@2"}], "metric": "verifier:exact", "min_samples": 30}
+    return ExperimentConfig.model_validate({**base, **kw})
+
+
+def test_creation_rules(tmp_path):
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    with pytest.raises(ExperimentError, match="not loaded"):
+        exps.create(config(arms=[{"adapter": "f@1"}, {"adapter": "f@3"}]), {"f@1", "f@2"})
+    with pytest.raises(ValueError, match="not a version of family"):
+        config(arms=[{"adapter": "f@1"}, {"adapter": "g@1"}])
+    status = exps.create(config(), {"f@1", "f@2"})
+    assert status["champion"] == "f@1" and status["status"] == "running"
+    with pytest.raises(ExperimentError, match="already"):
+        exps.create(config(name="e2"), {"f@1", "f@2"})
+
+
+def test_rollback_only_after_min_samples_and_stopped_arm_routes_to_champion(tmp_path):
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    exps.create(config(auto_rollback=True, auto_promote=True), {"f@1", "f@2"})
+    rng = random.Random(0)
+    add_rewards(store, "f@1", [float(rng.random() < 0.7) for _ in range(20)], 0)
+    add_rewards(store, "f@2", [0.0] * 20, 0)
+    status = exps.evaluate("e")
+    assert status["status"] == "running" and status["stopped_arms"] == []  # below min_samples: no decision
+    add_rewards(store, "f@1", [float(rng.random() < 0.7) for _ in range(200)], 20)
+    add_rewards(store, "f@2", [float(rng.random() < 0.2) for _ in range(200)], 20)
+    status = exps.evaluate("e")
+    assert status["stopped_arms"] == ["f@2"] and status["decisions"][-1]["action"] == "rollback"
+    assert reg.aliases()["f"] == "f@1"  # no promotion of the worse arm
+    routed = {exps.route("f", f"session-{i}", None) for i in range(200)}
+    assert routed == {"f@1"}  # the rolled-back arm's keys go to the champion
+    arms = {a["adapter"]: a for a in status["arms"]}
+    assert arms["f@1"]["n"] == 220 and arms["f@2"]["n"] == 220
+    assert arms["f@2"]["msprt_p_value"] < 0.05 and "welch_p_fixed_horizon" in arms["f@2"]
+    # persisted: a new manager over the same store sees the same state
+    again = Experiments(SqliteStore(tmp_path / "x.db"), reg)
+    assert again.states["e"]["stopped_arms"] == ["f@2"]
+
+
+def test_equal_arms_are_not_promoted(tmp_path):
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    exps.create(config(auto_rollback=True, auto_promote=True), {"f@1", "f@2"})
+    rng = random.Random(1)
+    for look in range(10):  # checked after every batch, as the evaluator does
+        add_rewards(store, "f@1", [float(rng.random() < 0.5) for _ in range(50)], look * 50)
+        add_rewards(store, "f@2", [float(rng.random() < 0.5) for _ in range(50)], look * 50)
+        status = exps.evaluate("e")
+    assert status["status"] == "running" and status["stopped_arms"] == [] and reg.aliases()["f"] == "f@1"
+
+
+def test_routing_is_sticky_and_split(tmp_path):
+    store = SqliteStore(tmp_path / "x.db")
+    exps = Experiments(store, registry_with("f@1", "f@2"))
+    exps.create(config(arms=[{"adapter": "f@1", "weight": 3}, {"adapter": "f@2", "weight": 1}]), {"f@1", "f@2"})
+    picks = [exps.route("f", f"s{i}", None) for i in range(4000)]
+    assert picks == [exps.route("f", f"s{i}", None) for i in range(4000)]
+    share = picks.count("f@2") / len(picks)
+    assert 0.22 < share < 0.28
+    assert exps.route("other-family", "s1", None) is None
