@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from learner.records import Reward, Trajectory, Turn, TurnRef, new_id
+from runtime._futures import settle
 
 log = logging.getLogger(__name__)
 
@@ -294,13 +295,4 @@ class Recorder:
                         self._pending.pop(k, None)
         for b in batches:
             if b.done is not None and b.loop is not None:
-                b.loop.call_soon_threadsafe(_resolve, b.done, error)
-
-
-def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
+                b.loop.call_soon_threadsafe(settle, b.done, error)

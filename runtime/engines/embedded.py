@@ -40,6 +40,7 @@ import torch
 import xgrammar as xgr
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from runtime._futures import settle
 from runtime.engine import (
     AdapterError,
     EngineClosed,
@@ -355,9 +356,9 @@ class EmbeddedEngine:
         try:
             fn()
         except Exception as exc:  # handed to the awaiting caller, which turns it into an error response
-            loop.call_soon_threadsafe(_settle, fut, exc)
+            loop.call_soon_threadsafe(settle, fut, exc)
             return
-        loop.call_soon_threadsafe(_settle, fut, None)
+        loop.call_soon_threadsafe(settle, fut, None)
 
     def _drop_cancelled(self) -> None:
         keep = [i for i, s in enumerate(self._running) if not s.cancelled]
@@ -457,15 +458,6 @@ class EmbeddedEngine:
                 seq.send(StreamChunk((tok,), text, lp))
             finished.append(finish is not None)
         return finished
-
-
-def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
 
 
 def _compile(compiler: Any, grammar: Grammar) -> Any:
