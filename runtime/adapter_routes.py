@@ -40,7 +40,8 @@ from runtime.adapters import (
 )
 from runtime.errors import APIError, from_validation
 from runtime.experiments import ExperimentConfig, ExperimentError, Experiments
-from runtime.store_routes import check_admin_key, read_json
+from runtime.http_body import read_json
+from runtime.store_routes import check_admin_key
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,12 @@ def install_adapter_routes(
     adapter_root: Path | None,
     max_rank: int,
 ) -> None:
+    def known_experiment(name: str) -> Experiments:
+        exps = need_experiments()
+        if name not in exps.configs:
+            raise APIError(404, f"unknown experiment {name!r}", param="name", code="not_found")
+        return exps
+
     def need_experiments() -> Experiments:
         if experiments is None:
             raise APIError(409, "experiments need the interaction store (recording is off)", code="recording_disabled")
@@ -174,25 +181,19 @@ def install_adapter_routes(
     @app.get("/admin/experiments/{name}")
     async def experiment_status(request: Request, name: str) -> dict[str, Any]:
         check_admin_key(request, admin_key)
-        exps = need_experiments()
-        if name not in exps.configs:
-            raise APIError(404, f"unknown experiment {name!r}", param="name", code="not_found")
+        exps = known_experiment(name)
         return exps.evaluate(name)
 
     @app.post("/admin/experiments/{name}/stop")
     async def stop_experiment(request: Request, name: str) -> dict[str, Any]:
         check_admin_key(request, admin_key)
-        exps = need_experiments()
-        if name not in exps.configs:
-            raise APIError(404, f"unknown experiment {name!r}", param="name", code="not_found")
+        exps = known_experiment(name)
         return exps.stop(name)
 
     @app.post("/admin/experiments/{name}/promote")
     async def promote_experiment(request: Request, name: str) -> dict[str, Any]:
         check_admin_key(request, admin_key)
-        exps = need_experiments()
-        if name not in exps.configs:
-            raise APIError(404, f"unknown experiment {name!r}", param="name", code="not_found")
+        exps = known_experiment(name)
         body: PromoteArm = _parse(PromoteArm, await read_json(request))
         try:
             return exps.promote(name, body.arm)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import hashlib
 import json
 import logging
 import re
@@ -40,6 +39,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from runtime._files import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -117,14 +118,6 @@ def base_shapes_of(model: Any) -> dict[str, tuple[int, int]]:
         for name, m in model.named_modules()
         if name and hasattr(m, "in_features") and hasattr(m, "out_features")
     }
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _inside(path: Path, root: Path | None, what: str) -> Path:
@@ -237,11 +230,11 @@ def _check_tensors(weights: Path, base_shapes: Mapping[str, tuple[int, int]]) ->
 def _check_hashes(root: Path, weights: Path, adapter_root: Path | None, expected: str | None) -> None:
     manifest = root / MANIFEST_FILE
     if not manifest.exists():
-        if expected and _sha256(weights) != expected.lower():
+        if expected and sha256_file(weights) != expected.lower():
             raise AdapterInvalid(f"sha256 of {WEIGHTS_FILE} does not match the expected {expected}")
         return
     manifest = _inside(manifest, adapter_root, MANIFEST_FILE)
-    if expected and _sha256(manifest) != expected.lower():
+    if expected and sha256_file(manifest) != expected.lower():
         raise AdapterInvalid(f"sha256 of {MANIFEST_FILE} does not match the expected {expected}")
     try:
         files = json.loads(manifest.read_text())["files"]
@@ -252,7 +245,7 @@ def _check_hashes(root: Path, weights: Path, adapter_root: Path | None, expected
         raise AdapterInvalid(f"{MANIFEST_FILE} does not list {WEIGHTS_FILE}")
     for rel, digest in listed.items():
         file = _inside(root / rel, root, f"{MANIFEST_FILE} entry")
-        if not file.is_file() or _sha256(file) != str(digest).lower():
+        if not file.is_file() or sha256_file(file) != str(digest).lower():
             raise AdapterInvalid(f"{rel} is missing or does not match its sha256 in {MANIFEST_FILE}")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -39,6 +38,7 @@ from runtime.chat_format import ChatFormatter
 from runtime.engine import Engine, EngineError
 from runtime.errors import APIError, from_engine, from_validation
 from runtime.experiments import Experiments
+from runtime.http_body import read_json
 from runtime.metrics import Metrics
 from runtime.openai_schemas import ChatCompletionRequest
 from runtime.recorder import ANONYMOUS, Recorder
@@ -149,7 +149,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _read_json(request, server.max_body_bytes)
+        body = await read_json(request, server.max_body_bytes)
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
@@ -284,33 +284,6 @@ def _check_auth(request: Request, keys: tuple[str, ...]) -> None:
         )
     if token not in keys:
         raise APIError(401, "Incorrect API key provided.", type="authentication_error", code="invalid_api_key")
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw:
-        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    try:  # JSON may escape lone surrogates (\ud800), which are not text: the tokenizer would fail on them
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        msg = "We could not parse the JSON body of your request: it contains an unpaired surrogate escape"
-        raise APIError(400, msg, code="invalid_json") from exc
-    return body
 
 
 async def _unless_disconnected(request: Request, coro: Awaitable[T]) -> T | None:

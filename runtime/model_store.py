@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
-import hashlib
 import importlib.util
 import json
 import logging
@@ -41,6 +40,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from runtime._files import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -237,14 +238,6 @@ def _smollm2_gguf() -> Path:
     return gguf_path
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _greedy_next(model, tok) -> int:
     import torch
 
@@ -280,7 +273,7 @@ def _convert_smollm2(out_dir: Path, progress: bool) -> None:
 
         phase(0)
         gguf_path = _smollm2_gguf()
-        digest = _sha256(gguf_path)
+        digest = sha256_file(gguf_path)
         phase(1)
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from typing import Any
@@ -28,6 +27,7 @@ from pydantic import ValidationError
 
 from learner.records import Reward
 from runtime.errors import APIError, from_validation
+from runtime.http_body import read_json
 from runtime.openai_schemas import FeedbackRequest
 from runtime.recorder import ANONYMOUS, Recorder
 
@@ -59,13 +59,6 @@ def check_admin_key(request: Request, admin_key: str | None) -> None:
         raise APIError(
             401, "a valid admin key is required (Authorization: Bearer <admin key>)", type="authentication_error", code="invalid_admin_key"
         )
-
-
-async def read_json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
 
 
 def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str | None) -> None:
