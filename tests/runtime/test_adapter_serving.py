@@ -149,15 +149,18 @@ def test_experiment_routes_sticky_persists_and_promotes(start_server, data_dir):
     dup = httpx.post(srv.base_url + "/admin/experiments", json={**exp, "name": "ab-2"}, headers=AUTH, timeout=30)
     assert_error(dup, 409, code="experiment_conflict")
     arms: dict[str, str] = {}
+    served = []
+    # all traffic first, rewards after: the evaluator (every 10 s) could otherwise promote mid-loop,
+    # and a promotion rightly moves sessions to the winner
     for s in range(40):
         first = chat(srv, "ab", session=f"user-{s}").json()["loopwise"]
         again = chat(srv, "ab", session=f"user-{s}").json()["loopwise"]
         assert first["adapter"] == again["adapter"]  # sticky by session
         arms[f"user-{s}"] = first["adapter"]
-        # reward: the challenger is clearly better
-        reward = 1.0 if first["adapter"] == "ab@2" else 0.0
-        httpx.post(srv.url + "/feedback", json={"turn_id": first["turn_id"], "reward": reward}, timeout=30).raise_for_status()
-        httpx.post(srv.url + "/feedback", json={"turn_id": again["turn_id"], "reward": reward}, timeout=30).raise_for_status()
+        served += [first, again]
+    for turn in served:  # reward: the challenger is clearly better
+        reward = 1.0 if turn["adapter"] == "ab@2" else 0.0
+        httpx.post(srv.url + "/feedback", json={"turn_id": turn["turn_id"], "reward": reward}, timeout=30).raise_for_status()
     assert 8 <= sum(a == "ab@2" for a in arms.values()) <= 32  # a split, not everyone on one arm
     status = httpx.get(srv.base_url + "/admin/experiments/ab-test", headers=AUTH, timeout=30).json()
     assert status["status"] == "promoted" and status["winner"] == "ab@2", status
