@@ -19,7 +19,9 @@ Each line::
      "adapter", "finish_reason", "created_at",
      "reward": float|null,             # the latest turn-level reward
      "trajectory_reward": float|null,  # the latest trajectory-level reward
-     "rewards": [{reward_id, target, target_id, value, source, created_at, comment, idempotency_key}]}
+     "rewards": [{reward_id, target, target_id, value, source, created_at, comment, idempotency_key}],
+     "trainable": bool,      # False when an agent run broke the prefix invariant (train on it at your own risk)
+     "task_key": str|null}   # the agent run's task key (same problem → same key), for grouping
 
 Reading it from other trainers (``datasets.load_dataset("json", data_files="samples.jsonl")``):
 - TRL: ``context_ids`` → ``prompt_ids``, ``output_ids`` → ``completion_ids``, ``loss_mask`` →

@@ -80,6 +80,8 @@ class Trajectory(_Record):
     trajectory_id: str
     session_id: str
     created_at: float = Field(default_factory=time.time)
+    # set by agent runs: agent, task, task_key, stop_reason, trainable (False when the prefix invariant broke), ...
+    meta: dict[str, Any] = Field(default_factory=dict)
     turns: list[Turn] = Field(default_factory=list)
     rewards: list[Reward] = Field(default_factory=list)
 

@@ -171,8 +171,13 @@ def _v3_experiments(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX turns_adapter ON turns (adapter, created_at)")
 
 
+def _v4_trajectory_meta(conn: sqlite3.Connection) -> None:
+    # Agent runs annotate their trajectory (agent, task key, stop reason, whether it is trainable).
+    conn.execute("ALTER TABLE trajectories ADD COLUMN meta TEXT NOT NULL DEFAULT '{}'")
+
+
 # MIGRATIONS[i] takes a database from version i to version i + 1 (version 0 = an empty file).
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1_initial, _v2_unique_idempotency_key, _v3_experiments]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1_initial, _v2_unique_idempotency_key, _v3_experiments, _v4_trajectory_meta]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -406,6 +411,15 @@ class SqliteStore:
             )
         return reward, True
 
+    def set_trajectory_meta(self, trajectory_id: str, meta: dict[str, Any]) -> None:
+        """Merge ``meta`` into the trajectory's metadata (top-level keys replace); the trajectory must exist."""
+        with self._write() as conn:
+            row = conn.execute("SELECT meta FROM trajectories WHERE trajectory_id = ?", (trajectory_id,)).fetchone()
+            if row is None:
+                raise UnknownTarget(f"no trajectory with id {trajectory_id!r}")
+            merged = {**json.loads(row[0]), **meta}
+            conn.execute("UPDATE trajectories SET meta = ? WHERE trajectory_id = ?", (_json(merged), trajectory_id))
+
     def delete_session(self, session_id: str) -> int:
         """Delete a session with its trajectories, turns and their rewards; returns the number of turns deleted."""
         with self._write() as conn:
@@ -505,7 +519,7 @@ class SqliteStore:
         if rewarded is not None:
             where.append(f"t.trajectory_id {'IN' if rewarded else 'NOT IN'} ({_REWARDED_TRAJECTORIES})")
         sql = f"""
-            SELECT t.trajectory_id, t.session_id, t.created_at,
+            SELECT t.trajectory_id, t.session_id, t.created_at, t.meta,
                    (SELECT COUNT(*) FROM turns u WHERE u.trajectory_id = t.trajectory_id),
                    (SELECT COUNT(*) FROM rewards r WHERE r.target = 'trajectory' AND r.target_id = t.trajectory_id)
                  + (SELECT COUNT(*) FROM rewards r JOIN turns u ON u.turn_id = r.target_id
@@ -516,7 +530,10 @@ class SqliteStore:
              ORDER BY t.created_at DESC, t.rowid DESC
              LIMIT ?"""
         rows = self._conn().execute(sql, (*params, limit)).fetchall()
-        return [{"trajectory_id": r[0], "session_id": r[1], "created_at": r[2], "turns": r[3], "rewards": r[4], "last_turn_at": r[5]} for r in rows]
+        return [
+            {"trajectory_id": r[0], "session_id": r[1], "created_at": r[2], "meta": json.loads(r[3]), "turns": r[4], "rewards": r[5], "last_turn_at": r[6]}
+            for r in rows
+        ]
 
     def get_turn(self, turn_id: str) -> Turn | None:
         row = self._conn().execute(f"SELECT {TURN_COLUMNS} FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
@@ -527,7 +544,9 @@ class SqliteStore:
         conn = self._conn()
         conn.execute("BEGIN")  # one consistent snapshot
         try:
-            row = conn.execute("SELECT trajectory_id, session_id, created_at FROM trajectories WHERE trajectory_id = ?", (trajectory_id,)).fetchone()
+            row = conn.execute(
+                "SELECT trajectory_id, session_id, created_at, meta FROM trajectories WHERE trajectory_id = ?", (trajectory_id,)
+            ).fetchone()
             if row is None:
                 return None
             turns = conn.execute(
@@ -540,6 +559,7 @@ class SqliteStore:
             trajectory_id=row[0],
             session_id=row[1],
             created_at=row[2],
+            meta=json.loads(row[3]),
             turns=[_turn_from_row(r) for r in turns],
             rewards=[_reward_from_row(r) for r in rewards],
         )
@@ -562,7 +582,8 @@ class SqliteStore:
             )
             where.append(cond if rewarded else f"NOT {cond}")
         sql = f"""SELECT t.rowid, t.turn_id, t.trajectory_id, t.session_id, t.idx, t.context_ids, t.output_ids, t.logprobs,
-                         t.loss_mask, t.adapter, t.finish_reason, t.created_at
+                         t.loss_mask, t.adapter, t.finish_reason, t.created_at,
+                         (SELECT j.meta FROM trajectories j WHERE j.trajectory_id = t.trajectory_id)
                     FROM turns t WHERE {" AND ".join(where)} ORDER BY t.rowid LIMIT ?"""
         last = 0
         while True:
@@ -582,6 +603,7 @@ class SqliteStore:
                 ]
                 turn_values = [x.value for x in rewards if x.target == "turn"]
                 traj_values = [x.value for x in rewards if x.target == "trajectory"]
+                meta = json.loads(r[12] or "{}")
                 yield {
                     "turn_id": r[1],
                     "trajectory_id": r[2],
@@ -597,6 +619,8 @@ class SqliteStore:
                     "reward": turn_values[-1] if turn_values else None,
                     "trajectory_reward": traj_values[-1] if traj_values else None,
                     "rewards": [x.model_dump() for x in rewards],
+                    "trainable": bool(meta.get("trainable", True)),
+                    "task_key": meta.get("task_key"),
                 }
             if len(rows) < page_size:
                 return

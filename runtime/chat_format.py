@@ -50,13 +50,17 @@ class ChatFormatter:
 
     def render(self, messages: list[Message], tools: list[Tool] | None) -> RenderedPrompt:
         plain = [to_plain(m, i) for i, m in enumerate(messages)]
+        return self.render_plain(plain, [t.model_dump(exclude_none=True) for t in tools] if tools else None)
+
+    def render_plain(self, plain: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True) -> RenderedPrompt:
+        """Render chat-template dicts (tool call arguments as objects) and OpenAI tool dicts."""
         kwargs: dict[str, Any] = {}
         if self.native_tools:
             if tools:
-                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+                kwargs["tools"] = tools
         else:
             plain = hermes_messages(plain, tools)
-        text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kwargs)
+        text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return RenderedPrompt(text=text, token_ids=tuple(ids))
 
@@ -97,11 +101,11 @@ def to_plain(msg: Message, i: int) -> dict[str, Any]:
     return d
 
 
-def hermes_messages(plain: list[dict[str, Any]], tools: list[Tool] | None) -> list[dict[str, Any]]:
+def hermes_messages(plain: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """Rewrite messages for a template without a tool section (Hermes / Qwen2.5 conventions)."""
     out: list[dict[str, Any]] = []
     if tools:
-        block = TOOLS_PREAMBLE + "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools) + TOOLS_POSTAMBLE
+        block = TOOLS_PREAMBLE + "\n".join(json.dumps(t) for t in tools) + TOOLS_POSTAMBLE
         if plain and plain[0]["role"] == "system":
             out.append({"role": "system", "content": plain[0]["content"] + "\n\n" + block})
             plain = plain[1:]

@@ -88,7 +88,7 @@ def test_creates_parent_dirs_wal_mode_and_latest_version(tmp_path: Path) -> None
     assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
     assert conn.execute("PRAGMA secure_delete").fetchone()[0] == 1
     assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 4000
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 4
     assert s.integrity_check() == "ok"
     s.close()
     full = SqliteStore(path, synchronous_full=True)
@@ -262,7 +262,15 @@ def test_list_trajectories_filters(store: SqliteStore) -> None:
     store.add_reward(Reward(target="turn", target_id="turn-30", value=1.0))
     everything = store.list_trajectories()
     assert [x["trajectory_id"] for x in everything] == ["traj-3", "traj-2", "traj-1", "traj-0"]  # newest first
-    assert everything[0] == {"trajectory_id": "traj-3", "session_id": "sess-a", "created_at": 300.0, "turns": 2, "rewards": 2, "last_turn_at": 301.0}
+    assert everything[0] == {
+        "trajectory_id": "traj-3",
+        "session_id": "sess-a",
+        "created_at": 300.0,
+        "meta": {},
+        "turns": 2,
+        "rewards": 2,
+        "last_turn_at": 301.0,
+    }
     assert everything[2]["rewards"] == 1 and everything[3]["rewards"] == 0
     assert [x["trajectory_id"] for x in store.list_trajectories(limit=2)] == ["traj-3", "traj-2"]
     assert [x["trajectory_id"] for x in store.list_trajectories(since=100.0)] == ["traj-3", "traj-2", "traj-1"]
@@ -438,7 +446,7 @@ def test_export_cli_jsonl(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in lines]
     assert len(rows) == 3
     keys = {"turn_id", "trajectory_id", "session_id", "index", "context_ids", "output_ids", "logprobs", "loss_mask", "adapter", "finish_reason"}
-    keys |= {"created_at", "reward", "trajectory_reward", "rewards"}
+    keys |= {"created_at", "reward", "trajectory_reward", "rewards", "trainable", "task_key"}
     for row in rows:
         assert set(row) == keys
         t = expected[row["turn_id"]]
@@ -476,7 +484,7 @@ def test_migrates_a_genuine_v2_database_to_v3_with_experiments(tmp_path: Path) -
     conn.executemany(f"INSERT INTO turns ({store_mod.TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [store_mod.turn_row(t) for t in turns])
     conn.close()
     s = SqliteStore(path)
-    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     assert [s.get_turn(t.turn_id) for t in turns] == turns
     assert s.load_experiments() == []
     s.save_experiment("exp1", {"family": "f", "arms": ["f@1", "f@2"]}, {"decision": "continue"})
@@ -499,3 +507,16 @@ def test_arm_observations_by_adapter_and_source(tmp_path: Path) -> None:
     assert sorted(s.arm_observations(None, since=0.0, source="verifier:x")["rewards"]) == [1.0, 3.0, 5.0]  # the base model
     assert s.arm_observations("lora-v3", since=2_003.0, source="verifier:x")["rewards"] == [4.0]
     assert len(arm["latency_s"]) == 3
+
+
+def test_trajectory_meta_merges_and_reaches_samples(store: SqliteStore) -> None:
+    store.append_turns([make_turn(j, trajectory="traj-m", index=j) for j in range(2)])
+    store.set_trajectory_meta("traj-m", {"agent": "calc", "task_key": "calc_arith:7", "trainable": True})
+    store.set_trajectory_meta("traj-m", {"trainable": False, "stop_reason": "verified"})
+    traj = store.get_trajectory("traj-m")
+    assert traj is not None
+    assert traj.meta == {"agent": "calc", "task_key": "calc_arith:7", "trainable": False, "stop_reason": "verified"}
+    samples = list(store.iter_samples())
+    assert [(x["trainable"], x["task_key"]) for x in samples] == [(False, "calc_arith:7")] * 2
+    with pytest.raises(UnknownTarget):
+        store.set_trajectory_meta("traj-nope", {"x": 1})
