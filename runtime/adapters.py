@@ -6,7 +6,7 @@ What it does:
 - ``parse_model_name``: turns a request's ``model`` (base name, ``family``, ``family@N`` or SGLang's
   ``base:adapter``) into what to route to.
 - ``validate_adapter``: checks a PEFT LoRA folder against the base model *before* the engine is asked
-  to load it (config, rank, target modules, tensor shapes, readable safetensors, hashes, path escape).
+  to load it (config, supported LoRA variant, rank, target modules, tensor shapes, readable safetensors, hashes, path escape).
 - ``AdapterRegistry``: routing for one event loop. Registration only after a successful load, versions
   never reused for other weights, atomic alias flips, ``acquire``/``release`` around every request,
   unload only after in-flight requests drain, LRU eviction that skips pinned/in-flight/alias targets.
@@ -134,6 +134,32 @@ def _base_module(name: str, base_shapes: Mapping[str, tuple[int, int]]) -> str |
     return hits[0] if len(hits) == 1 else None
 
 
+# LoRA variants the embedded engine does not serve (nor SGLang's LoRA manager): config key → why.
+_UNSUPPORTED = {
+    "use_dora": "DoRA (use_dora) needs a magnitude vector per module",
+    "modules_to_save": "modules_to_save replaces whole base modules",
+    "lora_bias": "lora_bias adds a bias to lora_B",
+    "trainable_token_indices": "trainable_token_indices changes embedding rows",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "target_parameters": "target_parameters (LoRA on raw parameters)",
+    "layer_replication": "layer_replication changes the base model's layers",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "kasa_config": "KaSA (kasa_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "velora_config": "VeLoRA (velora_config)",
+}
+
+
+def unsupported_lora_features(config: Mapping[str, Any]) -> list[str]:
+    """What in a PEFT LoRA config cannot be served as plain ``y += scale * B(A(x))``; empty when servable."""
+    bad = [why for key, why in _UNSUPPORTED.items() if config.get(key)]
+    if config.get("bias", "none") != "none":
+        bad.append(f"bias={config.get('bias')!r} trains base-model biases")
+    return bad
+
+
 def validate_adapter(
     path: Path,
     *,
@@ -172,6 +198,8 @@ def validate_adapter(
         raise AdapterInvalid(f"{CONFIG_FILE} in {path} is not a JSON object")
     if config.get("peft_type") != "LORA":
         raise AdapterInvalid(f"peft_type is {config.get('peft_type')!r}; only 'LORA' adapters are served")
+    if bad := unsupported_lora_features(config):
+        raise AdapterInvalid(f"adapter {path} uses LoRA features that are not served: {'; '.join(bad)}")
     ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
     if not all(isinstance(r, int) and 0 < r for r in ranks):
         raise AdapterInvalid(f"LoRA rank {config.get('r')!r} (rank_pattern {config.get('rank_pattern')}) is not a positive integer")
