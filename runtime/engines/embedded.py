@@ -16,9 +16,16 @@ Concurrency invariants:
   plain bool (atomic under the GIL) and the scheduler drops the row at its next step.
 - Chunks cross threads only through ``loop.call_soon_threadsafe(queue.put_nowait, ...)``.
 
-LoRA adapters: ``load_adapter`` wraps the model in peft once and adds adapters by name; every forward
-passes ``adapter_names`` per row, so requests for different adapters and the base share one batch.
-Loads and unloads run on the scheduler thread between steps (``_run_in_scheduler``).
+LoRA adapters (``lora_weights``, ``lora_batch``; no peft at serve time): ``load_adapter`` reads,
+checks and prepares the weights on a worker thread, then attaches them on the scheduler thread between
+two steps (a few dict insertions), so a load never stalls decoding for longer than that. Every forward
+names one adapter (or the base) per row, and each adapted linear adds its rows' LoRA deltas in one
+batched GEMM pair, so requests for different adapters and the base share one batch.
+- An adapter is never unloaded while a request uses it: ``_unload_adapter_now`` checks the running and
+  waiting rows and drops the name from ``_adapters`` in one ``_cv`` critical section, and ``_submit``
+  checks the name and queues the row in one too; so a row is either refused or counted. The registry
+  drains in-flight requests before it asks, so a refusal here means a caller bug; it is counted in
+  ``stats()["adapter_unloads_refused"]`` and raised.
 
 Not here yet: prefix caching, chunked prefill.
 """
@@ -59,6 +66,8 @@ from runtime.engine import (
 )
 from runtime.engines.cpu_linear import pack_linears
 from runtime.engines.kv_batch import BatchKV
+from runtime.engines.lora_batch import LoraBank
+from runtime.engines.lora_weights import LoraWeights, read_lora
 from runtime.engines.sampling import RowSampling, sample_next
 from runtime.engines.textstream import TextStream
 
@@ -102,7 +111,7 @@ class _Seq:
 
 
 class EmbeddedEngine:
-    """transformers (+ peft later) in process. Construct, ``await start()``, then ``stream``/``generate``."""
+    """transformers in process, with LoRA adapters served side by side. Construct, ``await start()``, then ``stream``/``generate``."""
 
     def __init__(
         self,
@@ -131,8 +140,11 @@ class EmbeddedEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._commands: deque[tuple[Callable[[], None], asyncio.Future[None]]] = deque()
-        self._peft: Any = None  # a peft PeftModel around self.model once an adapter is loaded
-        self._adapters: set[str] = set()
+        self._lora: LoraBank | None = None  # scheduler thread only (attach/detach/forward)
+        self._adapters: set[str] = set()  # loaded adapter names; changed under _cv on the scheduler thread
+        self._loading: set[str] = set()  # names being prepared on a worker thread (event loop only)
+        self.adapter_unloads = 0
+        self.adapter_unloads_refused = 0
         self._info: EngineInfo | None = None
         self.model: Any = None
         self.tokenizer: Any = None
@@ -160,6 +172,7 @@ class EmbeddedEngine:
         self.model.eval()
         if self._dtype == torch.float32:
             log.info("packed %d linear layers for oneDNN", pack_linears(self.model))
+        self._lora = LoraBank(self.model)  # after packing: LoRA sites sit in front of the packed forwards
         cfg = self.model.config
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -212,13 +225,34 @@ class EmbeddedEngine:
             raise EngineError("health generate returned no token")
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Load a peft LoRA adapter under ``name``; it is served from the next step on, mixed with others."""
-        if name in self._adapters:
+        """Load a PEFT LoRA folder under ``name``; it is served from the next step on, mixed with others.
+
+        Reading and preparing the weights runs on a worker thread while decoding goes on; only the
+        attach runs on the scheduler thread, between two steps."""
+        if name in self._adapters or name in self._loading:
             raise AdapterError(f"adapter {name!r} is already loaded (versions are immutable: load it under a new name)")
-        await self._run_in_scheduler(lambda: self._load_adapter_now(name, path))
+        if self._lora is None:
+            raise EngineClosed("engine not started")
+        self._loading.add(name)
+        try:
+            t0 = time.perf_counter()
+            weights = await asyncio.to_thread(self._read_adapter, name, path, self._lora)
+            t1 = time.perf_counter()
+            await self._run_in_scheduler(lambda: self._attach_adapter_now(name, weights))
+        finally:
+            self._loading.discard(name)
+        log.info(
+            "adapter %s loaded: %d modules, rank %d, %.1f MB; prepared in %.3fs, attached %.3fs later",
+            name,
+            len(weights.modules),
+            weights.rank,
+            weights.nbytes / 1e6,
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
 
     async def unload_adapter(self, name: str) -> None:
-        """Drop an adapter. The caller (the adapter registry) makes sure no request still uses it."""
+        """Drop an adapter. Refused (``AdapterError``) while any request still uses it; the registry drains first."""
         if name not in self._adapters:
             raise AdapterError(f"adapter {name!r} is not loaded")
         await self._run_in_scheduler(lambda: self._unload_adapter_now(name))
@@ -236,42 +270,52 @@ class EmbeddedEngine:
             self._cv.notify()
         await fut
 
-    def _load_adapter_now(self, name: str, path: str) -> None:
-        from peft import PeftModel
-
+    @staticmethod
+    def _read_adapter(name: str, path: str, bank: LoraBank) -> LoraWeights:
+        """Worker thread: read, check and prepare the weights (``bank.targets`` is only read)."""
         try:
-            if self._peft is None:
-                self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
-                self._peft.eval()
-            else:
-                self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            raise AdapterError(f"could not load adapter {name!r} from {path}: {exc}") from exc
-        self._adapters.add(name)
+            return read_lora(path, bank.targets)
+        except AdapterError as exc:
+            raise AdapterError(f"could not load adapter {name!r}: {exc}") from exc
+
+    def _attach_adapter_now(self, name: str, weights: LoraWeights) -> None:
+        assert self._lora is not None
+        self._lora.attach(name, weights)
+        with self._cv:
+            self._adapters.add(name)
 
     def _unload_adapter_now(self, name: str) -> None:
-        assert self._peft is not None
-        if any(s.req.adapter == name for s in [*self._running, *self._waiting]):
-            raise AdapterError(f"adapter {name!r} still has requests in flight")
-        self._peft.delete_adapter(name)
-        self._adapters.discard(name)
+        assert self._lora is not None
+        with self._cv:  # same critical section as _submit's check + enqueue (module docstring)
+            # a cancelled row never runs again (_drop_cancelled and admission skip it before the next forward)
+            users = sum(s.req.adapter == name for s in [*self._running, *self._waiting] if not (s.done or s.cancelled))
+            if users:
+                self.adapter_unloads_refused += 1
+                log.error("refused to unload adapter %s: %d request(s) still use it", name, users)
+                raise AdapterError(f"adapter {name!r} still has {users} request(s) in flight; not unloaded")
+            self._adapters.discard(name)
+        self._lora.detach(name)
+        self.adapter_unloads += 1
 
     def _forward(self, seqs: list[_Seq], **kwargs: Any) -> Any:
-        """The model's forward; with adapters loaded, each row names its own (``__base__`` for none)."""
-        if self._peft is None:
+        """The model's forward, each row on its own adapter (or the base)."""
+        assert self._lora is not None
+        with self._lora.rows([s.req.adapter for s in seqs]):
             return self.model(**kwargs)
-        names = [s.req.adapter or "__base__" for s in seqs]
-        return self._peft(adapter_names=names, **kwargs)
 
     def stats(self) -> dict[str, float]:
-        return {"waiting": float(len(self._waiting)), "running": float(len(self._running))}
+        return {
+            "waiting": float(len(self._waiting)),
+            "running": float(len(self._running)),
+            "adapters": float(len(self._adapters)),
+            "adapter_unloads": float(self.adapter_unloads),
+            "adapter_unloads_refused": float(self.adapter_unloads_refused),
+        }
 
     # ---- submission (event loop thread) ----------------------------------------------------
     def _submit(self, req: GenerateRequest) -> _Seq:
         if self._thread is None or self._stopping:
             raise EngineClosed("engine is not running")
-        if req.adapter is not None and req.adapter not in self._adapters:
-            raise AdapterError(f"adapter {req.adapter!r} is not loaded")
         info = self.info
         sp = req.sampling
         if not req.input_ids:
@@ -300,7 +344,9 @@ class EmbeddedEngine:
             stop_ids=stop_ids,
             matcher=matcher,
         )
-        with self._cv:
+        with self._cv:  # the adapter check and the enqueue in one step: an unload can't slip in between
+            if req.adapter is not None and req.adapter not in self._adapters:
+                raise AdapterError(f"adapter {req.adapter!r} is not loaded")
             free_slots = max(0, self._max_batch - len(self._running))  # those go straight into the batch, not the queue
             if len(self._waiting) >= self._max_queue + free_slots:
                 raise EngineOverloaded(
@@ -329,13 +375,15 @@ class EmbeddedEngine:
                         break
                     commands = list(self._commands)
                     self._commands.clear()
+                # commands (adapter attach/unload) before admission: an unload must see every row that will run
+                for fn, fut in commands:
+                    self._run_command(fn, fut)
+                with self._cv:
                     admitted: list[_Seq] = []
                     while self._waiting and len(self._running) + len(admitted) < self._max_batch:
                         seq = self._waiting.popleft()
                         if not seq.cancelled:
                             admitted.append(seq)
-                for fn, fut in commands:
-                    self._run_command(fn, fut)
                 try:
                     self._drop_cancelled()
                     for seq in admitted:

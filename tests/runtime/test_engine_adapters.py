@@ -86,3 +86,43 @@ def test_adapter_errors(tiny_model_path, adapter_paths, tmp_path):
             await eng.close()
 
     run(main())
+
+
+def test_unload_is_refused_while_a_request_uses_the_adapter(tiny_model_path, adapter_paths):
+    async def main() -> None:
+        eng = EmbeddedEngine(tiny_model_path, model_id="tiny", dtype="float32")
+        await eng.start()
+        try:
+            await eng.load_adapter("busy@1", str(adapter_paths[0]))
+            prompt = tuple(eng.tokenizer.encode("hello", add_special_tokens=False))
+            sp = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
+            chunks = eng.stream(GenerateRequest("long", prompt, sp, adapter="busy@1"))
+            await anext(chunks)  # the row is running
+            with pytest.raises(AdapterError, match="in flight"):
+                await eng.unload_adapter("busy@1")
+            assert eng.stats()["adapter_unloads_refused"] == 1 and eng.adapters() == ["busy@1"]
+            n = 1 + sum([1 async for _ in chunks])  # the request is unharmed and finishes
+            assert n == 300
+            await eng.unload_adapter("busy@1")
+            assert eng.adapters() == [] and eng.stats()["adapter_unloads"] == 1
+            with pytest.raises(AdapterError, match="not loaded"):
+                await eng.generate(GenerateRequest("after", prompt, sp, adapter="busy@1"))
+        finally:
+            await eng.close()
+
+    run(main())
+
+
+def test_concurrent_loads_of_one_name_load_it_once(tiny_model_path, adapter_paths):
+    async def main() -> None:
+        eng = EmbeddedEngine(tiny_model_path, model_id="tiny", dtype="float32")
+        await eng.start()
+        try:
+            results = await asyncio.gather(*(eng.load_adapter("dup@1", str(p)) for p in adapter_paths), return_exceptions=True)
+            assert sum(r is None for r in results) == 1
+            assert all("already loaded" in str(r) for r in results if r is not None)
+            assert eng.adapters() == ["dup@1"]
+        finally:
+            await eng.close()
+
+    run(main())
