@@ -1,0 +1,226 @@
+"""T²PO at inference and in rollouts (algorithms.md §11): token-level thinking intervention and turn-level resampling.
+
+Both are pure decisions over token uncertainties that the agent loop computes from the engine's
+per-token top-k logprobs (``runtime.engine.TokenLogprob.top``, best first). Both are switches of an
+agent (``T2POConfig``), off by default; the loop counts what fired in ``T2POCounters``.
+
+Token level ([RECON] in §11; the public T²PO code does not contain it). While the model is thinking,
+feed each token's top-k to a ``ThinkingMonitor``. It keeps ``ubar_k`` = mean entropy of the last
+``window`` tokens and fires at the first token ``k`` (0-based) where
+
+    k + 1 ≥ max(min_tokens, 2·window)   and   |ubar_k − ubar_{k−window}| < threshold
+
+i.e. the mean uncertainty of the latest window barely differs from the window before it (the thinking
+has stopped reducing uncertainty), or, with a ``budget``, when ``budget`` thinking tokens are reached.
+The loop then keeps the output up to and including token ``k``, appends ``intervention_text()`` (closes
+the think span and cues the answer) as forced tokens (not sampled: mask them out of training), and
+continues decoding the action. The monitor fires at most once.
+
+Turn level ([SRC-code] ``T2PO_multi_turn_loop``): a turn's score is its mean token uncertainty
+(``turn_uncertainty``; the producer is [RECON], the code only consumes it). From the second turn on, a
+turn is regenerated from the same context while ``0 < |u_t − u_{t−1}| < eta`` (absolute difference, as
+in the code; Δ = 0 is excluded on purpose there), at most ``max_try`` times; the last regeneration is
+kept even if it would still qualify, and its score becomes ``u_{t−1}`` for the next turn.
+
+Not here: generating, cancelling or re-submitting requests (the agent loop), recording, training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TopK = Sequence[tuple[int, float]] | Sequence[float]
+
+# ── Token uncertainty ──────────────────────────────────────────────────────────────────────────────────
+
+
+def token_entropy(top_logprobs: TopK) -> float:
+    """Entropy (nats) of one token's distribution, estimated from its top-k logprobs.
+
+    ``top_logprobs``: ``(token_id, logprob)`` pairs (as ``TokenLogprob.top``) or bare logprobs.
+    Truncation: the top-k probabilities are renormalised to sum to 1 and the tail is ignored, so the
+    value is the entropy of the top-k conditional distribution — at most ``log k``, and 0 for k = 1.
+    It underestimates flat distributions (true entropy above ``log k``) and is exact when the top-k
+    mass is ~1; for a sliding-window *change* detector the bias largely cancels. Ask the engine for
+    k ≥ 2 (``T2POConfig.top_logprobs``, default 20). ``-inf`` entries have zero probability.
+    Raises ValueError on an empty sequence or a NaN/+inf logprob (an engine bug, not a model state).
+    """
+    if len(top_logprobs) == 0:
+        raise ValueError("token_entropy needs at least one top logprob (request top_logprobs >= 1)")
+    first = top_logprobs[0]
+    lps = [float(x[1]) for x in top_logprobs] if isinstance(first, tuple | list) else [float(x) for x in top_logprobs]  # type: ignore[index,arg-type]
+    for lp in lps:
+        if math.isnan(lp) or lp == math.inf:
+            raise ValueError(f"invalid logprob {lp!r}")
+    finite = [lp for lp in lps if lp != -math.inf]
+    if not finite:
+        raise ValueError("all top logprobs are -inf")
+    m = max(finite)
+    log_z = m + math.log(math.fsum(math.exp(lp - m) for lp in finite))
+    h = -math.fsum(math.exp(lp - log_z) * (lp - log_z) for lp in finite)
+    return max(h, 0.0)  # rounding can give -1e-17 for k = 1
+
+
+def token_uncertainty(logprob: float, top_logprobs: TopK = ()) -> float:
+    """A token's uncertainty: its top-k entropy, or, without top-k, its surprisal ``-logprob`` (§11's fallback)."""
+    if len(top_logprobs) > 0:
+        return token_entropy(top_logprobs)
+    if math.isnan(logprob):
+        raise ValueError("invalid logprob nan")
+    return -logprob
+
+
+# ── Token level: thinking intervention ─────────────────────────────────────────────────────────────────
+
+THINK_CLOSE = "</think>"
+INTERVENTION_TEXT = "\n</think>\n"  # [RECON] §11 suggests "</think>\n<action>"; the open tag depends on the format
+
+
+def intervention_text(action_open_tag: str | None = None) -> str:
+    """The forced text appended at the cut: close the think span, then optionally open the action tag
+    (e.g. ``"solution"`` for svr, ``"answer"`` for svr_r1) so the model goes straight to acting."""
+    return INTERVENTION_TEXT + (f"<{action_open_tag}>" if action_open_tag else "")
+
+
+def thinking_open(text: str, *, prefilled: bool = False) -> bool:
+    """Whether ``text`` (the output so far) ends inside a think span: its last ``<think>`` is not closed.
+
+    ``prefilled``: the prompt already opened the span, so text with no tag at all is thinking."""
+    opened, closed = text.rfind("<think>"), text.rfind(THINK_CLOSE)
+    if opened < 0 and closed < 0:
+        return prefilled
+    return opened > closed
+
+
+class ThinkingMonitor:
+    """Fed one thinking token at a time; ``update`` returns True exactly once, at the token to cut after.
+
+    See the module docstring for the rule. ``enabled=False`` makes every update return False without
+    looking at its argument (the switch off). ``fired_at`` is the 0-based index of that token and
+    ``reason`` is ``"plateau"`` or ``"budget"``.
+    """
+
+    def __init__(self, window: int = 32, threshold: float = 0.05, min_tokens: int = 64, budget: int | None = None, *, enabled: bool = True) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if not threshold >= 0.0:
+            raise ValueError(f"threshold must be >= 0, got {threshold}")
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+        if budget is not None and budget < 1:
+            raise ValueError(f"budget must be >= 1 or None, got {budget}")
+        self.window, self.threshold, self.min_tokens, self.budget, self.enabled = window, threshold, min_tokens, budget, enabled
+        self.entropies: list[float] = []
+        self._prefix: list[float] = [0.0]  # _prefix[n] = sum of the first n entropies
+        self.fired_at: int | None = None
+        self.reason: str | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.entropies)
+
+    @property
+    def fired(self) -> bool:
+        return self.fired_at is not None
+
+    def update(self, top_logprobs: TopK) -> bool:
+        """Feed one token's top-k logprobs; True when the loop should intervene after this token."""
+        if not self.enabled or self.fired:
+            return False
+        return self.update_entropy(token_entropy(top_logprobs))
+
+    def update_entropy(self, entropy: float) -> bool:
+        """Feed one token's uncertainty directly (e.g. ``token_uncertainty`` without top-k)."""
+        if not self.enabled or self.fired:
+            return False
+        self.entropies.append(entropy)
+        self._prefix.append(self._prefix[-1] + entropy)
+        n, w = len(self.entropies), self.window
+        if n >= max(self.min_tokens, 2 * w):
+            cur = (self._prefix[n] - self._prefix[n - w]) / w
+            prev = (self._prefix[n - w] - self._prefix[n - 2 * w]) / w
+            if abs(cur - prev) < self.threshold:
+                self.fired_at, self.reason = n - 1, "plateau"
+                return True
+        if self.budget is not None and n >= self.budget:
+            self.fired_at, self.reason = n - 1, "budget"
+            return True
+        return False
+
+    def reset(self) -> None:
+        """Start a new thinking span (a new turn)."""
+        self.entropies.clear()
+        self._prefix = [0.0]
+        self.fired_at = self.reason = None
+
+
+def should_intervene(
+    entropies: Sequence[float], window: int = 32, threshold: float = 0.05, min_tokens: int = 64, budget: int | None = None
+) -> int | None:
+    """The 0-based index of the token after which ``ThinkingMonitor`` would intervene, or None."""
+    monitor = ThinkingMonitor(window, threshold, min_tokens, budget)
+    for h in entropies:
+        if monitor.update_entropy(h):
+            return monitor.fired_at
+    return None
+
+
+# ── Turn level: resampling ─────────────────────────────────────────────────────────────────────────────
+
+
+def turn_uncertainty(entropies: Sequence[float]) -> float:
+    """A turn's score ``u_t``: the mean token uncertainty of its response; 0.0 for an empty response."""
+    return math.fsum(entropies) / len(entropies) if len(entropies) else 0.0
+
+
+def should_resample(prev_turn_u: float | None, cur_turn_u: float, eta: float, tries_so_far: int, max_try: int) -> bool:
+    """Regenerate the current turn? True iff there is a previous turn, ``tries_so_far < max_try`` and
+    ``0 < |cur − prev| < eta``. Δ is absolute (the code's ``abs``): a small drop counts like a small rise."""
+    if prev_turn_u is None or tries_so_far >= max_try:
+        return False
+    delta = abs(cur_turn_u - prev_turn_u)
+    return 0.0 < delta < eta
+
+
+# ── Configuration and counters ─────────────────────────────────────────────────────────────────────────
+
+
+class T2POConfig(BaseModel):
+    """An agent's T²PO switches and knobs. Defaults: [SRC-code] where the T²PO code fixes them, else [RECON]."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    thinking_intervention: bool = Field(False, description="Cut thinking when the windowed uncertainty plateaus (token level).")
+    turn_resample: bool = Field(False, description="Regenerate turns whose uncertainty barely moved from the previous turn (turn level).")
+    window: int = Field(32, ge=1, description="[RECON] tokens per sliding window of the thinking monitor.")
+    threshold: float = Field(0.05, ge=0.0, description="[RECON] nats; intervene when |windowed mean change| falls below this.")
+    min_tokens: int = Field(64, ge=0, description="[RECON] never intervene before this many thinking tokens (and never before 2·window).")
+    think_budget: int | None = Field(
+        500, ge=1, description="[SRC-code] num_think_tokens default 500: intervene at this many thinking tokens at the latest; None: no budget."
+    )
+    eta: float = Field(0.3, gt=0.0, description="[SRC-code] eta_threshold: resample when 0 < |Δu| < eta.")
+    max_try: int = Field(2, ge=0, description="[SRC-code] TDS.max_try in all scripts: regenerations per turn at most.")
+    top_logprobs: int = Field(20, ge=1, description="[RECON] top-k logprobs to request per token for the entropy estimate (OpenAI's maximum).")
+
+    def new_monitor(self) -> ThinkingMonitor:
+        """A monitor for one thinking span; disabled (never fires) when ``thinking_intervention`` is off."""
+        return ThinkingMonitor(self.window, self.threshold, self.min_tokens, self.think_budget, enabled=self.thinking_intervention)
+
+    def resample(self, prev_turn_u: float | None, cur_turn_u: float, tries_so_far: int) -> bool:
+        """``should_resample`` with this config's ``eta``/``max_try``; always False when ``turn_resample`` is off."""
+        return self.turn_resample and should_resample(prev_turn_u, cur_turn_u, self.eta, tries_so_far, self.max_try)
+
+
+@dataclass
+class T2POCounters:
+    """What T²PO did in one trajectory, for the trajectory record and metrics."""
+
+    interventions: int = 0  # thinking spans cut by the monitor
+    resamples: int = 0  # turn regenerations (discarded drafts)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
