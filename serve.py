@@ -11,6 +11,8 @@ Not here: any serving logic (``runtime/``). The learner process arrives with its
 from __future__ import annotations
 
 import argparse
+import asyncio
+import atexit
 import logging
 import os
 import socket
@@ -21,13 +23,30 @@ from typing import Any, get_args, get_origin
 import structlog
 import uvicorn
 
-from runtime.settings import AdapterSettings, EngineSettings, RecorderSettings, ServerSettings, Settings, load_config_file, short_env_overrides
+from runtime.settings import (
+    AdapterSettings,
+    EngineSettings,
+    RecorderSettings,
+    ServerSettings,
+    Settings,
+    SGLangSettings,
+    load_config_file,
+    short_env_overrides,
+)
+
+SECTIONS: tuple[tuple[str, type[Any]], ...] = (
+    ("server", ServerSettings),
+    ("engine", EngineSettings),
+    ("recorder", RecorderSettings),
+    ("adapters", AdapterSettings),
+    ("sglang", SGLangSettings),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="serve.py", description="loopwise: OpenAI-compatible serving with an online learning loop")
     parser.add_argument("--config", type=Path, help="TOML or JSON config file (sections [server] and [engine])")
-    for section, model in (("server", ServerSettings), ("engine", EngineSettings), ("recorder", RecorderSettings), ("adapters", AdapterSettings)):
+    for section, model in SECTIONS:
         group = parser.add_argument_group(section)
         for name, field in model.model_fields.items():
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
@@ -56,7 +75,7 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
     env_settings = Settings()
     merged = {
         section: {**file_data.get(section, {}), **getattr(env_settings, section).model_dump(exclude_unset=True), **data.get(section, {})}
-        for section in ("server", "engine", "recorder", "adapters")
+        for section, _ in SECTIONS
     }
     return Settings.model_validate(merged)
 
@@ -100,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from runtime.app import create_app  # heavy imports after argument parsing, so --help is instant
-    from runtime.engines.embedded import EmbeddedEngine
+    from runtime.engine import Engine, EngineError
     from runtime.metrics import Metrics
     from runtime.model_store import ModelStoreError, resolve_model
 
@@ -113,16 +132,47 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     holder: dict[str, Metrics] = {}
-    engine = EmbeddedEngine(
-        model_path,
-        model_id=model_id,
-        dtype=settings.engine.dtype,
-        max_batch_size=settings.engine.max_batch_size,
-        max_queue=settings.engine.max_queue,
-        max_model_len=settings.engine.max_model_len,
-        threads=settings.engine.threads,
-        on_step=lambda rows: holder["m"].on_step(rows),
-    )
+    adapter_settings = settings.adapters
+    launcher = None
+    engine: Engine
+    if server.backend == "sglang":
+        from runtime.engines.sglang import SGLangEngine, probe_server
+        from runtime.sglang_launcher import LaunchError, SGLangLauncher
+
+        url = settings.sglang.url
+        if not url and not settings.sglang.launch:
+            sys.exit("error: --backend sglang needs --sglang-url URL (a running SGLang server) or --sglang-launch (start one)")
+        if settings.sglang.launch:
+            launcher = SGLangLauncher(
+                settings.sglang, model_path, max_lora_rank=settings.adapters.max_lora_rank, max_loaded_adapters=adapter_settings.max_loaded_adapters
+            )
+            atexit.register(launcher.stop)  # also on sys.exit below; stop() is idempotent
+            try:
+                url = launcher.start()
+            except LaunchError as exc:
+                sys.exit(f"error: {exc}")
+        assert url is not None
+        try:
+            server_info = asyncio.run(probe_server(url, settings.sglang))
+        except EngineError as exc:
+            sys.exit(f"error: {exc}")
+        adapter_settings = _fit_adapters_to_sglang(adapter_settings, server_info)
+        engine = SGLangEngine(
+            url, model_path, model_id=model_id, settings=settings.sglang, max_concurrency=settings.engine.max_batch_size + settings.engine.max_queue
+        )
+    else:
+        from runtime.engines.embedded import EmbeddedEngine
+
+        engine = EmbeddedEngine(
+            model_path,
+            model_id=model_id,
+            dtype=settings.engine.dtype,
+            max_batch_size=settings.engine.max_batch_size,
+            max_queue=settings.engine.max_queue,
+            max_model_len=settings.engine.max_model_len,
+            threads=settings.engine.threads,
+            on_step=lambda rows: holder["m"].on_step(rows),
+        )
     holder["m"] = Metrics(engine.stats)
     recorder = None
     if settings.recorder.record:
@@ -139,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics=holder["m"],
         recorder=recorder,
         recorder_settings=settings.recorder,
-        adapter_settings=settings.adapters,
+        adapter_settings=adapter_settings,
     )
 
     sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
@@ -150,8 +200,6 @@ def main(argv: list[str] | None = None) -> None:
     uv = uvicorn.Server(config)
 
     async def announce_then_serve() -> None:
-        import asyncio
-
         serve = asyncio.create_task(uv.serve(sockets=[sock]))
         while not uv.started and not serve.done():
             await asyncio.sleep(0.05)
@@ -159,9 +207,35 @@ def main(argv: list[str] | None = None) -> None:
             print(f"loopwise serving model '{model_id}' ({model_path}) on http://{host}:{port}/v1", flush=True)
         await serve
 
-    import asyncio
+    try:
+        asyncio.run(announce_then_serve())
+    finally:
+        if launcher is not None:
+            launcher.stop()
+    if not uv.started:
+        sys.exit("error: the server did not start (see the log above)")
 
-    asyncio.run(announce_then_serve())
+
+def _fit_adapters_to_sglang(adapters: AdapterSettings, server_info: dict[str, Any]) -> AdapterSettings:
+    """Keep one of SGLang's per-batch LoRA slots free for base-model requests (SGLang #23141)."""
+    log = logging.getLogger("serve")
+    if not server_info.get("enable_lora", True):
+        log.warning("SGLang runs without --enable-lora: loading adapters will fail")
+    slots = server_info.get("max_loras_per_batch")
+    if not isinstance(slots, int) or adapters.max_loaded_adapters <= slots - 1:
+        return adapters
+    if slots < 2:
+        sys.exit(
+            f"error: SGLang runs with --max-loras-per-batch {slots}; base-model requests take that slot, so no adapter can be "
+            "served safely (SGLang #23141). Restart SGLang with --max-loras-per-batch 2 or more."
+        )
+    log.warning(
+        "SGLang has %d LoRA slots per batch and base requests take one: serving at most %d adapters (not --max-loaded-adapters %d)",
+        slots,
+        slots - 1,
+        adapters.max_loaded_adapters,
+    )
+    return adapters.model_copy(update={"max_loaded_adapters": slots - 1})
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ with ``__``, e.g. ``LOOPWISE_ENGINE__MAX_BATCH_SIZE=16``; the server fields also
 short names, e.g. ``LOOPWISE_PORT``), an optional TOML/JSON config file (``LOOPWISE_CONFIG`` or
 ``--config``), then the defaults below. Each component receives only its own sub-model.
 
-``serve.py``'s flags are generated from the fields of :class:`ServerSettings` and
-:class:`EngineSettings` (name, help text, default), so there is no second list to keep in sync.
+``serve.py``'s flags are generated from the fields of every sub-model (name, help text, default;
+``json_schema_extra={"flag": ...}`` renames one, e.g. ``--sglang-url``), so there is no second list to keep in sync.
 
 Not here: validation that needs the model loaded (context length, vocabulary) — the engine does that.
 """
@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -31,7 +31,9 @@ class ServerSettings(_Frozen):
         "default", description="'default' (SmolLM2-135M-Instruct), 'tiny' (a tiny random model for smoke runs), or a local Hugging Face model folder"
     )
     served_model_name: str | None = Field(None, description="model id clients use; defaults to the model's name")
-    backend: Literal["embedded"] = Field("embedded", description="serving engine")
+    backend: Literal["embedded", "sglang"] = Field(
+        "embedded", description="serving engine: embedded (transformers in this process) or sglang (an SGLang server over HTTP; see --sglang-url)"
+    )
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0 picks a free one)")
     data_dir: Path = Field(Path(".data"), description="where models are cached and interactions are stored")
@@ -77,6 +79,56 @@ class AdapterSettings(_Frozen):
     adapter_root: Path | None = Field(None, description="adapters may only be loaded from below this folder (default: <data-dir>/adapters)")
 
 
+class SGLangSettings(_Frozen):
+    """The SGLang backend (``--backend sglang``): where the server is, or how to launch it, and its LoRA limits."""
+
+    url: str | None = Field(
+        None,
+        description="base URL of a running SGLang server (http://127.0.0.1:30000); with --sglang-launch, where to start it (default: a free port)",
+        json_schema_extra={"flag": "--sglang-url"},
+    )
+    launch: bool = Field(
+        False,
+        description="start `python -m sglang.launch_server` as a child process (stopped on shutdown)",
+        json_schema_extra={"flag": "--sglang-launch"},
+    )
+    launch_module: str = Field(
+        "sglang.launch_server", description="module run with `python -m` by --sglang-launch", json_schema_extra={"flag": "--sglang-launch-module"}
+    )
+    launch_args: tuple[str, ...] = Field(
+        (),
+        description="extra argument passed to the launched SGLang server (repeatable, e.g. --sglang-arg=--mem-fraction-static=0.8)",
+        json_schema_extra={"flag": "--sglang-arg"},
+    )
+    launch_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="how long a launched SGLang server may take to answer /health_generate",
+        json_schema_extra={"flag": "--sglang-launch-timeout"},
+    )
+    max_loras_per_batch: int | None = Field(
+        None,
+        ge=2,
+        description=(
+            "SGLang --max-loras-per-batch for a launched server; base requests take one slot (SGLang #23141), "
+            "so it must exceed --max-loaded-adapters (default: max-loaded-adapters + 1)"
+        ),
+    )
+    max_loaded_loras: int | None = Field(None, ge=1, description="SGLang --max-loaded-loras for a launched server (default: max-loras-per-batch)")
+    lora_target_modules: tuple[str, ...] = Field(("all",), description="SGLang --lora-target-modules for a launched server (repeatable)")
+    connect_timeout_s: float = Field(5.0, gt=0, description="SGLang connect timeout", json_schema_extra={"flag": "--sglang-connect-timeout"})
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="SGLang read timeout for one generate call", json_schema_extra={"flag": "--sglang-request-timeout"}
+    )
+    adapter_timeout_s: float = Field(
+        300.0, gt=0, description="SGLang timeout for loading or unloading one adapter", json_schema_extra={"flag": "--sglang-adapter-timeout"}
+    )
+
+    def slots(self, max_loaded_adapters: int) -> int:
+        """The ``--max-loras-per-batch`` a launched server gets."""
+        return self.max_loras_per_batch or max_loaded_adapters + 1
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOPWISE_", env_nested_delimiter="__", frozen=True, extra="forbid")
 
@@ -85,6 +137,22 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
+    sglang: SGLangSettings = Field(default_factory=SGLangSettings)
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> Settings:
+        if self.server.backend != "sglang":
+            return self
+        slots = self.sglang.slots(self.adapters.max_loaded_adapters)
+        if self.adapters.max_loaded_adapters > slots - 1:
+            raise ValueError(
+                f"--max-loaded-adapters {self.adapters.max_loaded_adapters} needs --max-loras-per-batch of at least "
+                f"{self.adapters.max_loaded_adapters + 1}: base-model requests take one of SGLang's per-batch LoRA slots (SGLang #23141); "
+                f"raise --max-loras-per-batch or lower --max-loaded-adapters to {slots - 1}"
+            )
+        if self.sglang.max_loaded_loras is not None and self.sglang.max_loaded_loras < slots:
+            raise ValueError(f"--max-loaded-loras ({self.sglang.max_loaded_loras}) must be at least --max-loras-per-batch ({slots}) (SGLang's rule)")
+        return self
 
     @classmethod
     def settings_customise_sources(

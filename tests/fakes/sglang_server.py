@@ -1,0 +1,427 @@
+"""A protocol-faithful fake of SGLang's native HTTP server, backed by loopwise's embedded engine.
+
+Run it like ``python -m sglang.launch_server``::
+
+    python -m tests.fakes.sglang_server --model-path MODEL_DIR --port 30000 --enable-lora \
+        --max-lora-rank 8 --lora-target-modules all --max-loras-per-batch 9 --max-loaded-loras 16
+
+It implements the request and response shapes of ../shared/reference/serving-apis.md part A:
+
+- ``POST /generate`` (one request, ``input_ids`` only): ``sampling_params`` (``max_new_tokens``,
+  ``temperature``, ``top_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``,
+  ``json_schema``, ``ebnf``), ``return_logprob``, ``top_logprobs_num``, ``lora_path`` (a registered
+  *name*), ``stream``. The answer is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``,
+  ``finish_reason`` (``null`` while streaming, then ``{"type": "stop", "matched": id|str}`` or
+  ``{"type": "length", "length": N}``), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
+  ``output_token_logprobs`` (``[logprob, token_id, null]`` triples) and ``output_top_logprobs``.
+  Streams are SSE ``data: {...}`` events with *cumulative* ``text``/``output_ids``/logprobs (SGLang's
+  default), or deltas with ``--incremental-streaming-output``, then ``data: [DONE]``. Errors: HTTP 400
+  ``{"error": {"message"}}``; in a stream, an ``{"error": {"message", "type", "code"}}`` event, then ``[DONE]``.
+- ``POST /load_lora_adapter`` / ``POST /unload_lora_adapter``: ``LoRAUpdateOutput`` bodies, HTTP 400 with
+  ``success: false`` and SGLang's messages (LoRA not enabled, name already exists, name does not exist,
+  rank above ``--max-lora-rank``). Unload removes the name from routing at once, then waits for the
+  adapter's in-flight requests (as SGLang does). Loads and unloads are serialised by one lock.
+- ``GET /health_generate`` (and ``/health``): a one-token generate; 200 with an empty body.
+- ``GET /get_model_info``, ``GET /get_server_info`` (the server args we take, plus ``version``).
+- ``GET /v1/models``: the base model and each loaded adapter (``parent``), as after SGLang PR #12229.
+
+Fake-only controls, for tests: ``POST /fake/die_after`` ``{"tokens": n}`` makes the process exit
+(``os._exit``, like a crashed SGLang) after the next stream has sent ``n`` token events;
+``GET /fake/stats`` counts ``/generate`` calls and reports the most adapters seen in flight at once.
+
+Not faithful (and not needed here): batch requests, ``text`` prompts, ``n``, ``regex``, penalties, the
+OpenAI-compatible routes, abort/flush endpoints, real GPU slot accounting. The scheduler crash of SGLang
+#23141 (more distinct adapters in flight, plus base requests, than ``--max-loras-per-batch``) is *not*
+reproduced as a crash: the fake answers such a request with HTTP 500 and logs it, so a test that breaks
+loopwise's "one slot free for the base" rule fails loudly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from runtime.engine import AdapterError, EngineError, EngineOverloaded, GenerateRequest, Grammar, InvalidRequest, SamplingParams, StreamChunk
+from runtime.engines.embedded import EmbeddedEngine
+
+log = logging.getLogger("fake-sglang")
+
+FAKE_VERSION = "0.5.4-fake"
+_SUPPORTED_SAMPLING = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "sampling_seed",
+    "json_schema",
+    "ebnf",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "spaces_between_special_tokens",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="fake sglang.launch_server")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument("--lora-target-modules", nargs="+", default=None)
+    p.add_argument("--max-loras-per-batch", type=int, default=8)
+    p.add_argument("--max-loaded-loras", type=int, default=None)
+    p.add_argument("--tokenizer-worker-num", type=int, default=1)
+    p.add_argument("--incremental-streaming-output", action="store_true")
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=32)
+    return p.parse_args(argv)
+
+
+class _Lora:
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path
+        self.rank = rank
+        self.in_flight = 0
+        self.drained = asyncio.Event()
+        self.drained.set()
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    engine = EmbeddedEngine(Path(args.model_path), model_id=args.served_model_name or args.model_path, max_batch_size=args.max_running_requests)
+    loras: dict[str, _Lora] = {}
+    lora_lock = asyncio.Lock()  # SGLang's lora_update_lock: one load/unload at a time
+    unloading: dict[str, _Lora] = {}  # removed from routing, waiting for in-flight requests
+    state: dict[str, Any] = {"die_after": None, "generate_calls": 0, "base_in_flight": 0, "max_adapters_in_flight": 0}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        # SGLang's real readiness line (launch_server logs it once warmup is done)
+        print("The server is fired up and ready to roll!", flush=True)
+        yield
+        await engine.close()
+
+    app = FastAPI(lifespan=lifespan)
+
+    def server_args() -> dict[str, Any]:
+        return {
+            "model_path": args.model_path,
+            "tokenizer_path": args.model_path,
+            "host": args.host,
+            "port": args.port,
+            "served_model_name": args.served_model_name or args.model_path,
+            "enable_lora": args.enable_lora,
+            "max_lora_rank": args.max_lora_rank,
+            "lora_target_modules": args.lora_target_modules,
+            "max_loras_per_batch": args.max_loras_per_batch,
+            "max_loaded_loras": args.max_loaded_loras,
+            "tokenizer_worker_num": args.tokenizer_worker_num,
+            "incremental_streaming_output": args.incremental_streaming_output,
+            "context_length": args.context_length,
+            "max_running_requests": args.max_running_requests,
+            "dtype": "auto",
+            "stream_interval": 1,
+        }
+
+    # ---- info and health ----------------------------------------------------------------------
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {
+            "model_path": args.model_path,
+            "tokenizer_path": args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return {**server_args(), "internal_states": [{"last_gen_throughput": 0.0}], "version": FAKE_VERSION}
+
+    @app.get("/health_generate")
+    @app.get("/health")
+    async def health_generate() -> Response:
+        req = GenerateRequest("HEALTH_CHECK_fake", engine.info.eos_token_ids[:1] or (0,), SamplingParams(max_new_tokens=1, temperature=0))
+        try:
+            await asyncio.wait_for(engine.generate(req), timeout=20)  # SGLANG_HEALTH_CHECK_TIMEOUT
+        except (EngineError, TimeoutError):
+            log.exception("health check failed")
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        base = args.served_model_name or args.model_path
+        data = [
+            {
+                "id": base,
+                "object": "model",
+                "created": 0,
+                "owned_by": "sglang",
+                "root": base,
+                "parent": None,
+                "max_model_len": engine.info.max_model_len,
+            }
+        ]
+        data += [{"id": n, "object": "model", "created": 0, "owned_by": "sglang", "root": lo.path, "parent": base} for n, lo in loras.items()]
+        return {"object": "list", "data": data}
+
+    # ---- LoRA ---------------------------------------------------------------------------------
+    def lora_output(success: bool, error: str | None = None) -> JSONResponse:
+        body = {"success": success, "error_message": error, "loaded_adapters": {n: lo.path for n, lo in loras.items()}}
+        return JSONResponse(body, status_code=200 if success else 400)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        body = await request.json()
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not args.enable_lora:
+            return lora_output(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        async with lora_lock:
+            if name in loras:
+                return lora_output(False, f"LoRA with name {name} already exists. Loaded LoRAs: {list(loras)}")
+            try:
+                cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+            except (OSError, ValueError, TypeError) as exc:
+                return lora_output(False, f"Failed to load LoRA adapter {name} from {path}: {exc}")
+            rank = int(cfg.get("r", 0))
+            # the wording of these two refusals is [U] (serving-apis.md A2 says only "the backend load fails with a message")
+            if args.max_lora_rank is not None and rank > args.max_lora_rank:
+                return lora_output(False, f"LoRA adapter {name} with rank {rank} exceeds the server's max_lora_rank {args.max_lora_rank}")
+            targets = args.lora_target_modules or ["all"]
+            wanted = cfg.get("target_modules") or []
+            if "all" not in targets and not set(wanted) <= set(targets):
+                return lora_output(False, f"LoRA adapter {name} targets {sorted(wanted)}, outside --lora-target-modules {targets}")
+            if args.max_loaded_loras is not None and len(loras) >= args.max_loaded_loras:
+                # [U]: newer builds evict the LRU unpinned adapter instead; refusing is the conservative reading
+                return lora_output(False, f"Cannot load LoRA {name}: max_loaded_loras ({args.max_loaded_loras}) reached")
+            try:
+                await engine.load_adapter(name, path)
+            except AdapterError as exc:
+                return lora_output(False, f"Failed to load LoRA adapter {name}: {exc}")
+            loras[name] = _Lora(path, rank)
+        return lora_output(True)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        body = await request.json()
+        name = body.get("lora_name")
+        if not args.enable_lora:
+            return lora_output(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        async with lora_lock:
+            lora = loras.pop(name, None)  # unregistered at once: new requests naming it fail
+            if lora is None:
+                return lora_output(False, f"LoRA with name {name} does not exist. Loaded LoRAs: {list(loras)}")
+            unloading[name] = lora
+            try:
+                await lora.drained.wait()  # SGLang waits for in-flight requests, with no timeout
+                await engine.unload_adapter(name)
+            finally:
+                del unloading[name]
+        return lora_output(True)
+
+    # ---- generate -----------------------------------------------------------------------------
+    def to_request(body: dict[str, Any]) -> GenerateRequest:
+        if "text" in body and body["text"] is not None:
+            raise InvalidRequest("the fake takes input_ids only")
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            raise InvalidRequest("input_ids must be one non-empty list of ints (the fake does not batch)")
+        sp: dict[str, Any] = body.get("sampling_params") or {}
+        unknown = set(sp) - _SUPPORTED_SAMPLING
+        if unknown or sp.get("n", 1) != 1:
+            raise InvalidRequest(f"the fake does not implement sampling params {sorted(unknown)}")
+        grammar = None
+        if sp.get("json_schema"):
+            grammar = Grammar("json_schema", sp["json_schema"])
+        elif sp.get("ebnf"):
+            grammar = Grammar("ebnf", sp["ebnf"])
+        stop = sp.get("stop") or ()
+        want_lp = bool(body.get("return_logprob"))
+        sampling = SamplingParams(
+            max_new_tokens=int(sp.get("max_new_tokens", 128)),
+            temperature=float(sp.get("temperature", 1.0)),
+            top_p=float(sp.get("top_p", 1.0)),
+            seed=sp.get("sampling_seed"),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+            ignore_eos=bool(sp.get("ignore_eos", False)),
+            logprobs=want_lp,
+            top_logprobs=int(body.get("top_logprobs_num") or 0) if want_lp else 0,
+            grammar=grammar,
+        )
+        lora = body.get("lora_path")
+        if lora is not None and lora not in loras:
+            raise AdapterError(f"The following requested LoRA adapters are not loaded: {lora}\nLoaded adapters: {sorted(loras)}.")
+        if len(ids) + sampling.max_new_tokens > engine.info.max_model_len:
+            raise InvalidRequest(f"Requested token count exceeds the model's maximum context length of {engine.info.max_model_len} tokens.")
+        return GenerateRequest(str(body.get("rid") or f"fake-{state['generate_calls']}"), tuple(ids), sampling, adapter=lora)
+
+    def acquire(name: str | None) -> None:
+        if name is None:
+            state["base_in_flight"] += 1
+        else:
+            lo = loras[name]
+            lo.in_flight += 1
+            lo.drained.clear()
+        hot = sum(1 for lo in loras.values() if lo.in_flight) + (1 if state["base_in_flight"] else 0)
+        state["max_adapters_in_flight"] = max(state["max_adapters_in_flight"], hot)
+        if hot > args.max_loras_per_batch:
+            log.error(
+                "fake: %d adapters (with the base) in flight > --max-loras-per-batch %d (SGLang #23141 would crash)", hot, args.max_loras_per_batch
+            )
+            release(name)
+            raise EngineError("SGLang #23141: more LoRA slots needed than --max-loras-per-batch")
+
+    def release(name: str | None) -> None:
+        if name is None:
+            state["base_in_flight"] -= 1
+            return
+        lo = _find(name)
+        if lo is not None:
+            lo.in_flight -= 1
+            if lo.in_flight == 0:
+                lo.drained.set()
+
+    def _find(name: str) -> _Lora | None:
+        return loras.get(name) or unloading.get(name)
+
+    def meta(req: GenerateRequest, ids: list[int], lps: list[list[Any]], tops: list[list[list[Any]]], finish: Any) -> dict[str, Any]:
+        m: dict[str, Any] = {
+            "id": req.request_id,
+            "finish_reason": finish,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "weight_version": "default",
+        }
+        if req.sampling.logprobs:
+            m["output_token_logprobs"] = lps
+            m["output_top_logprobs"] = tops if req.sampling.top_logprobs else [None] * len(lps)
+        return m
+
+    def finish_of(chunk: StreamChunk, n: int) -> dict[str, Any] | None:
+        if chunk.finish_reason is None:
+            return None
+        if chunk.finish_reason == "length":
+            return {"type": "length", "length": n}
+        return {"type": "stop", "matched": chunk.matched_stop}
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        state["generate_calls"] += 1
+        try:
+            req = to_request(body)
+            acquire(req.adapter)
+        except (InvalidRequest, AdapterError) as exc:
+            return _error(exc, stream=bool(body.get("stream")))
+        except EngineError as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=500)
+        if body.get("stream"):
+            return StreamingResponse(stream_events(req), media_type="text/event-stream")
+        ids: list[int] = []
+        lps: list[list[Any]] = []
+        tops: list[list[list[Any]]] = []
+        text = ""
+        try:
+            async for chunk in engine.stream(req):
+                ids += chunk.token_ids
+                text += chunk.text
+                lps += [[lp.logprob, lp.token_id, None] for lp in chunk.logprobs]
+                tops += [[[v, t, None] for t, v in lp.top] for lp in chunk.logprobs]
+                if chunk.finish_reason is not None:
+                    return JSONResponse({"text": text, "output_ids": ids, "meta_info": meta(req, ids, lps, tops, finish_of(chunk, len(ids)))})
+        except EngineOverloaded as exc:
+            return JSONResponse({"error": {"message": f"The request queue is full. ({exc})"}}, status_code=503)  # [U] wording
+        except (InvalidRequest, AdapterError) as exc:
+            return _error(exc, stream=False)
+        finally:
+            release(req.adapter)
+        return JSONResponse({"error": {"message": "generation ended without a finish reason"}}, status_code=500)
+
+    async def stream_events(req: GenerateRequest) -> AsyncIterator[bytes]:
+        ids: list[int] = []
+        lps: list[list[Any]] = []
+        tops: list[list[list[Any]]] = []
+        text = ""
+        sent = 0
+        try:
+            async for chunk in engine.stream(req):
+                new_lps = [[lp.logprob, lp.token_id, None] for lp in chunk.logprobs]
+                new_tops = [[[v, t, None] for t, v in lp.top] for lp in chunk.logprobs]
+                ids, lps, tops, text = ids + list(chunk.token_ids), lps + new_lps, tops + new_tops, text + chunk.text
+                finish = finish_of(chunk, len(ids))
+                if args.incremental_streaming_output:
+                    out = {"text": chunk.text, "output_ids": list(chunk.token_ids), "meta_info": meta(req, ids, new_lps, new_tops, finish)}
+                    out["meta_info"]["completion_tokens"] = len(ids)
+                else:
+                    out = {"text": text, "output_ids": ids, "meta_info": meta(req, ids, lps, tops, finish)}
+                yield b"data: " + json.dumps(out).encode() + b"\n\n"
+                sent += 1
+                die = state["die_after"]
+                if die is not None and sent >= die:
+                    log.error("fake: dying mid-stream after %d token events (kill switch)", sent)
+                    os._exit(17)
+        except (InvalidRequest, AdapterError, EngineError) as exc:
+            err = {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        finally:
+            release(req.adapter)
+        yield b"data: [DONE]\n\n"
+
+    # ---- fake-only controls -------------------------------------------------------------------
+    @app.post("/fake/die_after")
+    async def die_after(request: Request) -> dict[str, Any]:
+        state["die_after"] = int((await request.json())["tokens"])
+        return {"die_after": state["die_after"]}
+
+    @app.get("/fake/stats")
+    async def stats() -> dict[str, Any]:
+        return {
+            "generate_calls": state["generate_calls"],
+            "max_adapters_in_flight": state["max_adapters_in_flight"],
+            "loaded": {n: lo.path for n, lo in loras.items()},
+        }
+
+    return app
+
+
+def _error(exc: EngineError, *, stream: bool) -> Response:
+    """SGLang's ``_create_error_response`` (400, nested) or, for a stream, one error event then ``[DONE]``."""
+    if not stream:
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+
+    async def events() -> AsyncIterator[bytes]:
+        err = {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}}
+        yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="[fake-sglang] %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()
