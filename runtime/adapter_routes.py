@@ -38,7 +38,9 @@ from runtime.adapters import (
     AdapterRegistry,
     validate_adapter,
 )
-from runtime.errors import APIError, from_validation
+from runtime.engine import AdapterError as EngineAdapterError
+from runtime.engine import EngineError
+from runtime.errors import APIError, from_engine, from_validation
 from runtime.experiments import ExperimentConfig, ExperimentError, Experiments
 from runtime.http_body import read_json
 from runtime.store_routes import check_admin_key
@@ -140,6 +142,11 @@ def install_adapter_routes(
             ref = await registry.register(ref, make_alias=body.alias)
         except AdapterError as exc:
             raise adapter_api_error(exc) from exc
+        except EngineAdapterError as exc:  # the engine (e.g. SGLang) refused it; the registry is unchanged
+            log.warning("engine refused adapter %s@%s from %s: %s", body.family, body.version or "next", body.path, exc)
+            raise APIError(400, str(exc), param="path", code="adapter_load_failed") from exc
+        except EngineError as exc:
+            raise from_engine(exc) from exc
         log.info("loaded adapter %s from %s", ref.name, ref.path)
         return {"object": "adapter", "name": ref.name, "family": ref.family, "version": ref.version, "aliases": registry.aliases()}
 
@@ -150,6 +157,11 @@ def install_adapter_routes(
             await registry.unregister(name)
         except AdapterError as exc:
             raise adapter_api_error(exc) from exc
+        except EngineError as exc:  # it left routing; the engine failed to free it (logged for the operator)
+            log.error("engine failed to unload adapter %s: %s", name, exc)
+            raise APIError(
+                502, f"adapter {name} is no longer routed, but the engine failed to unload it", type="server_error", code="adapter_unload_failed"
+            ) from exc
         return {"object": "adapter.deleted", "name": name}
 
     @app.put("/admin/aliases/{family}")

@@ -7,7 +7,8 @@ streaming holds back text from the first possible tool-call marker so a call is 
 
 Streaming follows OpenAI exactly: a role delta first, content deltas, tool-call deltas by index, a
 chunk with ``finish_reason`` and an empty delta, a usage chunk when ``stream_options.include_usage``,
-then ``data: [DONE]``. Errors after the stream has started are sent as one ``{"error": …}`` event.
+then ``data: [DONE]``. Errors after the stream has started are sent as one ``{"error": …}`` event, and
+that choice is recorded as a turn with ``finish_reason: "abort"`` and the tokens it got before the failure.
 
 Not here: authentication, body limits, error envelopes (``app``), or recording (a later issue).
 """
@@ -303,6 +304,7 @@ class ChatService:
                     continue
                 if isinstance(item, BaseException):
                     log.error("stream failed: %s", item)
+                    states[index].abort()  # recorded below as an aborted turn, with the tokens it got
                     yield _sse_raw({"error": {"message": "generation failed", "type": "server_error", "param": None, "code": "internal_error"}})
                     continue
                 completion_tokens += len(item.token_ids)
@@ -396,6 +398,21 @@ class _ChoiceStream:
                     timings=chunk.timings or Timings(),
                 )
         return out
+
+    def abort(self) -> None:
+        """The engine failed mid-stream: what was generated so far becomes an aborted result (for the record)."""
+        if self.result is not None:
+            return
+        req = self.prep.engine_reqs[self.index]
+        self.finish = "abort"
+        self.result = GenerateResult(
+            request_id=req.request_id,
+            prompt_ids=req.input_ids,
+            output_ids=tuple(self.token_ids),
+            text=self.text,
+            finish_reason="abort",
+            logprobs=tuple(self.logprobs),
+        )
 
     def _deltas(self, chunk: StreamChunk, want_logprobs: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
