@@ -1,0 +1,548 @@
+"""Run untrusted code in a separate, resource-limited process: ``Sandbox.run_python`` / ``arun_python`` / ``run``.
+
+    from tools.sandbox import Sandbox, SandboxLimits
+    result = Sandbox().run_python("print(1)")          # SandboxResult(stdout='1\\n', exit_code=0, ...)
+    result = await Sandbox().arun_python(code, stdin="3\\n", files={"data.txt": "..."})
+
+Every run gets a fresh temporary working folder (the code's cwd, ``HOME`` and ``TMPDIR``; ``files`` are
+written there first) that is removed afterwards, and an environment built from scratch (``PATH``,
+``HOME``, ``TMPDIR``, ``LANG``): nothing of the server's ``os.environ`` (API keys, database URLs) is
+inherited. Python runs as ``python -I -S -B`` (isolated mode, no site-packages: standard library only).
+The program's failures never raise: they come back as flags on ``SandboxResult`` (``timed_out``,
+``memory_exceeded``, ``cpu_exceeded``, ``output_truncated``, ``exit_code``/``signal``).
+
+How the process is confined (an exec chain of util-linux tools, so the server never runs Python code
+between fork and exec, and forks stay cheap even when the server holds gigabytes):
+
+    setpriv --pdeathsig KILL [--reuid/--regid nobody] ─ prlimit --core=0 ─ unshare --user --map-root-user
+        --net --pid --fork --kill-child ─ prlimit (cpu, as, nproc, fsize, nofile, core) ─ python -I -S -B
+
+- **Network**: a fresh network namespace (only a loopback interface, which is down): ``connect`` fails
+  with "Network is unreachable", for every program, not only Python. Abstract unix sockets are per
+  namespace too. Where user namespaces are not allowed, the fallback is a Python audit hook that refuses
+  ``socket.connect/bind/sendto/getaddrinfo`` — this only covers Python code, and audit hooks are not a
+  security boundary (ctypes, a spawned ``curl``, or ``run(argv)`` bypass it).
+- **Processes**: ``RLIMIT_NPROC`` is checked per user namespace, so inside the fresh user namespace it
+  counts only this run's processes (a fork bomb stops at ``max_processes``). A fresh PID namespace means
+  that killing its first process kills every descendant, even ones that called ``setsid``; the wall
+  timeout kills the process group with SIGKILL. Linux never enforces ``RLIMIT_NPROC`` for real uid 0,
+  so a server running as root drops the sandbox to ``nobody`` first (``setpriv``), using an interpreter
+  that behaves the same for that user (probed once; on this kind of machine, where the server's Python
+  lives under a 0700 ``/root``, the system ``/usr/bin/python3`` is chosen). Without user namespaces the
+  limit counts all processes of the uid, so it is raised by the number the uid already runs.
+- **CPU / memory / files**: ``RLIMIT_CPU`` (per process, whole seconds: ceil(cpu_s); soft = hard, so the
+  kernel sends SIGKILL, which also reaches the PID namespace's first process), ``RLIMIT_AS`` (address
+  space, which is stricter than resident memory; programs that reserve large virtual ranges, such as
+  the JVM or CUDA, need a larger ``memory_mb``), ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` = 1024, ``RLIMIT_CORE`` = 0.
+- **Output**: stdout and stderr are read incrementally and each kept up to ``output_bytes``; a program
+  that keeps writing past the cap (more than ``max(output_bytes, 1 MiB)`` extra) is killed, so a 1 GB
+  print costs the server at most a few hundred kilobytes.
+
+What it does NOT protect against:
+- **The file system is shared.** The code runs as the server's uid (or ``nobody`` when the server is
+  root) and can read every file that uid can read, and write where it may write (``/tmp`` too). There is
+  no mount namespace, chroot or seccomp filter. Run the server as a dedicated user, or in a container,
+  to protect its data directory and model files.
+- The program is PID 1 of its namespace, so signals it sends *itself* with a default action (``kill -TERM
+  $$``, ``os.kill(os.getpid(), 9)``) are ignored; faults (a real segfault) and our kills still work.
+- ``/proc`` still shows the host's processes (read-only information; they cannot be signalled from the
+  PID namespace). ``CPU`` is limited per process, not per tree; the wall timeout bounds the tree.
+- No cgroup: memory is bounded per process by address space, not as total resident memory of the tree.
+- Kernel exploits, side channels, and anything a local unprivileged user could do.
+- Detection of memory exhaustion is heuristic: ``MemoryError``/``Cannot allocate memory``/``bad_alloc``
+  in stderr, or a SIGKILL that was neither the wall timeout, the CPU limit, nor the output cap.
+
+Requires Linux with util-linux (``prlimit``, ``setpriv``, ``unshare``); ``SandboxUnavailable`` is raised
+at construction otherwise. Exceptions: ``SandboxError`` ▸ ``SandboxUnavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import pwd
+import selectors
+import shutil
+import signal as signal_module
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+_READ_CHUNK = 65536
+_FLOOD_ALLOWANCE = 1 << 20  # bytes past the cap a program may write before it is killed
+_EXIT_GRACE_S = 0.2  # after the main process exits, how long descendants may keep the pipes open
+_TAIL_BYTES = 4096  # stderr tail kept for the memory heuristic even when the head was truncated
+_UNSHARE_SIGKILL_QUIRK = b"unshare: sigprocmask unblock failed: Invalid argument\n"
+_MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
+_NETWORK_EVENTS = (
+    "socket.connect",
+    "socket.bind",
+    "socket.sendto",
+    "socket.sendmsg",
+    "socket.getaddrinfo",
+    "socket.gethostbyname",
+    "socket.gethostbyaddr",
+)
+
+# Runs inside the sandboxed interpreter (as ``python -I -S -B -c``): optionally installs the network
+# audit hook, then executes main.py as __main__ with the working folder importable.
+_BOOTSTRAP = """\
+import sys
+def _lw_boot(block_network):
+    if block_network:
+        events = frozenset({events!r})
+        def hook(event, args):
+            if event in events:
+                raise PermissionError("network access is disabled in this sandbox (" + event + ")")
+        sys.addaudithook(hook)
+    sys.argv[:] = ["main.py"]
+    sys.path.insert(0, "")
+    with open("main.py", "rb") as f:
+        code = compile(f.read(), "main.py", "exec")
+    main = sys.modules["__main__"].__dict__
+    del main["_lw_boot"]
+    main["__file__"] = "main.py"
+    exec(code, main)
+_lw_boot({block})
+"""
+
+
+class SandboxError(Exception):
+    """Base class for sandbox setup errors (never raised for the sandboxed program's own failures)."""
+
+
+class SandboxUnavailable(SandboxError):
+    """The machine lacks what the sandbox needs (Linux, util-linux's prlimit/setpriv/unshare)."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits for one run. ``cpu_s`` is rounded up to whole seconds (RLIMIT_CPU's unit)."""
+
+    cpu_s: float = 5.0
+    wall_s: float = 10.0
+    memory_mb: int = 512
+    max_processes: int = 32
+    file_size_mb: int = 16
+    output_bytes: int = 64_000
+    network: bool = False
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What a sandboxed run produced; failures of the program are flags, not exceptions."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None when the process was killed by a signal
+    signal: int | None
+    timed_out: bool
+    memory_exceeded: bool
+    cpu_exceeded: bool
+    output_truncated: bool
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not (self.timed_out or self.memory_exceeded or self.cpu_exceeded or self.output_truncated)
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What confinement is in force on this machine (probed once per process and interpreter)."""
+
+    namespaces: bool  # user + network + PID namespaces
+    run_as_uid: int | None  # uid the sandbox drops to (when the server is root), else None
+    python: str  # interpreter used by run_python
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def network(self) -> str:
+        return "network namespace" if self.namespaces else "python audit hook (python code only)"
+
+
+def _require_tool(name: str) -> str:
+    path = shutil.which(name, path=_SYSTEM_PATH + ":" + os.environ.get("PATH", ""))
+    if path is None:
+        raise SandboxUnavailable(f"the sandbox needs `{name}` from util-linux; install util-linux (apt-get install util-linux)")
+    return path
+
+
+def _nobody_uid() -> int:
+    try:
+        return pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        return 65534
+
+
+def _probe_output(argv: list[str]) -> str | None:
+    try:
+        proc = subprocess.run(argv, capture_output=True, timeout=30, env={"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"}, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.info("sandbox_probe_failed", argv=argv[:6], error=repr(exc))
+        return None
+    if proc.returncode != 0:
+        log.info("sandbox_probe_failed", argv=argv[:6], returncode=proc.returncode, stderr=proc.stderr[-300:].decode(errors="replace"))
+        return None
+    return proc.stdout.decode(errors="replace")
+
+
+_INTERPRETER_PROBE = "import sys, os, json; print(sys.version, os.__file__, json.__file__)"
+_isolation_cache: dict[tuple[str, bool | None], Isolation] = {}
+_isolation_lock = threading.Lock()
+
+
+def probe_isolation(python: str | None = None, namespaces: bool | None = None) -> Isolation:
+    """Find out (once) which confinement works here: namespaces, the uid to drop to, the interpreter.
+
+    ``namespaces=False`` forces the fallback without namespaces (tests use it); ``None`` detects.
+    """
+    if not sys.platform.startswith("linux"):
+        raise SandboxUnavailable("the sandbox needs Linux (rlimits, namespaces)")
+    key = (python or sys.executable, namespaces)
+    with _isolation_lock:
+        if key in _isolation_cache:
+            return _isolation_cache[key]
+        setpriv, unshare = _require_tool("setpriv"), _require_tool("unshare")
+        _require_tool("prlimit")
+        notes: list[str] = []
+        drop = [setpriv, f"--reuid={_nobody_uid()}", f"--regid={_nobody_uid()}", "--clear-groups"] if os.geteuid() == 0 else []
+        ns_argv = [unshare, "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
+        use_ns = False
+        if namespaces is not False:
+            use_ns = _probe_output([*drop, *ns_argv, "true"]) is not None
+            if not use_ns:
+                notes.append("user/network/PID namespaces unavailable: network blocked for Python code only, NPROC counts the whole uid")
+        prefix = [*drop, *(ns_argv if use_ns else [])]
+        candidates = [python] if python else [sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]
+        chosen: str | None = None
+        for cand in dict.fromkeys(candidates):
+            if not os.path.exists(cand):
+                continue
+            expected = _probe_output([cand, "-I", "-S", "-c", _INTERPRETER_PROBE])
+            if expected is not None and _probe_output([*prefix, cand, "-I", "-S", "-c", _INTERPRETER_PROBE]) == expected:
+                chosen = cand
+                break
+            notes.append(f"{cand} does not run the same for the sandbox user; skipped")
+        run_as: int | None = _nobody_uid() if drop else None
+        if chosen is None and drop:
+            # No interpreter is usable by `nobody`: keep the server's uid (root), and say so loudly.
+            chosen, run_as = python or sys.executable, None
+            notes.append("no interpreter usable as nobody: running as root inside the namespaces; NPROC is not enforced for root")
+        elif chosen is None:
+            raise SandboxUnavailable(f"no usable Python interpreter among {candidates}")
+        iso = Isolation(namespaces=use_ns, run_as_uid=run_as, python=chosen, notes=tuple(notes))
+        log.info("sandbox_isolation", namespaces=iso.namespaces, run_as_uid=iso.run_as_uid, python=iso.python, notes=list(iso.notes))
+        _isolation_cache[key] = iso
+        return iso
+
+
+def _uid_process_count(uid: int) -> int:
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    count += 1
+            except FileNotFoundError:
+                continue
+    return count
+
+
+_executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sandbox")
+
+
+class Sandbox:
+    """Runs code in a confined child process; one instance can serve many concurrent runs."""
+
+    def __init__(
+        self,
+        limits: SandboxLimits = SandboxLimits(),
+        *,
+        python: str | None = None,
+        namespaces: bool | None = None,
+        workdir_root: str | None = None,
+    ) -> None:
+        self.limits = limits
+        self.isolation = probe_isolation(python, namespaces)
+        self._workdir_root = workdir_root
+        self._tools = {name: _require_tool(name) for name in ("setpriv", "prlimit", "unshare")}
+
+    # -- public API -------------------------------------------------------------------------------
+
+    def run_python(
+        self, code: str, *, stdin: str | None = None, files: dict[str, str] | None = None, limits: SandboxLimits | None = None
+    ) -> SandboxResult:
+        return self._run_python(code, stdin=stdin, files=files, limits=limits, cancel=None)
+
+    async def arun_python(
+        self, code: str, *, stdin: str | None = None, files: dict[str, str] | None = None, limits: SandboxLimits | None = None
+    ) -> SandboxResult:
+        cancel = threading.Event()
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(_executor, lambda: self._run_python(code, stdin=stdin, files=files, limits=limits, cancel=cancel))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancel.set()  # the worker kills the process group within ~50 ms and cleans up
+            raise
+
+    def run(
+        self, argv: list[str], *, stdin: str | None = None, files: dict[str, str] | None = None, limits: SandboxLimits | None = None
+    ) -> SandboxResult:
+        """Run an arbitrary command (resolved on the sandbox's PATH) in the sandbox."""
+        return self._execute(list(argv), stdin=stdin, files=files, limits=limits or self.limits, cancel=None)
+
+    async def arun(
+        self, argv: list[str], *, stdin: str | None = None, files: dict[str, str] | None = None, limits: SandboxLimits | None = None
+    ) -> SandboxResult:
+        cancel = threading.Event()
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(
+            _executor, lambda: self._execute(list(argv), stdin=stdin, files=files, limits=limits or self.limits, cancel=cancel)
+        )
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _run_python(
+        self, code: str, *, stdin: str | None, files: dict[str, str] | None, limits: SandboxLimits | None, cancel: threading.Event | None
+    ) -> SandboxResult:
+        lim = limits or self.limits
+        block = not lim.network and not self.isolation.namespaces
+        bootstrap = _BOOTSTRAP.format(events=_NETWORK_EVENTS, block=block)
+        argv = [self.isolation.python, "-I", "-S", "-B", "-c", bootstrap]
+        return self._execute(argv, stdin=stdin, files={**(files or {}), "main.py": code}, limits=lim, cancel=cancel)
+
+    def _command(self, argv: list[str], lim: SandboxLimits) -> list[str]:
+        iso = self.isolation
+        cmd = [self._tools["setpriv"], "--pdeathsig", "KILL"]
+        if iso.run_as_uid is not None:
+            cmd += [f"--reuid={iso.run_as_uid}", f"--regid={iso.run_as_uid}", "--clear-groups"]
+        # core=0 before unshare too: unshare re-raises its child's fatal signal on itself.
+        cmd += [self._tools["prlimit"], "--core=0"]
+        nproc = lim.max_processes
+        if iso.namespaces:
+            net = [] if lim.network else ["--net"]
+            cmd += [self._tools["unshare"], "--user", "--map-root-user", *net, "--pid", "--fork", "--kill-child"]
+        else:
+            nproc += _uid_process_count(iso.run_as_uid if iso.run_as_uid is not None else os.getuid())
+        cpu = max(1, math.ceil(lim.cpu_s))
+        mem = lim.memory_mb * 1024 * 1024
+        fsize = lim.file_size_mb * 1024 * 1024
+        # NPROC is set after unshare: a user namespace checks its parent level against the limit in
+        # force when it was created, so setting it earlier would cap all sandboxes of the uid together.
+        cmd += [
+            self._tools["prlimit"],
+            f"--cpu={cpu}:{cpu}",
+            f"--as={mem}",
+            f"--nproc={nproc}",
+            f"--fsize={fsize}",
+            "--nofile=1024",
+            "--core=0",
+            "--",
+        ]
+        return cmd + argv
+
+    def _make_workdir(self, files: dict[str, str]) -> Path:
+        workdir = Path(tempfile.mkdtemp(prefix="loopwise-sbx-", dir=self._workdir_root))
+        root = workdir.resolve()
+        for rel, content in files.items():
+            target = (workdir / rel).resolve()
+            if root not in target.parents:
+                raise ValueError(f"sandbox file path {rel!r} leaves the working folder")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(content, encoding="utf-8")
+        uid = self.isolation.run_as_uid
+        if uid is not None:
+            for dirpath, dirnames, filenames in os.walk(workdir):
+                for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+                    os.chown(name, uid, uid)
+        return workdir
+
+    def _execute(
+        self, argv: list[str], *, stdin: str | None, files: dict[str, str] | None, limits: SandboxLimits, cancel: threading.Event | None
+    ) -> SandboxResult:
+        started = time.monotonic()
+        workdir = self._make_workdir(files or {})
+        try:
+            env = {"PATH": _SYSTEM_PATH, "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+            stdin_file = None
+            if stdin is not None:
+                stdin_file = tempfile.TemporaryFile()
+                stdin_file.write(stdin.encode("utf-8"))
+                stdin_file.seek(0)
+            try:
+                proc = subprocess.Popen(
+                    self._command(argv, limits),
+                    stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=workdir,
+                    env=env,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            finally:
+                if stdin_file is not None:
+                    stdin_file.close()
+            return _supervise(proc, limits, started, cancel)
+        finally:
+            _remove_tree(workdir)
+
+
+class _Stream:
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.head = bytearray()
+        self.tail = b""
+        self.dropped = 0
+
+    def feed(self, data: bytes) -> None:
+        room = self.cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+        self.dropped += max(0, len(data) - max(room, 0))
+        self.tail = (self.tail + data)[-_TAIL_BYTES:]
+
+    def strip_suffix(self, suffix: bytes) -> None:
+        self.tail = self.tail.removesuffix(suffix)
+        if self.head.endswith(suffix):
+            del self.head[-len(suffix) :]
+
+    def text(self) -> str:
+        return self.head.decode("utf-8", errors="replace")
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal_module.SIGKILL)
+    except ProcessLookupError:
+        pass  # already gone: nothing left to kill
+
+
+def _supervise(proc: subprocess.Popen[bytes], lim: SandboxLimits, started: float, cancel: threading.Event | None) -> SandboxResult:
+    """Read both pipes up to the cap, enforce the wall timeout, reap the process with its rusage."""
+    assert proc.stdout is not None and proc.stderr is not None
+    streams = {proc.stdout.fileno(): _Stream(lim.output_bytes), proc.stderr.fileno(): _Stream(lim.output_bytes)}
+    out, err = streams[proc.stdout.fileno()], streams[proc.stderr.fileno()]
+    sel = selectors.DefaultSelector()
+    for fd in streams:
+        sel.register(fd, selectors.EVENT_READ)
+    deadline = started + lim.wall_s
+    flood_limit = max(lim.output_bytes, _FLOOD_ALLOWANCE)
+    timed_out = flooded = cancelled = False
+    status: int | None = None
+    rusage = None
+    exited_at: float | None = None
+    poll_s = 0.001
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            if cancel is not None and cancel.is_set():
+                cancelled = True
+                break
+            if sel.get_map():
+                for key, _ in sel.select(timeout=min(deadline - now, 0.05)):
+                    data = os.read(key.fd, _READ_CHUNK)
+                    if data:
+                        streams[key.fd].feed(data)
+                    else:
+                        sel.unregister(key.fd)
+                if out.dropped + err.dropped > flood_limit:
+                    flooded = True
+                    break
+            if status is None:
+                pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    status, rusage, exited_at = st, ru, time.monotonic()
+            if status is not None:
+                if not sel.get_map():
+                    break
+                if exited_at is not None and time.monotonic() - exited_at > _EXIT_GRACE_S:
+                    break  # descendants hold the pipes open after the main process exited
+            elif not sel.get_map():
+                time.sleep(poll_s)  # pipes closed but the process is still running
+                poll_s = min(poll_s * 2, 0.02)
+    finally:
+        _kill_group(proc.pid)
+        if status is None:
+            _, status, rusage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        sel.close()
+        proc.stdout.close()
+        proc.stderr.close()
+    wall = time.monotonic() - started
+    exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    if exit_code == 1 and err.tail.endswith(_UNSHARE_SIGKILL_QUIRK):
+        # unshare re-raises its child's fatal signal on itself, which cannot work for SIGKILL: it
+        # exits 1 with this message instead. Report what really happened to the program.
+        exit_code, sig = None, int(signal_module.SIGKILL)
+        err.strip_suffix(_UNSHARE_SIGKILL_QUIRK)
+    cpu_used = (rusage.ru_utime + rusage.ru_stime) if rusage is not None else 0.0
+    cpu_limit = max(1, math.ceil(lim.cpu_s))
+    cpu_exceeded = sig in (signal_module.SIGXCPU, signal_module.SIGKILL) and not (timed_out or flooded or cancelled) and cpu_used >= cpu_limit * 0.9
+    tail = (err.tail + bytes(err.head[-_TAIL_BYTES:])).decode("utf-8", errors="replace")
+    memory_exceeded = (exit_code not in (0, None) and any(m in tail for m in _MEMORY_MARKERS)) or (
+        sig == signal_module.SIGKILL and not (timed_out or flooded or cancelled or cpu_exceeded)
+    )
+    result = SandboxResult(
+        stdout=out.text(),
+        stderr=err.text(),
+        exit_code=exit_code,
+        signal=sig,
+        timed_out=timed_out,
+        memory_exceeded=memory_exceeded,
+        cpu_exceeded=cpu_exceeded,
+        output_truncated=bool(out.dropped or err.dropped),
+        wall_s=wall,
+    )
+    if not result.ok:
+        log.info(
+            "sandbox_run_failed",
+            exit_code=exit_code,
+            signal=sig,
+            timed_out=timed_out,
+            memory_exceeded=memory_exceeded,
+            cpu_exceeded=cpu_exceeded,
+            output_truncated=result.output_truncated,
+            cancelled=cancelled,
+            wall_s=round(wall, 3),
+            cpu_s=round(cpu_used, 3),
+        )
+    return result
+
+
+def _remove_tree(path: Path) -> None:
+    def retry_writable(func: object, failed: str, exc_info: object) -> None:
+        # The sandboxed code may have removed permissions from its own files: restore and retry once.
+        os.chmod(os.path.dirname(failed), 0o700)
+        if os.path.isdir(failed) and not os.path.islink(failed):
+            os.chmod(failed, 0o700)
+            shutil.rmtree(failed)
+        else:
+            os.unlink(failed)
+
+    try:
+        shutil.rmtree(path, onerror=retry_writable)
+    except OSError:
+        log.exception("sandbox_workdir_cleanup_failed", path=str(path))
