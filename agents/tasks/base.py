@@ -1,0 +1,120 @@
+"""The task interface: problems, verdicts, multi-turn environments, and the ``Task`` protocol.
+
+A ``Task`` hands out seeded problems (``problems(n, seed)`` is deterministic), checks an agent's final
+answer text (``verify`` → ``Verdict``, never raising on garbage), optionally scores single turns
+(``process_score``), names the group a problem belongs to for the learner (``task_key``), and, for
+multi-turn tasks, builds a text ``Env`` (``make_env``).
+
+``TaskBase`` is an optional convenience base class with the common defaults (no process score, no
+environment, ``task_key = f"{name}:{problem.id}"``).
+
+What this module does not do: it holds no task logic, no registry (see ``agents.tasks``), and does not
+attach rewards to recorded trajectories (the agent loop does that with source ``verifier:<task>``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Env", "EnvStep", "Problem", "Task", "TaskBase", "Verdict"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    task: str  # task name, e.g. "basic_arithmetic"
+    id: str  # stable within the task and seed, e.g. "basic_arithmetic/s0/17"
+    prompt: str  # the user message text the agent gets (self-contained; says what answer format is expected)
+    answer: Any  # gold answer (None if the generator has none)
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reward: float  # in [0, 1]
+    correct: bool
+    detail: str = ""  # short human-readable reason ("expected 42, got 41", "3/5 tests passed", ...)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.reward, int | float) and math.isfinite(self.reward) and 0.0 <= self.reward <= 1.0):
+            raise ValueError(f"Verdict.reward must be a finite number in [0, 1], got {self.reward!r}")
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Env(Protocol):
+    """A multi-turn text environment (e.g. FrozenLake)."""
+
+    def reset(self) -> str:
+        """Start (or restart) the episode; returns the first observation text."""
+        ...
+
+    def step(self, action_text: str) -> EnvStep:
+        """Parse the model's action from free text and apply it. Unparsable text gives an observation explaining the format,
+        a zero reward, and ``done=False`` (environments may end an episode after repeated format errors)."""
+        ...
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+    description: str
+    tools: tuple[str, ...]  # tool names the task expects the agent to have (e.g. ("calculator",)); () if none
+
+    def problems(self, n: int, seed: int = 0) -> list[Problem]:
+        """``n`` problems, deterministic for ``(n, seed)``."""
+        ...
+
+    def verify(self, problem: Problem, answer: str) -> Verdict:
+        """Check the agent's final answer text (may be a whole message); never raises on garbage."""
+        ...
+
+    def process_score(self, problem: Problem, turn_text: str) -> float | None:
+        """Optional per-turn process score in [0, 1]; None if the task has none."""
+        ...
+
+    def task_key(self, problem: Problem) -> str:
+        """Grouping key for the learner (same problem → same key)."""
+        ...
+
+    def make_env(self, problem: Problem) -> Env | None:
+        """A fresh environment for a multi-turn problem; None for single-answer tasks."""
+        ...
+
+
+class TaskBase:
+    """Defaults shared by the built-in tasks; subclasses set ``name``/``description``/``tools`` and implement ``problems``/``verify``."""
+
+    name: str = ""
+    description: str = ""
+    tools: tuple[str, ...] = ()
+
+    def problems(self, n: int, seed: int = 0) -> list[Problem]:
+        raise NotImplementedError
+
+    def verify(self, problem: Problem, answer: str) -> Verdict:
+        raise NotImplementedError
+
+    def process_score(self, problem: Problem, turn_text: str) -> float | None:
+        return None
+
+    def task_key(self, problem: Problem) -> str:
+        return f"{self.name}:{problem.id}"
+
+    def make_env(self, problem: Problem) -> Env | None:
+        return None
+
+    def _check_n(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{self.name}: n must be a non-negative integer, got {n!r}")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
