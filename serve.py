@@ -25,6 +25,7 @@ import uvicorn
 
 from runtime.settings import (
     AdapterSettings,
+    AgentSettings,
     EngineSettings,
     RecorderSettings,
     ServerSettings,
@@ -40,6 +41,7 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
     ("recorder", RecorderSettings),
     ("adapters", AdapterSettings),
     ("sglang", SGLangSettings),
+    ("agents", AgentSettings),
 )
 
 
@@ -78,6 +80,21 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         for section, _ in SECTIONS
     }
     return Settings.model_validate(merged)
+
+
+def build_agents(agent_settings: AgentSettings) -> Any:
+    """The tool registry (built-ins + ``--tool`` dotted paths) and the agents served on it."""
+    from agents.config import BUILTIN_AGENTS
+    from agents.host import Host
+    from tools.builtins import default_registry
+    from tools.registry import ToolError
+
+    try:
+        tools = default_registry(extra=agent_settings.tools)
+        configs = [*(BUILTIN_AGENTS if agent_settings.builtin else ()), *agent_settings.definitions]
+        return Host(configs, tools)
+    except (ToolError, ValueError) as exc:
+        sys.exit(f"error: agents: {exc}")
 
 
 def configure_logging(level: str) -> None:
@@ -190,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         recorder=recorder,
         recorder_settings=settings.recorder,
         adapter_settings=adapter_settings,
+        agents=build_agents(settings.agents),
     )
 
     sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)

@@ -531,7 +531,15 @@ class SqliteStore:
              LIMIT ?"""
         rows = self._conn().execute(sql, (*params, limit)).fetchall()
         return [
-            {"trajectory_id": r[0], "session_id": r[1], "created_at": r[2], "meta": json.loads(r[3]), "turns": r[4], "rewards": r[5], "last_turn_at": r[6]}
+            {
+                "trajectory_id": r[0],
+                "session_id": r[1],
+                "created_at": r[2],
+                "meta": json.loads(r[3]),
+                "turns": r[4],
+                "rewards": r[5],
+                "last_turn_at": r[6],
+            }
             for r in rows
         ]
 

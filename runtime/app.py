@@ -34,6 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.adapter_routes import evaluate_forever, install_adapter_routes
 from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, base_shapes_of, parse_model_name
+from runtime.agent_api import AgentHost, LocalRuntimeClient
+from runtime.agent_routes import agent_chat, install_agent_routes
 from runtime.chat_format import ChatFormatter
 from runtime.engine import Engine, EngineError
 from runtime.errors import APIError, from_engine, from_validation
@@ -60,6 +62,7 @@ def create_app(
     recorder: Recorder | None = None,
     recorder_settings: RecorderSettings | None = None,
     adapter_settings: AdapterSettings | None = None,
+    agents: AgentHost | None = None,
 ) -> FastAPI:
     metrics = metrics or Metrics(engine.stats)
     recorder_settings = recorder_settings or RecorderSettings(record=recorder is not None)
@@ -79,6 +82,8 @@ def create_app(
         model_type = getattr(getattr(getattr(engine, "model", None), "config", None), "model_type", None)
         formatter = ChatFormatter(tokenizer, model_type=model_type, parser=server.tool_call_parser)
         app.state.chat = ChatService(engine, formatter, model_id, engine_settings.default_max_tokens, metrics, recorder=recorder)
+        if agents is not None:
+            agents.bind(LocalRuntimeClient(engine, formatter, registry, recorder, model_id))
         background: list[asyncio.Task[None]] = []
         if recorder is not None:
             recorder.start()
@@ -122,6 +127,12 @@ def create_app(
     )
     app.state.registry = registry
     app.state.experiments = experiments
+    app.state.agents = agents
+
+    def _name_taken(name: str) -> bool:
+        return name == model_id or name in registry.aliases() or any(a["name"] == name for a in registry.list())
+
+    install_agent_routes(app, agents, server.admin_key, server.max_body_bytes, _name_taken)
 
     @app.middleware("http")
     async def request_context(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -154,6 +165,8 @@ def create_app(
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise from_validation(exc) from None
+        if agents is not None and (agent := agents.get(req.model)) is not None:
+            return await agent_chat(request, req, agent)
         session = session_of(request, req.user)
         lease = _acquire_adapter(req.model, session, req.user)
         adapter = lease.name if lease is not None else None
@@ -225,6 +238,7 @@ def create_app(
         ids = [(model_id, "loopwise")]
         ids += [(a["name"], model_id) for a in registry.list() if a.get("state", "ready") == "ready"]
         ids += [(family, model_id) for family in registry.aliases()]
+        ids += [(name, "loopwise-agent") for name in (agents.names() if agents is not None else [])]
         return ids
 
     @app.get("/v1/models")

@@ -129,6 +129,33 @@ class SGLangSettings(_Frozen):
         return self.max_loras_per_batch or max_loaded_adapters + 1
 
 
+class AgentSettings(_Frozen):
+    """Served agents (``agents/``): the built-in ones, extra tools, and agent definitions."""
+
+    builtin: bool = Field(True, description="serve the built-in agents (calc-agent, svr-agent)", json_schema_extra={"flag": "--builtin-agents"})
+    tools: tuple[str, ...] = Field((), description="extra tool as a dotted path, module:function (repeatable)", json_schema_extra={"flag": "--tool"})
+    definitions: tuple[dict[str, Any], ...] = Field(
+        (),
+        description="an agent definition as a JSON object (repeatable; in a config file: [[agents.definitions]] tables)",
+        json_schema_extra={"flag": "--agent"},
+    )
+
+    @field_validator("definitions", mode="before")
+    @classmethod
+    def _json_items(cls, v: Any) -> Any:
+        if isinstance(v, str | dict):
+            v = [v]
+        out = []
+        for item in v or ():
+            if isinstance(item, str):
+                try:
+                    item = json.loads(item)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"--agent must be a JSON object: {exc.msg}") from None
+            out.append(item)
+        return tuple(out)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOPWISE_", env_nested_delimiter="__", frozen=True, extra="forbid")
 
@@ -138,6 +165,7 @@ class Settings(BaseSettings):
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
+    agents: AgentSettings = Field(default_factory=AgentSettings)
 
     @model_validator(mode="after")
     def _check_backend(self) -> Settings:

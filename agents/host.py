@@ -1,0 +1,211 @@
+"""Serves agents to the runtime: the ``runtime.agent_api.AgentHost`` that ``serve.py`` hands to the app.
+
+Holds the agent configurations (from settings and ``POST /admin/agents``), builds one
+:class:`agents.loop.AgentLoop` per agent once the runtime client is bound, and answers the two agent
+surfaces:
+
+- chat (``model`` = the agent's name): the loop runs server-side on the request's messages and the
+  final answer comes back as the assistant message, with ``loopwise`` ids (trajectory, last turn,
+  turns used, stop reason) for feedback;
+- runs (``POST /v1/agents/{name}/runs``): the whole trajectory (turns, tool calls, observations,
+  verdicts). A run may name a task problem (``{"task": "calc_arith", "problem_index": 3, "seed": 0}``);
+  then the prompt comes from the task and its verifier's reward is attached to the trajectory.
+
+Not here: HTTP details (``runtime/app.py``), the loop itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from agents.config import AgentConfig
+from agents.loop import AgentLoop, RunResult
+from agents.tasks import Problem, Task, get_task
+from runtime.agent_api import AgentAnswer, RuntimeClient
+from tools.registry import ToolRegistry
+
+
+class RunRequest(BaseModel):
+    """The body of ``POST /v1/agents/{name}/runs``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str | None = Field(None, description="the user message (or give messages, or a task problem)")
+    messages: list[dict[str, Any]] | None = Field(None, description="a conversation of {role, content} messages")
+    task: str | None = Field(None, description="a task name; with problem_index, the prompt comes from the task and its verifier rewards the run")
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    problem_index: int | None = Field(None, ge=0, le=100_000)
+    seed: int | None = Field(None, ge=0, description="problem seed (with task) and sampling seed")
+    model: str | None = Field(None, description="override the agent's model: base name, alias or family@N")
+    max_turns: int | None = Field(None, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> RunRequest:
+        given = [x for x in (self.input, self.messages, self.problem_index) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of input, messages, or (task and) problem_index")
+        if self.messages is not None:
+            for i, m in enumerate(self.messages):
+                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
+                    raise ValueError(f"messages[{i}] must be {{'role': 'system'|'user'|'assistant', 'content': str}}")
+        return self
+
+
+class ServedAgentImpl:
+    """One agent as the runtime sees it (``runtime.agent_api.ServedAgent``)."""
+
+    def __init__(self, config: AgentConfig, loop: AgentLoop, tasks: Callable[[str, dict[str, Any]], Task]) -> None:
+        self.name = config.name
+        self.config = config
+        self.loop = loop
+        self._tasks = tasks
+
+    def card(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "name": c.name,
+            "description": c.description,
+            "tools": list(c.tools),
+            "model": c.model,
+            "stop_policy": c.stop_policy,
+            "stop_params": c.stop_params,
+            "max_turns": c.max_turns,
+            "token_budget": c.token_budget,
+            "task": c.task,
+            "t2po": c.t2po.model_dump(),
+        }
+
+    async def chat(self, messages: list[dict[str, Any]], *, session_id: str, request_id: str, options: dict[str, Any]) -> AgentAnswer:
+        result = await self.loop.run(messages, session_id=session_id, request_id=request_id, seed=options.get("seed"))
+        return AgentAnswer(
+            content=result.answer,
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            loopwise=_ids(result),
+        )
+
+    async def run(self, body: dict[str, Any], *, session_id: str, request_id: str) -> dict[str, Any]:
+        try:
+            req = RunRequest.model_validate(body)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            raise ValueError(f"{where + ': ' if where else ''}{err['msg']}") from None
+        problem: Problem | None = None
+        loop = self.loop
+        if req.problem_index is not None:
+            name = req.task or self.config.task
+            if name is None:
+                raise ValueError("problem_index needs a task (the agent has none configured)")
+            task = self._tasks(name, req.task_options or dict(self.config.task_options))
+            problem = task.problems(req.problem_index + 1, seed=req.seed or 0)[req.problem_index]
+            if task is not loop.task:
+                loop = AgentLoop(self.config, loop.client, loop.tools, task=task, rewrite=loop.rewrite)
+            messages = [{"role": "user", "content": problem.prompt}]
+        elif req.input is not None:
+            messages = [{"role": "user", "content": req.input}]
+        else:
+            messages = list(req.messages or [])
+        result = await loop.run(
+            messages, session_id=session_id, request_id=request_id, problem=problem, seed=req.seed, model=req.model, max_turns=req.max_turns
+        )
+        out = result.to_dict()
+        out["object"] = "agent.run"
+        if problem is not None:
+            out["problem"] = {"id": problem.id, "prompt": problem.prompt, "answer": _jsonable(problem.answer)}
+        return out
+
+
+class Host:
+    """``runtime.agent_api.AgentHost``: agents by name, built when the runtime client is bound."""
+
+    def __init__(self, configs: Sequence[AgentConfig | dict[str, Any]], tools: ToolRegistry, reserved: Callable[[str], bool] | None = None) -> None:
+        self.tools = tools
+        self.reserved = reserved or (lambda name: False)
+        self._configs: dict[str, AgentConfig] = {}
+        self._agents: dict[str, ServedAgentImpl] = {}
+        self._client: RuntimeClient | None = None
+        self._task_cache: dict[tuple[str, str], Task] = {}
+        for c in configs:
+            cfg = c if isinstance(c, AgentConfig) else AgentConfig.model_validate(c)
+            if cfg.name in self._configs:
+                raise ValueError(f"two agents are named {cfg.name!r}")
+            self._check_tools(cfg)
+            self._configs[cfg.name] = cfg
+
+    def bind(self, client: RuntimeClient) -> None:
+        self._client = client
+        for cfg in self._configs.values():
+            self._agents[cfg.name] = self._build(cfg)
+
+    def get(self, name: str) -> ServedAgentImpl | None:
+        return self._agents.get(name)
+
+    def names(self) -> list[str]:
+        return list(self._configs)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [a.card() for a in self._agents.values()] if self._client else [{"name": n} for n in self._configs]
+
+    def create(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Validate and add an agent (``POST /admin/agents``); ValueError names what is wrong."""
+        try:
+            cfg = AgentConfig.model_validate(config)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            raise ValueError(f"{where + ': ' if where else ''}{err['msg']}") from None
+        if cfg.name in self._configs:
+            raise FileExistsError(f"an agent named {cfg.name!r} exists; delete it first")
+        if self.reserved(cfg.name):
+            raise FileExistsError(f"{cfg.name!r} is already a model or adapter name")
+        self._check_tools(cfg)
+        agent = self._build(cfg) if self._client is not None else None
+        self._configs[cfg.name] = cfg
+        if agent is not None:
+            self._agents[cfg.name] = agent
+            return agent.card()
+        return {"name": cfg.name}
+
+    def delete(self, name: str) -> bool:
+        self._agents.pop(name, None)
+        return self._configs.pop(name, None) is not None
+
+    # ---- helpers
+    def _check_tools(self, cfg: AgentConfig) -> None:
+        missing = [t for t in cfg.tools if t not in self.tools.names()]
+        if missing:
+            raise ValueError(f"agent {cfg.name!r}: unknown tools {', '.join(missing)}; known: {', '.join(self.tools.names()) or 'none'}")
+        if cfg.task is not None:
+            self._task(cfg.task, dict(cfg.task_options))  # an unknown task or bad options fail now, not mid-run
+
+    def _task(self, name: str, options: dict[str, Any]) -> Task:
+        key = (name, repr(sorted(options.items())))
+        if key not in self._task_cache:
+            self._task_cache[key] = get_task(name, **options)
+        return self._task_cache[key]
+
+    def _build(self, cfg: AgentConfig) -> ServedAgentImpl:
+        assert self._client is not None
+        task = self._task(cfg.task, dict(cfg.task_options)) if cfg.task else None
+        return ServedAgentImpl(cfg, AgentLoop(cfg, self._client, self.tools, task=task), self._task)
+
+
+def _ids(result: RunResult) -> dict[str, Any]:
+    return {
+        "trajectory_id": result.trajectory_id,
+        "turn_id": result.last_turn_id,
+        "agent": result.agent,
+        "adapter": result.adapter,
+        "turns": result.turns,
+        "stop_reason": result.stop_reason,
+        "trainable": result.trainable,
+    }
+
+
+def _jsonable(x: Any) -> Any:
+    return x if isinstance(x, str | int | float | bool | type(None) | list | dict) else str(x)

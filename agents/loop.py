@@ -1,0 +1,513 @@
+"""The agent loop: a state machine over exact token ids (generate → parse → run tools → observe → decide).
+
+One run is one trajectory. Every model call is one recorded turn: its context ids are exactly what the
+engine was given, its output ids exactly what it produced (loss mask 1); tool results, policy feedback
+and T²PO's forced text live only in later turns' contexts, so they are never trained on.
+
+**Prefix invariant.** Each next context is built as ``previous context + output ids + observation
+ids``, where the observation ids are what the chat template puts between the end of the model's turn
+and the next generation prompt (rendered around a sentinel, never by re-tokenizing the model's own
+text). :class:`ContextTracker` checks the invariant on every turn; anything that rewrites the context
+instead (a ``rewrite`` hook, e.g. a memory copilot editing the system prompt) is checked the same way,
+and a break marks the trajectory untrainable (``meta.trainable = false``) rather than failing the run.
+Whether a full re-render of the messages would tokenize differently is recorded as ``drift_turns``
+(information only: training uses the ids the model actually saw).
+
+**Stopping.** Turns with tool calls run the tools (arguments validated; errors go back to the model as
+observations) and continue. Other turns go to the stop policy (``agents.policies``): it stops with an
+answer or continues with feedback (the next user message). The turn cap, the token budget and the
+context window also stop a run; then the policy picks the answer from the history.
+
+**T²PO** (both off by default): with ``thinking_intervention`` the turn is streamed and, when the
+thinking uncertainty plateaus inside an open ``<think>`` span, generation is cut and resumed after a
+forced ``</think>`` (two recorded turns); with ``turn_resample`` a turn whose uncertainty barely moved
+from the previous turn is regenerated at most ``max_try`` times (discarded drafts are recorded as
+branches, ``meta.resampled_draft = true``).
+
+**Verification.** When the run names a task problem, the task's verifier scores the final answer and
+the reward is attached to the trajectory (source ``verifier:<task>``); per-turn process scores go on
+the turns (``verifier:<task>:process``). Environment tasks (FrozenLake) answer each action turn with
+the environment's observation and end when the episode does.
+
+Not here: HTTP (``agents/host.py``), tool execution (``tools/``), parsing the self-check formats
+(``agents/stop.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import structlog
+
+from agents.config import AgentConfig
+from agents.policies import make_policy
+from agents.stop import StopDecision, StopPolicy, TurnView
+from agents.t2po import T2POCounters, intervention_text, thinking_open, token_uncertainty, turn_uncertainty
+from agents.tasks import Env, Problem, Task
+from learner.records import Reward, ToolCallRecord, Turn, TurnTimings, new_id
+from runtime.agent_api import Lease, RuntimeClient
+from runtime.engine import GenerateResult, SamplingParams, Timings, TokenLogprob
+from tools.registry import ToolRegistry
+
+log = structlog.get_logger(__name__)
+
+SENTINEL = "\u2063LOOPWISE\u2063SENTINEL\u2063"  # never produced by a tokenizer's decode of normal text
+
+# Rewrites the messages before a turn (e.g. a memory copilot); returns None to keep them.
+RewriteHook = Callable[[list[dict[str, Any]], int], list[dict[str, Any]] | None]
+
+
+@dataclass
+class ToolEvent:
+    call_id: str
+    name: str
+    arguments: str
+    content: str
+    ok: bool
+    error_kind: str | None = None
+    flags: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class StepRecord:
+    """One turn of a run as the runs endpoint reports it."""
+
+    index: int
+    turn_id: str
+    text: str
+    output_tokens: int
+    finish_reason: str
+    tool_calls: list[ToolEvent] = field(default_factory=list)
+    observation: str | None = None  # the user message appended after this turn (feedback or env observation)
+    decision: str | None = None  # the stop policy's reason
+    verdict: str | None = None  # the parsed self-check verdict (svr / svr_r1)
+    confidence: float | None = None
+    format_failure: bool = False
+    process_score: float | None = None
+    uncertainty: float | None = None
+    intervened: bool = False  # T²PO cut this turn's thinking
+    drafts_discarded: int = 0  # T²PO regenerations of this turn
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    trajectory_id: str
+    agent: str
+    answer: str
+    stop_reason: str
+    steps: list[StepRecord]
+    prompt_tokens: int
+    completion_tokens: int
+    trainable: bool
+    broken_at: int | None
+    drift_turns: int
+    adapter: str | None
+    elapsed_s: float
+    format_failures: int = 0
+    p_correct: float | None = None  # the stated P(correct) of the answer (svr / svr_r1), for calibration
+    reward: float | None = None
+    correct: bool | None = None
+    verdict_detail: str | None = None
+    task: str | None = None
+    task_key: str | None = None
+    problem_id: str | None = None
+    t2po: dict[str, int] = field(default_factory=dict)
+    last_turn_id: str | None = None
+    finish_reason: str = "stop"  # OpenAI's finish reason for the final answer: "length" when a budget ended the run
+
+    @property
+    def turns(self) -> int:
+        return len(self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["turns"] = self.turns
+        return out
+
+
+class ContextTracker:
+    """The running context ids and the prefix invariant: every next context extends the last one."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids: list[int] = list(ids)
+        self.broken_at: int | None = None
+
+    def advance(self, turn: int, output_ids: Sequence[int], next_ids: Sequence[int]) -> None:
+        """Move to ``next_ids``, the context of turn ``turn + 1``; it must start with context + output."""
+        expected = self.ids + list(output_ids)
+        if list(next_ids[: len(expected)]) != expected and self.broken_at is None:
+            self.broken_at = turn + 1
+            log.warning("prefix invariant broken; trajectory marked untrainable", turn=turn + 1)
+        self.ids = list(next_ids)
+
+    @property
+    def intact(self) -> bool:
+        return self.broken_at is None
+
+
+class AgentLoop:
+    """Runs one agent configuration; stateless between runs, so one instance serves concurrent runs."""
+
+    def __init__(
+        self, config: AgentConfig, client: RuntimeClient, tools: ToolRegistry, task: Task | None = None, rewrite: RewriteHook | None = None
+    ) -> None:
+        missing = [t for t in config.tools if t not in tools.names()]
+        if missing:
+            raise ValueError(f"agent {config.name!r}: unknown tools {', '.join(missing)}; known: {', '.join(tools.names()) or 'none'}")
+        self.config = config
+        self.client = client
+        self.tools = tools
+        self.task = task
+        self.rewrite = rewrite
+        self.tool_schemas = tools.schemas(list(config.tools)) if config.tools else None
+        self.tool_names = set(config.tools)
+
+    def policy(self) -> StopPolicy:
+        return make_policy(self.config.stop_policy, **self.config.stop_params)
+
+    def system_prompt(self, policy: StopPolicy) -> str:
+        return f"{self.config.system_prompt}\n\n{policy.instructions}".strip()
+
+    async def run(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        session_id: str,
+        request_id: str | None = None,
+        problem: Problem | None = None,
+        seed: int | None = None,
+        model: str | None = None,
+        max_turns: int | None = None,
+    ) -> RunResult:
+        """Run to a stop. ``messages``: the conversation so far (system messages are merged after the agent's)."""
+        cfg = self.config
+        policy = self.policy()
+        lease: Lease = self.client.acquire(model or cfg.model or self.client.model_id)
+        try:
+            return await self._run(policy, lease, messages, session_id, request_id or uuid.uuid4().hex, problem, seed, max_turns or cfg.max_turns)
+        finally:
+            self.client.release(lease)
+
+    # ---- the state machine ----------------------------------------------------------------------
+    async def _run(
+        self,
+        policy: StopPolicy,
+        lease: Lease,
+        messages: list[dict[str, Any]],
+        session_id: str,
+        request_id: str,
+        problem: Problem | None,
+        seed: int | None,
+        max_turns: int,
+    ) -> RunResult:
+        cfg = self.config
+        t0 = time.perf_counter()
+        run_id = f"run-{uuid.uuid4().hex}"
+        trajectory_id = new_id("traj")
+        env: Env | None = self.task.make_env(problem) if self.task is not None and problem is not None else None
+        system = self.system_prompt(policy)
+        extra_system = "\n\n".join(m.get("content") or "" for m in messages if m["role"] == "system")
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": f"{system}\n\n{extra_system}".strip()}]
+        msgs += [dict(m) for m in messages if m["role"] != "system"]
+        if env is not None:
+            first = env.reset()  # the first observation joins the task's prompt
+            if msgs[-1]["role"] == "user":
+                msgs[-1] = {**msgs[-1], "content": f"{msgs[-1]['content']}\n\n{first}"}
+            else:
+                msgs.append({"role": "user", "content": first})
+        ctx = ContextTracker(self.client.render(msgs, self.tool_schemas).token_ids)
+        prompt_tokens = len(ctx.ids)
+        history: list[TurnView] = []
+        steps: list[StepRecord] = []
+        counters = T2POCounters()
+        completion_tokens = 0
+        parent: str | None = None
+        drift_turns = 0
+        prev_u: float | None = None
+        decision: StopDecision | None = None
+        stop_reason = "max_turns"
+        env_reward = 0.0
+        env_done = False
+        finish = "stop"
+        pending_text = ""  # text of an intervened turn that the next call continues (same assistant message)
+        turn = 0
+        while turn < max_turns:
+            if self.rewrite is not None and (new_msgs := self.rewrite(msgs, turn)) is not None:
+                msgs = new_msgs
+                ctx.advance(turn - 1, [], self.client.render(msgs, self.tool_schemas).token_ids)
+            room = self.client.max_model_len - len(ctx.ids)
+            budget = cfg.token_budget - completion_tokens
+            if room < 2 or budget < 1:
+                stop_reason, finish = ("context_full" if room < 2 else "token_budget"), "length"
+                break
+            sampling = SamplingParams(
+                max_new_tokens=max(1, min(cfg.max_tokens_per_turn, budget, room - 1)),
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                seed=None if seed is None else seed * 1000 + turn,
+                logprobs=True,
+                top_logprobs=cfg.t2po.top_logprobs if (cfg.t2po.thinking_intervention or cfg.t2po.turn_resample) else 0,
+            )
+            res, intervened = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}", pending_text)
+            u = _turn_uncertainty(res.logprobs)
+            drafts = 0
+            while cfg.t2po.turn_resample and not intervened and u is not None and cfg.t2po.resample(prev_u, u, drafts):
+                await self._record_draft(res, ctx.ids, lease, session_id, run_id, parent, turn, msgs)
+                drafts += 1
+                counters.resamples += 1
+                completion_tokens += len(res.output_ids)
+                sampling = SamplingParams(**{**asdict(sampling), "seed": (sampling.seed or 0) + 7919 * drafts})
+                res, intervened = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}-r{drafts}", pending_text)
+                u = _turn_uncertainty(res.logprobs)
+            prev_u = u if u is not None else prev_u
+            completion_tokens += len(res.output_ids)
+            turn_id = new_id("turn")
+            text = pending_text + res.text
+            step = StepRecord(
+                turn, turn_id, res.text, len(res.output_ids), res.finish_reason, uncertainty=u, intervened=intervened, drafts_discarded=drafts
+            )
+            steps.append(step)
+
+            if intervened:
+                counters.interventions += 1
+                forced = intervention_text(_action_tag(policy))
+                forced_ids = self.client.tokenizer.encode(forced, add_special_tokens=False)
+                await self._record(res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, [], "intervened", trajectory_id)
+                parent = turn_id
+                ctx.advance(turn, res.output_ids, [*ctx.ids, *res.output_ids, *forced_ids])
+                pending_text = text + forced
+                step.observation = forced
+                turn += 1
+                continue
+            pending_text = ""
+
+            calls = self.client.parse_tool_calls(text, self.tool_names).tool_calls if self.tool_names else []
+            await self._record(res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, calls, res.finish_reason, trajectory_id)
+            parent = turn_id
+            if self.task is not None and problem is not None:
+                step.process_score = self.task.process_score(problem, text)
+                if step.process_score is not None:
+                    await self.client.reward(
+                        Reward(target="turn", target_id=turn_id, value=float(step.process_score), source=f"verifier:{self.task.name}:process")
+                    )
+            assistant: dict[str, Any] = {"role": "assistant", "content": text}
+            observations: list[dict[str, Any]] = []
+            if calls:
+                for call in calls:
+                    result = await self.tools.call(call.name, call.arguments)
+                    step.tool_calls.append(
+                        ToolEvent(
+                            call.id, call.name, call.arguments, result.content, result.ok, result.error_kind, dict(result.flags), result.elapsed_s
+                        )
+                    )
+                    observations.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result.content})
+            history.append(TurnView(text=text, tool_calls=len(calls)))
+            if env is not None and not calls:
+                env_step = env.step(text)
+                env_reward += env_step.reward
+                step.observation = env_step.observation
+                if env_step.done:
+                    env_done = True
+                    stop_reason = "env_done"
+                    msgs += [assistant]
+                    break
+                observations.append({"role": "user", "content": env_step.observation})
+                decision = None
+            else:
+                decision = policy.decide(history, max_turns)
+                step.decision = decision.reason
+                step.format_failure = decision.format_failure
+                if decision.check is not None:
+                    step.verdict, step.confidence = decision.check.verdict, decision.check.confidence
+                if decision.stop:
+                    stop_reason = decision.reason
+                    msgs += [assistant]
+                    break
+                if decision.feedback:
+                    observations.append({"role": "user", "content": decision.feedback})
+                    step.observation = decision.feedback
+            if not observations:  # nothing to say back (e.g. fixed policy without feedback): ask to go on
+                observations.append({"role": "user", "content": "Continue."})
+                step.observation = "Continue."
+            obs_ids = self._observation_ids(msgs, res, observations)
+            msgs += [assistant, *observations]
+            ctx.advance(turn, res.output_ids, [*ctx.ids, *res.output_ids, *obs_ids])
+            if self.client.render(msgs, self.tool_schemas).token_ids != tuple(ctx.ids):
+                drift_turns += 1
+            turn += 1
+
+        # ---- the answer and its verification
+        if decision is None or not decision.stop:
+            final = policy.decide(history, len(history)) if history else None
+            if final is not None and env is None:
+                decision = final
+        answer = decision.answer if decision is not None and decision.answer is not None else (history[-1].text if history else "")
+        if stop_reason == "max_turns" and decision is not None and decision.stop:
+            stop_reason = decision.reason
+        if steps and steps[-1].finish_reason == "length":
+            finish = "length"  # the answer's turn was cut by its token limit
+        result = RunResult(
+            run_id=run_id,
+            trajectory_id=trajectory_id,
+            agent=cfg.name,
+            answer=answer,
+            stop_reason=stop_reason,
+            steps=steps,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            trainable=ctx.intact,
+            broken_at=ctx.broken_at,
+            drift_turns=drift_turns,
+            adapter=lease.adapter,
+            elapsed_s=time.perf_counter() - t0,
+            format_failures=sum(s.format_failure for s in steps),
+            p_correct=decision.p_correct if decision is not None else None,
+            t2po=counters.as_dict(),
+            last_turn_id=parent,
+            finish_reason=finish,
+        )
+        if self.task is not None and problem is not None:
+            result.task, result.task_key, result.problem_id = self.task.name, self.task.task_key(problem), problem.id
+            if env is not None:
+                reward = min(1.0, max(0.0, env_reward))
+                result.reward, result.correct, result.verdict_detail = reward, env_done and reward >= 1.0, "episode reward"
+            else:
+                verdict = self.task.verify(problem, answer)
+                result.reward, result.correct, result.verdict_detail = verdict.reward, verdict.correct, verdict.detail
+        await self._finish(result)
+        return result
+
+    # ---- pieces ---------------------------------------------------------------------------------
+    async def _generate(self, ids: Sequence[int], sampling: SamplingParams, lease: Lease, rid: str, prefix_text: str) -> tuple[GenerateResult, bool]:
+        """One model call; streamed under the thinking monitor when T²PO intervention is on."""
+        t2 = self.config.t2po
+        if not t2.thinking_intervention:
+            return await self.client.generate(ids, sampling, lease.adapter, rid), False
+        monitor = t2.new_monitor()
+        out_ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        text = ""
+        finish = None
+        timings = Timings()
+        stream = self.client.stream(ids, sampling, lease.adapter, rid)
+        try:
+            async for chunk in stream:
+                out_ids += chunk.token_ids
+                lps += chunk.logprobs
+                text += chunk.text
+                timings = chunk.timings or timings
+                finish = chunk.finish_reason
+                if finish is None and thinking_open(prefix_text + text):
+                    if any(monitor.update_entropy(token_uncertainty(lp.logprob, lp.top)) for lp in chunk.logprobs):
+                        break
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        intervened = finish is None
+        res = GenerateResult(
+            request_id=rid,
+            prompt_ids=tuple(ids),
+            output_ids=tuple(out_ids),
+            text=text,
+            finish_reason=finish or "abort",
+            logprobs=tuple(lps),
+            timings=timings,
+        )
+        return res, intervened
+
+    def _observation_ids(self, msgs: list[dict[str, Any]], res: GenerateResult, observations: list[dict[str, Any]]) -> list[int]:
+        """The template's tokens between the end of the model's output and the next generation prompt."""
+        rendered = self.client.render([*msgs, {"role": "assistant", "content": SENTINEL}, *observations], self.tool_schemas).text
+        at = rendered.rfind(SENTINEL)
+        if at < 0:
+            raise RuntimeError("the chat template dropped the assistant message; cannot build observation tokens")
+        rest = rendered[at + len(SENTINEL) :]
+        last = res.output_ids[-1] if res.output_ids else None
+        if last is not None and last in self.client.eos_token_ids:
+            end = self.client.tokenizer.decode([last])
+            if rest.startswith(end):
+                rest = rest[len(end) :]  # the model already produced the end-of-turn token
+        return list(self.client.tokenizer.encode(rest, add_special_tokens=False))
+
+    def _turn(
+        self, res: GenerateResult, ctx_ids: Sequence[int], turn_id: str, lease: Lease, session_id: str, run_id: str, parent: str | None,
+        index: int, msgs: list[dict[str, Any]], calls: Sequence[Any], finish: str, trajectory_id: str,
+    ) -> Turn:  # fmt: skip
+        return Turn(
+            turn_id=turn_id,
+            trajectory_id=trajectory_id,
+            session_id=session_id,
+            index=index,
+            parent_turn_id=parent,
+            completion_id=run_id,
+            model=self.config.name,
+            adapter=lease.adapter,
+            context_ids=list(ctx_ids),
+            output_ids=list(res.output_ids),
+            logprobs=[lp.logprob for lp in res.logprobs],
+            loss_mask=[1] * len(res.output_ids),
+            sampling={"temperature": self.config.temperature, "top_p": self.config.top_p, "agent": self.config.name},
+            tool_calls=[ToolCallRecord(id=c.id, name=c.name, arguments=c.arguments) for c in calls],
+            finish_reason=finish,
+            timings=TurnTimings(queued_s=res.timings.queued_s, ttft_s=res.timings.ttft_s, total_s=res.timings.total_s),
+            messages=[dict(m) for m in msgs],
+            output_text=res.text,
+        )
+
+    async def _record(self, res: GenerateResult, ctx_ids: Sequence[int], turn_id: str, lease: Lease, session_id: str, run_id: str,
+                      parent: str | None, index: int, msgs: list[dict[str, Any]], calls: Sequence[Any], finish: str,
+                      trajectory_id: str) -> None:  # fmt: skip
+        await self.client.record([self._turn(res, ctx_ids, turn_id, lease, session_id, run_id, parent, index, msgs, calls, finish, trajectory_id)])
+
+    async def _record_draft(self, res: GenerateResult, ctx_ids: Sequence[int], lease: Lease, session_id: str, run_id: str, parent: str | None,
+                            index: int, msgs: list[dict[str, Any]]) -> None:  # fmt: skip
+        """A discarded T²PO draft: its own branch trajectory off the previous turn, marked as a draft."""
+        draft_traj = new_id("traj")
+        turn = self._turn(res, ctx_ids, new_id("turn"), lease, session_id, run_id, parent, index, msgs, [], res.finish_reason, draft_traj)
+        await self.client.record([turn])
+        await self.client.annotate(draft_traj, {"agent": self.config.name, "resampled_draft": True, "run_id": run_id, "trainable": True})
+
+    async def _finish(self, result: RunResult) -> None:
+        if not result.steps or not self.client.recording:
+            return
+        meta = {
+            "agent": result.agent,
+            "run_id": result.run_id,
+            "stop_reason": result.stop_reason,
+            "turns": result.turns,
+            "trainable": result.trainable,
+            "broken_at": result.broken_at,
+            "drift_turns": result.drift_turns,
+            "format_failures": result.format_failures,
+            "t2po": result.t2po,
+            "task": result.task,
+            "task_key": result.task_key,
+            "problem_id": result.problem_id,
+            "p_correct": result.p_correct,
+        }
+        await self.client.annotate(result.trajectory_id, meta)
+        if result.reward is not None and result.task is not None:
+            await self.client.reward(
+                Reward(
+                    target="trajectory",
+                    target_id=result.trajectory_id,
+                    value=result.reward,
+                    source=f"verifier:{result.task}",
+                    comment=result.verdict_detail,
+                )
+            )
+
+
+def _turn_uncertainty(lps: Sequence[TokenLogprob]) -> float | None:
+    if not lps:
+        return None
+    return turn_uncertainty([token_uncertainty(lp.logprob, lp.top) for lp in lps])
+
+
+def _action_tag(policy: StopPolicy) -> str | None:
+    return {"svr": "solution", "svr_r1": "answer"}.get(policy.fmt)

@@ -1,0 +1,153 @@
+"""The contract between the runtime and served agents, in both directions, without importing ``agents``.
+
+Agents (``agents/``) reach the model through :class:`RuntimeClient`: render chat messages to the exact
+token ids the engine sees, parse tool calls out of generated text, generate token-in/token-out under a
+model name (base, alias, ``family@N``; the alias resolves to one version per call, acquired and released
+around it, like a chat request), record turns and attach rewards. :class:`LocalRuntimeClient` is the
+in-process implementation over the engine, the chat formatter, the adapter registry and the recorder.
+
+The runtime reaches agents through :class:`AgentHost`: ``serve.py`` builds one (``agents.host``) and
+hands it to ``create_app``; the app binds it to a client once the engine is up, lists its agents in
+``GET /v1/models``, sends chat requests whose ``model`` names an agent to :meth:`ServedAgent.chat`,
+and exposes ``POST /v1/agents/{name}/runs`` and ``/admin/agents``.
+
+Not here: the agent loop, stop policies or tools (``agents/``, ``tools/``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from learner.records import Reward, Turn
+from runtime.adapters import AdapterNotFound, AdapterRegistry, parse_model_name
+from runtime.chat_format import ChatFormatter, RenderedPrompt
+from runtime.engine import Engine, GenerateRequest, GenerateResult, SamplingParams, StreamChunk
+from runtime.recorder import Recorder
+from runtime.tool_parsers import ParseResult, get_parser
+
+
+class UnknownModel(LookupError):
+    """The model name is neither the base, a loaded adapter version nor an alias."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One model name resolved to the version serving it, held until released (drains before unload)."""
+
+    adapter: str | None  # the adapter version (``family@N``); None = the base model
+    ref: Any = None
+
+
+@dataclass
+class AgentAnswer:
+    """What a served agent answers to a chat request: the final text plus loopwise's ids."""
+
+    content: str
+    finish_reason: str  # OpenAI's: "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    loopwise: dict[str, Any] = field(default_factory=dict)
+
+
+class RuntimeClient(Protocol):
+    model_id: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Any
+    recording: bool
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True) -> RenderedPrompt: ...
+    def parse_tool_calls(self, text: str, tool_names: set[str]) -> ParseResult: ...
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, adapter: str | None, request_id: str) -> GenerateResult: ...
+    def stream(self, input_ids: Sequence[int], sampling: SamplingParams, adapter: str | None, request_id: str) -> AsyncIterator[StreamChunk]: ...
+    def acquire(self, model: str) -> Lease: ...
+    def release(self, lease: Lease) -> None: ...
+    async def record(self, turns: list[Turn]) -> None: ...
+    async def reward(self, reward: Reward) -> None: ...
+    async def annotate(self, trajectory_id: str, meta: dict[str, Any]) -> None: ...
+
+
+class ServedAgent(Protocol):
+    name: str
+
+    def card(self) -> dict[str, Any]: ...
+    async def chat(self, messages: list[dict[str, Any]], *, session_id: str, request_id: str, options: dict[str, Any]) -> AgentAnswer: ...
+    async def run(self, body: dict[str, Any], *, session_id: str, request_id: str) -> dict[str, Any]: ...
+
+
+class AgentHost(Protocol):
+    def bind(self, client: RuntimeClient) -> None: ...
+    def get(self, name: str) -> ServedAgent | None: ...
+    def names(self) -> list[str]: ...
+    def describe(self) -> list[dict[str, Any]]: ...
+    def create(self, config: dict[str, Any]) -> dict[str, Any]: ...  # raises ValueError with a clear message
+    def delete(self, name: str) -> bool: ...
+
+
+class LocalRuntimeClient:
+    """:class:`RuntimeClient` over this process's engine, formatter, adapter registry and recorder."""
+
+    def __init__(self, engine: Engine, formatter: ChatFormatter, registry: AdapterRegistry, recorder: Recorder | None, model_id: str) -> None:
+        self.engine = engine
+        self.formatter = formatter
+        self.registry = registry
+        self.recorder = recorder
+        self.model_id = model_id
+        self.tokenizer = formatter.tokenizer
+        self.max_model_len = engine.info.max_model_len
+        self.eos_token_ids = tuple(engine.info.eos_token_ids)
+        self.recording = recorder is not None
+        self._parser = get_parser(formatter.parser_name)
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True) -> RenderedPrompt:
+        return self.formatter.render_plain(messages, tools, add_generation_prompt)
+
+    def parse_tool_calls(self, text: str, tool_names: set[str]) -> ParseResult:
+        return self._parser.parse(text, tool_names)
+
+    def acquire(self, model: str) -> Lease:
+        """The version serving ``model`` now, held until :meth:`release` (an alias resolves once per lease)."""
+        try:
+            kind, target = parse_model_name(model, self.model_id)
+            if kind == "base":
+                return Lease(None)
+            assert target is not None
+            ref = self.registry.acquire(target)
+        except AdapterNotFound as exc:
+            raise UnknownModel(f"the model `{model}` does not exist") from exc
+        return Lease(ref.name, ref)
+
+    def release(self, lease: Lease) -> None:
+        if lease.ref is not None:
+            self.registry.release(lease.ref)
+
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, adapter: str | None, request_id: str) -> GenerateResult:
+        """One generation on ``adapter``, a version the caller holds a lease on (None = the base)."""
+        return await self.engine.generate(GenerateRequest(request_id=request_id, input_ids=tuple(input_ids), sampling=sampling, adapter=adapter))
+
+    def stream(self, input_ids: Sequence[int], sampling: SamplingParams, adapter: str | None, request_id: str) -> AsyncIterator[StreamChunk]:
+        """Token chunks of one generation on a leased ``adapter``; closing the iterator cancels it."""
+        return self.engine.stream(GenerateRequest(request_id=request_id, input_ids=tuple(input_ids), sampling=sampling, adapter=adapter))
+
+    async def record(self, turns: list[Turn]) -> None:
+        if self.recorder is not None and turns:
+            await self.recorder.record(turns)
+
+    async def reward(self, reward: Reward) -> None:
+        """Attach ``reward`` once its target is committed (the recorder writes in the background)."""
+        if self.recorder is None:
+            return
+        await self.recorder.flush()
+        await asyncio.to_thread(self.recorder.store.add_reward, reward)
+
+    async def annotate(self, trajectory_id: str, meta: dict[str, Any]) -> None:
+        if self.recorder is None:
+            return
+        await self.recorder.flush()
+        await asyncio.to_thread(self.recorder.store.set_trajectory_meta, trajectory_id, meta)
+
+
+__all__ = ["AgentAnswer", "AgentHost", "Lease", "LocalRuntimeClient", "RuntimeClient", "ServedAgent", "StreamChunk", "UnknownModel"]

@@ -1,0 +1,128 @@
+"""Served agents end to end: a real ``serve.py`` (tiny model), the real ``openai`` client, curl-style httpx calls.
+
+The tiny model's text is random, so these tests check the surfaces and the records (ids, turns, rewards,
+errors), not answer quality; the loop's logic is covered with scripted outputs in ``test_loop.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from tests.runtime._client import assert_error
+
+ADMIN = "agent-admin"
+CUSTOM = {"name": "echo-agent", "system_prompt": "Answer briefly.", "stop_policy": "svr", "stop_params": {"tau": 0.8}, "max_turns": 2}
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server("--admin-key", ADMIN, "--agent", json.dumps(CUSTOM))
+
+
+def admin(server, method: str, path: str, **kw) -> httpx.Response:
+    return httpx.request(method, server.base_url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60, **kw)
+
+
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_agents_are_listed_as_models(server):
+    ids = {m.id: m.owned_by for m in client(server).models.list()}
+    assert ids["calc-agent"] == ids["svr-agent"] == ids["echo-agent"] == "loopwise-agent"
+    assert ids["tiny"] == "loopwise"
+
+
+def test_chat_with_an_agent_runs_the_loop_and_records_its_turns(server):
+    r = client(server).chat.completions.create(model="echo-agent", messages=[{"role": "user", "content": "say hi"}], seed=1)
+    ids = r.model_extra["loopwise"]
+    assert r.choices[0].finish_reason in ("stop", "length") and isinstance(r.choices[0].message.content, str)
+    assert ids["agent"] == "echo-agent" and 1 <= ids["turns"] <= 2 and ids["trainable"] is True
+    traj = admin(server, "GET", f"/admin/trajectories/{ids['trajectory_id']}").json()
+    assert len(traj["turns"]) == ids["turns"] and traj["turns"][-1]["turn_id"] == ids["turn_id"]
+    assert traj["meta"]["agent"] == "echo-agent" and traj["meta"]["stop_reason"] == ids["stop_reason"]
+    assert r.usage.completion_tokens == sum(len(t["output_ids"]) for t in traj["turns"])
+    first = traj["turns"][0]
+    assert "<verdict>" in first["messages"][0]["content"]  # the SVR format is taught in the system prompt
+    # feedback on the agent's trajectory works like on any other
+    fb = httpx.post(server.url + "/feedback", json={"trajectory_id": ids["trajectory_id"], "reward": 1.0}, timeout=30)
+    assert fb.status_code == 200, fb.text
+
+
+def test_streamed_agent_answer(server):
+    stream = client(server).chat.completions.create(
+        model="echo-agent", messages=[{"role": "user", "content": "hello"}], stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["loopwise"]["agent"] == "echo-agent"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    traj = admin(server, "GET", f"/admin/trajectories/{finals[0].model_extra['loopwise']['trajectory_id']}").json()
+    assert traj["meta"]["agent"] == "echo-agent" and isinstance(text, str)
+
+
+def test_a_run_on_a_task_problem_gets_its_verifier_reward(server):
+    r = httpx.post(server.url + "/agents/calc-agent/runs", json={"task": "calc_arith", "problem_index": 3, "seed": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    run = r.json()
+    assert run["object"] == "agent.run" and run["task"] == "calc_arith" and run["problem"]["id"] == run["problem_id"]
+    assert run["reward"] in (0.0, 1.0) and run["task_key"].startswith("calc_arith:")
+    assert len(run["steps"]) == run["turns"] >= 1 and all("tool_calls" in s for s in run["steps"])
+    traj = admin(server, "GET", f"/admin/trajectories/{run['trajectory_id']}").json()
+    [reward] = [x for x in traj["rewards"] if x["target"] == "trajectory"]
+    assert reward["source"] == "verifier:calc_arith" and reward["value"] == run["reward"]
+    assert traj["meta"]["task_key"] == run["task_key"]
+
+
+def test_admin_creates_and_deletes_agents(server):
+    cfg = {"name": "py-agent", "tools": ["python", "calculator"], "max_turns": 1}
+    r = admin(server, "POST", "/admin/agents", json=cfg)
+    assert r.status_code == 201, r.text
+    assert r.json()["tools"] == ["python", "calculator"]
+    assert "py-agent" in [a["name"] for a in admin(server, "GET", "/admin/agents").json()["data"]]
+    out = client(server).chat.completions.create(model="py-agent", messages=[{"role": "user", "content": "x"}])
+    assert out.model_extra["loopwise"]["turns"] == 1
+    assert admin(server, "DELETE", "/admin/agents/py-agent").status_code == 200
+    with pytest.raises(NotFoundError):
+        client(server).chat.completions.create(model="py-agent", messages=[{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "status", "needle"),
+    [
+        ({"name": "bad-tools", "tools": ["nope"]}, 400, "unknown tools nope"),
+        ({"name": "tiny"}, 409, "already a model"),
+        ({"name": "echo-agent"}, 409, "exists"),
+        ({"name": "bad policy", "stop_policy": "svr"}, 400, "name"),
+        ({"name": "p", "stop_policy": "svr", "stop_params": {"bogus": 1}}, 400, "bogus"),
+        ({"name": "t", "task": "no_such_task"}, 400, "unknown task"),
+    ],
+)
+def test_bad_agent_configs_are_refused(server, cfg, status, needle):
+    r = admin(server, "POST", "/admin/agents", json=cfg)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_agent_requests_that_cannot_apply_are_400s(server):
+    c = client(server)
+    with pytest.raises(BadRequestError) as e:
+        c.chat.completions.create(model="calc-agent", messages=[{"role": "user", "content": "x"}], n=2)
+    assert e.value.body["param"] == "n"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(BadRequestError):
+        c.chat.completions.create(model="calc-agent", messages=[{"role": "user", "content": "x"}], tools=[tool])
+    r = httpx.post(server.url + "/agents/calc-agent/runs", json={"input": "x", "messages": []}, timeout=30)
+    assert_error(r, 400)
+    r = httpx.post(server.url + "/agents/nobody/runs", json={"input": "x"}, timeout=30)
+    assert_error(r, 404)
+    r = httpx.post(server.url + "/agents/calc-agent/runs", json={"input": "x", "model": "ghost@3"}, timeout=30)
+    assert_error(r, 404)
+    assert admin(server, "GET", "/admin/agents").status_code == 200
+    assert httpx.get(server.base_url + "/admin/agents", timeout=30).status_code == 401
