@@ -42,8 +42,9 @@ def data_dir(tmp_path_factory, tiny_model_path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(start_server, data_dir):
-    return start_server("--admin-key", ADMIN, "--adapter-root", str(data_dir / "adapters"), "--max-lora-rank", "8")
+def server(start_backend_server, data_dir):
+    """An adapter-serving server on each backend (embedded, and sglang against the fake)."""
+    return start_backend_server("--admin-key", ADMIN, "--adapter-root", str(data_dir / "adapters"), "--max-lora-rank", "8")
 
 
 def load(server, path: Path, family: str, **kw) -> httpx.Response:
@@ -137,9 +138,9 @@ def test_hot_swap_under_load_fails_nothing(server, data_dir):
     assert len({a for _, a in results}) > 5
 
 
-def test_experiment_routes_sticky_persists_and_promotes(start_server, data_dir):
+def test_experiment_routes_sticky_persists_and_promotes(start_backend_server, data_dir):
     d = data_dir
-    srv = start_server("--admin-key", ADMIN, "--adapter-root", str(d / "adapters"))
+    srv = start_backend_server("--admin-key", ADMIN, "--adapter-root", str(d / "adapters"))
     for k, alias in ((0, True), (1, False)):
         assert load(srv, d / "adapters" / f"a{k}", "ab", alias=alias).status_code == 200
     exp = {"name": "ab-test", "family": "ab", "arms": [{"adapter": "ab@1", "weight": 1}, {"adapter": "ab@2", "weight": 1}]}
@@ -169,6 +170,6 @@ def test_experiment_routes_sticky_persists_and_promotes(start_server, data_dir):
 
     # the experiment and its decision survive a restart (same data dir)
     srv.stop()
-    again = start_server("--admin-key", ADMIN, "--adapter-root", str(d / "adapters"), data_dir=srv.log_path.parent)
+    again = start_backend_server("--admin-key", ADMIN, "--adapter-root", str(d / "adapters"), data_dir=srv.log_path.parent)
     st = httpx.get(again.base_url + "/admin/experiments/ab-test", headers=AUTH, timeout=30).json()
     assert st["status"] == "promoted" and st["winner"] == "ab@2"

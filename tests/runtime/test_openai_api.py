@@ -57,14 +57,15 @@ ANSWER = {
 
 
 @pytest.fixture(scope="module")
-def oai(tiny_server) -> openai.OpenAI:
-    return client(tiny_server)
+def oai(served) -> openai.OpenAI:
+    """A client of the shared tiny server on each backend (``served`` is parametrized over embedded and sglang)."""
+    return client(served)
 
 
 # ---- non-streamed -------------------------------------------------------------------------------
 
 
-def test_non_streamed_completion_shape(tiny_server, oai):
+def test_non_streamed_completion_shape(served, oai):
     before = time.time()
     r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
     assert r.id.startswith("chatcmpl-") and len(r.id) > len("chatcmpl-")
@@ -84,7 +85,7 @@ def test_non_streamed_completion_shape(tiny_server, oai):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
     # the same request raw: exact JSON keys, nothing FastAPI-ish
-    raw = post_chat(tiny_server, chat_body(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True))
+    raw = post_chat(served, chat_body(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True))
     assert raw.status_code == 200
     assert raw.headers["content-type"] == "application/json"
     body = raw.json()
@@ -141,10 +142,10 @@ def test_stream_via_sdk_matches_non_streamed(oai, sampling):
     assert len(streamed) > 0
 
 
-def test_stream_raw_sse_with_include_usage(tiny_server):
+def test_stream_raw_sse_with_include_usage(served):
     body = chat_body(max_tokens=20, temperature=1.0, seed=5, ignore_eos=True)
-    full = post_chat(tiny_server, body).json()
-    sse = stream_chat(tiny_server, {**body, "stream_options": {"include_usage": True}})
+    full = post_chat(served, body).json()
+    sse = stream_chat(served, {**body, "stream_options": {"include_usage": True}})
     assert sse.status == 200
     assert sse.headers["content-type"].startswith("text/event-stream")
     assert sse.done, "stream must end with data: [DONE]"
@@ -177,8 +178,8 @@ def test_stream_raw_sse_with_include_usage(tiny_server):
     assert sse.content() == full["choices"][0]["message"]["content"]
 
 
-def test_stream_without_include_usage_has_no_usage(tiny_server):
-    sse = stream_chat(tiny_server, chat_body(max_tokens=4, temperature=0))
+def test_stream_without_include_usage_has_no_usage(served):
+    sse = stream_chat(served, chat_body(max_tokens=4, temperature=0))
     assert sse.status == 200 and sse.done
     assert all("usage" not in e or e["usage"] is None for e in sse.events)
     assert all(e["choices"] for e in sse.events)  # no usage-only chunk
@@ -196,10 +197,10 @@ def test_n2_non_streamed(oai):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 24
 
 
-def test_n2_streamed(tiny_server):
+def test_n2_streamed(served):
     body = chat_body(n=2, max_tokens=12, temperature=1.0, seed=21, ignore_eos=True)
-    full = post_chat(tiny_server, body).json()
-    sse = stream_chat(tiny_server, {**body, "stream_options": {"include_usage": True}})
+    full = post_chat(served, body).json()
+    sse = stream_chat(served, {**body, "stream_options": {"include_usage": True}})
     assert sse.status == 200 and sse.done
     per_index: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
     for e in sse.choice_events():
@@ -244,7 +245,7 @@ def test_logprobs_greedy(oai):
     assert "".join(i.token for i in content) == choice.message.content
 
 
-def test_logprobs_sampled_and_streamed(tiny_server, oai):
+def test_logprobs_sampled_and_streamed(served, oai):
     kw: dict[str, Any] = {
         "model": MODEL,
         "messages": USER,
@@ -295,7 +296,7 @@ def _pick_stop(text: str) -> str:
     raise AssertionError(f"no usable stop string in {text!r}")
 
 
-def test_stop_string(tiny_server, oai):
+def test_stop_string(served, oai):
     kw: dict[str, Any] = {
         "model": MODEL,
         "messages": USER,
@@ -314,7 +315,7 @@ def test_stop_string(tiny_server, oai):
     # a list of stops: the one that occurs first wins; streamed output is cut the same way
     r2 = oai.chat.completions.create(stop=["never-in-this-text", stop], **kw)
     assert (r2.choices[0].message.content, r2.choices[0].finish_reason) == (prefix, "stop")
-    sse = stream_chat(tiny_server, chat_body(max_tokens=48, temperature=1.0, seed=77, ignore_eos=True, stop=[stop]))
+    sse = stream_chat(served, chat_body(max_tokens=48, temperature=1.0, seed=77, ignore_eos=True, stop=[stop]))
     assert sse.content() == prefix
     assert sse.choice_events()[-1]["choices"][0]["finish_reason"] == "stop"
 
@@ -364,7 +365,7 @@ def test_tool_choice_named(oai, name):
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[name])
 
 
-def test_tool_choice_required_streamed(tiny_server, oai):
+def test_tool_choice_required_streamed(served, oai):
     chunks = list(oai.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=120, seed=6, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
@@ -377,7 +378,7 @@ def test_tool_choice_required_streamed(tiny_server, oai):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert all(not (c.choices[0].delta.content or "") for c in chunks)  # a forced call shows no content
     # the raw stream carries the same call shape
-    sse = stream_chat(tiny_server, chat_body(tools=TOOLS, tool_choice="required", max_tokens=120, seed=6))
+    sse = stream_chat(served, chat_body(tools=TOOLS, tool_choice="required", max_tokens=120, seed=6))
     raw_calls = [tc for e in sse.choice_events() for tc in e["choices"][0]["delta"].get("tool_calls", [])]
     assert raw_calls and set(raw_calls[0]) == {"index", "id", "type", "function"}
     assert raw_calls[0]["function"]["name"] == name
@@ -452,9 +453,9 @@ def test_response_format_json_schema(oai, seed):
     jsonschema.validate(json.loads(r.choices[0].message.content), ANSWER)
 
 
-def test_response_format_json_schema_streamed(tiny_server):
+def test_response_format_json_schema_streamed(served):
     sse = stream_chat(
-        tiny_server,
+        served,
         chat_body(max_tokens=120, seed=9, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}),
     )
     assert sse.done
@@ -530,7 +531,8 @@ def test_concurrent_requests_are_batched(tiny_server):
 # ---- models, health, metrics, request ids -------------------------------------------------------
 
 
-def test_models_endpoints(tiny_server, oai):
+def test_models_endpoints(tiny_server):
+    oai = client(tiny_server)
     listed = oai.models.list()
     assert [m.id for m in listed.data] == [MODEL]
     raw = httpx.get(tiny_server.url + "/models", timeout=10).json()

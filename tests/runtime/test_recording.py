@@ -19,8 +19,9 @@ ADMIN = "admin-secret"
 
 
 @pytest.fixture(scope="module")
-def rec_server(start_server):
-    return start_server("--admin-key", ADMIN)
+def rec_server(start_backend_server):
+    """A recording server on each backend (embedded, and sglang against the fake)."""
+    return start_backend_server("--admin-key", ADMIN)
 
 
 def admin(server, method: str, path: str, **kw) -> httpx.Response:
