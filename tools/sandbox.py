@@ -14,8 +14,12 @@ The program's failures never raise: they come back as flags on ``SandboxResult``
 How the process is confined (an exec chain of util-linux tools, so the server never runs Python code
 between fork and exec, and forks stay cheap even when the server holds gigabytes):
 
-    setpriv --pdeathsig KILL [--reuid/--regid nobody] ─ prlimit --core=0 ─ unshare --user --map-root-user
-        --net --pid --fork --kill-child ─ prlimit (cpu, as, nproc, fsize, nofile, core) ─ python -I -S -B
+    setpriv --pdeathsig KILL [--reuid/--regid nobody] ─ unshare --user --map-root-user --net --pid --fork
+        --kill-child ─ prlimit (cpu, as, nproc, fsize, nofile, core) ─ python -I -S -B
+
+(``--pdeathsig``: if the server dies, the run dies with it. ``unshare`` re-raises its child's fatal
+signal on itself; it runs under the server's own ``RLIMIT_CORE``, so where the server allows core
+dumps, a segfaulting program also leaves a small core of ``unshare``, in the working folder by default.)
 
 - **Network**: a fresh network namespace (only a loopback interface, which is down): ``connect`` fails
   with "Network is unreachable", for every program, not only Python. Abstract unix sockets are per
@@ -334,8 +338,6 @@ class Sandbox:
         cmd = [self._tools["setpriv"], "--pdeathsig", "KILL"]
         if iso.run_as_uid is not None:
             cmd += [f"--reuid={iso.run_as_uid}", f"--regid={iso.run_as_uid}", "--clear-groups"]
-        # core=0 before unshare too: unshare re-raises its child's fatal signal on itself.
-        cmd += [self._tools["prlimit"], "--core=0"]
         nproc = lim.max_processes
         if iso.namespaces:
             net = [] if lim.network else ["--net"]
@@ -429,6 +431,13 @@ class _Stream:
         return self.head.decode("utf-8", errors="replace")
 
 
+def _pidfd_open(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # kernel < 5.3 or a platform without it: fall back to polling
+        return None
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal_module.SIGKILL)
@@ -444,12 +453,17 @@ def _supervise(proc: subprocess.Popen[bytes], lim: SandboxLimits, started: float
     sel = selectors.DefaultSelector()
     for fd in streams:
         sel.register(fd, selectors.EVENT_READ)
+    pipes_open = set(streams)
+    # A pidfd becomes readable when the process exits, so its exit wakes the select (no polling).
+    pidfd = _pidfd_open(proc.pid)
+    if pidfd is not None:
+        sel.register(pidfd, selectors.EVENT_READ)
     deadline = started + lim.wall_s
     flood_limit = max(lim.output_bytes, _FLOOD_ALLOWANCE)
     timed_out = flooded = cancelled = False
     status: int | None = None
     rusage = None
-    exited_at: float | None = None
+    exited_at = 0.0
     poll_s = 0.001
     try:
         while True:
@@ -460,34 +474,39 @@ def _supervise(proc: subprocess.Popen[bytes], lim: SandboxLimits, started: float
             if cancel is not None and cancel.is_set():
                 cancelled = True
                 break
+            timeout = min(deadline - now, 0.05)
+            if pidfd is None and status is None and not pipes_open:
+                timeout, poll_s = min(timeout, poll_s), min(poll_s * 2, 0.02)  # no pidfd: poll for the exit
             if sel.get_map():
-                for key, _ in sel.select(timeout=min(deadline - now, 0.05)):
+                for key, _ in sel.select(timeout=timeout):
+                    if key.fd == pidfd:
+                        sel.unregister(pidfd)
+                        continue
                     data = os.read(key.fd, _READ_CHUNK)
                     if data:
                         streams[key.fd].feed(data)
                     else:
                         sel.unregister(key.fd)
-                if out.dropped + err.dropped > flood_limit:
-                    flooded = True
-                    break
+                        pipes_open.discard(key.fd)
+            else:
+                time.sleep(timeout)
+            if out.dropped + err.dropped > flood_limit:
+                flooded = True
+                break
             if status is None:
                 pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
                     status, rusage, exited_at = st, ru, time.monotonic()
-            if status is not None:
-                if not sel.get_map():
-                    break
-                if exited_at is not None and time.monotonic() - exited_at > _EXIT_GRACE_S:
-                    break  # descendants hold the pipes open after the main process exited
-            elif not sel.get_map():
-                time.sleep(poll_s)  # pipes closed but the process is still running
-                poll_s = min(poll_s * 2, 0.02)
+            if status is not None and (not pipes_open or time.monotonic() - exited_at > _EXIT_GRACE_S):
+                break  # done, or descendants hold the pipes open after the main process exited
     finally:
         _kill_group(proc.pid)
         if status is None:
             _, status, rusage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         sel.close()
+        if pidfd is not None:
+            os.close(pidfd)
         proc.stdout.close()
         proc.stderr.close()
     wall = time.monotonic() - started
