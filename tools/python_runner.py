@@ -14,6 +14,7 @@ library only (the sandbox runs ``python -I -S``). Confinement and its limits: se
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable
 
@@ -76,8 +77,8 @@ def python_tool(sandbox: Sandbox | None = None, limits: SandboxLimits | None = N
         Args:
             code: A complete Python program. Print the values you need; nothing is kept between calls. No network access.
         """
-        if not holder:
-            holder.append(Sandbox(limits or SandboxLimits()))
+        if not holder:  # the first call probes the machine (a few subprocesses): keep it off the event loop
+            holder.append(await asyncio.to_thread(Sandbox, limits or SandboxLimits()))
         box = holder[0]
         lim = limits or box.limits
         return format_result(await box.arun_python(code, limits=lim), lim)
