@@ -27,6 +27,10 @@ class AgentConfig(BaseModel):
     )
     tools: tuple[str, ...] = Field((), description="tool names from the tool registry")
     model: str | None = Field(None, description="base model name, adapter alias (family) or family@N; default the base model")
+    adapter_family: str | None = Field(
+        None,
+        description="the adapter family the learner trains for this agent: its champion (the alias) serves once one exists, else `model`",
+    )
     stop_policy: Literal["answer", "fixed", "svr", "svr_r1"] = Field(
         "answer", description="answer: stop at the first answer without tool calls; fixed: run max_turns; svr / svr_r1: self-verifying stop"
     )
@@ -56,6 +60,7 @@ BUILTIN_AGENTS: tuple[dict[str, Any], ...] = (
         "tools": ("calculator",),
         "stop_policy": "answer",
         "task": "calc_arith",
+        "adapter_family": "calc-lora",
     },
     {
         "name": "svr-agent",

@@ -49,7 +49,7 @@ from agents.stop import StopDecision, StopPolicy, TurnView
 from agents.t2po import T2POCounters, intervention_text, thinking_open, token_uncertainty, turn_uncertainty
 from agents.tasks import Env, Problem, Task
 from learner.records import Reward, ToolCallRecord, Turn, TurnTimings, new_id
-from runtime.agent_api import Lease, RuntimeClient
+from runtime.agent_api import Lease, RuntimeClient, UnknownModel
 from runtime.engine import GenerateResult, SamplingParams, Timings, TokenLogprob
 from tools.registry import ToolRegistry
 
@@ -188,11 +188,22 @@ class AgentLoop:
         """Run to a stop. ``messages``: the conversation so far (system messages are merged after the agent's)."""
         cfg = self.config
         policy = self.policy()
-        lease: Lease = self.client.acquire(model or cfg.model or self.client.model_id)
+        lease = self._lease(model)
         try:
             return await self._run(policy, lease, messages, session_id, request_id or uuid.uuid4().hex, problem, seed, max_turns or cfg.max_turns)
         finally:
             self.client.release(lease)
+
+    def _lease(self, model: str | None) -> Lease:
+        """The version serving this run: an explicit model, else the family's champion once it exists, else the agent's model."""
+        if model is not None:
+            return self.client.acquire(model)
+        if self.config.adapter_family is not None:
+            try:
+                return self.client.acquire(self.config.adapter_family)
+            except UnknownModel:
+                log.debug("no version of the family yet; serving the agent's model", family=self.config.adapter_family)
+        return self.client.acquire(self.config.model or self.client.model_id)
 
     # ---- the state machine ----------------------------------------------------------------------
     async def _run(

@@ -197,3 +197,24 @@ def test_context_tracker_detects_a_broken_prefix():
     assert ctx.intact
     ctx.advance(1, [6], [1, 2, 9, 4, 5, 6])
     assert not ctx.intact and ctx.broken_at == 2
+
+
+def test_adapter_family_serves_the_base_until_a_champion_exists(tok, tmp_path):
+    from runtime.adapters import AdapterRef
+
+    engine = ScriptedEngine(tok, lambda req: "<answer>1</answer>")
+    client, recorder, _ = make_client(tok, engine, tmp_path)
+    loop = AgentLoop(AgentConfig(name="fam-agent", adapter_family="fam"), client, default_registry())
+
+    async def go():
+        before = await loop.run([{"role": "user", "content": "x"}], session_id="s")
+        await client.registry.register(AdapterRef("fam", 1, str(tmp_path)), make_alias=True)
+        after = await loop.run([{"role": "user", "content": "x"}], session_id="s")
+        pinned = await loop.run([{"role": "user", "content": "x"}], session_id="s", model="tiny")
+        await recorder.flush()
+        return before, after, pinned
+
+    before, after, pinned = asyncio.run(go())
+    recorder.close()
+    assert before.adapter is None and after.adapter == "fam@1" and pinned.adapter is None
+    assert [c.adapter for c in engine.calls] == [None, "fam@1", None]
