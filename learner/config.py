@@ -1,0 +1,113 @@
+"""The learner's configuration: LoRA shape, trainer knobs and sample selection (frozen pydantic models).
+
+``LearnerSettings`` bundles the three; each component gets only its own part (``LoRAConfig`` and
+``TrainerConfig`` go to ``learner.trainer.LoRATrainer``, ``SampleConfig`` to
+``learner.samples.collect_samples``). Every field has a description and a default meant for a
+small model on a shared CPU; validation fails at construction, before any model is loaded, and says
+what to set instead.
+
+Not here: the runtime's settings, the scheduler (when to train), the eval gate or A/B policy.
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "gigpo", "turn_grpo", "rtpo", "tcpo", "rank")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class LoRAConfig(BaseModel):
+    """The adapter's shape: what ``peft.LoraConfig`` gets (plain LoRA only: what the runtime serves)."""
+
+    model_config = _FROZEN
+    rank: int = Field(8, ge=1, le=256, description="LoRA rank r (must not exceed the server's max LoRA rank)")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA input during training (0 keeps steps deterministic)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="names (suffixes) of the base model's linear layers that get a LoRA pair",
+    )
+
+
+class TrainerConfig(BaseModel):
+    """Optimizer, loss and resource knobs of one learner update step."""
+
+    model_config = _FROZEN
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (LoRA tolerates more than full fine-tuning)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up over this many optimizer steps, then constant")
+    max_grad_norm: float = Field(1.0, gt=0, description="clip the LoRA gradients' global norm to this")
+    micro_batch_tokens: int = Field(
+        4096, ge=64, description="padded tokens (rows x longest context+output) per forward pass; bounds memory, gradients accumulate"
+    )
+    estimator: str = Field("grpo", description=f"advantage estimator, one of {', '.join(ESTIMATORS)}")
+    estimator_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the estimator (e.g. eps, gamma)")
+    drop_zero_advantage: bool = Field(
+        True, description="leave samples whose advantage is exactly 0 out of the forward pass (DAPO-style filter; saves compute)"
+    )
+    clip_low: float = Field(0.2, ge=0, description="PPO clip below 1 (ratio >= 1 - clip_low)")
+    clip_high: float = Field(0.2, ge=0, description="PPO clip above 1 (ratio <= 1 + clip_high); 0.28 = DAPO clip-higher")
+    dual_clip_c: float = Field(3.0, gt=1, description="dual-clip constant for negative advantages")
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-base coefficient; > 0 runs a second forward pass with the adapter disabled")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="per-token KL estimator (algorithms.md 1.2)")
+    agg: str = Field("token-mean", description=f"loss aggregation, one of {', '.join(AGG_MODES)}")
+    max_tokens: int | None = Field(None, ge=1, description="the constant L of seq-mean-token-sum-norm (Dr.GRPO); required for that mode")
+    seed: int = Field(0, description="seeds LoRA init, dropout and the RNGs saved in checkpoints")
+    threads: int | None = Field(1, ge=1, description="torch CPU threads for training (None = torch's default); keep low so serving keeps its cores")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="base weights dtype; auto = bf16 on a GPU that supports it, else fp32")
+    device: str = Field("auto", description="torch device; auto = cuda when available, else cpu")
+    progress: bool = Field(True, description="show a tqdm bar over the micro-batches of a step")
+    keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep (older ones are deleted after a new one is complete)")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, v: str) -> str:
+        if v not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {v!r}; choose one of {', '.join(ESTIMATORS)}")
+        return v
+
+    @field_validator("agg")
+    @classmethod
+    def _known_agg(cls, v: str) -> str:
+        if v not in AGG_MODES:
+            raise ValueError(f"unknown loss aggregation {v!r}; choose one of {', '.join(AGG_MODES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _norm_needs_constant(self) -> TrainerConfig:
+        if self.agg == "seq-mean-token-sum-norm" and self.max_tokens is None:
+            raise ValueError("agg='seq-mean-token-sum-norm' (Dr.GRPO) divides by a fixed constant: set max_tokens (e.g. the max response length)")
+        return self
+
+
+class SampleConfig(BaseModel):
+    """Which recorded turns become training samples (see ``learner/samples.py``)."""
+
+    model_config = _FROZEN
+    max_staleness: int = Field(
+        2, ge=0, description="skip turns produced by an adapter version older than current - max_staleness (the base model is version 0)"
+    )
+    settle_s: float = Field(
+        120.0,
+        ge=0,
+        description="a trajectory is taken only once its last turn is this old, so late turns and rewards arrive first; later rewards are not used",
+    )
+    include_other_families: bool = Field(False, description="also train on turns another adapter family produced (off-policy; counted either way)")
+
+
+class LearnerSettings(BaseModel):
+    """Everything one learner process for one adapter family needs."""
+
+    model_config = _FROZEN
+    family: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="adapter family being trained (published as family@N)")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    samples: SampleConfig = Field(default_factory=SampleConfig)

@@ -1,0 +1,206 @@
+"""Turn samples from a real SqliteStore: exact tokens, group ids (task key and chat fallbacks), the staleness
+bound, untrainable/draft/unrewarded/NaN turns skipped and counted, the settle window and cursor."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from learner.config import SampleConfig
+from learner.records import Reward, Trajectory, Turn
+from learner.samples import Cursor, Sample, collect_samples, group_id_of, make_groups, parse_adapter, to_turn_samples
+from learner.store import SqliteStore
+
+NOW = 10_000.0
+CFG = SampleConfig(max_staleness=2, settle_s=100.0)
+
+
+def make_turn(
+    tid: str, traj: str, *, index: int = 0, adapter: str | None = "fam@3", created_at: float = 1_000.0, prefix_key: str = "", temperature: float = 0.7
+) -> Turn:
+    n = 3 + index
+    return Turn(
+        turn_id=tid,
+        trajectory_id=traj,
+        session_id="s",
+        index=index,
+        completion_id=f"c-{tid}",
+        created_at=created_at,
+        model="tiny",
+        adapter=adapter,
+        context_ids=[1, 2, 3 + index, 40 + len(tid)],
+        output_ids=list(range(10, 10 + n)),
+        logprobs=[-0.5] * n,
+        loss_mask=[1] * n,
+        sampling={"temperature": temperature},
+        finish_reason="stop",
+        prefix_key=prefix_key,
+    )
+
+
+def add_trajectory(
+    store: SqliteStore,
+    traj: str,
+    *,
+    turns: int = 1,
+    reward: float | None = 1.0,
+    meta: dict[str, Any] | None = None,
+    adapter: str | None = "fam@3",
+    t0: float = 1_000.0,
+    prefix_key: str = "",
+) -> list[Turn]:
+    ts = [make_turn(f"{traj}-t{i}", traj, index=i, adapter=adapter, created_at=t0 + i, prefix_key=prefix_key) for i in range(turns)]
+    store.append_turns(ts)
+    if meta is not None:
+        store.set_trajectory_meta(traj, meta)
+    if reward is not None:
+        store.add_reward(Reward(target="trajectory", target_id=traj, value=reward, source="verifier:x"))
+    return ts
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = SqliteStore(tmp_path / "interactions.db")
+    yield s
+    s.close()
+
+
+def collect(store: Any, *, current: int = 3, cursor: Cursor | None = None, cfg: SampleConfig = CFG, now: float = NOW):
+    return collect_samples(store, family="fam", current_version=current, cursor=cursor or Cursor(), cfg=cfg, now=now)
+
+
+def test_samples_carry_the_exact_recorded_turn(store: SqliteStore) -> None:
+    turns = add_trajectory(store, "tr-a", turns=2, meta={"agent": "calc", "task_key": "arith:7"})
+    store.add_reward(Reward(target="turn", target_id=turns[1].turn_id, value=0.25))
+    batch = collect(store)
+    assert [s.turn_id for s in batch.samples] == [t.turn_id for t in turns]
+    for s, t in zip(batch.samples, turns, strict=True):
+        assert (s.context_ids, s.output_ids, s.logprobs, s.loss_mask) == (t.context_ids, t.output_ids, t.logprobs, t.loss_mask)
+        assert (s.turn_index, s.trajectory_id, s.adapter, s.adapter_version, s.temperature) == (t.index, "tr-a", "fam@3", 3, 0.7)
+        assert s.group_id == "task:calc:arith:7"
+        assert s.trajectory_reward == 1.0
+    assert [s.reward for s in batch.samples] == [None, 0.25]
+    assert [s.value for s in batch.samples] == [1.0, 0.25]
+    ts = to_turn_samples(batch.samples)
+    assert [(x.trajectory_id, x.group_id, x.turn_index, x.reward, x.trajectory_reward, x.n_tokens) for x in ts] == [
+        ("tr-a", "task:calc:arith:7", 0, None, 1.0, 3),
+        ("tr-a", "task:calc:arith:7", 1, 0.25, 1.0, 4),
+    ]
+
+
+def test_groups_by_task_key_with_chat_fallbacks(store: SqliteStore) -> None:
+    for i in range(3):
+        add_trajectory(store, f"tr-task1-{i}", meta={"agent": "calc", "task_key": "t1"}, reward=float(i))
+    for i in range(2):
+        add_trajectory(store, f"tr-task2-{i}", meta={"agent": "calc", "task_key": "t2"}, reward=float(i))
+    add_trajectory(store, "tr-other-agent", meta={"agent": "coder", "task_key": "t1"})  # same key, other agent → own group
+    for i in range(2):  # live chat without a task key, same opening messages → one group by prefix key
+        add_trajectory(store, f"tr-chat-{i}", prefix_key="pk-hello", reward=float(i))
+    add_trajectory(store, "tr-chat-nokey")  # no prefix key either → hash of the first context
+    groups = {g.group_id: g.trajectory_ids for g in make_groups(collect(store).samples)}
+    assert groups["task:calc:t1"] == ["tr-task1-0", "tr-task1-1", "tr-task1-2"]
+    assert groups["task:calc:t2"] == ["tr-task2-0", "tr-task2-1"]
+    assert groups["task:coder:t1"] == ["tr-other-agent"]
+    assert groups["prompt:pk-hello"] == ["tr-chat-0", "tr-chat-1"]
+    ctx_groups = [g for g in groups if g.startswith("ctx:")]
+    assert len(ctx_groups) == 1 and groups[ctx_groups[0]] == ["tr-chat-nokey"]
+    assert len(groups) == 5
+
+
+def test_group_id_of_same_context_is_stable() -> None:
+    a = Trajectory(trajectory_id="a", session_id="s", turns=[make_turn("x", "a")])
+    b = Trajectory(trajectory_id="b", session_id="s", turns=[make_turn("x", "b")])  # same context ids
+    c = Trajectory(trajectory_id="c", session_id="s", turns=[make_turn("xy", "c")])  # other context
+    assert group_id_of(a) == group_id_of(b) != group_id_of(c)
+
+
+def test_staleness_bound_and_other_families(store: SqliteStore) -> None:
+    add_trajectory(store, "tr-v3", adapter="fam@3")
+    add_trajectory(store, "tr-v1", adapter="fam@1")  # current 3 - staleness 2 = 1: still fresh enough
+    add_trajectory(store, "tr-v0-base", adapter=None)  # the base model is version 0: stale
+    add_trajectory(store, "tr-other", adapter="other@9")
+    batch = collect(store, current=3)
+    assert sorted(s.trajectory_id for s in batch.samples) == ["tr-v1", "tr-v3"]
+    assert (batch.counts.stale, batch.counts.other_family) == (1, 1)
+    # before anything is published (current 0), base-model traffic is exactly on-policy
+    fresh = collect(store, current=0)
+    assert "tr-v0-base" in {s.trajectory_id for s in fresh.samples}
+    assert parse_adapter("fam@12") == ("fam", 12) and parse_adapter(None) == (None, 0) and parse_adapter("weird") == ("weird", -1)
+
+
+def test_untrainable_drafts_and_unrewarded_are_skipped_and_counted(store: SqliteStore) -> None:
+    add_trajectory(store, "tr-ok", turns=2)
+    add_trajectory(store, "tr-broken", turns=3, meta={"trainable": False, "task_key": "k"})
+    add_trajectory(store, "tr-draft", meta={"resampled_draft": True, "trainable": True})
+    add_trajectory(store, "tr-unrewarded", turns=2, reward=None)
+    batch = collect(store)
+    assert {s.trajectory_id for s in batch.samples} == {"tr-ok"}
+    c = batch.counts
+    assert (c.untrainable, c.untrainable_trajectories, c.draft, c.no_reward) == (3, 1, 1, 2)
+
+
+def test_turn_without_loss_tokens_is_skipped(store: SqliteStore) -> None:
+    t = make_turn("masked", "tr-masked").model_copy(update={"loss_mask": [0, 0, 0]})
+    store.append_turns([t])
+    store.add_reward(Reward(target="turn", target_id="masked", value=1.0))
+    batch = collect(store)
+    assert batch.samples == [] and batch.counts.no_tokens == 1
+
+
+class NaNRewardStore:
+    """A real SqliteStore whose trajectories also carry a NaN reward. The store itself refuses NaN
+    (``Reward`` validates, the column is NOT NULL), so this wrapper stands in for a foreign writer."""
+
+    def __init__(self, inner: SqliteStore, nan_targets: dict[str, str]) -> None:
+        self.inner, self.nan_targets = inner, nan_targets
+
+    def iter_samples(self, **kw: Any):
+        return self.inner.iter_samples(**kw)
+
+    def get_trajectory(self, trajectory_id: str) -> Trajectory | None:
+        traj = self.inner.get_trajectory(trajectory_id)
+        assert traj is not None
+        extra = [
+            Reward.model_construct(reward_id=f"nan-{tid}", target=kind, target_id=tid, value=math.nan, source="buggy", created_at=2e9)
+            for tid, kind in self.nan_targets.items()
+            if tid == trajectory_id or tid.startswith(trajectory_id + "-")
+        ]
+        return traj.model_copy(update={"rewards": [*traj.rewards, *extra]})
+
+
+def test_nan_rewards_are_excluded_and_counted(store: SqliteStore) -> None:
+    add_trajectory(store, "tr-nan", reward=None)  # only a NaN trajectory reward → excluded
+    add_trajectory(store, "tr-nan-turn", reward=0.5)  # NaN turn reward but a real trajectory reward → kept, turn reward None
+    add_trajectory(store, "tr-good", reward=1.0)
+    wrapped = NaNRewardStore(store, {"tr-nan": "trajectory", "tr-nan-turn-t0": "turn"})
+    batch = collect(wrapped)
+    by_traj = {s.trajectory_id: s for s in batch.samples}
+    assert set(by_traj) == {"tr-nan-turn", "tr-good"}
+    assert by_traj["tr-nan-turn"].reward is None and by_traj["tr-nan-turn"].trajectory_reward == 0.5
+    assert batch.counts.no_reward == 1
+    assert all(math.isfinite(s.value) for s in batch.samples)
+
+
+def test_cursor_takes_each_settled_trajectory_once_and_whole(store: SqliteStore) -> None:
+    add_trajectory(store, "tr-old", turns=2, t0=1_000.0)
+    add_trajectory(store, "tr-growing", turns=1, t0=9_950.0)  # last turn within settle_s of NOW: deferred
+    first = collect(store)
+    assert {s.trajectory_id for s in first.samples} == {"tr-old"}
+    assert first.counts.deferred_trajectories == 1
+    assert first.cursor == Cursor(since=NOW - CFG.settle_s)
+    assert Cursor.from_dict(first.cursor.to_dict()) == first.cursor
+    # the growing trajectory gets a second turn; later both its turns come out together, tr-old not again
+    store.append_turns([make_turn("tr-growing-t1", "tr-growing", index=1, created_at=9_990.0)])
+    add_trajectory(store, "tr-new", t0=9_980.0)
+    second = collect(store, cursor=first.cursor, now=NOW + 200)
+    assert sorted(s.turn_id for s in second.samples) == ["tr-growing-t0", "tr-growing-t1", "tr-new-t0"]
+    third = collect(store, cursor=second.cursor, now=NOW + 400)
+    assert third.samples == [] and third.cursor.since == NOW + 300
+
+
+def test_sample_value_prefers_the_turn_reward() -> None:
+    s = Sample("t", "tr", "g", 0, [1], [2], [-1.0], [1], None, 0, reward=0.2, trajectory_reward=1.0, temperature=1.0, created_at=0.0)
+    assert s.value == 0.2 and s.n_tokens == 1
