@@ -175,7 +175,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"error: {exc}")
         adapter_settings = _fit_adapters_to_sglang(adapter_settings, server_info)
         engine = SGLangEngine(
-            url, model_path, model_id=model_id, settings=settings.sglang, max_concurrency=settings.engine.max_batch_size + settings.engine.max_queue
+            url,
+            model_path,
+            model_id=model_id,
+            settings=settings.sglang,
+            max_concurrency=settings.engine.max_batch_size + settings.engine.max_queue,
+            # uvicorn re-raises SIGTERM after its shutdown, so code after serving never runs: stop SGLang in the engine's close()
+            on_close=launcher.stop if launcher is not None else None,
         )
     else:
         from runtime.engines.embedded import EmbeddedEngine
@@ -225,11 +231,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"loopwise serving model '{model_id}' ({model_path}) on http://{host}:{port}/v1", flush=True)
         await serve
 
-    try:
-        asyncio.run(announce_then_serve())
-    finally:
-        if launcher is not None:
-            launcher.stop()
+    asyncio.run(announce_then_serve())
     if not uv.started:
         sys.exit("error: the server did not start (see the log above)")
 

@@ -42,7 +42,7 @@ import json
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -197,12 +197,22 @@ def _finish(finish: Any) -> tuple[str | None, str | int | None]:
 class SGLangEngine:
     """An SGLang server as an :class:`runtime.engine.Engine`. Construct, ``await start()``, then serve."""
 
-    def __init__(self, url: str, model_path: Path, *, model_id: str, settings: SGLangSettings, max_concurrency: int = 288) -> None:
+    def __init__(
+        self,
+        url: str,
+        model_path: Path,
+        *,
+        model_id: str,
+        settings: SGLangSettings,
+        max_concurrency: int = 288,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self._path = Path(model_path)
         self._model_id = model_id
         self._settings = settings
         self._max_concurrency = max_concurrency
+        self._on_close = on_close  # e.g. stop a launched SGLang: runs in close(), inside the app's shutdown
         self._client: httpx.AsyncClient | None = None
         self._info: EngineInfo | None = None
         self._incremental = False
@@ -266,6 +276,8 @@ class SGLangEngine:
                 log.warning("sglang_unload_on_close_failed", adapter=name, lora_name=lora_name, error=str(exc))
         self._names.clear()
         await client.aclose()
+        if self._on_close is not None:
+            await asyncio.to_thread(self._on_close)
 
     # ---- generation ------------------------------------------------------------------------
     def _payload(self, req: GenerateRequest, stream: bool) -> dict[str, Any]:
