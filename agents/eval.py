@@ -102,7 +102,7 @@ async def run_all(args: argparse.Namespace, url: str, agent: str) -> list[dict[s
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout, limits=limits) as client:
 
         async def one(i: int) -> dict[str, Any]:
-            body: dict[str, Any] = {"task": args.task, "problem_index": i, "seed": args.seed}
+            body: dict[str, Any] = {"task": args.task, "problem_index": i, "seed": args.seed, "eval": True}
             if args.adapter:
                 body["model"] = args.adapter
             if args.max_turns:

@@ -41,6 +41,7 @@ class RunRequest(BaseModel):
     seed: int | None = Field(None, ge=0, description="problem seed (with task) and sampling seed")
     model: str | None = Field(None, description="override the agent's model: base name, alias or family@N")
     max_turns: int | None = Field(None, ge=1, le=64)
+    eval: bool = Field(False, description="an evaluation run on held-out problems: recorded, rewarded, never trained on")
 
     @model_validator(mode="after")
     def _one_input(self) -> RunRequest:
@@ -111,7 +112,14 @@ class ServedAgentImpl:
         else:
             messages = list(req.messages or [])
         result = await loop.run(
-            messages, session_id=session_id, request_id=request_id, problem=problem, seed=req.seed, model=req.model, max_turns=req.max_turns
+            messages,
+            session_id=session_id,
+            request_id=request_id,
+            problem=problem,
+            seed=req.seed,
+            model=req.model,
+            max_turns=req.max_turns,
+            eval_run=req.eval,
         )
         out = result.to_dict()
         out["object"] = "agent.run"

@@ -49,7 +49,7 @@ from agents.stop import StopDecision, StopPolicy, TurnView
 from agents.t2po import T2POCounters, intervention_text, thinking_open, token_uncertainty, turn_uncertainty
 from agents.tasks import Env, Problem, Task
 from learner.records import Reward, ToolCallRecord, Turn, TurnTimings, new_id
-from runtime.agent_api import Lease, RuntimeClient, UnknownModel
+from runtime.agent_api import ANONYMOUS, Lease, RuntimeClient, UnknownModel
 from runtime.engine import GenerateResult, SamplingParams, Timings, TokenLogprob
 from tools.registry import ToolRegistry
 
@@ -119,6 +119,7 @@ class RunResult:
     problem_id: str | None = None
     t2po: dict[str, int] = field(default_factory=dict)
     last_turn_id: str | None = None
+    eval: bool = False  # an evaluation run (held-out problems): the learner never trains on it
     finish_reason: str = "stop"  # OpenAI's finish reason for the final answer: "length" when a budget ended the run
 
     @property
@@ -184,26 +185,30 @@ class AgentLoop:
         seed: int | None = None,
         model: str | None = None,
         max_turns: int | None = None,
+        eval_run: bool = False,
     ) -> RunResult:
         """Run to a stop. ``messages``: the conversation so far (system messages are merged after the agent's)."""
         cfg = self.config
         policy = self.policy()
-        lease = self._lease(model)
+        request_id = request_id or uuid.uuid4().hex
+        # A/B arms are sticky per session; runs without one are routed independently, by their request id
+        lease = self._lease(model, session_id if session_id != ANONYMOUS else f"run-{request_id}")
         try:
-            return await self._run(policy, lease, messages, session_id, request_id or uuid.uuid4().hex, problem, seed, max_turns or cfg.max_turns)
+            result = await self._run(policy, lease, messages, session_id, request_id, problem, seed, max_turns or cfg.max_turns, eval_run)
         finally:
             self.client.release(lease)
+        return result
 
-    def _lease(self, model: str | None) -> Lease:
+    def _lease(self, model: str | None, route_key: str) -> Lease:
         """The version serving this run: an explicit model, else the family's champion once it exists, else the agent's model."""
         if model is not None:
-            return self.client.acquire(model)
+            return self.client.acquire(model, route_key)
         if self.config.adapter_family is not None:
             try:
-                return self.client.acquire(self.config.adapter_family)
+                return self.client.acquire(self.config.adapter_family, route_key)
             except UnknownModel:
                 log.debug("no version of the family yet; serving the agent's model", family=self.config.adapter_family)
-        return self.client.acquire(self.config.model or self.client.model_id)
+        return self.client.acquire(self.config.model or self.client.model_id, route_key)
 
     # ---- the state machine ----------------------------------------------------------------------
     async def _run(
@@ -216,6 +221,7 @@ class AgentLoop:
         problem: Problem | None,
         seed: int | None,
         max_turns: int,
+        eval_run: bool = False,
     ) -> RunResult:
         cfg = self.config
         t0 = time.perf_counter()
@@ -382,6 +388,7 @@ class AgentLoop:
             t2po=counters.as_dict(),
             last_turn_id=parent,
             finish_reason=finish,
+            eval=eval_run,
         )
         if self.task is not None and problem is not None:
             result.task, result.task_key, result.problem_id = self.task.name, self.task.task_key(problem), problem.id
@@ -500,6 +507,9 @@ class AgentLoop:
             "task_key": result.task_key,
             "problem_id": result.problem_id,
             "p_correct": result.p_correct,
+            "correct": result.correct,
+            "score": result.reward,
+            "eval": result.eval,
         }
         await self.client.annotate(result.trajectory_id, meta)
         if result.reward is not None and result.task is not None:

@@ -17,15 +17,15 @@ Not here: the agent loop, stop policies or tools (``agents/``, ``tools/``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from learner.records import Reward, Turn
-from runtime.adapters import AdapterNotFound, AdapterRegistry, parse_model_name
+from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, parse_model_name
 from runtime.chat_format import ChatFormatter, RenderedPrompt
 from runtime.engine import Engine, GenerateRequest, GenerateResult, SamplingParams, StreamChunk
-from runtime.recorder import Recorder
+from runtime.recorder import ANONYMOUS, Recorder
 from runtime.tool_parsers import ParseResult, get_parser
 
 
@@ -63,7 +63,7 @@ class RuntimeClient(Protocol):
     def parse_tool_calls(self, text: str, tool_names: set[str]) -> ParseResult: ...
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, adapter: str | None, request_id: str) -> GenerateResult: ...
     def stream(self, input_ids: Sequence[int], sampling: SamplingParams, adapter: str | None, request_id: str) -> AsyncIterator[StreamChunk]: ...
-    def acquire(self, model: str) -> Lease: ...
+    def acquire(self, model: str, session_id: str = ANONYMOUS) -> Lease: ...
     def release(self, lease: Lease) -> None: ...
     async def record(self, turns: list[Turn]) -> None: ...
     async def reward(self, reward: Reward) -> None: ...
@@ -90,8 +90,17 @@ class AgentHost(Protocol):
 class LocalRuntimeClient:
     """:class:`RuntimeClient` over this process's engine, formatter, adapter registry and recorder."""
 
-    def __init__(self, engine: Engine, formatter: ChatFormatter, registry: AdapterRegistry, recorder: Recorder | None, model_id: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        formatter: ChatFormatter,
+        registry: AdapterRegistry,
+        recorder: Recorder | None,
+        model_id: str,
+        route: Callable[[str, str], AdapterRef | None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.route = route  # the app's model → version routing (A/B arms, session pins); raises AdapterNotFound
         self.formatter = formatter
         self.registry = registry
         self.recorder = recorder
@@ -108,17 +117,21 @@ class LocalRuntimeClient:
     def parse_tool_calls(self, text: str, tool_names: set[str]) -> ParseResult:
         return self._parser.parse(text, tool_names)
 
-    def acquire(self, model: str) -> Lease:
-        """The version serving ``model`` now, held until :meth:`release` (an alias resolves once per lease)."""
+    def acquire(self, model: str, session_id: str = ANONYMOUS) -> Lease:
+        """The version serving ``model`` for this session now, held until :meth:`release`.
+
+        With the app's router, an alias is routed exactly like a chat request (an A/B experiment's arm for
+        the session, or the version the session started on); without it, the alias's current target.
+        """
         try:
-            kind, target = parse_model_name(model, self.model_id)
-            if kind == "base":
-                return Lease(None)
-            assert target is not None
-            ref = self.registry.acquire(target)
+            if self.route is not None:
+                ref = self.route(model, session_id)
+            else:
+                kind, target = parse_model_name(model, self.model_id)
+                ref = None if kind == "base" else self.registry.acquire(str(target))
         except AdapterNotFound as exc:
             raise UnknownModel(f"the model `{model}` does not exist") from exc
-        return Lease(ref.name, ref)
+        return Lease(None) if ref is None else Lease(ref.name, ref)
 
     def release(self, lease: Lease) -> None:
         if lease.ref is not None:
@@ -150,4 +163,4 @@ class LocalRuntimeClient:
         await asyncio.to_thread(self.recorder.store.set_trajectory_meta, trajectory_id, meta)
 
 
-__all__ = ["AgentAnswer", "AgentHost", "Lease", "LocalRuntimeClient", "RuntimeClient", "ServedAgent", "StreamChunk", "UnknownModel"]
+__all__ = ["ANONYMOUS", "AgentAnswer", "AgentHost", "Lease", "LocalRuntimeClient", "RuntimeClient", "ServedAgent", "StreamChunk", "UnknownModel"]

@@ -83,7 +83,7 @@ def create_app(
         formatter = ChatFormatter(tokenizer, model_type=model_type, parser=server.tool_call_parser)
         app.state.chat = ChatService(engine, formatter, model_id, engine_settings.default_max_tokens, metrics, recorder=recorder)
         if agents is not None:
-            agents.bind(LocalRuntimeClient(engine, formatter, registry, recorder, model_id))
+            agents.bind(LocalRuntimeClient(engine, formatter, registry, recorder, model_id, route=_route))
         background: list[asyncio.Task[None]] = []
         if recorder is not None:
             recorder.start()
@@ -202,31 +202,35 @@ def create_app(
     def _acquire_adapter(model: str, session: str, user: str | None) -> AdapterRef | None:
         """The adapter version serving ``model`` (None = the base), acquired until the request ends."""
         try:
-            kind, target = parse_model_name(model, model_id)
-            if kind == "base":
-                return None
-            assert target is not None
-            if kind == "version":
-                return registry.acquire(target)
-            arm = experiments.route(target, session, user) if experiments is not None else None
-            if arm is not None:
-                with contextlib.suppress(AdapterNotFound):  # an arm unloaded mid-experiment: serve the champion
-                    return registry.acquire(arm)
-            # no experiment: a session stays on the version it started on while that version is loaded
-            pin = (session, target)
-            if session != ANONYMOUS and (pinned := pins.get(pin)) is not None:
-                with contextlib.suppress(AdapterNotFound):
-                    return registry.acquire(pinned)
-            ref = registry.acquire(target)
-            if session != ANONYMOUS:
-                pins[pin] = ref.name
-                while len(pins) > 100_000:
-                    pins.popitem(last=False)
-            return ref
+            return _route(model, session, user)
         except AdapterNotFound as exc:
             raise APIError(
                 404, f"The model `{model}` does not exist or you do not have access to it.", param="model", code="model_not_found"
             ) from exc
+
+    def _route(model: str, session: str, user: str | None = None) -> AdapterRef | None:
+        """Routing shared by chat requests and agent runs: base, a version, an A/B arm, or the session's pinned version."""
+        kind, target = parse_model_name(model, model_id)
+        if kind == "base":
+            return None
+        assert target is not None
+        if kind == "version":
+            return registry.acquire(target)
+        arm = experiments.route(target, session, user) if experiments is not None else None
+        if arm is not None:
+            with contextlib.suppress(AdapterNotFound):  # an arm unloaded mid-experiment: serve the champion
+                return registry.acquire(arm)
+        # no experiment: a session stays on the version it started on while that version is loaded
+        pin = (session, target)
+        if session != ANONYMOUS and (pinned := pins.get(pin)) is not None:
+            with contextlib.suppress(AdapterNotFound):
+                return registry.acquire(pinned)
+        ref = registry.acquire(target)
+        if session != ANONYMOUS:
+            pins[pin] = ref.name
+            while len(pins) > 100_000:
+                pins.popitem(last=False)
+        return ref
 
     def _release_adapter(lease: AdapterRef | None, adapter: str | None, t0: float) -> None:
         if lease is not None:
