@@ -26,6 +26,7 @@ All turns of a trajectory share its group id; estimators tell turns apart by ``t
 What is skipped, and counted in ``SkipCounts`` (in turns; untrainable also in trajectories):
 - ``untrainable``: trajectory meta ``trainable`` is false (an agent run broke the prefix invariant);
 - ``draft``: T²PO resampled drafts (meta ``resampled_draft``), which are discarded by design;
+- ``eval``: evaluation runs on held-out problems (meta ``eval``), never trained on;
 - ``stale``: produced by ``family@N`` with ``N < current_version - max_staleness`` (the base model,
   ``adapter=None``, counts as version 0);
 - ``other_family``: produced by another family's adapter (kept only with ``include_other_families``);
@@ -119,6 +120,7 @@ class SkipCounts:
     untrainable: int = 0
     untrainable_trajectories: int = 0
     draft: int = 0
+    eval: int = 0
     stale: int = 0
     other_family: int = 0
     no_reward: int = 0
@@ -219,6 +221,9 @@ def collect_samples(
             continue
         if traj.meta.get("resampled_draft"):
             counts.draft += len(traj.turns)
+            continue
+        if traj.meta.get("eval"):
+            counts.eval += len(traj.turns)
             continue
         if traj.meta.get("trainable", True) is False:
             counts.untrainable += len(traj.turns)

@@ -73,7 +73,7 @@ def collect(store: Any, *, current: int = 3, cursor: Cursor | None = None, cfg: 
 
 
 def test_samples_carry_the_exact_recorded_turn(store: SqliteStore) -> None:
-    turns = add_trajectory(store, "tr-a", turns=2, meta={"agent": "calc", "task_key": "arith:7"})
+    turns = add_trajectory(store, "tr-a", turns=2, meta={"agent": "calc", "task_key": "arith:7", "correct": True, "score": 0.5})
     store.add_reward(Reward(target="turn", target_id=turns[1].turn_id, value=0.25))
     batch = collect(store)
     assert [s.turn_id for s in batch.samples] == [t.turn_id for t in turns]
@@ -85,9 +85,9 @@ def test_samples_carry_the_exact_recorded_turn(store: SqliteStore) -> None:
     assert [s.reward for s in batch.samples] == [None, 0.25]
     assert [s.value for s in batch.samples] == [1.0, 0.25]
     ts = to_turn_samples(batch.samples)
-    assert [(x.trajectory_id, x.group_id, x.turn_index, x.reward, x.trajectory_reward, x.n_tokens) for x in ts] == [
-        ("tr-a", "task:calc:arith:7", 0, None, 1.0, 3),
-        ("tr-a", "task:calc:arith:7", 1, 0.25, 1.0, 4),
+    assert [(x.trajectory_id, x.group_id, x.turn_index, x.reward, x.trajectory_reward, x.n_tokens, x.correct, x.score) for x in ts] == [
+        ("tr-a", "task:calc:arith:7", 0, None, 1.0, 3, True, 0.5),
+        ("tr-a", "task:calc:arith:7", 1, 0.25, 1.0, 4, True, 0.5),
     ]
 
 
@@ -136,10 +136,11 @@ def test_untrainable_drafts_and_unrewarded_are_skipped_and_counted(store: Sqlite
     add_trajectory(store, "tr-broken", turns=3, meta={"trainable": False, "task_key": "k"})
     add_trajectory(store, "tr-draft", meta={"resampled_draft": True, "trainable": True})
     add_trajectory(store, "tr-unrewarded", turns=2, reward=None)
+    add_trajectory(store, "tr-eval", turns=2, meta={"eval": True, "task_key": "k", "correct": True})  # held out: never trained on
     batch = collect(store)
     assert {s.trajectory_id for s in batch.samples} == {"tr-ok"}
     c = batch.counts
-    assert (c.untrainable, c.untrainable_trajectories, c.draft, c.no_reward) == (3, 1, 1, 2)
+    assert (c.untrainable, c.untrainable_trajectories, c.draft, c.no_reward, c.eval) == (3, 1, 1, 2, 2)
 
 
 def test_turn_without_loss_tokens_is_skipped(store: SqliteStore) -> None:
