@@ -1,0 +1,507 @@
+"""LoRA policy-gradient trainer on per-turn samples (peft, AdamW, PPO-clip loss), with exact-resume checkpoints.
+
+    trainer = LoRATrainer(base_model_dir, TrainerConfig(), LoRAConfig(), version=current_version)
+    trainer.load_checkpoint(ckpt_root)              # resume if a complete checkpoint exists
+    metrics = trainer.step(batch.samples, skipped=batch.counts.as_dict())
+    trainer.cursor = batch.cursor.to_dict()
+    trainer.save_checkpoint(ckpt_root)
+    publish_adapter(trainer.model, adapter_root, family, trainer.version)   # learner.publish
+
+One ``step`` is one optimizer update (algorithms.md 1.1-1.4 with 1.8's per-turn layout):
+1. advantages: ``learner.advantages.compute_advantages(cfg.estimator, turn_samples, **cfg.estimator_params)``,
+   one per sample (turn); samples with advantage exactly 0 are left out of the forward pass when
+   ``drop_zero_advantage`` (DAPO's filter). If no sample has a non-zero advantage (zero-variance groups),
+   the optimizer step is skipped but ``version`` still advances (STYLE.md 9.8.4).
+2. micro-batches bounded by ``micro_batch_tokens`` padded tokens; each is one teacher-forced forward
+   pass over ``context_ids + output_ids`` (left-padded, explicit position ids), keeping only the logits
+   that predict the output tokens: the logit at position ``p`` predicts the token at ``p + 1``, so the
+   output token at position ``len(context) + j`` is scored by the logit at ``len(context) + j - 1``.
+   Logits are divided by the sample's sampling temperature, as the engine did for its logprobs.
+3. reference logprobs with the adapter disabled (same model, no second copy) only when ``kl_coef > 0``.
+4. ``learner.losses.policy_loss`` per micro-batch, weighted so the sum equals the loss of the whole
+   batch under the aggregation mode; gradients accumulate; the LoRA gradients are clipped to
+   ``max_grad_norm``; AdamW and a linear warm-up scheduler step.
+Metrics per step (``StepMetrics``): loss, kl, clip_frac, entropy, grad norm, reward mean/std,
+``frac_reward_zero_std``, advantage mean/std, tokens/s, and the skipped counts given by the caller.
+
+Checkpoints (``save_checkpoint(root)``)::
+
+    <root>/ckpt-00000004/                  one complete checkpoint per version (the newest keep_checkpoints kept)
+        lora.safetensors                   the LoRA weights (peft state dict)
+        trainer_state.pt                   optimizer + scheduler state, RNG states (torch, cuda, numpy, python)
+        state.json                         version, optimizer_steps, cursor, seed, sha256 of the two files (written last)
+    <root>/.tmp-ckpt-<version>-<pid>-<hex>/  a save in progress; renamed into place only when complete
+
+A killed save leaves only a ``.tmp-`` folder, which is never read and is removed by the next save or
+load; ``load_checkpoint`` takes the newest ``ckpt-*`` whose ``state.json`` hashes match (a corrupt one
+is logged and skipped), so a resumed learner continues from exactly the state it saved.
+
+Not here: choosing samples (``learner.samples``), estimators and losses (``learner.advantages``,
+``learner.losses``), publishing (``learner.publish``), scheduling updates, multi-GPU training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from learner.advantages import compute_advantages
+from learner.config import LoRAConfig, TrainerConfig
+from learner.losses import LossConfig, policy_loss
+from learner.samples import Sample, make_groups, to_turn_samples
+
+log = structlog.get_logger(__name__)
+
+CKPT_PREFIX, TMP_PREFIX = "ckpt-", ".tmp-ckpt-"
+LORA_FILE, STATE_FILE, META_FILE = "lora.safetensors", "trainer_state.pt", "state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or none that is complete and intact could be read."""
+
+
+@dataclass
+class StepMetrics:
+    version: int  # the trainer's version after this step
+    optimizer_step: bool  # False when every advantage was zero (or there were no samples)
+    samples: int  # samples given to the step
+    trained_samples: int  # samples in the forward pass (non-zero advantage, unless drop_zero_advantage is off)
+    tokens: int  # loss-mask tokens trained on
+    loss: float = 0.0
+    kl: float = 0.0
+    clip_frac: float = 0.0
+    entropy: float = 0.0
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    frac_reward_zero_std: float = 0.0  # groups whose rewards are all equal (they teach nothing)
+    adv_mean: float = 0.0
+    adv_std: float = 0.0
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0  # forward+backward tokens (context + output, unpadded) per second
+    skipped: dict[str, int] = field(default_factory=dict)
+    loss_stats: dict[str, float] = field(default_factory=dict)  # everything policy_loss reported, batch-weighted
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices packed so that ``rows x longest row`` stays within ``max_tokens`` (a longer row goes alone).
+
+    Rows are taken longest first, which keeps padding low; the result lists indices into ``lengths``.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)  # the first row of a batch is its longest
+        else:
+            batches.append([i])
+    return batches
+
+
+def _micro_weight(agg: str, mb_rows: int, mb_tokens: int, rows: int, tokens: int) -> float:
+    """Factor that makes the micro-batch losses sum to the whole batch's loss under ``agg`` (algorithms.md 1.3)."""
+    if agg == "token-mean":
+        return mb_tokens / tokens
+    if agg == "seq-mean-token-sum-norm":
+        return 1.0  # sum over rows / a fixed constant: already additive over micro-batches
+    return mb_rows / rows  # seq-mean-*: a mean over rows
+
+
+class LoRATrainer:
+    """A peft LoRA on a base causal LM, its AdamW optimizer and scheduler, the version counter and the data cursor."""
+
+    def __init__(self, base_model: Path, cfg: TrainerConfig, lora: LoRAConfig, *, version: int = 0) -> None:
+        self.cfg, self.lora_cfg = cfg, lora
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)  # process-wide: the learner runs in its own process
+        self.device = pick_device(cfg.device)
+        self.dtype = pick_dtype(cfg.dtype, self.device)
+        self._seed_everything(cfg.seed)
+        base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=self.dtype)
+        peft_cfg = PeftLoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        self.model: PeftModel = get_peft_model(base, peft_cfg).to(self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        warm = cfg.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
+        self.loss_cfg = LossConfig(
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip_c=cfg.dual_clip_c,
+            kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            agg=cfg.agg,
+            max_tokens=cfg.max_tokens,
+        )
+        self.version = version
+        self.optimizer_steps = 0
+        self.cursor: dict[str, Any] = {}
+        log.info(
+            "trainer ready", base=str(base_model), device=str(self.device), dtype=str(self.dtype), lora_params=sum(p.numel() for p in self.params)
+        )
+
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def _batch_tensors(self, mb: Sequence[Sample]) -> dict[str, torch.Tensor]:
+        """Left-padded ``context + output`` rows; output-aligned tensors are right-aligned in T columns."""
+        rows = len(mb)
+        t_out = max(len(s.output_ids) for s in mb)
+        length = max(len(s.context_ids) + len(s.output_ids) for s in mb)
+        input_ids = torch.zeros(rows, length, dtype=torch.long)  # (B, L)
+        attn = torch.zeros(rows, length, dtype=torch.long)  # (B, L)
+        mask = torch.zeros(rows, t_out)  # (B, T) loss mask, row i's outputs in its last len(output) columns
+        old = torch.zeros(rows, t_out)  # (B, T) behaviour logprobs
+        has_old = torch.zeros(rows, dtype=torch.bool)  # (B,)
+        for i, s in enumerate(mb):
+            seq = s.context_ids + s.output_ids
+            input_ids[i, length - len(seq) :] = torch.tensor(seq)
+            attn[i, length - len(seq) :] = 1
+            n = len(s.output_ids)
+            mask[i, t_out - n :] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            if s.logprobs:
+                old[i, t_out - n :] = torch.tensor(s.logprobs, dtype=torch.float32)
+                has_old[i] = True
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L): each row starts at position 0 after its padding
+        temps = torch.tensor([s.temperature for s in mb], dtype=torch.float32)  # (B,)
+        out = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, mask=mask, old=old, has_old=has_old, temps=temps)
+        return {k: v.to(self.device) for k, v in out.items()}
+
+    def _logprobs(self, t: Mapping[str, torch.Tensor], *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs of the output tokens (B, T) under the current model (adapter state as set by the caller)."""
+        t_out = t["mask"].shape[1]
+        out = self.model(
+            input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], logits_to_keep=t_out + 1, use_cache=False
+        )
+        # out.logits: (B, T+1, V) for positions L-T-1 .. L-1; the last one predicts past the end → drop it
+        logits = out.logits[:, :-1, :].float() / t["temps"][:, None, None]  # (B, T, V)
+        targets = t["input_ids"][:, -t_out:]  # (B, T): the tokens those logits predict
+        lse = torch.logsumexp(logits, dim=-1)  # (B, T)
+        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse  # (B, T)
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                probs = torch.softmax(logits, dim=-1)  # (B, T, V)
+                ent = lse - (probs * logits).sum(-1)  # (B, T)
+        return logp, ent
+
+    @torch.no_grad()
+    def token_logprobs(self, samples: Sequence[Sample], *, adapter: bool = True) -> list[list[float]]:
+        """Each sample's output-token logprobs (the trainer's view of the recorded behaviour logprobs)."""
+        self.model.eval()
+        back: list[list[float]] = [[] for _ in samples]
+        for idx in plan_micro_batches([len(s.context_ids) + len(s.output_ids) for s in samples], self.cfg.micro_batch_tokens):
+            mb = [samples[i] for i in idx]
+            t = self._batch_tensors(mb)
+            if adapter:
+                logp, _ = self._logprobs(t)
+            else:
+                with self.model.disable_adapter():
+                    logp, _ = self._logprobs(t)
+            for i, row, s in zip(idx, logp.tolist(), mb, strict=True):
+                back[i] = row[len(row) - len(s.output_ids) :]
+        return back
+
+    # -- one update -------------------------------------------------------------------------------
+
+    def step(self, samples: Sequence[Sample], skipped: Mapping[str, int] | None = None) -> StepMetrics:
+        """One optimizer update on ``samples`` (see the module docstring); always advances ``version`` by one."""
+        t0 = time.perf_counter()
+        advantages = compute_advantages(self.cfg.estimator, to_turn_samples(samples), **self.cfg.estimator_params) if samples else []
+        if len(advantages) != len(samples) or not all(np.isfinite(advantages)):
+            raise ValueError(f"estimator {self.cfg.estimator!r} returned {len(advantages)} advantages for {len(samples)} samples, or non-finite ones")
+        m = StepMetrics(version=self.version, optimizer_step=False, samples=len(samples), trained_samples=0, tokens=0, skipped=dict(skipped or {}))
+        self._reward_stats(samples, advantages, m)
+        est_stats = getattr(advantages, "stats", None)  # learner.advantages.Advantages carries the estimator's own view
+        if est_stats is not None:
+            m.frac_reward_zero_std = float(est_stats.frac_reward_zero_std)  # same zero-std tolerance as the advantages
+            m.skipped["excluded_by_estimator"] = int(est_stats.n_excluded)
+        keep = [i for i, a in enumerate(advantages) if a != 0.0 or not self.cfg.drop_zero_advantage]
+        m.skipped["zero_advantage"] = len(samples) - len(keep) if self.cfg.drop_zero_advantage else 0
+        if m.frac_reward_zero_std == 1.0:
+            log.warning("frac_reward_zero_std == 1: every group has equal rewards, so nothing is learned (harder tasks, bigger groups?)")
+        if not any(a != 0.0 for a in advantages):
+            self.version += 1
+            m.version, m.step_s = self.version, time.perf_counter() - t0
+            log.warning("all advantages are zero (zero-variance groups): optimizer step skipped", version=self.version, samples=len(samples))
+            return m
+        chosen = [samples[i] for i in keep]
+        adv = [advantages[i] for i in keep]
+        m.trained_samples = len(chosen)
+        m.tokens = total_tokens = sum(s.n_tokens for s in chosen)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = plan_micro_batches([len(s.context_ids) + len(s.output_ids) for s in chosen], self.cfg.micro_batch_tokens)
+        sums: dict[str, float] = {}
+        entropy_sum = 0.0
+        seen_tokens = 0
+        for idx in tqdm(batches, desc=f"learner step v{self.version + 1}", unit="mb", disable=not self.cfg.progress, leave=False):
+            mb = [chosen[i] for i in idx]
+            t = self._batch_tensors(mb)
+            logp, ent = self._logprobs(t, entropy=True)  # (B, T)
+            old = torch.where(t["has_old"][:, None], t["old"], logp.detach())  # no recorded logprobs → ratio 1
+            ref = None
+            if self.cfg.kl_coef > 0:
+                with torch.no_grad(), self.model.disable_adapter():
+                    ref, _ = self._logprobs(t)
+            a = torch.tensor([adv[i] for i in idx], dtype=torch.float32, device=self.device)  # (B,)
+            loss, stats = policy_loss(logp, old, a, t["mask"], self.loss_cfg, ref_logp=ref)
+            mb_tokens = int(t["mask"].sum().item())
+            w = _micro_weight(self.cfg.agg, len(mb), mb_tokens, len(chosen), total_tokens)
+            (loss * w).backward()
+            for k, v in stats.items():
+                if k != "loss":  # the batch loss is summed exactly below
+                    sums[k] = sums.get(k, 0.0) + float(v) * mb_tokens
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * w * total_tokens  # so /total_tokens gives the batch loss
+            assert ent is not None
+            entropy_sum += float((ent * t["mask"]).sum())
+            seen_tokens += sum(len(s.context_ids) + len(s.output_ids) for s in mb)
+        m.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+        m.lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self.version += 1
+        m.optimizer_step, m.version = True, self.version
+        m.loss_stats = {k: v / max(total_tokens, 1) for k, v in sums.items()}
+        m.loss = m.loss_stats.pop("loss")
+        m.kl = m.loss_stats.get("kl", 0.0)
+        m.clip_frac = m.loss_stats.get("clip_frac", 0.0)
+        m.entropy = entropy_sum / max(total_tokens, 1)
+        m.step_s = time.perf_counter() - t0
+        m.tokens_per_s = seen_tokens / m.step_s if m.step_s > 0 else 0.0
+        if m.clip_frac >= 1.0:
+            log.warning("every token was clipped: the policy moved far from the behaviour policy (lower lr?)", version=self.version)
+        log.info("learner step", **{k: v for k, v in m.as_dict().items() if k not in ("skipped", "loss_stats")}, skipped=m.skipped)
+        return m
+
+    @staticmethod
+    def _reward_stats(samples: Sequence[Sample], advantages: Sequence[float], m: StepMetrics) -> None:
+        if not samples:
+            return
+        values = np.array([s.value for s in samples], dtype=np.float64)
+        m.reward_mean, m.reward_std = float(values.mean()), float(values.std())
+        groups = make_groups(samples)
+        m.frac_reward_zero_std = sum(1 for g in groups if np.std([s.value for s in g.samples]) == 0.0) / len(groups)
+        a = np.asarray(advantages, dtype=np.float64)
+        m.adv_mean, m.adv_std = float(a.mean()), float(a.std())
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA weights (peft's adapter state dict), on CPU."""
+        return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def save_checkpoint(self, root: Path) -> Path:
+        """Write a complete checkpoint of the current version atomically (temp folder + rename); returns its folder."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        clean_checkpoint_temps(root)
+        final = root / f"{CKPT_PREFIX}{self.version:08d}"
+        tmp = root / f"{TMP_PREFIX}{self.version:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            save_file(self.lora_state(), str(tmp / LORA_FILE))
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": _rng_state(),
+            }
+            torch.save(state, tmp / STATE_FILE)
+            meta = {
+                "version": self.version,
+                "optimizer_steps": self.optimizer_steps,
+                "cursor": self.cursor,
+                "seed": self.cfg.seed,
+                "lora": self.lora_cfg.model_dump(),
+                "files": {name: _sha256(tmp / name) for name in (LORA_FILE, STATE_FILE)},
+                "saved_at": time.time(),
+            }
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=1))  # last: a folder with state.json is complete
+            for name in (LORA_FILE, STATE_FILE, META_FILE):
+                _fsync_path(tmp / name)
+            _fsync_path(tmp)
+            if final.exists():  # re-saving a version (resumed from an older checkpoint): swap, never leave a gap
+                old = root / f"{TMP_PREFIX}old-{self.version:08d}-{uuid.uuid4().hex[:8]}"
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.rename(tmp, final)
+            _fsync_path(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for stale in list_checkpoints(root)[: -self.cfg.keep_checkpoints]:
+            shutil.rmtree(stale)
+        log.info("checkpoint saved", path=str(final), version=self.version, optimizer_steps=self.optimizer_steps)
+        return final
+
+    def load_checkpoint(self, root: Path) -> Path | None:
+        """Restore the newest intact checkpoint under ``root``; None (state unchanged) when there is none."""
+        root = Path(root)
+        if not root.is_dir():
+            return None
+        clean_checkpoint_temps(root)
+        for folder in reversed(list_checkpoints(root)):
+            try:
+                meta = read_checkpoint_meta(folder)
+            except CheckpointError as exc:
+                log.error("skipping a damaged checkpoint", path=str(folder), error=str(exc))
+                continue
+            set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in load_file(str(folder / LORA_FILE)).items()})
+            state = torch.load(folder / STATE_FILE, weights_only=True, map_location=self.device)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            _set_rng_state(state["rng"])
+            self.version = int(meta["version"])
+            self.optimizer_steps = int(meta["optimizer_steps"])
+            self.cursor = dict(meta.get("cursor") or {})
+            log.info("checkpoint loaded", path=str(folder), version=self.version, optimizer_steps=self.optimizer_steps)
+            return folder
+        return None
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint folders under ``root``, oldest version first."""
+    found = [p for p in Path(root).iterdir() if p.is_dir() and p.name.startswith(CKPT_PREFIX) and p.name[len(CKPT_PREFIX) :].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(CKPT_PREFIX) :]))
+
+
+def clean_checkpoint_temps(root: Path) -> list[Path]:
+    """Remove leftovers of killed saves (``.tmp-ckpt-*``) whose writer process is gone; returns what was removed."""
+    removed = []
+    for p in Path(root).iterdir():
+        if p.name.startswith(TMP_PREFIX) and not _writer_alive(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    if removed:
+        log.info("removed unfinished checkpoint writes", paths=[str(p) for p in removed])
+    return removed
+
+
+def read_checkpoint_meta(folder: Path) -> dict[str, Any]:
+    """``state.json`` of a checkpoint after checking the files' hashes; raises ``CheckpointError``."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+        files = meta["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{folder / META_FILE} is missing or unreadable: {exc}") from exc
+    for name, digest in files.items():
+        path = folder / name
+        if not path.is_file() or _sha256(path) != digest:
+            raise CheckpointError(f"{path} is missing or does not match its sha256 in {META_FILE}")
+    return meta
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process that named a temp folder ``<prefix><version>-<pid>-<hex>`` is still running (and is not us)."""
+    parts = name.split("-")
+    try:
+        pid = int(parts[-2])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False  # our own leftover from a failed save
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()  # type: ignore[misc]
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": _py_state_to_lists(random.getstate()),
+    }
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+def _py_state_to_lists(s: tuple[Any, ...]) -> list[Any]:
+    version, internal, gauss_next = s
+    return [version, list(internal), gauss_next]
+
+
+def iter_lora_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """The LoRA parameters of a peft model (``lora_A``/``lora_B`` weights)."""
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            yield name, p

@@ -1,0 +1,323 @@
+"""LoRATrainer on the tiny model: which parameters one step moves, logprobs against generation, the
+zero-variance rule, micro-batch equivalence, the KL path, checkpoints, and a learner killed mid-update
+(a real subprocess, SIGKILL) that resumes exactly and never uses a half-written checkpoint or adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.config import LoRAConfig, TrainerConfig
+from learner.samples import Sample
+from learner.trainer import LORA_FILE, LoRATrainer, iter_lora_parameters, list_checkpoints, plan_micro_batches, read_checkpoint_meta
+
+ROOT = Path(__file__).resolve().parents[2]
+LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def cfg(**kw) -> TrainerConfig:
+    base = dict(threads=1, progress=False, lr=1e-2, seed=0, micro_batch_tokens=4096)
+    return TrainerConfig(**{**base, **kw})
+
+
+def make_samples(seed: int, *, rewards: list[float] | None = None, n_groups: int = 2, per_group: int = 2) -> list[Sample]:
+    """Deterministic per-turn samples for the tiny model (vocab 2000); no recorded logprobs (ratio 1)."""
+    rng = random.Random(seed)
+    rewards = rewards or [float(i % 2) for i in range(n_groups * per_group)]
+    out = []
+    for k, r in enumerate(rewards):
+        ctx = [rng.randrange(3, 2000) for _ in range(rng.randrange(6, 20))]
+        n = rng.randrange(3, 9)
+        out.append(
+            Sample(
+                turn_id=f"t{seed}-{k}",
+                trajectory_id=f"tr{seed}-{k}",
+                group_id=f"g{seed}-{k // per_group}",
+                turn_index=0,
+                context_ids=ctx,
+                output_ids=[rng.randrange(3, 2000) for _ in range(n)],
+                logprobs=[],
+                loss_mask=[1] * n,
+                adapter=None,
+                adapter_version=0,
+                reward=None,
+                trajectory_reward=r,
+                temperature=1.0,
+                created_at=0.0,
+            )
+        )
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_path: Path) -> Path:
+    return tiny_model_path
+
+
+def snapshot(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_one_step_moves_lora_only(model_path: Path) -> None:
+    tr = LoRATrainer(model_path, cfg(), LORA)
+    before = snapshot(tr)
+    lora_names = {n for n, _ in iter_lora_parameters(tr.model)}
+    assert lora_names and all(("lora_A" in n) or ("lora_B" in n) for n in lora_names)
+    assert {n for n, p in tr.model.named_parameters() if p.requires_grad} == lora_names
+    m = tr.step(make_samples(1))
+    assert m.optimizer_step and m.version == 1 and m.trained_samples == 4
+    after = snapshot(tr)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed, "nothing moved"
+    assert changed <= lora_names, f"base parameters moved: {sorted(changed - lora_names)[:5]}"
+    # LoRA starts with B = 0, so dL/dA = s·Bᵀ(dL/dy)xᵀ is exactly 0 on the first step: every B moves, no A can
+    assert {n for n in lora_names if "lora_B" in n} == changed
+    tr.step(make_samples(2))
+    final = snapshot(tr)
+    assert {n for n in lora_names if not torch.equal(before[n], final[n])} == lora_names  # every LoRA parameter moved
+    assert all(torch.equal(before[n], final[n]) for n in before if n not in lora_names)
+    assert m.grad_norm > 0 and m.tokens > 0 and m.tokens_per_s > 0
+    assert m.reward_std > 0 and m.frac_reward_zero_std == 0.0
+
+
+def generate_turn(model: torch.nn.Module, context: list[int], n: int, temperature: float) -> tuple[list[int], list[float]]:
+    """A turn the way an engine records it: greedy tokens, logprobs of log_softmax(logits / T)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([context]), max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    ids = out.sequences[0, len(context) :].tolist()
+    lps = [float(torch.log_softmax(lg[0].float() / temperature, -1)[t]) for lg, t in zip(out.logits, ids)]
+    return ids, lps
+
+
+def test_logprobs_match_generation_and_base_for_a_fresh_adapter(model_path: Path) -> None:
+    tr = LoRATrainer(model_path, cfg(micro_batch_tokens=64), LORA)
+    rng = random.Random(7)
+    samples = []
+    for k, temperature in enumerate([1.0, 0.7, 1.0]):
+        ctx = [rng.randrange(3, 2000) for _ in range(5 + 7 * k)]  # different lengths → left padding in a shared micro-batch
+        with tr.model.disable_adapter():
+            ids, lps = generate_turn(tr.model, ctx, 6, temperature)
+        samples.append(replace(make_samples(k)[0], context_ids=ctx, output_ids=ids, logprobs=lps, loss_mask=[1] * 6, temperature=temperature))
+    assert len(plan_micro_batches([len(s.context_ids) + 6 for s in samples], 64)) < len(samples)  # some rows share a padded batch
+    with_adapter = tr.token_logprobs(samples)
+    base = tr.token_logprobs(samples, adapter=False)
+    for s, a, b in zip(samples, with_adapter, base):
+        assert len(a) == len(s.output_ids)
+        assert a == pytest.approx(b, abs=1e-6)  # B = 0: the adapter adds exactly nothing
+        assert a == pytest.approx(s.logprobs, abs=1e-4)  # and the teacher-forced logprobs are the engine's
+    # a direct single-row forward pass agrees too (off-by-one check without padding)
+    s = samples[1]
+    with torch.no_grad():
+        logits = tr.model(torch.tensor([s.context_ids + s.output_ids])).logits[0].float() / s.temperature
+    direct = [float(torch.log_softmax(logits[len(s.context_ids) + j - 1], -1)[t]) for j, t in enumerate(s.output_ids)]
+    assert with_adapter[1] == pytest.approx(direct, abs=1e-5)
+
+
+def test_zero_variance_batch_skips_the_optimizer_but_advances_the_version(model_path: Path) -> None:
+    tr = LoRATrainer(model_path, cfg(), LORA, version=5)
+    before = snapshot(tr)
+    m = tr.step(make_samples(3, rewards=[1.0, 1.0, 0.0, 0.0]))  # each group has equal rewards
+    assert (m.optimizer_step, m.version, tr.version, tr.optimizer_steps) == (False, 6, 6, 0)
+    assert m.frac_reward_zero_std == 1.0 and m.trained_samples == 0 and m.skipped["zero_advantage"] == 4
+    assert all(torch.equal(before[n], p) for n, p in tr.model.named_parameters())
+    assert tr.optimizer.state_dict()["state"] == {}  # AdamW never stepped
+    empty = tr.step([])
+    assert (empty.optimizer_step, empty.version) == (False, 7)
+
+
+def test_micro_batching_gives_the_same_update(model_path: Path) -> None:
+    samples = make_samples(4, n_groups=3, per_group=2)
+    results = []
+    for tokens in (4096, 64):
+        tr = LoRATrainer(model_path, cfg(micro_batch_tokens=tokens), LORA)
+        m = tr.step(samples)
+        results.append((m, tr.lora_state()))
+    (m_big, w_big), (m_small, w_small) = results
+    assert len(plan_micro_batches([len(s.context_ids) + len(s.output_ids) for s in samples], 64)) > 1
+    assert m_big.loss == pytest.approx(m_small.loss, rel=1e-5, abs=1e-7)
+    assert m_big.grad_norm == pytest.approx(m_small.grad_norm, rel=1e-4)
+    for k in w_big:
+        torch.testing.assert_close(w_big[k], w_small[k], rtol=1e-4, atol=1e-6)
+
+
+def test_plan_micro_batches_bounds_padded_tokens() -> None:
+    lengths = [10, 50, 20, 20, 200, 5]
+    plan = plan_micro_batches(lengths, 60)
+    assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
+    for b in plan:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 60
+    assert [4] in plan  # longer than the budget: alone
+
+
+def test_kl_to_the_base_uses_the_disabled_adapter(model_path: Path) -> None:
+    tr = LoRATrainer(model_path, cfg(kl_coef=0.1), LORA)
+    first = tr.step(make_samples(5))
+    assert first.kl == pytest.approx(0.0, abs=1e-9)  # B = 0: policy == base
+    second = tr.step(make_samples(6))
+    assert second.kl > 0 and "kl_loss" in second.loss_stats
+
+
+def test_checkpoint_round_trip_and_damaged_checkpoint_skipped(model_path: Path, tmp_path: Path) -> None:
+    tr = LoRATrainer(model_path, cfg(keep_checkpoints=3), LORA)
+    for i in range(2):
+        tr.step(make_samples(10 + i))
+        tr.cursor = {"since": 100.0 + i}
+        tr.save_checkpoint(tmp_path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000001", "ckpt-00000002"]
+    fresh = LoRATrainer(model_path, cfg(), LORA)
+    assert fresh.load_checkpoint(tmp_path) == tmp_path / "ckpt-00000002"
+    assert (fresh.version, fresh.optimizer_steps, fresh.cursor) == (2, 2, {"since": 101.0})
+    for k, v in tr.lora_state().items():
+        assert torch.equal(v, fresh.lora_state()[k])
+    a, b = tr.optimizer.state_dict(), fresh.optimizer.state_dict()
+    for pid, st in a["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(st[key], b["state"][pid][key])
+    assert fresh.scheduler.state_dict()["last_epoch"] == tr.scheduler.state_dict()["last_epoch"]
+    # flip a byte of the newest checkpoint's weights: it is refused and the previous one is used
+    weights = tmp_path / "ckpt-00000002" / LORA_FILE
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    again = LoRATrainer(model_path, cfg(), LORA)
+    assert again.load_checkpoint(tmp_path) == tmp_path / "ckpt-00000001"
+    assert again.version == 1 and again.cursor == {"since": 100.0}
+
+
+def learn(model: Path, ckpt: Path, adapters: Path, steps: int, hang_at: int = 0) -> LoRATrainer:
+    """The learner loop of the kill test: resume, publish a checkpointed-but-unpublished version, then
+    step → checkpoint → publish (checkpoint first, so a version is never published twice). With
+    ``hang_at`` the checkpoint save of that version stops after its weights file is written."""
+    import learner.trainer as T
+    from learner.publish import adapter_path, clean_staging, publish_adapter
+
+    clean_staging(adapters)
+    tr = T.LoRATrainer(model, cfg(keep_checkpoints=2), LORA)
+    tr.load_checkpoint(ckpt)
+    print("START", tr.version, json.dumps(tr.cursor), flush=True)
+    if tr.version and not adapter_path(adapters, "fam", tr.version).exists():
+        publish_adapter(tr.model, adapters, "fam", tr.version)
+    real_save = T.save_file
+
+    def save_then_hang(tensors, path, *a, **k):
+        real_save(tensors, path, *a, **k)
+        if tr.version == hang_at:
+            print("HANG", tr.version, flush=True)
+            time.sleep(600)
+
+    T.save_file = save_then_hang
+    try:
+        while tr.version < steps:
+            i = int(tr.cursor.get("since", 0))
+            print("STEP", tr.version + 1, flush=True)
+            tr.step(make_samples(100 + i))
+            tr.cursor = {"since": float(i + 1)}
+            tr.save_checkpoint(ckpt)
+            publish_adapter(tr.model, adapters, "fam", tr.version)
+            print("DONE", tr.version, flush=True)
+    finally:
+        T.save_file = real_save
+    return tr
+
+
+SCRIPT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+from test_trainer import learn
+learn(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+"""
+
+
+def run_until(proc: subprocess.Popen, marker: str, timeout: float = 120) -> list[str]:
+    lines = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.strip())
+        if line.startswith(marker):
+            return lines
+    raise AssertionError(f"never saw {marker!r}; got {lines}; stderr: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def test_learner_killed_mid_update_resumes_exactly(model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from runtime.adapters import base_shapes_of, validate_adapter
+
+    script = tmp_path / "learn.py"
+    script.write_text(SCRIPT.format(root=str(ROOT), tests=str(Path(__file__).parent)))
+    ckpt, adapters, steps = tmp_path / "ckpt", tmp_path / "adapters", 4
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def start(hang_at: int) -> subprocess.Popen:
+        cmd = [sys.executable, str(script), str(model_path), str(ckpt), str(adapters), str(steps), str(hang_at)]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+    first = start(hang_at=3)
+    try:
+        lines = run_until(first, "HANG")  # step 3 done, its checkpoint half-written
+        os.kill(first.pid, signal.SIGKILL)
+    finally:
+        first.kill()
+        first.wait()
+    assert "DONE 2" in lines and "DONE 3" not in lines
+    assert [p.name for p in list_checkpoints(ckpt)] == ["ckpt-00000001", "ckpt-00000002"]
+    leftovers = [p.name for p in ckpt.iterdir() if p.name.startswith(".tmp-ckpt-00000003")]
+    assert leftovers, "the killed save left no temp folder (was it really killed mid-save?)"
+    assert not (adapters / "fam" / "v3").exists()
+
+    # restart (in this process, from the files the killed one left): it resumes from the last complete checkpoint
+    resumed = learn(model_path, ckpt, adapters, steps)
+    out = capsys.readouterr().out
+    assert 'START 2 {"since": 2.0}' in out.splitlines(), out
+    assert "DONE 4" in out.splitlines()
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".tmp-")]
+    assert [p.name for p in list_checkpoints(ckpt)] == ["ckpt-00000003", "ckpt-00000004"]
+
+    # an uninterrupted run in this process ends in the same weights and optimizer state
+    ref = LoRATrainer(model_path, cfg(keep_checkpoints=2), LORA)
+    for i in range(steps):
+        ref.step(make_samples(100 + i))
+    reloaded = LoRATrainer(model_path, cfg(), LORA)
+    reloaded.load_checkpoint(ckpt)
+    assert reloaded.version == steps and resumed.cursor == {"since": float(steps)}
+    for k, v in ref.lora_state().items():
+        torch.testing.assert_close(resumed.lora_state()[k], v, rtol=0, atol=1e-6)
+        assert torch.equal(reloaded.lora_state()[k], resumed.lora_state()[k])
+    ref_opt, res_opt = ref.optimizer.state_dict()["state"], reloaded.optimizer.state_dict()["state"]
+    for pid in ref_opt:
+        torch.testing.assert_close(res_opt[pid]["exp_avg_sq"], ref_opt[pid]["exp_avg_sq"], rtol=0, atol=1e-9)
+        assert torch.equal(res_opt[pid]["step"], ref_opt[pid]["step"])
+    assert read_checkpoint_meta(ckpt / "ckpt-00000004")["optimizer_steps"] == steps
+
+    from transformers import AutoModelForCausalLM
+
+    shapes = base_shapes_of(AutoModelForCausalLM.from_pretrained(str(model_path)))
+    published = sorted(p.name for p in (adapters / "fam").iterdir())
+    assert published == ["v1", "v2", "v3", "v4"]
+    for v in published:
+        validate_adapter(adapters / "fam" / v, base_shapes=shapes, max_rank=8, adapter_root=adapters)
+    assert not list((adapters / ".staging").iterdir())
+    manifest = json.loads((adapters / "fam" / "v4" / "manifest.json").read_text())
+    assert manifest["version"] == 4 and "adapter_model.safetensors" in manifest["files"]
