@@ -15,7 +15,9 @@ import asyncio
 import atexit
 import logging
 import os
+import secrets
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -27,6 +29,7 @@ from runtime.settings import (
     AdapterSettings,
     AgentSettings,
     EngineSettings,
+    LearnerProcessSettings,
     RecorderSettings,
     ServerSettings,
     Settings,
@@ -42,6 +45,7 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
     ("adapters", AdapterSettings),
     ("sglang", SGLangSettings),
     ("agents", AgentSettings),
+    ("learner", LearnerProcessSettings),
 )
 
 
@@ -80,6 +84,27 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         for section, _ in SECTIONS
     }
     return Settings.model_validate(merged)
+
+
+def start_learner(settings: Settings, server: ServerSettings, model_path: Path, url: str, agents: Any) -> subprocess.Popen[bytes]:
+    """``python -m learner run`` for the configured family, logging into our stderr; stopped when we stop."""
+    ls = settings.learner
+    agent = ls.agent if agents is not None and ls.agent in agents.names() else ""
+    if not agent:
+        logging.getLogger("serve").warning(
+            "learner agent %r is not served: the learner trains on all rewarded traffic, without an eval gate", ls.agent
+        )
+    cmd = [
+        sys.executable, "-m", "learner", "run",
+        "--data-dir", str(server.data_dir), "--admin-url", url, "--base-model", str(model_path),
+        "--family", ls.family, "--agent", agent, "--min-new-trajectories", str(ls.min_new_trajectories), "--gate-n", str(ls.gate_n),
+    ]  # fmt: skip
+    if ls.config is not None:
+        cmd += ["--config", str(ls.config)]
+    env = {**os.environ, "LOOPWISE_ADMIN_KEY": server.admin_key or ""}
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent, env=env)
+    logging.getLogger("serve").info("learner started (pid %d) for family %s", proc.pid, ls.family)
+    return proc
 
 
 def build_agents(agent_settings: AgentSettings) -> Any:
@@ -204,6 +229,11 @@ def main(argv: list[str] | None = None) -> None:
 
         store = SqliteStore(db_path(server.data_dir), synchronous_full=settings.recorder.durability == "sync")
         recorder = Recorder(store, durability=settings.recorder.durability, queue_size=settings.recorder.queue_size, metrics=holder["m"])
+    if settings.learner.enabled and not server.admin_key:
+        # the learner reaches the runtime over the admin API: give it a key (the admin API is then on, with a key nobody else has)
+        server = server.model_copy(update={"admin_key": secrets.token_urlsafe(24)})
+        logging.getLogger("serve").info("admin API enabled with a generated key for the learner; pass --admin-key to use it yourself")
+    agents = build_agents(settings.agents)
     app = create_app(
         server,
         settings.engine,
@@ -213,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         recorder=recorder,
         recorder_settings=settings.recorder,
         adapter_settings=adapter_settings,
-        agents=build_agents(settings.agents),
+        agents=agents,
+        learner_enabled=settings.learner.enabled,
     )
 
     sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
@@ -223,15 +254,29 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=5)
     uv = uvicorn.Server(config)
 
+    learner: subprocess.Popen[bytes] | None = None
+
     async def announce_then_serve() -> None:
+        nonlocal learner
         serve = asyncio.create_task(uv.serve(sockets=[sock]))
         while not uv.started and not serve.done():
             await asyncio.sleep(0.05)
         if uv.started:
             print(f"loopwise serving model '{model_id}' ({model_path}) on http://{host}:{port}/v1", flush=True)
+            if settings.learner.enabled:
+                local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+                learner = start_learner(settings, server, model_path, f"http://{'[' + local + ']' if ':' in local else local}:{port}", agents)
         await serve
 
-    asyncio.run(announce_then_serve())
+    try:
+        asyncio.run(announce_then_serve())
+    finally:
+        if learner is not None and learner.poll() is None:
+            learner.terminate()
+            try:
+                learner.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                learner.kill()
     if not uv.started:
         sys.exit("error: the server did not start (see the log above)")
 

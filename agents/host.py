@@ -38,7 +38,8 @@ class RunRequest(BaseModel):
     task: str | None = Field(None, description="a task name; with problem_index, the prompt comes from the task and its verifier rewards the run")
     task_options: dict[str, Any] = Field(default_factory=dict)
     problem_index: int | None = Field(None, ge=0, le=100_000)
-    seed: int | None = Field(None, ge=0, description="problem seed (with task) and sampling seed")
+    seed: int | None = Field(None, ge=0, description="problem seed (with task); also the sampling seed unless sample_seed is given")
+    sample_seed: int | None = Field(None, ge=0, description="sampling seed (several samples of one problem for a learning group)")
     model: str | None = Field(None, description="override the agent's model: base name, alias or family@N")
     max_turns: int | None = Field(None, ge=1, le=64)
     eval: bool = Field(False, description="an evaluation run on held-out problems: recorded, rewarded, never trained on")
@@ -116,7 +117,7 @@ class ServedAgentImpl:
             session_id=session_id,
             request_id=request_id,
             problem=problem,
-            seed=req.seed,
+            seed=req.sample_seed if req.sample_seed is not None else req.seed,
             model=req.model,
             max_turns=req.max_turns,
             eval_run=req.eval,

@@ -1,4 +1,8 @@
-"""``python -m learner``: the learner's command line. For now one command, ``export``.
+"""``python -m learner``: the learner's command line: ``run`` (the learner process) and ``export``.
+
+    python -m learner run --base-model PATH --admin-url URL --admin-key KEY [--family calc-lora --agent calc-agent]
+
+runs ``learner.service.LearnerService`` (see there); ``serve.py`` starts it unless ``--no-learner``.
 
     python -m learner export --format jsonl [--data-dir .data] [--db PATH] [--out FILE|-] [--since ISO-or-unix] [--rewarded]
 
@@ -40,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -74,7 +80,62 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", default="-", help="output file, or - for stdout (default)")
     ex.add_argument("--since", type=parse_time, default=None, help="only turns created at/after this (Unix seconds or ISO 8601, naive = UTC)")
     ex.add_argument("--rewarded", action="store_true", help="only turns with a reward on them or on their trajectory")
+    run = sub.add_parser("run", help="the learner process: train an adapter family on rewarded agent runs, publish, gate, A/B")
+    run.add_argument("--data-dir", type=Path, default=Path(".data"), help="the server's data directory (store, adapters)")
+    run.add_argument("--admin-url", default="http://127.0.0.1:8000", help="the runtime's base URL")
+    run.add_argument("--admin-key", default=os.environ.get("LOOPWISE_ADMIN_KEY"), help="the runtime's admin key (or LOOPWISE_ADMIN_KEY)")
+    run.add_argument("--base-model", type=Path, required=True, help="the served base model's folder")
+    run.add_argument("--family", default="calc-lora", help="adapter family to train (published as family@N)")
+    run.add_argument("--agent", default="calc-agent", help="train on this agent's runs and gate with it ('' = all traffic, no gate)")
+    run.add_argument("--task", default=None, help="the gate's task (default: the agent's)")
+    run.add_argument("--config", type=Path, default=None, help="TOML/JSON with [lora], [trainer], [samples] tables (learner.config)")
+    run.add_argument("--min-new-trajectories", type=int, default=32, help="start an update after this many new rewarded trajectories")
+    run.add_argument("--poll-s", type=float, default=10.0, help="seconds between scheduling rounds")
+    run.add_argument("--gate-n", type=int, default=32, help="held-out problems per side in the eval gate (0 = no gate)")
+    run.add_argument("--gate-tolerance", type=float, default=0.05, help="refuse a version whose held-out success is lower by more than this")
+    run.add_argument("--ab-min-samples", type=int, default=64, help="min_samples of the A/B experiment against the champion")
+    run.add_argument("--once", action="store_true", help="run one update now and exit")
     return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from learner.config import LearnerSettings
+    from learner.service import LearnerService, ServiceConfig
+
+    if not args.admin_key:
+        print("error: the learner needs the runtime's admin key (--admin-key or LOOPWISE_ADMIN_KEY)", file=sys.stderr)
+        return 2
+    data: dict = {"family": args.family}
+    if args.config is not None:
+        text = args.config.read_text()
+        data.update(json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text))
+    try:
+        settings = LearnerSettings.model_validate(data)
+    except ValueError as exc:
+        print(f"error: learner config: {exc}", file=sys.stderr)
+        return 2
+    service = LearnerService(
+        ServiceConfig(
+            data_dir=args.data_dir,
+            admin_url=args.admin_url,
+            admin_key=args.admin_key,
+            base_model=args.base_model,
+            settings=settings,
+            agent=args.agent or None,
+            task=args.task,
+            min_new_trajectories=args.min_new_trajectories,
+            poll_s=args.poll_s,
+            gate_n=args.gate_n if args.agent else 0,
+            gate_tolerance=args.gate_tolerance,
+            ab_min_samples=args.ab_min_samples,
+        )
+    )
+    if args.once:
+        record = service.update()
+        print(json.dumps(record["gate"]), flush=True)
+        return 0
+    service.run_forever()
+    return 0
 
 
 def export(args: argparse.Namespace) -> int:
@@ -107,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return export(args)
+    if args.command == "run":
+        return run(args)
     raise AssertionError(args.command)
 
 

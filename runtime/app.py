@@ -41,6 +41,7 @@ from runtime.engine import Engine, EngineError
 from runtime.errors import APIError, from_engine, from_validation
 from runtime.experiments import Experiments
 from runtime.http_body import read_json
+from runtime.learner_routes import install_learner_routes
 from runtime.metrics import Metrics
 from runtime.openai_schemas import ChatCompletionRequest
 from runtime.recorder import ANONYMOUS, Recorder
@@ -63,6 +64,7 @@ def create_app(
     recorder_settings: RecorderSettings | None = None,
     adapter_settings: AdapterSettings | None = None,
     agents: AgentHost | None = None,
+    learner_enabled: bool = False,
 ) -> FastAPI:
     metrics = metrics or Metrics(engine.stats)
     recorder_settings = recorder_settings or RecorderSettings(record=recorder is not None)
@@ -133,6 +135,7 @@ def create_app(
         return name == model_id or name in registry.aliases() or any(a["name"] == name for a in registry.list())
 
     install_agent_routes(app, agents, server.admin_key, server.max_body_bytes, _name_taken)
+    install_learner_routes(app, server.data_dir, server.admin_key, learner_enabled)
 
     @app.middleware("http")
     async def request_context(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

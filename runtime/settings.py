@@ -156,6 +156,21 @@ class AgentSettings(_Frozen):
         return tuple(out)
 
 
+class LearnerProcessSettings(_Frozen):
+    """The learner process ``serve.py`` starts (``python -m learner run``); see ``learner/service.py``."""
+
+    enabled: bool = Field(True, description="start the learner process next to the server", json_schema_extra={"flag": "--learner"})
+    agent: str = Field("calc-agent", description="the agent whose rewarded runs train the family", json_schema_extra={"flag": "--learner-agent"})
+    family: str = Field("calc-lora", description="the adapter family the learner publishes", json_schema_extra={"flag": "--learner-family"})
+    min_new_trajectories: int = Field(
+        32, ge=1, description="new rewarded trajectories that start an update", json_schema_extra={"flag": "--learner-min-trajectories"}
+    )
+    gate_n: int = Field(32, ge=0, description="held-out problems per side in the eval gate", json_schema_extra={"flag": "--learner-gate-n"})
+    config: Path | None = Field(
+        None, description="learner config ([lora], [trainer], [samples] tables)", json_schema_extra={"flag": "--learner-config"}
+    )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOPWISE_", env_nested_delimiter="__", frozen=True, extra="forbid")
 
@@ -166,6 +181,7 @@ class Settings(BaseSettings):
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     agents: AgentSettings = Field(default_factory=AgentSettings)
+    learner: LearnerProcessSettings = Field(default_factory=LearnerProcessSettings)
 
     @model_validator(mode="after")
     def _check_backend(self) -> Settings:

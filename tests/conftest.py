@@ -95,7 +95,9 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
         *extra: str, model: Path | None = None, name: str = "tiny", env: dict[str, str] | None = None, data_dir: Path | None = None
     ) -> ServerProcess:
         data_dir = data_dir or tmp_path_factory.mktemp("server")
-        args = ["--model", str(model or tiny_model_path), "--served-model-name", name, *extra]
+        # test servers run without the learner process unless a test asks for it (``--learner``)
+        learner = [] if "--learner" in extra else ["--no-learner"]
+        args = ["--model", str(model or tiny_model_path), "--served-model-name", name, *learner, *extra]
         server = ServerProcess(args, data_dir, env=env)
         started.append(server)
         return server

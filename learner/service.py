@@ -1,0 +1,336 @@
+"""The learner process for one adapter family: wait for data → train → publish → load → gate → A/B.
+
+``python -m learner run`` runs :class:`LearnerService`. It reads the interaction store (the same
+SQLite file the server writes) and talks to the runtime only over its admin API and the adapter
+folder, so it can run on another host that shares the data folder.
+
+One update:
+1. **Wait** until ``min_new_trajectories`` new rewarded trajectories of the agent arrived (evaluation
+   runs excluded), or an update is requested (``POST /admin/learner/update`` writes a request file).
+   While the family has a running A/B experiment, updates wait for its decision.
+2. **Train**: the settled samples past the data cursor (``learner.samples``) → one ``LoRATrainer.step``
+   (advantages from the configured estimator; a batch of zero-variance groups skips the optimizer step
+   but still advances the version). A checkpoint (weights, optimizer, RNG, version, cursor) is written
+   atomically after every update, so a killed learner resumes where it stopped.
+3. **Publish** ``family@N`` (staging → hashes → manifest last → rename) and load it into the runtime.
+4. **Gate**: the agent runs ``gate_n`` held-out problems of its task on the new version and on the
+   champion (the family alias, or the base model before the first version) through the runs endpoint
+   (``"eval": true``, so the learner never trains on them). A version that regresses by more than
+   ``gate_tolerance`` is unloaded.
+5. **A/B**: the first passing version becomes the champion (alias set); later ones enter an experiment
+   against the champion with auto-promote and auto-rollback on the task's verifier reward.
+
+State for people: ``<data-dir>/learner/<family>/status.json`` (served by ``GET /admin/learner``),
+``history.jsonl`` (one line per update) and ``reward.png`` (reward per update).
+
+Not here: how samples, steps and publishing work (``samples``, ``trainer``, ``publish``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+
+from learner.config import LearnerSettings
+from learner.publish import AdminError, RuntimeAdmin, clean_staging, publish_adapter
+from learner.samples import Cursor, collect_samples
+from learner.store import SqliteStore, db_path
+
+log = structlog.get_logger(__name__)
+
+REQUEST_FILE = "update.request"
+
+
+def learner_dir(data_dir: Path, family: str) -> Path:
+    return Path(data_dir) / "learner" / family
+
+
+@dataclass
+class ServiceConfig:
+    data_dir: Path
+    admin_url: str
+    admin_key: str
+    base_model: Path
+    settings: LearnerSettings
+    agent: str | None = None  # the agent whose runs train the family (and that the gate evaluates)
+    task: str | None = None  # the gate's task (default: the agent's)
+    adapter_root: Path | None = None  # default <data-dir>/adapters (the runtime's default)
+    min_new_trajectories: int = 32
+    poll_s: float = 10.0
+    gate_n: int = 32
+    gate_seed: int = 100_000  # held-out problems: a seed the live traffic and demo never use
+    gate_tolerance: float = 0.05
+    ab_min_samples: int = 64
+    api_key: str | None = None
+
+
+@dataclass
+class Status:
+    family: str
+    state: str = "idle"  # idle | waiting | training | publishing | gating | ab | stopped | error
+    detail: str = ""
+    version: int = 0  # the latest version trained
+    champion: str | None = None
+    experiment: str | None = None
+    new_trajectories: int = 0
+    updates: int = 0
+    last_update_at: float | None = None
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+    last_gate: dict[str, Any] = field(default_factory=dict)
+    pid: int = field(default_factory=os.getpid)
+    updated_at: float = field(default_factory=time.time)
+
+
+class LearnerService:
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.family = cfg.settings.family
+        self.dir = learner_dir(cfg.data_dir, self.family)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.adapter_root = cfg.adapter_root or Path(cfg.data_dir) / "adapters"
+        self.store = SqliteStore(db_path(cfg.data_dir))
+        self.admin = RuntimeAdmin(cfg.admin_url, cfg.admin_key)
+        self.status = Status(self.family)
+        self._trainer: Any = None  # built on the first update: idle learners hold no model
+        self._stop = False
+        self._seen_since = time.time()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run_forever(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        removed = clean_staging(self.adapter_root)
+        if removed:
+            log.info("removed half-published adapters", paths=[str(p) for p in removed])
+        self._restore_cursor()
+        while not self._stop:
+            try:
+                self.tick()
+            except (AdminError, httpx.HTTPError) as exc:  # the runtime is away (restarting?): retry next round
+                self._set("error", f"runtime admin API: {exc}")
+                log.warning("learner round failed", error=str(exc))
+            self._sleep(self.cfg.poll_s)
+        self._set("stopped", "")
+        self.admin.close()
+        self.store.close()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self._stop and time.monotonic() < end and not (self.dir / REQUEST_FILE).exists():
+            time.sleep(min(0.5, seconds))
+
+    def tick(self) -> bool:
+        """One scheduling round; returns whether an update ran."""
+        requested = (self.dir / REQUEST_FILE).exists()
+        if requested:
+            (self.dir / REQUEST_FILE).unlink(missing_ok=True)
+        if self.status.experiment is not None and self._experiment_running(self.status.experiment):
+            self._set("ab", f"waiting for experiment {self.status.experiment}")
+            return False
+        self.status.new_trajectories = self._count_new()
+        if not requested and self.status.new_trajectories < self.cfg.min_new_trajectories:
+            self._set("waiting", f"{self.status.new_trajectories}/{self.cfg.min_new_trajectories} new rewarded trajectories")
+            return False
+        self.update()
+        return True
+
+    # ---- one update ----------------------------------------------------------------------------
+    def update(self) -> dict[str, Any]:
+        trainer = self._get_trainer()
+        self._set("training", f"version {trainer.version + 1}")
+        batch = collect_samples(
+            self.store, family=self.family, current_version=trainer.version, cursor=Cursor.from_dict(trainer.cursor), cfg=self.cfg.settings.samples
+        )
+        samples = [s for s in batch.samples if not s.meta.get("eval") and (self.cfg.agent is None or s.meta.get("agent") == self.cfg.agent)]
+        skipped = {**batch.counts.as_dict(), "eval_or_other_agent": len(batch.samples) - len(samples)}
+        metrics = trainer.step(samples, skipped=skipped)
+        trainer.cursor = batch.cursor.to_dict()
+        self._seen_since = batch.cursor.since
+        trainer.save_checkpoint(self.dir / "checkpoints")
+        record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict()}
+        self.status.version, self.status.updates, self.status.last_update_at = trainer.version, self.status.updates + 1, time.time()
+        self.status.last_metrics = metrics.as_dict()
+        if metrics.optimizer_step:
+            record["gate"] = self._publish_and_gate(trainer)
+        else:
+            record["gate"] = {"decision": "skipped", "reason": "no optimizer step (no samples, or every group had zero reward variance)"}
+            self._set("idle", f"version {trainer.version}: no optimizer step")
+        with open(self.dir / "history.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self._plot()
+        return record
+
+    def _publish_and_gate(self, trainer: Any) -> dict[str, Any]:
+        version = trainer.version
+        self._set("publishing", f"{self.family}@{version}")
+        published = publish_adapter(trainer.model, self.adapter_root, self.family, version, meta={"metrics": self.status.last_metrics})
+        self.admin.load(published.path, self.family, version, sha256=published.manifest_sha256)
+        new = published.name
+        champion = self._champion()
+        gate = self._gate(new, champion)
+        self.status.last_gate = gate
+        if gate["decision"] == "refused":
+            self._unload(new)
+            self._set("idle", f"{new} refused by the eval gate")
+        elif champion is None:
+            self.admin.set_alias(self.family, new)
+            self.status.champion = new
+            self._set("idle", f"{new} is the first champion")
+        else:
+            name = f"{self.family}-v{version}"
+            task = self._task()
+            self.admin.create_experiment(
+                {
+                    "name": name,
+                    "family": self.family,
+                    "arms": [{"adapter": champion, "weight": 1}, {"adapter": new, "weight": 1}],
+                    "sticky": "session",
+                    "metric": f"verifier:{task}" if task else None,
+                    "min_samples": self.cfg.ab_min_samples,
+                    "auto_promote": True,
+                    "auto_rollback": True,
+                }
+            )
+            self.status.experiment = name
+            self._set("ab", f"experiment {name}: {champion} vs {new}")
+        return gate
+
+    def _gate(self, new: str, champion: str | None) -> dict[str, Any]:
+        """Held-out success of the new version vs the champion (or the base model), through the runs endpoint."""
+        if self.cfg.agent is None or self.cfg.gate_n <= 0:
+            return {"decision": "passed", "reason": "no gate configured"}
+        self._set("gating", f"{new} vs {champion or 'base'} on {self.cfg.gate_n} held-out problems")
+        base = self._base_model_name()
+        new_rate = asyncio.run(self._success(new))
+        old_rate = asyncio.run(self._success(champion or base))
+        passed = new_rate >= old_rate - self.cfg.gate_tolerance
+        return {
+            "decision": "passed" if passed else "refused",
+            "new": new,
+            "champion": champion or base,
+            "new_success": new_rate,
+            "champion_success": old_rate,
+            "tolerance": self.cfg.gate_tolerance,
+            "n": self.cfg.gate_n,
+        }
+
+    async def _success(self, model: str) -> float:
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        task = self._task()
+        sem = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(base_url=self.cfg.admin_url, headers=headers, timeout=900) as client:
+
+            async def one(i: int) -> bool:
+                body: dict[str, Any] = {"problem_index": i, "seed": self.cfg.gate_seed, "model": model, "eval": True}
+                if task:
+                    body["task"] = task
+                async with sem:
+                    r = await client.post(f"/v1/agents/{self.cfg.agent}/runs", json=body)
+                r.raise_for_status()
+                return bool(r.json().get("correct"))
+
+            results = await asyncio.gather(*(one(i) for i in range(self.cfg.gate_n)))
+        return sum(results) / len(results)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _get_trainer(self) -> Any:
+        if self._trainer is None:
+            from learner.trainer import LoRATrainer  # torch + peft: only once there is something to train
+
+            s = self.cfg.settings
+            self._trainer = LoRATrainer(self.cfg.base_model, s.trainer, s.lora)
+            if self._trainer.load_checkpoint(self.dir / "checkpoints") is not None:
+                log.info("resumed from checkpoint", version=self._trainer.version)
+        return self._trainer
+
+    def _restore_cursor(self) -> None:
+        """Where the data window starts, without loading the model: the newest checkpoint's cursor."""
+        from learner.trainer import list_checkpoints, read_checkpoint_meta
+
+        ckpts = list_checkpoints(self.dir / "checkpoints") if (self.dir / "checkpoints").is_dir() else []
+        if ckpts:
+            meta = read_checkpoint_meta(ckpts[-1])
+            self.status.version = int(meta.get("version", 0))
+            self._seen_since = float(Cursor.from_dict(meta.get("cursor")).since)
+        else:
+            self._seen_since = 0.0
+
+    def _count_new(self) -> int:
+        rows = self.store.list_trajectories(limit=100_000, since=self._seen_since, rewarded=True)
+        return sum(1 for r in rows if not r["meta"].get("eval") and (self.cfg.agent is None or r["meta"].get("agent") == self.cfg.agent))
+
+    def _task(self) -> str | None:
+        """The gate's and the A/B metric's task: configured, else the agent's own."""
+        if self.cfg.task is None and self.cfg.agent is not None:
+            agents = self.admin._call("GET", "/admin/agents", idempotent=True).get("data", [])
+            self.cfg.task = next((a.get("task") for a in agents if a.get("name") == self.cfg.agent), None)
+        return self.cfg.task
+
+    def _champion(self) -> str | None:
+        aliases = self.admin.list_adapters().get("aliases", {})
+        target = aliases.get(self.family)
+        return target if isinstance(target, str) else None
+
+    def _base_model_name(self) -> str:
+        r = httpx.get(f"{self.cfg.admin_url}/ready", timeout=30)
+        r.raise_for_status()
+        return str(r.json()["model"])
+
+    def _experiment_running(self, name: str) -> bool:
+        try:
+            state = self.admin.experiment_status(name)
+        except AdminError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        if state.get("status") == "running":
+            return True
+        self.status.champion = state.get("champion") or self.status.champion
+        self.status.experiment = None
+        return False
+
+    def _unload(self, name: str) -> None:
+        try:
+            self.admin._call("DELETE", f"/admin/adapters/{name}", idempotent=True)
+        except AdminError as exc:
+            log.warning("could not unload a refused version", adapter=name, error=str(exc))
+
+    def _set(self, state: str, detail: str) -> None:
+        self.status.state, self.status.detail, self.status.updated_at = state, detail, time.time()
+        tmp = self.dir / "status.json.tmp"
+        tmp.write_text(json.dumps(asdict(self.status)))
+        os.replace(tmp, self.dir / "status.json")
+
+    def _plot(self) -> None:
+        """``reward.png``: mean reward of the trained samples per update (matplotlib, headless)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [json.loads(line) for line in (self.dir / "history.jsonl").read_text().splitlines() if line.strip()]
+        if not rows:
+            return
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([r["version"] for r in rows], [r["metrics"].get("reward_mean", 0.0) for r in rows], marker="o", label="train reward")
+        gated = [(r["version"], r["gate"]["new_success"]) for r in rows if "new_success" in r.get("gate", {})]
+        if gated:
+            ax.plot(*zip(*gated, strict=True), marker="s", label="held-out success (gate)")
+        ax.set_xlabel("version")
+        ax.set_ylabel("reward")
+        ax.set_title(f"{self.family}: reward per update")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.dir / "reward.png", dpi=90)
+        plt.close(fig)

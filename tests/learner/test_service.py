@@ -1,0 +1,134 @@
+"""The learner process end to end against a real ``serve.py`` (tiny model): data → train → publish → load → gate → A/B.
+
+Rewards come from the task's verifier plus ``/v1/feedback`` (the tiny model is random, so feedback
+gives each group reward variance). Everything is real: the server, the SQLite store, the adapter
+files, the admin API and the runs endpoint the gate uses.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from learner.config import LearnerSettings
+from learner.service import REQUEST_FILE, LearnerService, ServiceConfig, learner_dir
+
+ADMIN = "learner-admin"
+AGENT = {
+    "name": "learn-agent",
+    "temperature": 1.0,
+    "max_turns": 1,
+    "max_tokens_per_turn": 8,
+    "task": "basic_arithmetic",
+    "adapter_family": "fam",
+}
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def admin(server, method: str, path: str, **kw) -> httpx.Response:
+    return httpx.request(method, server.base_url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120, **kw)
+
+
+def traffic(server, problems: range, samples: int) -> None:
+    """``samples`` runs per problem (one group each), with alternating feedback so every group has variance."""
+    for p in problems:
+        for k in range(samples):
+            body = {"task": "basic_arithmetic", "problem_index": p, "seed": 0, "sample_seed": k}
+            r = httpx.post(server.url + "/agents/learn-agent/runs", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            fb = httpx.post(server.url + "/feedback", json={"trajectory_id": r.json()["trajectory_id"], "reward": float(k % 2)}, timeout=60)
+            assert fb.status_code == 200, fb.text
+
+
+def settings() -> LearnerSettings:
+    return LearnerSettings.model_validate(
+        {
+            "family": "fam",
+            "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "trainer": {"lr": 1e-3, "progress": False},
+            "samples": {"settle_s": 0},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tmp_path_factory):
+    return start_server("--admin-key", ADMIN, "--agent", json.dumps(AGENT), data_dir=tmp_path_factory.mktemp("learner-data"))
+
+
+def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_model_path):
+    data = server.log_path.parent
+    cfg = ServiceConfig(
+        data_dir=data,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        settings=settings(),
+        agent="learn-agent",
+        min_new_trajectories=8,
+        gate_n=3,
+        gate_tolerance=1.0,  # the tiny model is random: the gate must not block this test
+        ab_min_samples=4,
+        poll_s=0.1,
+    )
+    svc = LearnerService(cfg)
+    assert svc.tick() is False and svc.status.state == "waiting"  # nothing yet
+    traffic(server, range(2), 4)
+    assert svc.tick() is True
+    adapters = admin(server, "GET", "/admin/adapters").json()
+    assert adapters["aliases"] == {"fam": "fam@1"} and svc.status.champion == "fam@1"
+    assert (data / "adapters" / "fam" / "v1").is_dir()
+    history = [json.loads(x) for x in (learner_dir(data, "fam") / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["metrics"]["optimizer_step"] is True and history[-1]["gate"]["decision"] == "passed"
+    assert (learner_dir(data, "fam") / "reward.png").stat().st_size > 0
+    # eval-gate runs are recorded but marked, so they never count as new training data
+    assert svc._count_new() == 0
+
+    # the agent now serves the champion; its runs train version 2, which goes into an A/B against fam@1
+    traffic(server, range(2, 4), 4)
+    assert svc.tick() is True
+    assert svc.status.experiment == "fam-v2" and svc.status.state == "ab"
+    exp = admin(server, "GET", "/admin/experiments/fam-v2").json()
+    assert sorted(a["adapter"] for a in exp["arms"]) == ["fam@1", "fam@2"]
+    assert svc.tick() is False  # waits for the experiment's decision
+
+    status = admin(server, "GET", "/admin/learner").json()
+    [fam] = [s for s in status["data"] if s["family"] == "fam"]
+    assert fam["version"] == 2 and fam["state"] == "ab" and len(fam["history"]) == 2
+    assert admin(server, "POST", "/admin/learner/update", json={"family": "fam"}).status_code == 202
+    assert (learner_dir(data, "fam") / REQUEST_FILE).exists()
+    assert admin(server, "POST", "/admin/learner/update", json={"family": "nope"}).status_code == 404
+
+
+def test_zero_variance_data_skips_the_step_but_advances_the_version(server, tiny_model_path, tmp_path):
+    cfg = ServiceConfig(
+        data_dir=server.log_path.parent,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        settings=LearnerSettings.model_validate({**settings().model_dump(), "family": "flat"}),
+        agent="nobody",  # no runs of this agent: nothing to learn from
+        gate_n=0,
+    )
+    svc = LearnerService(cfg)
+    record = svc.update()
+    assert record["metrics"]["optimizer_step"] is False and record["version"] == 1
+    assert record["gate"]["decision"] == "skipped"
+    assert "flat" not in admin(server, "GET", "/admin/adapters").json()["aliases"]
+
+
+def test_learner_cli_refuses_without_an_admin_key(tiny_model_path, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "learner", "run", "--base-model", str(tiny_model_path), "--data-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 2 and "admin key" in proc.stderr
