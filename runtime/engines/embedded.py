@@ -300,7 +300,7 @@ class EmbeddedEngine:
     def _forward(self, seqs: list[_Seq], **kwargs: Any) -> Any:
         """The model's forward, each row on its own adapter (or the base)."""
         assert self._lora is not None
-        with self._lora.rows([s.req.adapter for s in seqs]):
+        with self._lora.rows([s.req.adapter for s in seqs], tokens=int(kwargs["input_ids"].numel())):
             return self.model(**kwargs)
 
     def stats(self) -> dict[str, float]:

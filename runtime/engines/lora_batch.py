@@ -52,7 +52,8 @@ _CACHE_LIMIT = 32  # cached (A_cat, B_cat) pairs per site; cleared when full (ba
 class _Plan:
     """The row → adapter map of one forward: ``names`` are the distinct adapters, ``slot`` (B,) indexes them (-1: base)."""
 
-    def __init__(self, row_names: Sequence[str | None]) -> None:
+    def __init__(self, row_names: Sequence[str | None], tokens: int) -> None:
+        self.tokens = tokens  # B * T of the forward
         names: list[str] = []
         index: dict[str, int] = {}
         slots: list[int] = []
@@ -102,6 +103,18 @@ class _Site:
         plan = self.bank.plan
         if plan is None or not self.weights:
             return y
+        if plan.tokens > self.bank.small_tokens:
+            return self._delta(plan, x, y)
+        # decode-sized LoRA GEMMs are a few microseconds of work; handing them to the thread pool costs
+        # far more (a barrier per op, long waits when a sibling thread is descheduled), so run them inline
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._delta(plan, x, y)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _delta(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if plan.uniform:
             w = self.weights.get(plan.names[0])
             if w is None:
@@ -156,9 +169,10 @@ def _add_dense(y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor | None, b_t: 
 class LoraBank:
     """The adapters attached to one model, and the row → adapter plan of the forward in progress."""
 
-    def __init__(self, model: nn.Module, *, max_stacked_rank: int = 256) -> None:
+    def __init__(self, model: nn.Module, *, max_stacked_rank: int = 256, small_tokens: int = 64) -> None:
         self._model = model
         self.max_stacked_rank = max_stacked_rank
+        self.small_tokens = small_tokens  # forwards over at most this many tokens run their LoRA GEMMs on one thread
         self.targets: dict[str, nn.Linear] = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         self._sites: dict[str, _Site] = {}
         self._adapters: dict[str, LoraWeights] = {}
@@ -196,12 +210,14 @@ class LoraBank:
             self._sites[module_name].drop(name)
 
     @contextlib.contextmanager
-    def rows(self, row_names: Sequence[str | None]) -> Iterator[None]:
-        """Within the block, forwards give row ``i`` the adapter ``row_names[i]`` (None: the base)."""
+    def rows(self, row_names: Sequence[str | None], tokens: int | None = None) -> Iterator[None]:
+        """Within the block, forwards give row ``i`` the adapter ``row_names[i]`` (None: the base).
+
+        ``tokens``: B * T of the forward (default: one token per row, a decode step)."""
         unknown = {n for n in row_names if n is not None and n not in self._adapters}
         if unknown:  # the engine refuses unloads while rows use an adapter; reaching this is a bug
             raise EngineError(f"rows name adapters that are not loaded: {sorted(unknown)}")
-        self.plan = _Plan(row_names) if any(n is not None for n in row_names) else None
+        self.plan = _Plan(row_names, tokens if tokens is not None else len(row_names)) if any(n is not None for n in row_names) else None
         try:
             yield
         finally:

@@ -82,7 +82,7 @@ def bank(tiny_model_path, adapters) -> LoraBank:
 
 
 def _forward(bank: LoraBank, ids: torch.Tensor, rows: list[str | None]) -> torch.Tensor:
-    with torch.inference_mode(), bank.rows(rows):
+    with torch.inference_mode(), bank.rows(rows, tokens=ids.numel()):
         return bank._model(input_ids=ids).logits  # (B, T, V)
 
 
@@ -101,6 +101,7 @@ def test_mixed_rows_match_each_adapter_alone(bank, reference, stacked: bool) -> 
     ids, unmerged, _ = reference
     if not stacked:
         bank.max_stacked_rank = 0  # force the index_select / index_add_ path
+        bank.small_tokens = 0  # and the thread-pool path (decode-sized forwards run LoRA GEMMs inline)
     for rows in (
         ["r2", None, "r4-rslora", "r8-patterns", "r1-mlp"],
         [None, "r8-patterns", None, "r8-patterns", "r2"],
