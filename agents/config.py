@@ -40,6 +40,10 @@ class AgentConfig(BaseModel):
     max_tokens_per_turn: int = Field(384, ge=1, description="most generated tokens in one model call")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    constrain_format: bool = Field(
+        True,
+        description="decode the svr / svr_r1 self-check format under a grammar so every turn parses (not for agents with tools or T²PO thinking)",
+    )
     task: str | None = Field(None, description="a built-in task whose verifier rewards runs that name one of its problems")
     task_options: dict[str, Any] = Field(default_factory=dict, description="options of the task (e.g. difficulty)")
     t2po: T2POConfig = Field(default_factory=T2POConfig, description="T²PO thinking intervention and turn resampling (both off by default)")

@@ -45,12 +45,13 @@ import structlog
 
 from agents.config import AgentConfig
 from agents.policies import make_policy
+from agents.prompts import format_grammar
 from agents.stop import StopDecision, StopPolicy, TurnView
 from agents.t2po import T2POCounters, intervention_text, thinking_open, token_uncertainty, turn_uncertainty
 from agents.tasks import Env, Problem, Task
 from learner.records import Reward, ToolCallRecord, Turn, TurnTimings, new_id
 from runtime.agent_api import ANONYMOUS, Lease, RuntimeClient, UnknownModel
-from runtime.engine import GenerateResult, SamplingParams, Timings, TokenLogprob
+from runtime.engine import GenerateResult, Grammar, SamplingParams, Timings, TokenLogprob
 from tools.registry import ToolRegistry
 
 log = structlog.get_logger(__name__)
@@ -253,6 +254,8 @@ class AgentLoop:
         env_done = False
         finish = "stop"
         pending_text = ""  # text of an intervened turn that the next call continues (same assistant message)
+        spec = format_grammar(policy.fmt) if cfg.constrain_format and not self.tool_names and not cfg.t2po.thinking_intervention else None
+        grammar = Grammar("ebnf", spec) if spec else None
         turn = 0
         while turn < max_turns:
             if self.rewrite is not None and (new_msgs := self.rewrite(msgs, turn)) is not None:
@@ -270,6 +273,7 @@ class AgentLoop:
                 seed=None if seed is None else seed * 1000 + turn,
                 logprobs=True,
                 top_logprobs=cfg.t2po.top_logprobs if (cfg.t2po.thinking_intervention or cfg.t2po.turn_resample) else 0,
+                grammar=grammar if not pending_text else None,
             )
             res, intervened = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}", pending_text)
             u = _turn_uncertainty(res.logprobs)

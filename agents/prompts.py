@@ -37,7 +37,7 @@ SVR_INSTRUCTIONS = f"""Answer in exactly this format:
 First solve the problem. Then check your solution: write Correct if it is right or Incorrect if it is wrong,
 and how sure you are as a number from 0 to 1.
 Example:
-<solution>12 + 30 = 42. The answer is 42.</solution>
+<solution>Apples: 3 boxes of 5 is 3 * 5 = 15. The answer is 15.</solution>
 <verdict>Correct</verdict>
 <confidence>0.9</confidence>"""
 
@@ -45,7 +45,7 @@ SVR_R1_INSTRUCTIONS = f"""Answer in exactly this format:
 {SVR_R1_SKELETON}
 After your answer, check it. Write Yes if it is right, No if it may be wrong.
 Example:
-<answer>42</answer>
+<answer>15</answer>
 <verify>Yes</verify>"""
 
 PLAIN_INSTRUCTIONS = f"""Put your final answer in this format:
@@ -92,3 +92,21 @@ def format_failure_feedback(fmt: AnswerFormat, error: str | None) -> str:
     """Tell the model what was wrong with its reply and restate the exact format."""
     why = f" ({error})" if error else ""
     return f"Your reply did not follow the format{why}. Reply again in exactly this format:\n{_SKELETONS[fmt]}"
+
+
+# ── Grammars (xgrammar EBNF) that make the self-check formats impossible to break ─────────────────────
+
+_FORMAT_GRAMMARS: dict[AnswerFormat, str] = {
+    "svr": (
+        'root ::= "<solution>" text "</solution>\\n<verdict>" ("Correct" | "Incorrect") "</verdict>\\n<confidence>" conf "</confidence>"\n'
+        "text ::= [^<]+\n"
+        'conf ::= "0." [0-9] [0-9]? | "1.0"'
+    ),
+    "svr_r1": 'root ::= "<answer>" text "</answer>\\n<verify>" ("Yes" | "No") "</verify>"\ntext ::= [^<]+',
+}
+
+
+def format_grammar(fmt: AnswerFormat) -> str | None:
+    """An EBNF grammar whose every sentence parses in ``fmt`` (None for ``plain``): constrained decoding
+    keeps small models inside the tagged format, so their self-checks are always readable."""
+    return _FORMAT_GRAMMARS.get(fmt)

@@ -218,3 +218,35 @@ def test_adapter_family_serves_the_base_until_a_champion_exists(tok, tmp_path):
     recorder.close()
     assert before.adapter is None and after.adapter == "fam@1" and pinned.adapter is None
     assert [c.adapter for c in engine.calls] == [None, "fam@1", None]
+
+
+def test_self_check_formats_are_decoded_under_a_grammar_unless_tools_are_on(tok, tmp_path):
+    svr = "<solution>3 * 5 = 15. The answer is 15.</solution>\n<verdict>Correct</verdict>\n<confidence>0.95</confidence>"
+    result, engine, _ = run(tok, tmp_path / "a", [svr], stop_policy="svr")
+    grammar = engine.calls[0].sampling.grammar
+    assert grammar is not None and grammar.kind == "ebnf" and '"<solution>"' in grammar.spec
+    assert result.stop_reason == "verified"
+    _, engine2, _ = run(tok, tmp_path / "b", [svr], stop_policy="svr", tools=("calculator",))
+    assert engine2.calls[0].sampling.grammar is None  # tool calls must stay possible
+    _, engine3, _ = run(tok, tmp_path / "c", [svr], stop_policy="svr", constrain_format=False)
+    assert engine3.calls[0].sampling.grammar is None
+
+
+@pytest.mark.parametrize("fmt", ["svr", "svr_r1"])
+def test_every_sentence_of_the_format_grammar_parses(tok, fmt):
+    import xgrammar as xgr
+
+    from agents.prompts import format_grammar
+    from agents.stop import parse_turn
+
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok)).compile_grammar(format_grammar(fmt)))
+    text = (
+        "<solution>2 + 2 = 4</solution>\n<verdict>Incorrect</verdict>\n<confidence>0.35</confidence>"
+        if fmt == "svr"
+        else "<answer>4</answer>\n<verify>No</verify>"
+    )
+    assert matcher.accept_string(text)  # the example is a sentence of the grammar
+    check = parse_turn(text, fmt)
+    assert check is not None and check.format_ok and check.verdict == "incorrect"
+    bad = xgr.GrammarMatcher(xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok)).compile_grammar(format_grammar(fmt)))
+    assert not bad.accept_string("The answer is 42.")
