@@ -69,7 +69,19 @@ def spawned_server(model: str, admin_key: str) -> Iterator[str]:
         models = ROOT / ".data" / "models"
         if model in ("default", "tiny") and models.exists():
             (data / "models").symlink_to(models.resolve(), target_is_directory=True)  # reuse the converted model cache
-        cmd = [sys.executable, str(ROOT / "serve.py"), "--model", model, "--port", "0", "--data-dir", str(data), "--admin-key", admin_key]
+        cmd = [
+            sys.executable,
+            str(ROOT / "serve.py"),
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--data-dir",
+            str(data),
+            "--admin-key",
+            admin_key,
+            "--no-learner",
+        ]
         log = open(data / "server.log", "w+")
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
         try:
