@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import json
 import logging
 import os
 import secrets
@@ -52,6 +53,11 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="serve.py", description="loopwise: OpenAI-compatible serving with an online learning loop")
     parser.add_argument("--config", type=Path, help="TOML or JSON config file (sections [server] and [engine])")
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="watch the loop learn: SmolLM2, a sampled calculator agent, synthetic users with verifier rewards, and the learner",
+    )
     for section, model in SECTIONS:
         group = parser.add_argument_group(section)
         for name, field in model.model_fields.items():
@@ -71,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(argv: list[str] | None = None) -> Settings:
     args = vars(build_parser().parse_args(argv))
+    args.pop("demo", None)  # handled by demo_args before parsing
     config = args.pop("config", None) or os.environ.get("LOOPWISE_CONFIG")
     file_data: dict[str, Any] = load_config_file(Path(config)) if config else {}
     data: dict[str, Any] = {"server": short_env_overrides(dict(os.environ))}
@@ -154,7 +161,31 @@ def configure_logging(level: str) -> None:
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
 
 
+DEMO_AGENT = {
+    "name": "demo-agent",
+    "description": "The --demo agent: calculator arithmetic, sampled (temperature 0.8) so the learner sees different attempts.",
+    "system_prompt": "You are a careful assistant. Use the calculator tool for arithmetic.",
+    "tools": ["calculator"],
+    "temperature": 0.8,
+    "max_turns": 4,
+    "max_tokens_per_turn": 96,
+    "task": "calc_arith",
+    "adapter_family": "calc-lora",
+}
+
+
+def demo_args(argv: list[str]) -> tuple[list[str], bool]:
+    """``--demo``: the flags of the demo (a sampled calculator agent, the learner on it); the user's own flags win."""
+    if "--demo" not in argv:
+        return argv, False
+    rest = [a for a in argv if a != "--demo"]
+    pre = ["--agent", json.dumps(DEMO_AGENT), "--learner", "--learner-agent", "demo-agent", "--learner-family", "calc-lora"]
+    pre += ["--learner-min-trajectories", "32", "--learner-gate-n", "16"]
+    return pre + rest, True
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv, demo = demo_args(list(sys.argv[1:] if argv is None else argv))
     settings = settings_from_args(argv)
     server = settings.server
     configure_logging(server.log_level)
@@ -263,9 +294,15 @@ def main(argv: list[str] | None = None) -> None:
             await asyncio.sleep(0.05)
         if uv.started:
             print(f"loopwise serving model '{model_id}' ({model_path}) on http://{host}:{port}/v1", flush=True)
+            local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+            url = f"http://{'[' + local + ']' if ':' in local else local}:{port}"
             if settings.learner.enabled:
-                local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-                learner = start_learner(settings, server, model_path, f"http://{'[' + local + ']' if ':' in local else local}:{port}", agents)
+                learner = start_learner(settings, server, model_path, url, agents)
+            if demo:
+                from learner.demo import DemoUsers
+
+                print("demo: synthetic users send calc_arith problems to demo-agent; the learner trains calc-lora on them", flush=True)
+                DemoUsers(url, server.admin_key or "", "demo-agent", "calc_arith").start()
         await serve
 
     try:

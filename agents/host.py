@@ -42,6 +42,7 @@ class RunRequest(BaseModel):
     sample_seed: int | None = Field(None, ge=0, description="sampling seed (several samples of one problem for a learning group)")
     model: str | None = Field(None, description="override the agent's model: base name, alias or family@N")
     max_turns: int | None = Field(None, ge=1, le=64)
+    user: str | None = Field(None, description="the end user (the session key when no X-Session-Id header is sent)")
     eval: bool = Field(False, description="an evaluation run on held-out problems: recorded, rewarded, never trained on")
 
     @model_validator(mode="after")
@@ -56,6 +57,32 @@ class RunRequest(BaseModel):
         return self
 
 
+class ProblemCache:
+    """Problem ``i`` of a task and seed without regenerating ``i + 1`` problems per run.
+
+    Problems are generated in growing blocks; a block is reused only if it agrees with the previous one
+    on their common prefix (the tasks here are prefix-stable: ``problems(n)[i] == problems(m)[i]``);
+    otherwise problem ``i`` is taken from ``problems(i + 1)`` exactly as the task defines it.
+    """
+
+    def __init__(self) -> None:
+        self._lists: dict[tuple[int, int], list[Problem]] = {}
+        self._stable: dict[tuple[int, int], bool] = {}
+
+    def get(self, task: Task, index: int, seed: int) -> Problem:
+        key = (id(task), seed)
+        have = self._lists.get(key, [])
+        if index < len(have) and self._stable.get(key, True):
+            return have[index]
+        if not self._stable.get(key, True):
+            return task.problems(index + 1, seed=seed)[index]
+        fresh = task.problems(max(index + 1, 2 * len(have), 64), seed=seed)
+        stable = [p.id for p in fresh[: len(have)]] == [p.id for p in have] and all(a.prompt == b.prompt for a, b in zip(fresh, have, strict=False))
+        self._stable[key] = stable
+        self._lists[key] = fresh
+        return fresh[index] if stable or not have else task.problems(index + 1, seed=seed)[index]
+
+
 class ServedAgentImpl:
     """One agent as the runtime sees it (``runtime.agent_api.ServedAgent``)."""
 
@@ -64,6 +91,7 @@ class ServedAgentImpl:
         self.config = config
         self.loop = loop
         self._tasks = tasks
+        self._problems = ProblemCache()
 
     def card(self) -> dict[str, Any]:
         c = self.config
@@ -104,7 +132,7 @@ class ServedAgentImpl:
             if name is None:
                 raise ValueError("problem_index needs a task (the agent has none configured)")
             task = self._tasks(name, req.task_options or dict(self.config.task_options))
-            problem = task.problems(req.problem_index + 1, seed=req.seed or 0)[req.problem_index]
+            problem = self._problems.get(task, req.problem_index, req.seed or 0)
             if task is not loop.task:
                 loop = AgentLoop(self.config, loop.client, loop.tools, task=task, rewrite=loop.rewrite)
             messages = [{"role": "user", "content": problem.prompt}]

@@ -142,18 +142,27 @@ class LearnerService:
         if not requested and self.status.new_trajectories < self.cfg.min_new_trajectories:
             self._set("waiting", f"{self.status.new_trajectories}/{self.cfg.min_new_trajectories} new rewarded trajectories")
             return False
-        self.update()
-        return True
+        record = self.update(force=requested)
+        return bool(record["metrics"])
 
     # ---- one update ----------------------------------------------------------------------------
-    def update(self) -> dict[str, Any]:
+    def update(self, force: bool = True) -> dict[str, Any]:
+        """One update; with ``force=False`` nothing happens (no version) when no sample is ready."""
         trainer = self._get_trainer()
         self._set("training", f"version {trainer.version + 1}")
+        # staleness is counted in published versions: a skipped step changes no weights the runtime serves
         batch = collect_samples(
-            self.store, family=self.family, current_version=trainer.version, cursor=Cursor.from_dict(trainer.cursor), cfg=self.cfg.settings.samples
+            self.store,
+            family=self.family,
+            current_version=self._published_version(),
+            cursor=Cursor.from_dict(trainer.cursor),
+            cfg=self.cfg.settings.samples,
         )
         samples = [s for s in batch.samples if not s.meta.get("eval") and (self.cfg.agent is None or s.meta.get("agent") == self.cfg.agent)]
         skipped = {**batch.counts.as_dict(), "eval_or_other_agent": len(batch.samples) - len(samples)}
+        if not samples and not force:
+            self._set("waiting", f"no settled samples yet ({batch.counts.deferred_trajectories} trajectories still settling)")
+            return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
         metrics = trainer.step(samples, skipped=skipped)
         trainer.cursor = batch.cursor.to_dict()
         self._seen_since = batch.cursor.since
@@ -267,8 +276,21 @@ class LearnerService:
             self._seen_since = 0.0
 
     def _count_new(self) -> int:
+        """New rewarded trajectories of the agent that have settled (the sample builder would take them now)."""
+        settled = time.time() - self.cfg.settings.samples.settle_s
         rows = self.store.list_trajectories(limit=100_000, since=self._seen_since, rewarded=True)
-        return sum(1 for r in rows if not r["meta"].get("eval") and (self.cfg.agent is None or r["meta"].get("agent") == self.cfg.agent))
+        return sum(
+            1
+            for r in rows
+            if not r["meta"].get("eval")
+            and (self.cfg.agent is None or r["meta"].get("agent") == self.cfg.agent)
+            and (r["last_turn_at"] or 0) < settled
+        )
+
+    def _published_version(self) -> int:
+        """The family's newest published version (0 before the first): what the runtime may be serving."""
+        versions = [int(p.name[1:]) for p in (self.adapter_root / self.family).glob("v*") if p.name[1:].isdigit()]
+        return max(versions, default=0)
 
     def _task(self) -> str | None:
         """The gate's and the A/B metric's task: configured, else the agent's own."""

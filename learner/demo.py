@@ -1,0 +1,106 @@
+"""Synthetic users for ``serve.py --demo``: task traffic with verifier rewards, and a console report.
+
+Each user round picks a problem of the demo task (training seeds, never the gate's held-out seed) and
+runs the demo agent on it ``group`` times with different sampling seeds, so the learner gets groups to
+compare. The agent's verifier rewards every run. Every ``report_s`` seconds one line goes to stdout:
+runs so far, recent success rate per serving version, and the learner's state (version, champion,
+running experiment) read from ``GET /admin/learner``.
+
+Not here: training (the learner process does it).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+import httpx
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+class DemoUsers:
+    def __init__(
+        self,
+        base_url: str,
+        admin_key: str,
+        agent: str,
+        task: str,
+        *,
+        users: int = 4,
+        group: int = 4,
+        report_s: float = 30.0,
+        problems: int = 2000,
+        seed: int = 0,
+    ) -> None:
+        self.base_url, self.admin_key, self.agent, self.task = base_url.rstrip("/"), admin_key, agent, task
+        self.users, self.group, self.report_s, self.problems = users, group, report_s, problems
+        self.rng = random.Random(seed)
+        self.recent: dict[str, deque[bool]] = defaultdict(lambda: deque(maxlen=200))
+        self.runs = 0
+        self.errors = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for i in range(self.users):
+            t = threading.Thread(target=self._user, args=(i,), name=f"demo-user-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        t = threading.Thread(target=self._reporter, name="demo-report", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _user(self, i: int) -> None:
+        with httpx.Client(base_url=self.base_url, timeout=900) as client:
+            while not self._stop.is_set():
+                with self._lock:
+                    problem = self.rng.randrange(self.problems)
+                for k in range(self.group):
+                    body = {"task": self.task, "problem_index": problem, "seed": 0, "sample_seed": 1000 * i + k, "user": f"demo-user-{i}"}
+                    try:
+                        r = client.post(f"/v1/agents/{self.agent}/runs", json=body, headers={"X-Session-Id": f"demo-{i}-{problem}-{k}"})
+                        if r.status_code != 200:
+                            raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:300]}", request=r.request, response=r)
+                    except httpx.HTTPError as exc:
+                        with self._lock:
+                            self.errors += 1
+                        log.warning("demo run failed", error=str(exc))
+                        self._stop.wait(2.0)
+                        continue
+                    run = r.json()
+                    with self._lock:
+                        self.runs += 1
+                        self.recent[run.get("adapter") or "base"].append(bool(run.get("correct")))
+
+    def line(self) -> str:
+        with self._lock:
+            rates = ", ".join(f"{v}: {sum(d) / len(d):.2f} (n={len(d)})" for v, d in sorted(self.recent.items()) if d)
+            runs, errors = self.runs, self.errors
+        learner = self._learner()
+        return f"[demo] {runs} runs ({errors} errors) | recent success {rates or 'n/a'} | learner {learner}"
+
+    def _learner(self) -> str:
+        try:
+            r = httpx.get(f"{self.base_url}/admin/learner", headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10)
+            r.raise_for_status()
+            data: list[dict[str, Any]] = r.json()["data"]
+        except httpx.HTTPError as exc:
+            return f"unavailable ({exc})"
+        if not data:
+            return "starting"
+        s = data[0]
+        return f"{s['state']} v{s['version']} champion={s.get('champion')} experiment={s.get('experiment')} ({s.get('detail', '')})"
+
+    def _reporter(self) -> None:
+        while not self._stop.wait(self.report_s):
+            print(self.line(), flush=True)
+        time.sleep(0)
