@@ -126,3 +126,25 @@ def test_agent_requests_that_cannot_apply_are_400s(server):
     assert_error(r, 404)
     assert admin(server, "GET", "/admin/agents").status_code == 200
     assert httpx.get(server.base_url + "/admin/agents", timeout=30).status_code == 401
+
+
+def test_eval_cli_reports_its_numbers(server):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent.parent
+    cmd = [sys.executable, "-m", "agents.eval", "--agent", "echo-agent", "--task", "basic_arithmetic", "--n", "3", "--url", server.base_url]
+    proc = subprocess.run([*cmd, "--json"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["n"] == 3 and 0.0 <= summary["success_rate"] <= 1.0 and summary["ci_low"] <= summary["ci_high"]
+    assert summary["mean_turns"] >= 1 and summary["mean_tokens"] > 0 and sum(summary["stop_reasons"].values()) == 3
+    assert "brier" in summary and "ece" in summary and "wrong_stop_rate" in summary
+    # eval runs are recorded with their verifier reward and marked as evaluations
+    trajs = admin(server, "GET", "/admin/trajectories?limit=3").json()["data"]
+    assert all(t["meta"].get("eval") is True and t["meta"].get("task") == "basic_arithmetic" for t in trajs)
+    text = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert text.returncode == 0 and "success rate" in text.stdout and "Wilson" in text.stdout
+    bad = subprocess.run([*cmd[:-2], "--url", "http://127.0.0.1:9"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "no loopwise server" in bad.stderr
