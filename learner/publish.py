@@ -187,7 +187,7 @@ def publish_files(
         missing = {CONFIG_FILE, WEIGHTS_FILE} - files.keys()
         if missing:
             raise PublishError(f"the adapter writer did not produce {sorted(missing)} in {staging}")
-        manifest = {"format": MANIFEST_FORMAT, "family": family, "version": version, "created_at": time.time(), **(meta or {}), "files": files}
+        manifest = {**(meta or {}), "format": MANIFEST_FORMAT, "family": family, "version": version, "created_at": time.time(), "files": files}
         for p in _staged_files(staging):
             _fsync(p)
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))  # last

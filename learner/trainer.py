@@ -34,7 +34,10 @@ Checkpoints (``save_checkpoint(root)``)::
 
 A killed save leaves only a ``.tmp-`` folder, which is never read and is removed by the next save or
 load; ``load_checkpoint`` takes the newest ``ckpt-*`` whose ``state.json`` hashes match (a corrupt one
-is logged and skipped), so a resumed learner continues from exactly the state it saved.
+is logged and skipped), so a resumed learner continues from exactly the state it saved. A learner
+loop should checkpoint *before* it publishes ``family@version`` and, after a resume, publish the
+checkpoint's version if it is not published yet: the other order could publish one version twice
+with different weights.
 
 Not here: choosing samples (``learner.samples``), estimators and losses (``learner.advantages``,
 ``learner.losses``), publishing (``learner.publish``), scheduling updates, multi-GPU training.
@@ -397,7 +400,8 @@ class LoRATrainer:
                 log.error("skipping a damaged checkpoint", path=str(folder), error=str(exc))
                 continue
             set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in load_file(str(folder / LORA_FILE)).items()})
-            state = torch.load(folder / STATE_FILE, weights_only=True, map_location=self.device)
+            # on CPU: RNG states must stay there; load_state_dict moves optimizer state to each parameter's device
+            state = torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             _set_rng_state(state["rng"])
