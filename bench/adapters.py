@@ -13,7 +13,11 @@ What it measures:
    (``PUT``); a separate client then polls ``fam`` (1 new token) until a response's
    ``loopwise.adapter`` names the new version. Latency = that response's arrival − the time before
    the ``POST``, repeated 5 times. Target median and max ≤ 1 s. Failed background requests (any non-200
-   or transport error) are counted; target 0.
+   or transport error) are counted; target 0. As a control for machine load, the same 1-token request
+   is timed right before each swap (no swap going on); its median is printed beside the swap latency,
+   since on a loaded machine most of the swap latency is that wait for a decode slot. The engine's own
+   part (read + prepare on a worker thread, then the wait for the attach between two decode steps) is
+   read from the server log.
 2. Throughput, three loads alternated round by round (base, single, mixed, base, single, mixed, …) so
    machine noise hits every side alike: 16 concurrent clients, ``--requests`` requests per round (32 new
    tokens, ``ignore_eos``, temperature 0) all to the base model (``base``), all to one adapter
@@ -120,6 +124,9 @@ def swap_latency(base: str, paths: list[Path], swaps: int, clients: int) -> dict
             time.sleep(3.0)  # let the load reach steady state
             with httpx.Client(base_url=base, timeout=120) as poll:
                 for k in range(swaps):
+                    c0 = time.perf_counter()
+                    poll.post("/v1/chat/completions", json=chat_body("fam", "ping", 1, temperature=0)).raise_for_status()
+                    control = time.perf_counter() - c0
                     t0 = time.perf_counter()
                     name = load_adapter(base, paths[(k + 1) % len(paths)], "fam", alias=False)
                     t_loaded = time.perf_counter()
@@ -143,10 +150,12 @@ def swap_latency(base: str, paths: list[Path], swaps: int, clients: int) -> dict
                             "flip_s": t_flipped - t_loaded,
                             "first_response_s": t_seen - t_flipped,
                             "polls": polls,
+                            "control_s": control,
                         }
                     )
                     print(
-                        f"  swap to {name}: {t_seen - t0:.3f}s (load {t_loaded - t0:.3f}s, flip {t_flipped - t_loaded:.3f}s, first response {t_seen - t_flipped:.3f}s, {polls} polls)",
+                        f"  swap to {name}: {t_seen - t0:.3f}s (load {t_loaded - t0:.3f}s, flip {t_flipped - t_loaded:.3f}s, first response "
+                        f"{t_seen - t_flipped:.3f}s, {polls} polls); control request without a swap {control:.3f}s",
                         flush=True,
                     )
                     time.sleep(1.0)
@@ -159,6 +168,7 @@ def swap_latency(base: str, paths: list[Path], swaps: int, clients: int) -> dict
         "clients": clients,
         "swaps": latencies,
         "median_s": statistics.median(totals),
+        "control_median_s": statistics.median(x["control_s"] for x in latencies),
         "max_s": max(totals),
         "background_ok": stats["ok"],
         "background_failed": stats["failed"],
@@ -189,11 +199,17 @@ async def run_load(base: str, models: list[str], texts: list[str], clients: int,
     return {"requests": len(texts), "completion_tokens": tokens, "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1)}
 
 
+def engine_load_times(log: Path) -> list[tuple[float, float]]:
+    """(prepare, attach wait) seconds of each adapter load, from the embedded engine's log lines."""
+    pat = re.compile(r"prepared in ([\d.]+)s, attached ([\d.]+)s later")
+    return [(float(m.group(1)), float(m.group(2))) for m in map(pat.search, log.read_text().splitlines()) if m]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
     ap.add_argument("--requests", type=int, default=48, help="requests per throughput round")
-    ap.add_argument("--rounds", type=int, default=2, help="throughput rounds each way (alternating)")
+    ap.add_argument("--rounds", type=int, default=2, help="throughput rounds each way (alternating); 0: swap latency only")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--swaps", type=int, default=5)
@@ -228,7 +244,7 @@ def main() -> None:
             "--port",
             "0",
             "--log-level",
-            "warning",
+            "info",
         ]
         proc, base = start_process(cmd, lambda line: (m := re.search(r"on (http://[\d.]+:\d+)/v1", line)) and m.group(1), out_dir / "adapters.log")
         try:
@@ -237,10 +253,12 @@ def main() -> None:
             results["swap"] = swap = swap_latency(base, paths, args.swaps, args.clients)
             print(f"  background: {swap['background_ok']} ok, {swap['background_failed']} failed; versions seen {swap['versions_seen']}", flush=True)
 
-            # 2: mixed vs single adapter; fam@1..4 are loaded (fam@1 was the first, @2..@4 came with the swaps)
-            loads = {"base": ["m"], "single": ["fam@1"], "mixed": ["fam@1", "fam@2", "fam@3", "fam@4", "m"]}
+            # 2: base vs single adapter vs mixed (up to 4 adapters + base)
+            loaded = swap["versions"][:4]  # fam@1 was the first, the others came with the swaps (all still loaded)
+            loads = {"base": ["m"], "single": loaded[:1], "mixed": [*loaded, "m"]}
             texts = prompts(args.requests)
-            asyncio.run(run_load(base, loads["mixed"], prompts(10), args.clients, 4))  # warm-up: every adapter and the base
+            if args.rounds:
+                asyncio.run(run_load(base, loads["mixed"], prompts(10), args.clients, 4))  # warm-up: every adapter and the base
             rounds: dict[str, list[dict]] = {label: [] for label in loads}
             for k in range(args.rounds):
                 for label, models in loads.items():
@@ -250,14 +268,12 @@ def main() -> None:
             results["throughput"] = {
                 label: {"rounds": rs, "median_tok_s": statistics.median(r["tok_s"] for r in rs), "models": loads[label]}
                 for label, rs in rounds.items()
+                if rs
             }
         finally:
             stop_process(proc)
 
     swap, tp = results["swap"], results["throughput"]
-    base_tps, single_tps, mixed_tps = tp["base"]["median_tok_s"], tp["single"]["median_tok_s"], tp["mixed"]["median_tok_s"]
-    results["mixed_over_single"] = mixed_tps / single_tps
-    results["single_over_base"] = single_tps / base_tps
     print(
         f"\nmodel: {model_path.name}  clients: {args.clients}  requests/round: {args.requests}  rounds: {args.rounds}  "
         f"new tokens: {args.new_tokens}  swaps: {args.swaps}  cores: {os.cpu_count()}"
@@ -265,11 +281,22 @@ def main() -> None:
     print(f"{'measure':48s} {'value':>12s} {'target|base':>12s} {'ratio':>8s}")
     print(f"{'swap latency median (POST → first new answer)':48s} {swap['median_s'] * 1000:10.1f}ms {'≤ 1000.0ms':>12s} {swap['median_s']:8.2f}")
     print(f"{'swap latency max':48s} {swap['max_s'] * 1000:10.1f}ms {'≤ 1000.0ms':>12s} {swap['max_s']:8.2f}")
+    control = swap["control_median_s"]
+    print(
+        f"{'swap latency median vs 1-token request, no swap':48s} {swap['median_s'] * 1000:10.1f}ms {control * 1000:10.1f}ms {swap['median_s'] / control:8.2f}"
+    )
+    if times := engine_load_times(out_dir / "adapters.log"):
+        prep, attach = statistics.median(x[0] for x in times), statistics.median(x[1] for x in times)
+        print(f"{'engine: prepare off-thread / attach wait (median)':48s} {prep * 1000:10.1f}ms {attach * 1000:10.1f}ms {'':>8s}")
     total = swap["background_ok"] + swap["background_failed"]
     print(f"{f'failed background requests during swaps (of {total})':48s} {swap['background_failed']:12d} {'0':>12s} {'':>8s}")
-    print(f"{'mixed (4 adapters + base) vs single adapter tok/s':48s} {mixed_tps:12.1f} {single_tps:12.1f} {results['mixed_over_single']:8.2f}")
-    print(f"{'single adapter vs base model tok/s':48s} {single_tps:12.1f} {base_tps:12.1f} {results['single_over_base']:8.2f}")
-    print(f"   (target mixed / single ≥ 0.80, single / base close to 1; medians of {args.rounds} alternating rounds each)")
+    if tp:
+        base_tps, single_tps, mixed_tps = tp["base"]["median_tok_s"], tp["single"]["median_tok_s"], tp["mixed"]["median_tok_s"]
+        results["mixed_over_single"] = mixed_tps / single_tps
+        results["single_over_base"] = single_tps / base_tps
+        print(f"{'mixed (4 adapters + base) vs single adapter tok/s':48s} {mixed_tps:12.1f} {single_tps:12.1f} {results['mixed_over_single']:8.2f}")
+        print(f"{'single adapter vs base model tok/s':48s} {single_tps:12.1f} {base_tps:12.1f} {results['single_over_base']:8.2f}")
+        print(f"   (target mixed / single ≥ 0.80, single / base close to 1; medians of {args.rounds} alternating rounds each)")
     (out_dir / "adapters.json").write_text(json.dumps(results, indent=2))
 
 
