@@ -65,6 +65,7 @@ _PHRASE_RE = re.compile(
 _SEQ_TOKEN_RE = re.compile(r"left|down|right|up|[ldru←↓→↑]", re.IGNORECASE)
 _SEQ_ONLY_RE = re.compile(r"^(?:[\s,;.\->→←↓↑\[\]\"'`]|left|down|right|up|[ldru])*$", re.IGNORECASE)
 _MAX_SEQUENCE = 1000
+_STRIP = "`'\".*[]()!?:; "
 _FIXED_MAPS = ("4x4", "8x8")
 
 
@@ -149,9 +150,12 @@ def parse_action(text: str) -> int | None:
     if tagged is None:
         tagged = extract_tag(text, ("answer",))
     if tagged is not None:
-        token = tagged.strip().strip("`'\".*[]() ").lower()
-        return _TOKEN_TO_ACTION.get(token)
-    bare = text.strip().strip("`'\".*[]()!?: ").lower()
+        token = tagged.strip().strip(_STRIP).lower()
+        if token in _TOKEN_TO_ACTION:
+            return _TOKEN_TO_ACTION[token]
+        words = {w.lower() for w in _WORD_RE.findall(tagged)}  # "<action>move right</action>"
+        return _TOKEN_TO_ACTION[words.pop()] if len(words) == 1 else None
+    bare = text.strip().strip(_STRIP).lower()
     if bare in _TOKEN_TO_ACTION:  # a reply that is just "R", "right", "2" or an arrow
         return _TOKEN_TO_ACTION[bare]
     phrases = _PHRASE_RE.findall(text)

@@ -160,7 +160,12 @@ class ReasoningGymTask(TaskBase):
         value = extract_number(answer)
         if value is None:
             return Verdict(0.0, False, "no numeric answer found")
-        candidate = canonical_number(value) if value.denominator == 1 else repr(float(value))
+        candidate = canonical_number(value)
+        if value.denominator != 1:  # the scorers read decimals, not "p/q"
+            try:
+                candidate = repr(float(value))
+            except OverflowError:
+                return Verdict(0.0, False, "answer out of range")
         score = self._score(candidate, problem)
         gold = parse_number(str(problem.answer)) if problem.answer is not None else None
         shown_gold = canonical_number(gold) if gold is not None else str(problem.answer)
