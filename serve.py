@@ -108,8 +108,8 @@ def start_learner(settings: Settings, server: ServerSettings, model_path: Path, 
     ]  # fmt: skip
     if ls.config is not None:
         cmd += ["--config", str(ls.config)]
-    env = {**os.environ, "LOOPWISE_ADMIN_KEY": server.admin_key or ""}
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent, env=env)
+    env = {**os.environ, "LOOPWISE_ADMIN_KEY": server.admin_key or "", "LOOPWISE_LEARNER_PARENT": str(os.getpid())}
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent, env=env, stdout=sys.stderr)  # our stdout carries the announce line
     logging.getLogger("serve").info("learner started (pid %d) for family %s", proc.pid, ls.family)
     return proc
 
@@ -261,9 +261,11 @@ def main(argv: list[str] | None = None) -> None:
         store = SqliteStore(db_path(server.data_dir), synchronous_full=settings.recorder.durability == "sync")
         recorder = Recorder(store, durability=settings.recorder.durability, queue_size=settings.recorder.queue_size, metrics=holder["m"])
     if settings.learner.enabled and not server.admin_key:
-        # the learner reaches the runtime over the admin API: give it a key (the admin API is then on, with a key nobody else has)
-        server = server.model_copy(update={"admin_key": secrets.token_urlsafe(24)})
-        logging.getLogger("serve").info("admin API enabled with a generated key for the learner; pass --admin-key to use it yourself")
+        # the learner reaches the runtime over the admin API: give it a key that only it holds
+        from runtime.store_routes import InternalKey
+
+        server = server.model_copy(update={"admin_key": InternalKey(secrets.token_urlsafe(24))})  # no validation: stays an InternalKey
+        logging.getLogger("serve").info("the learner reaches the admin API with an internal key; pass --admin-key to use the admin API yourself")
     agents = build_agents(settings.agents)
     app = create_app(
         server,

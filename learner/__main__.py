@@ -99,9 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    import structlog
+
     from learner.config import LearnerSettings
     from learner.service import LearnerService, ServiceConfig
 
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # logs on stderr; stdout is for results
     if not args.admin_key:
         print("error: the learner needs the runtime's admin key (--admin-key or LOOPWISE_ADMIN_KEY)", file=sys.stderr)
         return 2

@@ -103,6 +103,9 @@ class LearnerService:
         self._trainer: Any = None  # built on the first update: idle learners hold no model
         self._stop = False
         self._seen_since = time.time()
+        # set by serve.py: the learner stops when its server does (uvicorn re-raises SIGTERM, so the server cannot always stop it)
+        parent = os.environ.get("LOOPWISE_LEARNER_PARENT")
+        self._parent = int(parent) if parent and parent.isdigit() and int(parent) == os.getppid() else None
 
     # ---- the loop ------------------------------------------------------------------------------
     def run_forever(self) -> None:
@@ -128,6 +131,10 @@ class LearnerService:
     def _sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
         while not self._stop and time.monotonic() < end and not (self.dir / REQUEST_FILE).exists():
+            if self._parent is not None and os.getppid() != self._parent:
+                log.info("the server that started this learner is gone; stopping", parent=self._parent)
+                self.stop()
+                break
             time.sleep(min(0.5, seconds))
 
     def tick(self) -> bool:

@@ -50,12 +50,21 @@ async def prune_forever(recorder: Recorder, days: float, every_s: float = 3600) 
         await asyncio.sleep(every_s)
 
 
+class InternalKey(str):
+    """An admin key only loopwise's own processes hold (the learner, when no ``--admin-key`` was given):
+    it opens the admin API for them, while to everyone else the admin API still answers as disabled."""
+
+
 def check_admin_key(request: Request, admin_key: str | None) -> None:
+    disabled = APIError(403, "the admin API is disabled; start the server with --admin-key", type="permission_error", code="admin_disabled")
     if not admin_key:
-        raise APIError(403, "the admin API is disabled; start the server with --admin-key", type="permission_error", code="admin_disabled")
+        raise disabled
     header = request.headers.get("authorization", "")
     token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-    if not hmac.compare_digest(token.encode(), admin_key.encode()):
+    ok = hmac.compare_digest(token.encode(), admin_key.encode())
+    if not ok and isinstance(admin_key, InternalKey):
+        raise disabled
+    if not ok:
         raise APIError(
             401, "a valid admin key is required (Authorization: Bearer <admin key>)", type="authentication_error", code="invalid_admin_key"
         )

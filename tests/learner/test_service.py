@@ -132,3 +132,24 @@ def test_learner_cli_refuses_without_an_admin_key(tiny_model_path, tmp_path):
         env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
     )
     assert proc.returncode == 2 and "admin key" in proc.stderr
+
+
+def test_serve_starts_the_learner_and_keeps_the_admin_api_closed_to_others(start_server, tmp_path_factory):
+    import time
+
+    data = tmp_path_factory.mktemp("with-learner")
+    server = start_server("--learner", "--learner-min-trajectories", "1000", data_dir=data)
+    status_file = learner_dir(data, "calc-lora") / "status.json"
+    deadline = time.monotonic() + 180
+    while not status_file.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    status = json.loads(status_file.read_text())
+    assert status["family"] == "calc-lora" and status["state"] == "waiting"  # it reached the admin API and the store
+    # no --admin-key: the learner holds an internal key; to anyone else the admin API is disabled
+    r = httpx.get(server.base_url + "/admin/stats", headers={"Authorization": "Bearer guess"}, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+    server.stop()
+    deadline = time.monotonic() + 30
+    while json.loads(status_file.read_text())["state"] != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert json.loads(status_file.read_text())["state"] == "stopped"  # the learner stops with the server
