@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--demo",
         action="store_true",
+        default=argparse.SUPPRESS,
         help="watch the loop learn: SmolLM2, a sampled calculator agent, synthetic users with verifier rewards, and the learner",
     )
     for section, model in SECTIONS:

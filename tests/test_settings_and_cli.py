@@ -184,3 +184,16 @@ def test_help_subprocess_is_quick_and_lists_flags() -> None:
         assert flag + " " in proc.stdout, flag
     assert "(default: 8000)" in proc.stdout
     assert elapsed < 15  # no torch/transformers import before parsing
+
+
+def test_demo_flag_sets_up_the_learning_demo_and_user_flags_win() -> None:
+    from serve import demo_args, settings_from_args
+
+    argv, demo = demo_args(["--demo", "--learner-min-trajectories", "8", "--model", "tiny"])
+    assert demo and "--demo" not in argv
+    s = settings_from_args(argv)
+    assert s.learner.enabled and s.learner.agent == "demo-agent" and s.learner.family == "calc-lora"
+    assert s.learner.min_new_trajectories == 8  # the user's flag comes after the demo's, so it wins
+    [agent] = s.agents.definitions
+    assert agent["name"] == "demo-agent" and agent["adapter_family"] == "calc-lora" and agent["temperature"] > 0
+    assert demo_args(["--port", "1"]) == (["--port", "1"], False)
