@@ -30,7 +30,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.adapter_routes import evaluate_forever, install_adapter_routes
 from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, base_shapes_of, parse_model_name
@@ -137,29 +139,7 @@ def create_app(
     install_agent_routes(app, agents, server.admin_key, server.max_body_bytes, _name_taken)
     install_learner_routes(app, server.data_dir, server.admin_key, learner_enabled)
 
-    @app.middleware("http")
-    async def request_context(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = rid
-        endpoint = request.url.path
-        t0 = time.perf_counter()
-        with structlog.contextvars.bound_contextvars(request_id=rid):
-            try:
-                if request.url.path.startswith("/v1/"):
-                    _check_auth(request, server.api_keys)
-                response = await call_next(request)
-            except APIError as exc:
-                response = _error_response(exc)
-            except Exception:
-                log.exception("unhandled error in %s %s", request.method, request.url.path)
-                response = _error_response(
-                    APIError(500, f"The server had an error processing your request (request id {rid}).", type="server_error", code="internal_error")
-                )
-        response.headers["x-request-id"] = rid
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        if response.status_code < 400:
-            metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
-        return response
+    app.add_middleware(_RequestContext, api_keys=server.api_keys, metrics=metrics)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -281,6 +261,57 @@ def create_app(
     return app
 
 
+class _RequestContext:
+    """Request id, API-key check on ``/v1/``, the error envelope for anything unhandled, request metrics.
+
+    A pure ASGI middleware: Starlette's ``@app.middleware("http")`` (BaseHTTPMiddleware) re-wraps every
+    request and response body in extra tasks and streams, which cost measurable latency per request.
+    """
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], metrics: Metrics) -> None:
+        self.app, self.api_keys, self.metrics = app, api_keys, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        endpoint = scope["path"]
+        t0 = time.perf_counter()
+        status = 500
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                started, status = True, message["status"]
+                MutableHeaders(scope=message)["x-request-id"] = rid
+            await send(message)
+
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            try:
+                if endpoint.startswith("/v1/"):
+                    _check_auth(request, self.api_keys)
+                await self.app(scope, receive, send_with_id)
+            except APIError as exc:
+                if started:
+                    raise
+                await _error_response(exc)(scope, receive, send_with_id)
+            except Exception:
+                log.exception("unhandled error in %s %s", scope["method"], endpoint)
+                if started:
+                    raise
+                error = APIError(
+                    500, f"The server had an error processing your request (request id {rid}).", type="server_error", code="internal_error"
+                )
+                await _error_response(error)(scope, receive, send_with_id)
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        if status < 400:
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+
 def _model_card(model_id: str, created: int, owned_by: str = "loopwise") -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by}
 
@@ -310,8 +341,8 @@ def _check_auth(request: Request, keys: tuple[str, ...]) -> None:
 async def _unless_disconnected(request: Request, coro: Awaitable[T]) -> T | None:
     """Await ``coro``; if the client goes away first, cancel it (which cancels its generation).
 
-    The disconnect is awaited with ``request.receive()``: under the ``http`` middleware (Starlette's
-    BaseHTTPMiddleware) ``request.is_disconnected()`` never reports it.
+    The disconnect is awaited with ``request.receive()`` (once the body is read, the next message is
+    ``http.disconnect`` when the client goes away).
     """
 
     async def disconnected() -> None:
