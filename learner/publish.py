@@ -39,7 +39,6 @@ Not here: training, evaluation gates, deciding promotion. This module imports ne
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -52,6 +51,8 @@ from typing import Any, Protocol
 
 import httpx
 import structlog
+
+from learner._files import fsync_path, sha256_file, writer_alive
 
 log = structlog.get_logger(__name__)
 
@@ -100,22 +101,6 @@ def adapter_path(adapter_root: Path, family: str, version: int) -> Path:
     return Path(adapter_root) / family / f"v{version}"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _staged_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
@@ -140,7 +125,7 @@ def clean_staging(adapter_root: Path) -> list[Path]:
         return []
     removed = []
     for p in staging.iterdir():
-        if not _writer_alive(p.name):
+        if not writer_alive(p.name):
             if p.is_dir():
                 shutil.rmtree(p)
             else:
@@ -149,23 +134,6 @@ def clean_staging(adapter_root: Path) -> list[Path]:
     if removed:
         log.warning("removed unfinished adapter publishes", paths=[str(p) for p in removed])
     return removed
-
-
-def _writer_alive(name: str) -> bool:
-    """Whether the process in a staging name ``<family>@<version>-<pid>-<hex>`` is running and is not this one."""
-    try:
-        pid = int(name.rsplit("-", 2)[-2])
-    except (IndexError, ValueError):
-        return False
-    if pid == os.getpid():
-        return False  # this process's own leftover: no publish of ours is in flight while we clean
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def publish_files(
@@ -189,10 +157,10 @@ def publish_files(
             raise PublishError(f"the adapter writer did not produce {sorted(missing)} in {staging}")
         manifest = {**(meta or {}), "format": MANIFEST_FORMAT, "family": family, "version": version, "created_at": time.time(), "files": files}
         for p in _staged_files(staging):
-            _fsync(p)
+            fsync_path(p)
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))  # last
-        _fsync(staging / MANIFEST_FILE)
-        _fsync(staging)
+        fsync_path(staging / MANIFEST_FILE)
+        fsync_path(staging)
         verify_manifest(staging)  # what is renamed is exactly what was hashed
         manifest_sha = sha256_file(staging / MANIFEST_FILE)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +168,7 @@ def publish_files(
             os.rename(staging, final)
         except OSError as exc:
             raise PublishError(f"could not move {staging} to {final}: {exc}") from exc
-        _fsync(final.parent)
+        fsync_path(final.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

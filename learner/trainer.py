@@ -45,7 +45,6 @@ Not here: choosing samples (``learner.samples``), estimators and losses (``learn
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -66,6 +65,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+from learner._files import fsync_path, sha256_file, writer_alive
 from learner.advantages import compute_advantages
 from learner.config import LoRAConfig, TrainerConfig
 from learner.losses import LossConfig, policy_loss
@@ -364,13 +364,13 @@ class LoRATrainer:
                 "cursor": self.cursor,
                 "seed": self.cfg.seed,
                 "lora": self.lora_cfg.model_dump(),
-                "files": {name: _sha256(tmp / name) for name in (LORA_FILE, STATE_FILE)},
+                "files": {name: sha256_file(tmp / name) for name in (LORA_FILE, STATE_FILE)},
                 "saved_at": time.time(),
             }
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1))  # last: a folder with state.json is complete
             for name in (LORA_FILE, STATE_FILE, META_FILE):
-                _fsync_path(tmp / name)
-            _fsync_path(tmp)
+                fsync_path(tmp / name)
+            fsync_path(tmp)
             if final.exists():  # re-saving a version (resumed from an older checkpoint): swap, never leave a gap
                 old = root / f"{TMP_PREFIX}old-{self.version:08d}-{uuid.uuid4().hex[:8]}"
                 os.rename(final, old)
@@ -378,7 +378,7 @@ class LoRATrainer:
                 shutil.rmtree(old)
             else:
                 os.rename(tmp, final)
-            _fsync_path(root)
+            fsync_path(root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -423,7 +423,7 @@ def clean_checkpoint_temps(root: Path) -> list[Path]:
     """Remove leftovers of killed saves (``.tmp-ckpt-*``) whose writer process is gone; returns what was removed."""
     removed = []
     for p in Path(root).iterdir():
-        if p.name.startswith(TMP_PREFIX) and not _writer_alive(p.name):
+        if p.name.startswith(TMP_PREFIX) and not writer_alive(p.name):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     if removed:
@@ -440,43 +440,9 @@ def read_checkpoint_meta(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{folder / META_FILE} is missing or unreadable: {exc}") from exc
     for name, digest in files.items():
         path = folder / name
-        if not path.is_file() or _sha256(path) != digest:
+        if not path.is_file() or sha256_file(path) != digest:
             raise CheckpointError(f"{path} is missing or does not match its sha256 in {META_FILE}")
     return meta
-
-
-def _writer_alive(name: str) -> bool:
-    """Whether the process that named a temp folder ``<prefix><version>-<pid>-<hex>`` is still running (and is not us)."""
-    parts = name.split("-")
-    try:
-        pid = int(parts[-2])
-    except (IndexError, ValueError):
-        return False
-    if pid == os.getpid():
-        return False  # our own leftover from a failed save
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -116,7 +116,7 @@ def test_failure_at_the_rename_leaves_nothing(adapter_files: Path, tmp_path: Pat
 
 
 def test_a_byte_flipped_while_staged_is_never_renamed(adapter_files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_fsync = pub._fsync
+    real_fsync = pub.fsync_path
 
     def fsync_then_corrupt(path: Path) -> None:
         real_fsync(path)
@@ -126,7 +126,7 @@ def test_a_byte_flipped_while_staged_is_never_renamed(adapter_files: Path, tmp_p
             raw[len(raw) // 2] ^= 0x01
             weights.write_bytes(bytes(raw))
 
-    monkeypatch.setattr(pub, "_fsync", fsync_then_corrupt)
+    monkeypatch.setattr(pub, "fsync_path", fsync_then_corrupt)
     with pytest.raises(PublishError, match="does not match its sha256"):
         publish_files(copy_writer(adapter_files), tmp_path, "fam", 1)
     assert not adapter_path(tmp_path, "fam", 1).exists() and staging_entries(tmp_path) == []
