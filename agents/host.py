@@ -17,15 +17,29 @@ Not here: HTTP details (``runtime/app.py``), the loop itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agents.config import AgentConfig
-from agents.loop import AgentLoop, RunResult
+from agents.loop import AgentLoop, Branch, RunResult
 from agents.tasks import Problem, Task, get_task
+from memory.copilot import Copilot
+from memory.store import MemoryStore
 from runtime.agent_api import AgentAnswer, RuntimeClient
 from tools.registry import ToolRegistry
+
+
+class BranchRequest(BaseModel):
+    """``branch`` of a run: re-roll a recorded task run from turn ``len(prefix_outputs)`` (``agents.loop.Branch``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefix_outputs: list[list[int]] = Field(max_length=63, description="the backbone's output ids of turns 0..t-1, replayed")
+    context_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the backbone's context ids at turn t (int32 little-endian)")
+    parent_turn_id: str | None = Field(None, max_length=200, description="the backbone's turn t-1 (parent of the first sampled turn)")
+    trajectory_id: str | None = Field(None, max_length=200, description="the backbone trajectory (recorded as meta branch_of)")
+    kind: Literal["rtpo", "tcpo"] = Field("rtpo", description="the learner's purpose: RTPO sibling or TCPO counterfactual")
 
 
 class RunRequest(BaseModel):
@@ -44,12 +58,15 @@ class RunRequest(BaseModel):
     max_turns: int | None = Field(None, ge=1, le=64)
     user: str | None = Field(None, description="the end user (the session key when no X-Session-Id header is sent)")
     eval: bool = Field(False, description="an evaluation run on held-out problems: recorded, rewarded, never trained on")
+    branch: BranchRequest | None = Field(None, description="re-roll a recorded run of the same task problem from one of its turns (learner)")
 
     @model_validator(mode="after")
     def _one_input(self) -> RunRequest:
         given = [x for x in (self.input, self.messages, self.problem_index) if x is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of input, messages, or (task and) problem_index")
+        if self.branch is not None and (self.problem_index is None or self.eval):
+            raise ValueError("branch: re-rollouts need a task problem (problem_index) and are never eval runs")
         if self.messages is not None:
             for i, m in enumerate(self.messages):
                 if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
@@ -86,8 +103,9 @@ class ProblemCache:
 class ServedAgentImpl:
     """One agent as the runtime sees it (``runtime.agent_api.ServedAgent``)."""
 
-    def __init__(self, config: AgentConfig, loop: AgentLoop, tasks: Callable[[str, dict[str, Any]], Task]) -> None:
+    def __init__(self, config: AgentConfig, loop: AgentLoop, tasks: Callable[[str, dict[str, Any]], Task], copilot: Copilot | None = None) -> None:
         self.name = config.name
+        self.copilot = copilot  # memory: read before each run, rewritten in the background after it (memory/copilot.py)
         self.config = config
         self.loop = loop
         self._tasks = tasks
@@ -106,10 +124,14 @@ class ServedAgentImpl:
             "token_budget": c.token_budget,
             "task": c.task,
             "t2po": c.t2po.model_dump(),
+            "memory": c.memory.model_dump() if c.memory is not None else None,
         }
 
     async def chat(self, messages: list[dict[str, Any]], *, session_id: str, request_id: str, options: dict[str, Any]) -> AgentAnswer:
-        result = await self.loop.run(messages, session_id=session_id, request_id=request_id, seed=options.get("seed"))
+        ticket = await self.copilot.prepare(messages, session_id=session_id) if self.copilot is not None else None
+        result = await self.loop.run(ticket.messages if ticket else messages, session_id=session_id, request_id=request_id, seed=options.get("seed"))
+        if ticket is not None and self.copilot is not None:
+            self.copilot.after(ticket, messages, result)
         return AgentAnswer(
             content=result.answer,
             finish_reason=result.finish_reason,
@@ -140,8 +162,9 @@ class ServedAgentImpl:
             messages = [{"role": "user", "content": req.input}]
         else:
             messages = list(req.messages or [])
+        ticket = await self.copilot.prepare(messages, session_id=session_id) if self.copilot is not None and not req.eval else None
         result = await loop.run(
-            messages,
+            ticket.messages if ticket else messages,
             session_id=session_id,
             request_id=request_id,
             problem=problem,
@@ -149,7 +172,11 @@ class ServedAgentImpl:
             model=req.model,
             max_turns=req.max_turns,
             eval_run=req.eval,
+            branch=_branch(req.branch),
+            problem_ref=(req.problem_index, req.seed or 0) if problem is not None and req.problem_index is not None else None,
         )
+        if ticket is not None and self.copilot is not None:
+            self.copilot.after(ticket, messages, result)
         out = result.to_dict()
         out["object"] = "agent.run"
         if problem is not None:
@@ -160,8 +187,15 @@ class ServedAgentImpl:
 class Host:
     """``runtime.agent_api.AgentHost``: agents by name, built when the runtime client is bound."""
 
-    def __init__(self, configs: Sequence[AgentConfig | dict[str, Any]], tools: ToolRegistry, reserved: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        configs: Sequence[AgentConfig | dict[str, Any]],
+        tools: ToolRegistry,
+        reserved: Callable[[str], bool] | None = None,
+        memory: MemoryStore | None = None,
+    ) -> None:
         self.tools = tools
+        self.memory = memory  # the memory store, for agents with memory in their config
         self.reserved = reserved or (lambda name: False)
         self._configs: dict[str, AgentConfig] = {}
         self._agents: dict[str, ServedAgentImpl] = {}
@@ -219,6 +253,8 @@ class Host:
             raise ValueError(f"agent {cfg.name!r}: unknown tools {', '.join(missing)}; known: {', '.join(self.tools.names()) or 'none'}")
         if cfg.task is not None:
             self._task(cfg.task, dict(cfg.task_options))  # an unknown task or bad options fail now, not mid-run
+        if cfg.memory is not None and self.memory is None:
+            raise ValueError(f"agent {cfg.name!r}: memory needs a memory store, and this host has none")
 
     def _task(self, name: str, options: dict[str, Any]) -> Task:
         key = (name, repr(sorted(options.items())))
@@ -229,7 +265,15 @@ class Host:
     def _build(self, cfg: AgentConfig) -> ServedAgentImpl:
         assert self._client is not None
         task = self._task(cfg.task, dict(cfg.task_options)) if cfg.task else None
-        return ServedAgentImpl(cfg, AgentLoop(cfg, self._client, self.tools, task=task), self._task)
+        copilot = Copilot(cfg.memory, self.memory, self._client, cfg.name) if cfg.memory is not None and self.memory is not None else None
+        return ServedAgentImpl(cfg, AgentLoop(cfg, self._client, self.tools, task=task), self._task, copilot)
+
+
+def _branch(b: BranchRequest | None) -> Branch | None:
+    if b is None:
+        return None
+    prefix = tuple(tuple(ids) for ids in b.prefix_outputs)
+    return Branch(prefix_outputs=prefix, context_sha256=b.context_sha256, parent_turn_id=b.parent_turn_id, of=b.trajectory_id, kind=b.kind)
 
 
 def _ids(result: RunResult) -> dict[str, Any]:

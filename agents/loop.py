@@ -24,6 +24,15 @@ forced ``</think>`` (two recorded turns); with ``turn_resample`` a turn whose un
 from the previous turn is regenerated at most ``max_try`` times (discarded drafts are recorded as
 branches, ``meta.resampled_draft = true``).
 
+**Re-rollouts (branches).** A run may start as a *branch* of a recorded trajectory (:class:`Branch`): the
+backbone's outputs of turns ``0..t-1`` are replayed instead of sampled (tools and environments run
+again, so they must be deterministic), the rebuilt context at turn ``t`` must hash to the backbone's
+recorded one (else :class:`BranchMismatch`, and nothing is recorded), and sampling starts at turn ``t``.
+Only the sampled turns are recorded, in a new trajectory whose first turn's parent is the backbone's
+turn ``t-1`` and whose meta names the backbone (``branch_of``, ``branch_turn``, ``anchor`` = the
+context's sha256, ``rerollout`` = the learner's purpose). The learner uses this for RTPO siblings and
+TCPO counterfactuals (``learner/rerollout.py``). T²PO-intervened backbones cannot be replayed.
+
 **Verification.** When the run names a task problem, the task's verifier scores the final answer and
 the reward is attached to the trajectory (source ``verifier:<task>``); per-turn process scores go on
 the turns (``verifier:<task>:process``). Environment tasks (FrozenLake) answer each action turn with
@@ -35,8 +44,10 @@ Not here: HTTP (``agents/host.py``), tool execution (``tools/``), parsing the se
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -50,13 +61,41 @@ from agents.stop import StopDecision, StopPolicy, TurnView
 from agents.t2po import T2POCounters, intervention_text, thinking_open, token_uncertainty, turn_uncertainty
 from agents.tasks import Env, Problem, Task
 from learner.records import Reward, ToolCallRecord, Turn, TurnTimings, new_id
-from runtime.agent_api import ANONYMOUS, Lease, RuntimeClient, UnknownModel
+from runtime.agent_api import ANONYMOUS, Lease, RunConflict, RuntimeClient, UnknownModel
 from runtime.engine import GenerateResult, Grammar, SamplingParams, Timings, TokenLogprob
 from tools.registry import ToolRegistry
 
 log = structlog.get_logger(__name__)
 
 SENTINEL = "\u2063LOOPWISE\u2063SENTINEL\u2063"  # never produced by a tokenizer's decode of normal text
+
+
+def context_sha256(ids: Sequence[int]) -> str:
+    """The id of an exact context: sha256 of its token ids as little-endian int32 (what ``Branch`` and the learner compare)."""
+    return hashlib.sha256(array("i", ids).tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Start a run at turn ``len(prefix_outputs)`` of a recorded trajectory (module docstring: re-rollouts)."""
+
+    prefix_outputs: tuple[tuple[int, ...], ...]  # the backbone's output ids of turns 0..t-1, replayed in order
+    context_sha256: str  # context_sha256 of the backbone's context at turn t: the replay must rebuild it exactly
+    parent_turn_id: str | None = None  # the backbone's turn t-1 (the first sampled turn's parent)
+    of: str | None = None  # the backbone's trajectory id
+    kind: str = "rtpo"  # why the learner branched (recorded as meta ``rerollout``)
+
+    @property
+    def turn(self) -> int:
+        return len(self.prefix_outputs)
+
+
+class BranchMismatch(RunConflict):
+    """The replayed prefix did not rebuild the backbone's context (non-deterministic tools or env, changed agent)."""
+
+    code = "branch_mismatch"
+    param = "branch"
+
 
 # Rewrites the messages before a turn (e.g. a memory copilot); returns None to keep them.
 RewriteHook = Callable[[list[dict[str, Any]], int], list[dict[str, Any]] | None]
@@ -93,6 +132,7 @@ class StepRecord:
     uncertainty: float | None = None
     intervened: bool = False  # T²PO cut this turn's thinking
     drafts_discarded: int = 0  # T²PO regenerations of this turn
+    replayed: bool = False  # a branch's replayed backbone turn (not sampled, not recorded)
 
 
 @dataclass
@@ -122,6 +162,12 @@ class RunResult:
     last_turn_id: str | None = None
     eval: bool = False  # an evaluation run (held-out problems): the learner never trains on it
     finish_reason: str = "stop"  # OpenAI's finish reason for the final answer: "length" when a budget ended the run
+    problem_index: int | None = None  # which task problem (with problem_seed), so the learner can branch this run later
+    problem_seed: int | None = None
+    branch_of: str | None = None  # a re-rollout: the backbone trajectory, the branch turn and the context id there
+    branch_turn: int | None = None
+    anchor: str | None = None
+    rerollout: str | None = None
 
     @property
     def turns(self) -> int:
@@ -187,15 +233,22 @@ class AgentLoop:
         model: str | None = None,
         max_turns: int | None = None,
         eval_run: bool = False,
+        branch: Branch | None = None,
+        problem_ref: tuple[int, int] | None = None,
     ) -> RunResult:
-        """Run to a stop. ``messages``: the conversation so far (system messages are merged after the agent's)."""
+        """Run to a stop. ``messages``: the conversation so far (system messages are merged after the agent's).
+
+        ``branch``: replay a recorded trajectory's first turns and sample from there (module docstring).
+        ``problem_ref``: ``(problem_index, problem_seed)`` of ``problem``, recorded so the learner can branch the run."""
         cfg = self.config
         policy = self.policy()
         request_id = request_id or uuid.uuid4().hex
         # A/B arms are sticky per session; runs without one are routed independently, by their request id
         lease = self._lease(model, session_id if session_id != ANONYMOUS else f"run-{request_id}")
         try:
-            result = await self._run(policy, lease, messages, session_id, request_id, problem, seed, max_turns or cfg.max_turns, eval_run)
+            result = await self._run(
+                policy, lease, messages, session_id, request_id, problem, seed, max_turns or cfg.max_turns, eval_run, branch, problem_ref
+            )
         finally:
             self.client.release(lease)
         return result
@@ -223,8 +276,12 @@ class AgentLoop:
         seed: int | None,
         max_turns: int,
         eval_run: bool = False,
+        branch: Branch | None = None,
+        problem_ref: tuple[int, int] | None = None,
     ) -> RunResult:
         cfg = self.config
+        if branch is not None:
+            self._check_branch(branch, max_turns)
         t0 = time.perf_counter()
         run_id = f"run-{uuid.uuid4().hex}"
         trajectory_id = new_id("traj")
@@ -257,6 +314,8 @@ class AgentLoop:
         spec = format_grammar(policy.fmt) if cfg.constrain_format and not self.tool_names and not cfg.t2po.thinking_intervention else None
         grammar = Grammar("ebnf", spec) if spec else None
         turn = 0
+        branched = branch is None
+        replayed_tokens = 0
         while turn < max_turns:
             if self.rewrite is not None and (new_msgs := self.rewrite(msgs, turn)) is not None:
                 msgs = new_msgs
@@ -275,10 +334,20 @@ class AgentLoop:
                 top_logprobs=cfg.t2po.top_logprobs if (cfg.t2po.thinking_intervention or cfg.t2po.turn_resample) else 0,
                 grammar=grammar if not pending_text else None,
             )
-            res, intervened = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}", pending_text)
+            forced = branch is not None and turn < branch.turn
+            if branch is not None and turn == branch.turn:
+                if context_sha256(ctx.ids) != branch.context_sha256:
+                    where = f"branch of {branch.of or 'a trajectory'} at turn {turn}"
+                    raise BranchMismatch(f"{where}: the replayed context differs from the recorded one")
+                branched, parent = True, branch.parent_turn_id
+            if forced:
+                assert branch is not None
+                res, intervened = self._replayed(ctx.ids, branch.prefix_outputs[turn], f"{request_id}-t{turn}"), False
+            else:
+                res, intervened = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}", pending_text)
             u = _turn_uncertainty(res.logprobs)
             drafts = 0
-            while cfg.t2po.turn_resample and not intervened and u is not None and cfg.t2po.resample(prev_u, u, drafts):
+            while cfg.t2po.turn_resample and not forced and not intervened and u is not None and cfg.t2po.resample(prev_u, u, drafts):
                 await self._record_draft(res, ctx.ids, lease, session_id, run_id, parent, turn, msgs)
                 drafts += 1
                 counters.resamples += 1
@@ -287,12 +356,14 @@ class AgentLoop:
                 res, intervened = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}-r{drafts}", pending_text)
                 u = _turn_uncertainty(res.logprobs)
             prev_u = u if u is not None else prev_u
-            completion_tokens += len(res.output_ids)
+            completion_tokens += len(res.output_ids)  # replayed turns count against the budget, as in the backbone
+            replayed_tokens += len(res.output_ids) if forced else 0
             turn_id = new_id("turn")
             text = pending_text + res.text
             step = StepRecord(
-                turn, turn_id, res.text, len(res.output_ids), res.finish_reason, uncertainty=u, intervened=intervened, drafts_discarded=drafts
-            )
+                turn, turn_id, res.text, len(res.output_ids), res.finish_reason, uncertainty=u, intervened=intervened, drafts_discarded=drafts,
+                replayed=forced,
+            )  # fmt: skip
             steps.append(step)
 
             if intervened:
@@ -309,11 +380,12 @@ class AgentLoop:
             pending_text = ""
 
             calls = self.client.parse_tool_calls(text, self.tool_names).tool_calls if self.tool_names else []
-            await self._record(res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, calls, res.finish_reason, trajectory_id)
-            parent = turn_id
+            if not forced:
+                await self._record(res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, calls, res.finish_reason, trajectory_id)
+                parent = turn_id
             if self.task is not None and problem is not None:
                 step.process_score = self.task.process_score(problem, text)
-                if step.process_score is not None:
+                if step.process_score is not None and not forced:
                     await self.client.reward(
                         Reward(target="turn", target_id=turn_id, value=float(step.process_score), source=f"verifier:{self.task.name}:process")
                     )
@@ -363,6 +435,11 @@ class AgentLoop:
                 drift_turns += 1
             turn += 1
 
+        if not branched:
+            assert branch is not None
+            where = f"branch of {branch.of or 'a trajectory'} at turn {branch.turn}"
+            raise BranchMismatch(f"{where}: the replayed run stopped at turn {turn} ({stop_reason})")
+
         # ---- the answer and its verification
         if decision is None or not decision.stop:
             final = policy.decide(history, len(history)) if history else None
@@ -381,7 +458,7 @@ class AgentLoop:
             stop_reason=stop_reason,
             steps=steps,
             prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
+            completion_tokens=completion_tokens - replayed_tokens,
             trainable=ctx.intact,
             broken_at=ctx.broken_at,
             drift_turns=drift_turns,
@@ -394,6 +471,10 @@ class AgentLoop:
             finish_reason=finish,
             eval=eval_run,
         )
+        if problem_ref is not None:
+            result.problem_index, result.problem_seed = problem_ref
+        if branch is not None:
+            result.branch_of, result.branch_turn, result.anchor, result.rerollout = branch.of, branch.turn, branch.context_sha256, branch.kind
         if self.task is not None and problem is not None:
             result.task, result.task_key, result.problem_id = self.task.name, self.task.task_key(problem), problem.id
             if env is not None:
@@ -406,6 +487,23 @@ class AgentLoop:
         return result
 
     # ---- pieces ---------------------------------------------------------------------------------
+    def _check_branch(self, branch: Branch, max_turns: int) -> None:
+        if self.config.t2po.thinking_intervention or self.config.t2po.turn_resample:
+            raise ValueError("branch: runs of agents with T²PO cannot be replayed exactly")
+        if branch.turn >= max_turns:
+            raise ValueError(f"branch: turn {branch.turn} is not below max_turns {max_turns}")
+        vocab = len(self.client.tokenizer)
+        for k, ids in enumerate(branch.prefix_outputs):
+            if not ids or any(not 0 <= i < vocab for i in ids):
+                raise ValueError(f"branch.prefix_outputs[{k}]: needs 1+ token ids in [0, {vocab})")
+
+    def _replayed(self, ids: Sequence[int], output_ids: Sequence[int], rid: str) -> GenerateResult:
+        """A recorded turn played back as if generated (text decoded as the engines decode it)."""
+        out = tuple(output_ids)
+        finish = "stop" if out[-1] in self.client.eos_token_ids else "length"
+        text = self.client.tokenizer.decode(list(out), skip_special_tokens=True)
+        return GenerateResult(request_id=rid, prompt_ids=tuple(ids), output_ids=out, text=text, finish_reason=finish)
+
     async def _generate(self, ids: Sequence[int], sampling: SamplingParams, lease: Lease, rid: str, prefix_text: str) -> tuple[GenerateResult, bool]:
         """One model call; streamed under the thinking monitor when T²PO intervention is on."""
         t2 = self.config.t2po
@@ -514,7 +612,11 @@ class AgentLoop:
             "correct": result.correct,
             "score": result.reward,
             "eval": result.eval,
+            "problem_index": result.problem_index,
+            "problem_seed": result.problem_seed,
         }
+        if result.branch_of is not None or result.rerollout is not None:
+            meta.update(branch_of=result.branch_of, branch_turn=result.branch_turn, anchor=result.anchor, rerollout=result.rerollout)
         await self.client.annotate(result.trajectory_id, meta)
         if result.reward is not None and result.task is not None:
             await self.client.reward(

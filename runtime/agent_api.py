@@ -33,6 +33,13 @@ class UnknownModel(LookupError):
     """The model name is neither the base, a loaded adapter version nor an alias."""
 
 
+class RunConflict(Exception):
+    """An agent run's request conflicts with recorded state (e.g. a re-rollout whose replay does not match): HTTP 409."""
+
+    code = "conflict"
+    param: str | None = None
+
+
 @dataclass(frozen=True)
 class Lease:
     """One model name resolved to the version serving it, held until released (drains before unload)."""

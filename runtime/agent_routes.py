@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from runtime.agent_api import AgentHost, ServedAgent, UnknownModel
+from runtime.agent_api import AgentHost, RunConflict, ServedAgent, UnknownModel
 from runtime.chat_format import to_plain
 from runtime.engine import EngineError
 from runtime.errors import APIError, from_engine
@@ -111,6 +111,8 @@ def install_agent_routes(app: FastAPI, host: AgentHost | None, admin_key: str | 
             return await agent.run(body, session_id=session_of(request, body.get("user")), request_id=request.state.request_id)
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from exc
+        except RunConflict as exc:
+            raise APIError(409, str(exc), param=exc.param, code=exc.code) from exc
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
         except EngineError as exc:
