@@ -28,11 +28,12 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -62,12 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextmanager
-def spawned_server(model: str, admin_key: str) -> Iterator[str]:
-    """A private ``serve.py`` on a free port; yields its base URL."""
+def spawned_server(model: str, admin_key: str, extra_args: Sequence[str] = (), learner: bool = False, data_dir: Path | None = None) -> Iterator[str]:
+    """A private ``serve.py`` on a free port; yields its base URL.
+
+    ``extra_args`` go after the defaults (the user's flags win); ``learner`` keeps the learner process
+    (default off). The server's stdout after the start line is copied to ``server.stdout`` by a thread, so
+    a chatty server (``--demo``) never blocks on a full pipe. Its data folder is a temporary one, removed on
+    exit, unless ``data_dir`` names one to keep."""
     with tempfile.TemporaryDirectory(prefix="loopwise-eval-") as tmp:
-        data = Path(tmp)
+        data = Path(tmp) if data_dir is None else data_dir
+        data.mkdir(parents=True, exist_ok=True)
         models = ROOT / ".data" / "models"
-        if model in ("default", "tiny") and models.exists():
+        if model in ("default", "tiny") and models.exists() and not (data / "models").exists():
             (data / "models").symlink_to(models.resolve(), target_is_directory=True)  # reuse the converted model cache
         cmd = [
             sys.executable,
@@ -80,7 +87,8 @@ def spawned_server(model: str, admin_key: str) -> Iterator[str]:
             str(data),
             "--admin-key",
             admin_key,
-            "--no-learner",
+            *([] if learner else ["--no-learner"]),
+            *extra_args,
         ]
         log = open(data / "server.log", "w+")
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -97,6 +105,8 @@ def spawned_server(model: str, admin_key: str) -> Iterator[str]:
                 url = m.group(1) if m else None
             if url is None:
                 raise SystemExit("error: the spawned server did not start in 600 s")
+            out = open(data / "server.stdout", "w")  # the drain thread closes it at EOF
+            threading.Thread(target=_drain, args=(proc.stdout, out), daemon=True).start()
             yield url
         finally:
             proc.terminate()
@@ -105,6 +115,13 @@ def spawned_server(model: str, admin_key: str) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
             log.close()
+
+
+def _drain(stream: IO[str], sink: IO[str]) -> None:
+    with sink:
+        for line in stream:
+            sink.write(line)
+            sink.flush()
 
 
 async def run_all(args: argparse.Namespace, url: str, agent: str) -> list[dict[str, Any]]:
