@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agents.t2po import T2POConfig
+from memory.config import MemoryConfig
 
 AGENT_NAME = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"
 
@@ -47,6 +48,9 @@ class AgentConfig(BaseModel):
     task: str | None = Field(None, description="a built-in task whose verifier rewards runs that name one of its problems")
     task_options: dict[str, Any] = Field(default_factory=dict, description="options of the task (e.g. difficulty)")
     t2po: T2POConfig = Field(default_factory=T2POConfig, description="T²PO thinking intervention and turn resampling (both off by default)")
+    memory: MemoryConfig | None = Field(
+        None, description="per-user memory rewritten by the MemoPilot copilot after each interaction (memory/config.py); off when absent"
+    )
 
     @model_validator(mode="after")
     def _known_policy_params(self) -> AgentConfig:
