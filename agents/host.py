@@ -162,7 +162,9 @@ class ServedAgentImpl:
             messages = [{"role": "user", "content": req.input}]
         else:
             messages = list(req.messages or [])
-        ticket = await self.copilot.prepare(messages, session_id=session_id) if self.copilot is not None and not req.eval else None
+        # eval runs and re-rollouts (whose context must hash like the recorded one) neither read nor rewrite memory
+        use_memory = self.copilot is not None and not req.eval and req.branch is None
+        ticket = await self.copilot.prepare(messages, session_id=session_id) if use_memory and self.copilot is not None else None
         result = await loop.run(
             ticket.messages if ticket else messages,
             session_id=session_id,
