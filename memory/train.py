@@ -1,0 +1,272 @@
+"""``python -m memory.train``: train the MemoPilot memory copilot with the learner, end to end through a server.
+
+    python -m memory.train --testbed rps --spawn --model default --adapter-root DIR \\
+        [--iterations 3] [--group-size 4] [--opponents copy,bias] [--seeds 1] [--rounds 15] [--episode-rounds 5]
+
+One iteration (algorithms.md section 10, [RECON] reading):
+
+1. **Rollouts.** For every (opponent, seed) of the schedule, ``--group-size`` G rollouts of the same
+   game (same opponent, same seed, same player request seeds) with the ``memopilot`` method; the copilot
+   is ``memopilot@N`` (the base model before the first update) sampled at ``--temperature``, with a
+   different request seed per rollout (``seed_salt``), so rollouts differ only through the memories.
+2. **Turn rewards.** The copilot's rewrite after episode ``t`` is the action of turn ``t``; its reward is
+   the player's mean payoff per round in episode ``t+1``, the rounds played with that memory. The
+   rewrite after the last episode has no reward and is not made. Rewards are also stored on the
+   recorded copilot turns (``POST /v1/feedback``, source ``memopilot:<testbed>``).
+3. **Advantages.** ``turn_grpo`` with ``source="reward"``: normalised per (opponent, seed, turn index)
+   across the G rollouts, whatever memory each rollout had (context-independent turn-level advantage).
+4. **Update.** The exact recorded copilot turns (context ids, output ids, behaviour logprobs, loss
+   mask, read back with ``GET /admin/trajectories/{id}``) are one ``LoRATrainer.step``; the adapter is
+   checkpointed, published as ``memopilot@N+1`` (``learner.publish.publish_adapter``) and loaded into
+   the server (``RuntimeAdmin.load``), so the next iteration samples from it.
+
+``--spawn`` starts a private server with ``--adapter-root``; with ``--url`` the server must have been
+started with that adapter root and ``--admin-key``, and ``--model`` must name its base model folder
+(``default``/``tiny``/PATH), which the trainer loads. Checkpoints go to ``--checkpoint-dir`` (default
+``<adapter-root>/../memopilot-checkpoints``) and training resumes from them.
+
+Not here: the served copilot of live traffic (``memory/copilot.py``), evaluation (``memory.tournament``).
+Torch and the learner's trainer are imported only when training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+
+from memory.testbeds import TESTBEDS, opponents
+from memory.testbeds.play import GameRecord, PlayConfig
+from memory.tournament import add_server_args, base_model_name, load_memopilot, play_all, server_url
+
+log = structlog.get_logger(__name__)
+
+FAMILY = "memopilot"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class CopilotTurn:
+    """One rewarded copilot rewrite of one rollout."""
+
+    rollout_id: str  # the training trajectory: one rollout (game) of the group
+    group_id: str  # (testbed, opponent, seed): rollouts that are compared
+    turn_index: int  # the episode after which the memory was rewritten
+    reward: float  # mean payoff per round in the next episode
+    turn_id: str  # the recorded copilot turn
+    trajectory_id: str
+
+
+def copilot_turns(games: Sequence[GameRecord], rollout_ids: Sequence[str]) -> list[CopilotTurn]:
+    """The rewarded copilot turns of rollouts: rewrite after episode t → mean payoff per round of episode t+1."""
+    out = []
+    for game, rid in zip(games, rollout_ids, strict=True):
+        n_episodes = max(game.episode_of_round) + 1 if game.rounds else 0
+        for rw in game.rewrites:
+            nxt = rw.episode + 1
+            if nxt >= n_episodes or rw.turn_id is None or rw.trajectory_id is None:
+                continue
+            rounds = sum(1 for e in game.episode_of_round if e == nxt)
+            out.append(
+                CopilotTurn(
+                    rollout_id=rid,
+                    group_id=f"{game.testbed}:{game.opponent}:{game.seed}",
+                    turn_index=rw.episode,
+                    reward=game.episode_payoff(nxt) / rounds,
+                    turn_id=rw.turn_id,
+                    trajectory_id=rw.trajectory_id,
+                )
+            )
+    return out
+
+
+def turn_advantages(turns: Sequence[CopilotTurn]) -> list[float]:
+    """The per-turn-index advantages the trainer will use (``turn_grpo``, ``source="reward"``), same order."""
+    from learner.advantages import TurnSample, compute_advantages
+
+    samples = [TurnSample(t.rollout_id, t.group_id, t.turn_index, t.reward, None) for t in turns]
+    return list(compute_advantages("turn_grpo", samples, source="reward"))
+
+
+def fetch_samples(client: httpx.Client, turns: Sequence[CopilotTurn], testbed: str) -> list[Any]:
+    """``learner.samples.Sample`` for each copilot turn, read back from the server's store (exact tokens)."""
+    from learner.samples import Sample, parse_adapter
+
+    out = []
+    for t in turns:
+        r = client.get(f"/admin/trajectories/{t.trajectory_id}")
+        if r.status_code != 200:
+            raise SystemExit(f"error: reading copilot trajectory {t.trajectory_id} failed ({r.status_code}: {r.text[:300]})")
+        turn = next((x for x in r.json()["turns"] if x["turn_id"] == t.turn_id), None)
+        if turn is None:
+            raise SystemExit(f"error: copilot turn {t.turn_id} is not in trajectory {t.trajectory_id}")
+        fb = client.post("/v1/feedback", json={"turn_id": t.turn_id, "reward": t.reward, "source": f"memopilot:{testbed}"})
+        if fb.status_code != 200:
+            raise SystemExit(f"error: storing the reward of {t.turn_id} failed ({fb.status_code}: {fb.text[:300]})")
+        temp = turn["sampling"].get("temperature")
+        _, version = parse_adapter(turn["adapter"])
+        out.append(
+            Sample(
+                turn_id=t.turn_id,
+                trajectory_id=t.rollout_id,
+                group_id=t.group_id,
+                turn_index=t.turn_index,
+                context_ids=list(turn["context_ids"]),
+                output_ids=list(turn["output_ids"]),
+                logprobs=list(turn["logprobs"]),
+                loss_mask=list(turn["loss_mask"]),
+                adapter=turn["adapter"],
+                adapter_version=max(version, 0),
+                reward=t.reward,
+                trajectory_reward=None,
+                temperature=float(temp) if isinstance(temp, int | float) and temp > 0 else 1.0,
+                created_at=float(turn["created_at"]),
+                meta={"testbed": testbed},
+            )
+        )
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m memory.train", description="Train the memopilot copilot (turn-index GRPO through the learner).")
+    add_server_args(p)
+    p.add_argument("--testbed", choices=TESTBEDS, default="rps")
+    p.add_argument("--iterations", type=int, default=3, help="updates (published versions) to make (default 3)")
+    p.add_argument("--group-size", type=int, default=4, help="G rollouts per (opponent, seed) (default 4)")
+    p.add_argument("--opponents", default="all", help="comma-separated opponents (default all of the testbed)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds 0..S-1 per opponent (default 1)")
+    p.add_argument("--seed-offset", type=int, default=100, help="first training seed (default 100: apart from the tournament's 0..)")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--episode-rounds", type=int, default=5)
+    p.add_argument("--memory-chars", type=int, default=600)
+    p.add_argument("--temperature", type=float, default=1.0, help="copilot sampling temperature in rollouts (default 1.0)")
+    p.add_argument("--copilot-max-tokens", type=int, default=160)
+    p.add_argument("--player-max-tokens", type=int, default=8)
+    p.add_argument(
+        "--player-temperature", type=float, default=0.0, help="player sampling temperature (default 0: greedy, rollouts differ only by memory)"
+    )
+    p.add_argument("--invalid", choices=["loss", "random"], default="loss")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (default 1)")
+    p.add_argument("--train-seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", type=Path)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--json-out", type=Path, help="write the per-iteration metrics as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.adapter_root is None:
+        raise SystemExit("error: --adapter-root is required (where memopilot versions are published)")
+    if args.group_size < 2:
+        raise SystemExit("error: --group-size must be at least 2 (advantages compare rollouts)")
+    args.adapter_root = args.adapter_root.resolve()
+    ckpt = (args.checkpoint_dir or args.adapter_root.parent / "memopilot-checkpoints").resolve()
+    opps = opponents(args.testbed) if args.opponents == "all" else tuple(o.strip() for o in args.opponents.split(","))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    history: list[dict[str, Any]] = []
+    with server_url(args) as url:
+        if not args.admin_key:
+            raise SystemExit("error: training needs the server's --admin-key (or --spawn)")
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+            player = args.player_model or base_model_name(c)
+        trainer = _trainer(args, ckpt)
+        if trainer.version > 0:
+            load_memopilot(url, args.admin_key, args.adapter_root, trainer.version)
+        for it in range(args.iterations):
+            history.append(_iteration(args, url, headers, player, opps, trainer, ckpt, it))
+            print(json.dumps(history[-1]), flush=True)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(history, indent=1))
+    return 0
+
+
+def _trainer(args: argparse.Namespace, ckpt: Path) -> Any:
+    from learner.config import LoRAConfig, TrainerConfig
+    from learner.publish import adapter_path
+    from learner.trainer import LoRATrainer
+    from runtime.model_store import resolve_model
+
+    base = resolve_model(args.model, ROOT / ".data" / "models")
+    cfg = TrainerConfig(
+        lr=args.lr, estimator="turn_grpo", estimator_params={"source": "reward"}, threads=args.threads, seed=args.train_seed, progress=False
+    )
+    trainer = LoRATrainer(base, cfg, LoRAConfig(rank=args.rank, alpha=2.0 * args.rank))
+    trainer.load_checkpoint(ckpt)
+    if adapter_path(args.adapter_root, FAMILY, trainer.version + 1).exists():
+        raise SystemExit(f"error: {FAMILY}@{trainer.version + 1} is already published but {ckpt} has no checkpoint of it: pass its --checkpoint-dir")
+    return trainer
+
+
+def _iteration(
+    args: argparse.Namespace, url: str, headers: dict[str, str], player: str, opps: Sequence[str], trainer: Any, ckpt: Path, it: int
+) -> dict[str, Any]:
+    from learner.publish import RuntimeAdmin, publish_adapter
+
+    t0 = time.perf_counter()
+    version = trainer.version
+    copilot = f"{FAMILY}@{version}" if version > 0 else None
+    jobs, rollout_ids = [], []
+    for opp in opps:
+        for seed in range(args.seed_offset, args.seed_offset + args.seeds):
+            for g in range(args.group_size):
+                cfg = PlayConfig(
+                    player_model=player,
+                    rounds=args.rounds,
+                    episode_rounds=args.episode_rounds,
+                    copilot_model=copilot,
+                    copilot_temperature=args.temperature,
+                    copilot_max_tokens=args.copilot_max_tokens,
+                    player_max_tokens=args.player_max_tokens,
+                    player_temperature=args.player_temperature,
+                    seed_salt=f"v{version}-g{g}",
+                    match_options={"invalid": args.invalid} if args.testbed == "rps" else {},
+                )
+                jobs.append((args.testbed, opp, seed, FAMILY, cfg, args.memory_chars))
+                rollout_ids.append(f"v{version}:{opp}:{seed}:g{g}")
+    games = asyncio.run(play_all(url, headers, jobs, args.concurrency))
+    t_play = time.perf_counter() - t0
+    turns = copilot_turns(games, rollout_ids)
+    admin_headers = {**headers, "Authorization": f"Bearer {args.admin_key}"}
+    with httpx.Client(base_url=url, headers=admin_headers, timeout=60) as c:
+        samples = fetch_samples(c, turns, args.testbed)
+    metrics = trainer.step(samples)
+    trainer.save_checkpoint(ckpt)  # before publishing (learner.trainer: never publish one version twice)
+    published = publish_adapter(trainer.model, args.adapter_root, FAMILY, trainer.version, meta={"testbed": args.testbed, "samples": len(samples)})
+    with RuntimeAdmin(url, args.admin_key) as admin:
+        admin.load(published.path, FAMILY, published.version, sha256=published.manifest_sha256)
+    rewards = [t.reward for t in turns]
+    return {
+        "iteration": it,
+        "copilot": copilot or "base",
+        "published": published.name,
+        "rollouts": len(games),
+        "samples": len(samples),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+        "payoff_per_round": sum(g.total_payoff for g in games) / sum(len(g.rounds) for g in games),
+        "parse_rate": sum(g.parse_rate for g in games) / len(games),
+        "optimizer_step": metrics.optimizer_step,
+        "trained_samples": metrics.trained_samples,
+        "frac_reward_zero_std": metrics.frac_reward_zero_std,
+        "loss": metrics.loss,
+        "grad_norm": metrics.grad_norm,
+        "play_s": round(t_play, 1),
+        "train_s": round(time.perf_counter() - t0 - t_play, 1),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
