@@ -44,6 +44,7 @@ from runtime.errors import APIError, from_engine, from_validation
 from runtime.experiments import Experiments
 from runtime.http_body import read_json
 from runtime.learner_routes import install_learner_routes
+from runtime.memory_routes import MemoryBackend, install_memory_routes
 from runtime.metrics import Metrics
 from runtime.openai_schemas import ChatCompletionRequest
 from runtime.recorder import ANONYMOUS, Recorder
@@ -67,6 +68,7 @@ def create_app(
     adapter_settings: AdapterSettings | None = None,
     agents: AgentHost | None = None,
     learner_enabled: bool = False,
+    memory: MemoryBackend | None = None,
 ) -> FastAPI:
     metrics = metrics or Metrics(engine.stats)
     recorder_settings = recorder_settings or RecorderSettings(record=recorder is not None)
@@ -138,6 +140,7 @@ def create_app(
 
     install_agent_routes(app, agents, server.admin_key, server.max_body_bytes, _name_taken)
     install_learner_routes(app, server.data_dir, server.admin_key, learner_enabled)
+    install_memory_routes(app, memory, server.admin_key)
 
     app.add_middleware(_RequestContext, api_keys=server.api_keys, metrics=metrics)
 
