@@ -28,6 +28,7 @@ from runtime.chat_format import to_plain
 from runtime.engine import EngineError
 from runtime.errors import APIError, from_engine
 from runtime.http_body import read_json
+from runtime.identity import bind_caller
 from runtime.openai_schemas import ChatCompletionRequest
 from runtime.store_routes import check_admin_key, session_of
 
@@ -51,7 +52,8 @@ async def agent_chat(request: Request, req: ChatCompletionRequest, agent: Served
             raise APIError(400, "agents keep their own tool history; send user and assistant text only", param=f"messages[{i}]")
     rid = request.state.request_id
     try:
-        answer = await agent.chat(messages, session_id=session_of(request, req.user), request_id=rid, options={"seed": req.seed})
+        with bind_caller(request, req.user):  # who asked, for per-user agent memory
+            answer = await agent.chat(messages, session_id=session_of(request, req.user), request_id=rid, options={"seed": req.seed})
     except UnknownModel as exc:
         raise APIError(404, f"agent {agent.name!r}: {exc}", param="model", code="model_not_found") from exc
     except EngineError as exc:
@@ -108,7 +110,8 @@ def install_agent_routes(app: FastAPI, host: AgentHost | None, admin_key: str | 
         agent = agent_or_404(name)
         body = await read_json(request, max_body)
         try:
-            return await agent.run(body, session_id=session_of(request, body.get("user")), request_id=request.state.request_id)
+            with bind_caller(request, body.get("user")):
+                return await agent.run(body, session_id=session_of(request, body.get("user")), request_id=request.state.request_id)
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from exc
         except RunConflict as exc:
