@@ -31,6 +31,7 @@ from runtime.settings import (
     AgentSettings,
     EngineSettings,
     LearnerProcessSettings,
+    MemorySettings,
     RecorderSettings,
     ServerSettings,
     Settings,
@@ -47,6 +48,7 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
     ("sglang", SGLangSettings),
     ("agents", AgentSettings),
     ("learner", LearnerProcessSettings),
+    ("memory", MemorySettings),
 )
 
 
@@ -115,8 +117,8 @@ def start_learner(settings: Settings, server: ServerSettings, model_path: Path, 
     return proc
 
 
-def build_agents(agent_settings: AgentSettings) -> Any:
-    """The tool registry (built-ins + ``--tool`` dotted paths) and the agents served on it."""
+def build_agents(agent_settings: AgentSettings, memory: Any = None) -> Any:
+    """The tool registry (built-ins + ``--tool`` dotted paths) and the agents served on it (``memory``: the memory store)."""
     from agents.config import BUILTIN_AGENTS
     from agents.host import Host
     from tools.builtins import default_registry
@@ -125,7 +127,7 @@ def build_agents(agent_settings: AgentSettings) -> Any:
     try:
         tools = default_registry(extra=agent_settings.tools)
         configs = [*(BUILTIN_AGENTS if agent_settings.builtin else ()), *agent_settings.definitions]
-        return Host(configs, tools)
+        return Host(configs, tools, memory=memory)
     except (ToolError, ValueError) as exc:
         sys.exit(f"error: agents: {exc}")
 
@@ -267,7 +269,11 @@ def main(argv: list[str] | None = None) -> None:
 
         server = server.model_copy(update={"admin_key": InternalKey(secrets.token_urlsafe(24))})  # no validation: stays an InternalKey
         logging.getLogger("serve").info("the learner reaches the admin API with an internal key; pass --admin-key to use the admin API yourself")
-    agents = build_agents(settings.agents)
+    from memory.store import MemoryStore
+    from memory.store import db_path as memory_db_path
+
+    memory = MemoryStore(memory_db_path(server.data_dir), max_chars=settings.memory.max_chars, keep_versions=settings.memory.keep_versions)
+    agents = build_agents(settings.agents, memory)
     app = create_app(
         server,
         settings.engine,
@@ -279,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         adapter_settings=adapter_settings,
         agents=agents,
         learner_enabled=settings.learner.enabled,
+        memory=memory,
     )
 
     sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)

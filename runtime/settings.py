@@ -156,6 +156,15 @@ class AgentSettings(_Frozen):
         return tuple(out)
 
 
+class MemorySettings(_Frozen):
+    """Agent memory (``memory/``): the versioned store in ``<data-dir>/memory.db``."""
+
+    keep_versions: int = Field(
+        20, ge=1, description="memory versions kept per document (older ones are deleted)", json_schema_extra={"flag": "--memory-keep-versions"}
+    )
+    max_chars: int = Field(16_000, ge=1, description="longest memory text the store accepts", json_schema_extra={"flag": "--memory-max-chars"})
+
+
 class LearnerProcessSettings(_Frozen):
     """The learner process ``serve.py`` starts (``python -m learner run``); see ``learner/service.py``."""
 
@@ -182,6 +191,7 @@ class Settings(BaseSettings):
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     agents: AgentSettings = Field(default_factory=AgentSettings)
     learner: LearnerProcessSettings = Field(default_factory=LearnerProcessSettings)
+    memory: MemorySettings = Field(default_factory=MemorySettings)
 
     @model_validator(mode="after")
     def _check_backend(self) -> Settings:
