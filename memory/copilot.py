@@ -215,7 +215,7 @@ class Copilot:
             completion, adapter, copilot_traj, copilot_turn = await self._call(prompt, ticket, result)
         new = self.method.apply(memory, interaction, completion)
         if new == memory:
-            log.info("memory unchanged", agent=self.agent, scope=ticket.scope, method=self.method.name)
+            log.info("memory unchanged", agent=self.agent, scope=ticket.scope, method=self.method.name, copilot_trajectory=copilot_traj)
             return
         meta = {"agent": self.agent, "task_key": result.task_key, "outcome": interaction.outcome}
         prov = Provenance(self.method.name, adapter, result.trajectory_id, result.last_turn_id, copilot_traj, copilot_turn, meta)
