@@ -19,8 +19,9 @@ For an agent with ``memory`` in its config (``memory/config.py``), the host call
    deleted while the rewrite ran is not brought back (``StaleMemory``). At most ``max_pending``
    rewrites wait at once; more are skipped with a warning.
 
-With ``when: episode`` the transcripts of runs are buffered per document in this process until a run
-ends an episode (it has a verifier or environment reward); that run's rewrite sees them all.
+With ``when: episode`` the transcripts of runs are buffered per document in this process (newest
+6000 characters each, at most 10,000 documents; lost on restart) until a run ends an episode (it has a
+verifier or environment reward); that run's rewrite sees them all.
 
 Not here: the methods' prompts and parsing (``memory/methods.py``), storage (``memory/store.py``),
 HTTP (``runtime/memory_routes.py``).
@@ -51,6 +52,7 @@ log = structlog.get_logger(__name__)
 COPILOT_AGENT = "memopilot"  # the ``agent`` of the copilot's trajectories (what the learner selects)
 MEMORY_HEADER = "Memory from earlier interactions (notes to use):"
 MAX_EPISODE_LOG_CHARS = 6000
+MAX_EPISODE_BUFFERS = 10_000  # documents with an unfinished episode buffered at once
 
 
 class CopilotError(RuntimeError):
@@ -171,6 +173,10 @@ class Copilot:
             joined = f"{buffered}\n\n{interaction.transcript}".strip()
             if not ends_episode(result):
                 self._episode_logs[key] = keep_newest(joined, MAX_EPISODE_LOG_CHARS)
+                while len(self._episode_logs) > MAX_EPISODE_BUFFERS:  # the oldest unfinished episodes go first
+                    dropped = next(iter(self._episode_logs))
+                    del self._episode_logs[dropped]
+                    log.warning("memory episode buffer dropped", agent=self.agent, scope=dropped[1])
                 return None
             interaction = Interaction(joined, interaction.outcome)
         if len(self._tasks) >= self.max_pending:
