@@ -380,7 +380,7 @@ def test_dotted_registration(user_module: str) -> None:
     assert _call(registry, "shout", {"text": "hi"}).content == "HI"
     assert _call(registry, "whisper", {"text": "HI"}).content == "hi"
     assert _call(registry, "double", {"n": 4}).content == "8"
-    assert default_registry(extra=[f"{user_module}.mytools:shout"], python=False).names() == ["calculator", "shout"]
+    assert default_registry(extra=[f"{user_module}.mytools:shout"], python=False, cuda=False).names() == ["calculator", "shout"]
 
 
 @pytest.mark.parametrize(
@@ -406,7 +406,7 @@ def test_load_tool_of_an_untyped_builtin_fails_at_registration() -> None:
 
 def test_default_registry_has_the_builtins() -> None:
     registry = default_registry()
-    assert registry.names() == ["calculator", "python"]
+    assert registry.names() == ["calculator", "python", "cuda_compile", "cuda_check", "cuda_bench"]
     for schema in registry.schemas():
         fn = schema["function"]
         assert fn["description"] and fn["parameters"]["required"] and fn["parameters"]["additionalProperties"] is False

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The CUDA kernel tools on a GPU host, in one command (made for one H200; finishes within 8 minutes):
+#
+#     bench/gpu_kernels.sh
+#
+# 1. checks that torch sees a CUDA device;
+# 2. bench/kernels.py --gpu-table: builds and checks every kernel task's known-good solution
+#    (agents.tasks.kernels) with cuda_check, JOBS at a time, then times each with cuda_bench (CUDA events,
+#    median of 50 after 10 warm-ups, against eager PyTorch); prints the table (compile rate, correct,
+#    geomean speedup, fast_1.0, fast_1.2), also in bench/results/kernels_gpu.json;
+# 3. a short LEAP probe (python -m learner.leap --probe) if learner/leap.py exists, else says it is skipped;
+# 4. with GPU_TESTS=1, the tests marked gpu in tests/tools/test_cuda_tools.py (4 more builds, ~2 minutes).
+# Environment: PYTHON (default .venv/bin/python, else python3), JOBS (default: CPU count, at most 16),
+# BUDGET_S (seconds after which the table starts no new work, default 330), LEAP_TIMEOUT_S (default 90),
+# LOOPWISE_CUDA_ARCH (default sm_90), LOOPWISE_CUDA_CACHE (extension build cache; default under /tmp).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+CPUS=$(nproc)
+JOBS=${JOBS:-$(( CPUS < 16 ? CPUS : 16 ))}
+START=$(date +%s)
+mkdir -p bench/results
+
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))"
+command -v nvcc > /dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] || { echo "nvcc not found (set CUDA_HOME)" >&2; exit 1; }
+
+echo "== kernel tasks: check + bench of every known-good solution (jobs=$JOBS) =="
+"$PY" bench/kernels.py --gpu-table --jobs "$JOBS" --budget-s "${BUDGET_S:-330}"
+
+echo "== LEAP probe =="
+if [ -f learner/leap.py ]; then
+    timeout "${LEAP_TIMEOUT_S:-90}" "$PY" -m learner.leap --probe || echo "LEAP probe failed or ran past ${LEAP_TIMEOUT_S:-90} s (exit $?)"
+else
+    echo "learner/leap.py is not there yet: LEAP probe skipped"
+fi
+
+if [ "${GPU_TESTS:-0}" = "1" ]; then
+    echo "== tests marked gpu: tests/tools/test_cuda_tools.py =="
+    "$PY" -m pytest -m gpu tests/tools/test_cuda_tools.py -q
+fi
+echo "done in $(( $(date +%s) - START )) s"
