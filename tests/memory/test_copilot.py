@@ -181,7 +181,7 @@ def test_append_all_in_episode_mode_buffers_until_a_rewarded_run(tok, tmp_path):
             await agent.run({"input": "round one"}, session_id="game-1", request_id="r1")
             await agent.copilot.drain()
             assert mem.current("key-aaaa", "session:game-1") is None  # no reward yet: still buffered
-            out = await agent.run({"task": "basic_arithmetic", "problem_index": 0}, session_id="game-1", request_id="r2")
+            out = await agent.run({"task": "calc_arith", "problem_index": 0}, session_id="game-1", request_id="r2")
             await agent.copilot.drain()
         return out
 
