@@ -44,10 +44,8 @@ Not here: HTTP (``agents/host.py``), tool execution (``tools/``), parsing the se
 
 from __future__ import annotations
 
-import hashlib
 import time
 import uuid
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -60,7 +58,7 @@ from agents.prompts import format_grammar
 from agents.stop import StopDecision, StopPolicy, TurnView
 from agents.t2po import T2POCounters, intervention_text, thinking_open, token_uncertainty, turn_uncertainty
 from agents.tasks import Env, Problem, Task
-from learner.records import Reward, ToolCallRecord, Turn, TurnTimings, new_id
+from learner.records import Reward, ToolCallRecord, Turn, TurnTimings, context_sha256, new_id
 from runtime.agent_api import ANONYMOUS, Lease, RunConflict, RuntimeClient, UnknownModel
 from runtime.engine import GenerateResult, Grammar, SamplingParams, Timings, TokenLogprob
 from tools.registry import ToolRegistry
@@ -68,11 +66,6 @@ from tools.registry import ToolRegistry
 log = structlog.get_logger(__name__)
 
 SENTINEL = "\u2063LOOPWISE\u2063SENTINEL\u2063"  # never produced by a tokenizer's decode of normal text
-
-
-def context_sha256(ids: Sequence[int]) -> str:
-    """The id of an exact context: sha256 of its token ids as little-endian int32 (what ``Branch`` and the learner compare)."""
-    return hashlib.sha256(array("i", ids).tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The learner's configuration: LoRA shape, trainer knobs and sample selection (frozen pydantic models).
 
-``LearnerSettings`` bundles the three; each component gets only its own part (``LoRAConfig`` and
+``LearnerSettings`` bundles them (plus ``RerolloutConfig``); each component gets only its own part (``LoRAConfig`` and
 ``TrainerConfig`` go to ``learner.trainer.LoRATrainer``, ``SampleConfig`` to
 ``learner.samples.collect_samples``). Every field has a description and a default meant for a
 small model on a shared CPU; validation fails at construction, before any model is loaded, and says
@@ -103,6 +103,26 @@ class SampleConfig(BaseModel):
     include_other_families: bool = Field(False, description="also train on turns another adapter family produced (off-policy; counted either way)")
 
 
+class RerolloutConfig(BaseModel):
+    """Re-rollouts from stored contexts (``learner/rerollout.py``): RTPO sparse reverse trees, TCPO counterfactuals.
+
+    Used only when the estimator is ``rtpo`` or ``tcpo`` and the learner trains one agent whose runs name
+    task problems (the branches run through that agent's runs endpoint, with its verifier)."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(True, description="re-roll for rtpo/tcpo; off = rtpo is trajectory GRPO and tcpo has no counterfactuals")
+    branches: int = Field(2, ge=0, le=16, description="RTPO: branch turns K per backbone trajectory (uniform over its turns 1..T-1)")
+    siblings: int = Field(2, ge=1, le=16, description="RTPO: sibling continuations m sampled at each branch turn, each rolled to the end")
+    bucket_size: int = Field(1, ge=1, description="RTPO: turns per bucket of the reverse sweep (one optimizer step per bucket)")
+    refresh: bool = Field(
+        True, description="RTPO: publish each bucket's update before the next bucket's siblings, so they continue with the just-updated policy"
+    )
+    cf_top_q: float = Field(0.2, ge=0.0, le=1.0, description="TCPO: counterfactuals for this top fraction of turns by surprisal")
+    cf_threshold: float | None = Field(None, ge=0.0, description="TCPO: counterfactuals for turns whose surprisal exceeds this (overrides cf_top_q)")
+    cf_samples: int = Field(2, ge=1, le=16, description="TCPO: alternatives M per selected turn (one step each, scored by the verifier)")
+    concurrency: int = Field(8, ge=1, le=64, description="branch runs in flight at once")
+
+
 class LearnerSettings(BaseModel):
     """Everything one learner process for one adapter family needs."""
 
@@ -111,3 +131,4 @@ class LearnerSettings(BaseModel):
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     samples: SampleConfig = Field(default_factory=SampleConfig)
+    rerollouts: RerolloutConfig = Field(default_factory=RerolloutConfig)

@@ -16,9 +16,12 @@ Not here: storage (``learner/store.py``) or how samples are built for training.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 import uuid
+from array import array
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,6 +29,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def context_sha256(ids: Sequence[int]) -> str:
+    """The id of an exact context: sha256 of its token ids as little-endian int32.
+
+    Re-rollouts check it (a branch's rebuilt context must match the recorded one) and the learner keys
+    RTPO sibling sets and GiGPO anchors on it."""
+    a = array("i", ids)
+    if a.itemsize != 4 or array("i", [1]).tobytes() != b"\x01\x00\x00\x00":
+        raise RuntimeError("context_sha256 needs 4-byte little-endian C ints")
+    return hashlib.sha256(a.tobytes()).hexdigest()
 
 
 class _Record(BaseModel):

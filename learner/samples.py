@@ -27,6 +27,8 @@ What is skipped, and counted in ``SkipCounts`` (in turns; untrainable also in tr
 - ``untrainable``: trajectory meta ``trainable`` is false (an agent run broke the prefix invariant);
 - ``draft``: T²PO resampled drafts (meta ``resampled_draft``), which are discarded by design;
 - ``eval``: evaluation runs on held-out problems (meta ``eval``), never trained on;
+- ``rerollout``: RTPO siblings and TCPO counterfactuals (meta ``rerollout``): the update that asked for
+  them trained on them (``learner/rerollout.py``), so the live stream never takes them again;
 - ``stale``: produced by ``family@N`` with ``N < current_version - max_staleness`` (the base model,
   ``adapter=None``, counts as version 0);
 - ``other_family``: produced by another family's adapter (kept only with ``include_other_families``);
@@ -36,7 +38,8 @@ What is skipped, and counted in ``SkipCounts`` (in turns; untrainable also in tr
 Samples without behaviour logprobs are kept (the trainer then uses its own detached logprobs, i.e.
 ratio 1) and counted in ``missing_logprobs``.
 
-Not here: advantages (``learner.advantages``), tensors or padding (``learner.trainer``), re-rollouts.
+Not here: advantages (``learner.advantages``), tensors or padding (``learner.trainer``), re-rollouts
+(``learner.rerollout``).
 Importing this module does not import torch.
 """
 
@@ -53,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from learner.config import SampleConfig
-from learner.records import Reward, Trajectory
+from learner.records import Reward, Trajectory, context_sha256
 
 if TYPE_CHECKING:
     from learner.advantages import TurnSample
@@ -121,6 +124,7 @@ class SkipCounts:
     untrainable_trajectories: int = 0
     draft: int = 0
     eval: int = 0
+    rerollout: int = 0
     stale: int = 0
     other_family: int = 0
     no_reward: int = 0
@@ -225,52 +229,64 @@ def collect_samples(
         if traj.meta.get("eval"):
             counts.eval += len(traj.turns)
             continue
-        if traj.meta.get("trainable", True) is False:
-            counts.untrainable += len(traj.turns)
-            counts.untrainable_trajectories += 1
+        if traj.meta.get("rerollout"):
+            counts.rerollout += len(traj.turns)
             continue
-        gid = group_id_of(traj)
-        traj_reward = _latest(traj.rewards, "trajectory", tid)
-        for turn in traj.turns:
-            fam, version = parse_adapter(turn.adapter)
-            if fam is not None and fam != family:
-                if not cfg.include_other_families:
-                    counts.other_family += 1
-                    continue
-            elif version < min_version:
-                counts.stale += 1
-                continue
-            turn_reward = _latest(traj.rewards, "turn", turn.turn_id)
-            if turn_reward is None and traj_reward is None:
-                counts.no_reward += 1
-                continue
-            if not any(turn.loss_mask):
-                counts.no_tokens += 1
-                continue
-            if not turn.logprobs:
-                counts.missing_logprobs += 1
-            samples.append(
-                Sample(
-                    turn_id=turn.turn_id,
-                    trajectory_id=tid,
-                    group_id=gid,
-                    turn_index=turn.index,
-                    context_ids=list(turn.context_ids),
-                    output_ids=list(turn.output_ids),
-                    logprobs=list(turn.logprobs),
-                    loss_mask=list(turn.loss_mask),
-                    adapter=turn.adapter,
-                    adapter_version=max(version, 0),
-                    reward=turn_reward,
-                    trajectory_reward=traj_reward,
-                    temperature=_temperature(turn.sampling),
-                    created_at=turn.created_at,
-                    meta=dict(traj.meta),
-                )
-            )
+        samples += trajectory_samples(traj, family=family, min_version=min_version, cfg=cfg, counts=counts)
     next_cursor = Cursor(since=max(cursor.since, horizon))
     log.info("collected samples", family=family, samples=len(samples), trajectories=len(seen), **counts.as_dict())
     return SampleBatch(samples=samples, counts=counts, cursor=next_cursor)
+
+
+def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: SampleConfig, counts: SkipCounts) -> list[Sample]:
+    """The trainable turns of one trajectory (turn-level skips counted in ``counts``); ``collect_samples``
+    calls it per settled trajectory, the re-rollout code on the branches it just ran."""
+    if traj.meta.get("trainable", True) is False:
+        counts.untrainable += len(traj.turns)
+        counts.untrainable_trajectories += 1
+        return []
+    tid = traj.trajectory_id
+    gid = group_id_of(traj)
+    traj_reward = _latest(traj.rewards, "trajectory", tid)
+    out: list[Sample] = []
+    for turn in traj.turns:
+        fam, version = parse_adapter(turn.adapter)
+        if fam is not None and fam != family:
+            if not cfg.include_other_families:
+                counts.other_family += 1
+                continue
+        elif version < min_version:
+            counts.stale += 1
+            continue
+        turn_reward = _latest(traj.rewards, "turn", turn.turn_id)
+        if turn_reward is None and traj_reward is None:
+            counts.no_reward += 1
+            continue
+        if not any(turn.loss_mask):
+            counts.no_tokens += 1
+            continue
+        if not turn.logprobs:
+            counts.missing_logprobs += 1
+        out.append(
+            Sample(
+                turn_id=turn.turn_id,
+                trajectory_id=tid,
+                group_id=gid,
+                turn_index=turn.index,
+                context_ids=list(turn.context_ids),
+                output_ids=list(turn.output_ids),
+                logprobs=list(turn.logprobs),
+                loss_mask=list(turn.loss_mask),
+                adapter=turn.adapter,
+                adapter_version=max(version, 0),
+                reward=turn_reward,
+                trajectory_reward=traj_reward,
+                temperature=_temperature(turn.sampling),
+                created_at=turn.created_at,
+                meta=dict(traj.meta),
+            )
+        )
+    return out
 
 
 def make_groups(samples: Iterable[Sample]) -> list[Group]:
@@ -285,7 +301,9 @@ def to_turn_samples(samples: Sequence[Sample]) -> list[TurnSample]:
     """The estimators' view of ``samples`` (same order).
 
     ``correct`` and ``score`` come from the trajectory meta when an agent recorded them (bool / number);
-    ``anchor`` (GiGPO's per-turn environment state) is not recorded per turn yet, so it is None.
+    ``anchor`` is the exact context's id (:func:`learner.records.context_sha256`): turns with byte-identical
+    contexts (the first turns of one problem's runs, RTPO siblings and their backbone turn) share it, which
+    is both RTPO's sibling key and GiGPO's (exact) state anchor.
     """
     from learner.advantages import TurnSample  # numpy-only; imported here so this module stays importable on its own
 
@@ -299,7 +317,7 @@ def to_turn_samples(samples: Sequence[Sample]) -> list[TurnSample]:
             n_tokens=s.n_tokens,
             correct=_opt_bool(s.meta.get("correct")),
             score=_finite(s.meta.get("score")) if isinstance(s.meta.get("score"), int | float) else None,
-            anchor=None,
+            anchor=context_sha256(s.context_ids),
         )
         for s in samples
     ]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,14 +41,26 @@ from typing import Any
 import httpx
 import structlog
 
+from learner._files import sha256_file
 from learner.config import LearnerSettings
-from learner.publish import AdminError, RuntimeAdmin, clean_staging, publish_adapter
-from learner.samples import Cursor, collect_samples
+from learner.publish import MANIFEST_FILE, AdminError, RuntimeAdmin, adapter_path, clean_staging, publish_adapter
+from learner.records import Trajectory
+from learner.rerollout import (
+    BranchPoint,
+    BranchRunner,
+    branchable,
+    choose_branch_turns,
+    counterfactual_score,
+    rtpo_buckets,
+    select_counterfactual_turns,
+)
+from learner.samples import Cursor, Sample, SkipCounts, collect_samples, trajectory_samples
 from learner.store import SqliteStore, db_path
 
 log = structlog.get_logger(__name__)
 
 REQUEST_FILE = "update.request"
+INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only for an RTPO sweep's siblings
 
 
 def learner_dir(data_dir: Path, family: str) -> Path:
@@ -161,7 +174,7 @@ class LearnerService:
         batch = collect_samples(
             self.store,
             family=self.family,
-            current_version=self._published_version(),
+            current_version=self._staleness_floor() + self.cfg.settings.samples.max_staleness,
             cursor=Cursor.from_dict(trainer.cursor),
             cfg=self.cfg.settings.samples,
         )
@@ -170,11 +183,13 @@ class LearnerService:
         if not samples and not force:
             self._set("waiting", f"no settled samples yet ({batch.counts.deferred_trajectories} trajectories still settling)")
             return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
-        metrics = trainer.step(samples, skipped=skipped)
+        metrics, rerollouts = self._train(trainer, samples, skipped)
         trainer.cursor = batch.cursor.to_dict()
         self._seen_since = batch.cursor.since
         trainer.save_checkpoint(self.dir / "checkpoints")
         record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict()}
+        if rerollouts is not None:
+            record["rerollouts"] = rerollouts
         self.status.version, self.status.updates, self.status.last_update_at = trainer.version, self.status.updates + 1, time.time()
         self.status.last_metrics = metrics.as_dict()
         if metrics.optimizer_step:
@@ -186,6 +201,118 @@ class LearnerService:
             f.write(json.dumps(record) + "\n")
         self._plot()
         return record
+
+    # ---- training, with re-rollouts for rtpo / tcpo ---------------------------------------------
+    def _train(self, trainer: Any, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any] | None]:
+        """One update's optimizer work: a plain step, RTPO's reverse sweep, or a TCPO step with counterfactuals."""
+        rr = self.cfg.settings.rerollouts
+        estimator = self.cfg.settings.trainer.estimator
+        if not samples or not rr.enabled or self.cfg.agent is None or estimator not in ("rtpo", "tcpo"):
+            return trainer.step(samples, skipped=skipped), None
+        runner = BranchRunner(self.cfg.admin_url, self.cfg.api_key, agent=self.cfg.agent, store=self.store, concurrency=rr.concurrency)
+        if estimator == "rtpo":
+            return self._rtpo_sweep(trainer, runner, samples, skipped)
+        return self._tcpo_step(trainer, runner, samples, skipped)
+
+    def _rtpo_sweep(self, trainer: Any, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any]]:
+        """RTPO (algorithms.md 2): K branch turns per backbone, m siblings each, turn buckets updated latest first.
+
+        Each bucket's siblings are sampled from the backbone's exact stored context by the newest policy the
+        runtime serves; with ``refresh`` every bucket's update is published (``family@N``, no gate) before
+        the next bucket's siblings, so each turn is judged by the continuation policy that follows it. A
+        bucket trains on the backbone turns of its turn indices plus its siblings' branch turns; the
+        siblings' later turns only provide their returns."""
+        rr = self.cfg.settings.rerollouts
+        rng = random.Random(f"{trainer.cfg.seed}:{trainer.version}")
+        backbones: dict[str, Trajectory] = {}
+        for tid in dict.fromkeys(s.trajectory_id for s in samples):
+            traj = self.store.get_trajectory(tid)
+            if traj is not None and branchable(traj):
+                backbones[tid] = traj
+        plan = [BranchPoint(traj, t) for traj in backbones.values() for t in choose_branch_turns(len(traj.turns), rr.branches, rng)]
+        model = self._rollout_model()
+        info: dict[str, Any] = {"estimator": "rtpo", "backbones": len(backbones), "branch_points": len(plan), "sibling_runs": 0, "failed": 0}
+        info.update(siblings=0, sampled_tokens=0, buckets=[], refreshed=[])
+        min_version = self._staleness_floor()
+        merged: Any = None
+        buckets = rtpo_buckets([s.turn_index for s in samples] + [p.turn for p in plan], rr.bucket_size)
+        published_here: list[str] = []
+        for k, bucket in enumerate(buckets):
+            points = [p for p in plan if p.turn in bucket]
+            siblings: list[Sample] = []
+            if points:
+                runs = runner.run(points, n=rr.siblings, model=model, kind="rtpo", seed=trainer.version * 131 + k)
+                info["sibling_runs"] += len(runs)
+                info["failed"] += sum(1 for r in runs if r.error)
+                for r in runs:
+                    if r.trajectory is None:
+                        continue
+                    info["sampled_tokens"] += sum(len(t.output_ids) for t in r.trajectory.turns)
+                    counts = SkipCounts()
+                    got = trajectory_samples(r.trajectory, family=self.family, min_version=min_version, cfg=self.cfg.settings.samples, counts=counts)
+                    siblings += [s for s in got if s.turn_index == r.point.turn]
+            chosen = [s for s in samples if s.turn_index in bucket] + siblings
+            info["siblings"] += len(siblings)
+            m = trainer.step(chosen, skipped=skipped if k == 0 else {})
+            info["buckets"].append({"turns": bucket, "samples": len(chosen), "siblings": len(siblings), "optimizer_step": m.optimizer_step})
+            merged = _merge_metrics(merged, m)
+            if rr.refresh and m.optimizer_step and points and k + 1 < len(buckets) and any(p.turn in b for b in buckets[k + 1 :] for p in plan):
+                model = self._publish_intermediate(trainer)
+                published_here.append(model)
+                info["refreshed"].append(model)
+        for name in published_here:
+            self._unload(name)  # intermediate versions served only this sweep's siblings; the final one is published and gated next
+        log.info("rtpo sweep", **{k: v for k, v in info.items() if k != "buckets"})
+        return merged, info
+
+    def _tcpo_step(self, trainer: Any, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any]]:
+        """TCPO (algorithms.md 4): M one-step alternatives from the exact history of each high-surprisal turn, scored by the verifier."""
+        rr = self.cfg.settings.rerollouts
+        chosen = select_counterfactual_turns(samples, top_q=rr.cf_top_q, threshold=rr.cf_threshold)
+        trajs: dict[str, Trajectory | None] = {}
+        points: list[BranchPoint] = []
+        for s in chosen:
+            if s.trajectory_id not in trajs:
+                trajs[s.trajectory_id] = self.store.get_trajectory(s.trajectory_id)
+            traj = trajs[s.trajectory_id]
+            if traj is not None and branchable(traj) and s.turn_index < len(traj.turns):
+                points.append(BranchPoint(traj, s.turn_index))
+        runs = runner.run(points, n=rr.cf_samples, model=self._rollout_model(), kind="tcpo", one_step=True, seed=trainer.version) if points else []
+        scores: dict[tuple[str, int], list[float]] = {}
+        for r in runs:
+            v = counterfactual_score(r.run) if r.error is None else None
+            if v is not None:
+                scores.setdefault((r.point.trajectory.trajectory_id, r.point.turn), []).append(v)
+        info = {
+            "estimator": "tcpo",
+            "selected_turns": len(chosen),
+            "branch_points": len(points),
+            "counterfactual_runs": len(runs),
+            "failed": sum(1 for r in runs if r.error),
+            "scored_turns": len(scores),
+            "sampled_tokens": sum(len(t.output_ids) for r in runs if r.trajectory is not None for t in r.trajectory.turns),
+        }
+        log.info("tcpo counterfactuals", **info)
+        params = {**self.cfg.settings.trainer.estimator_params, "counterfactual_scores": scores}
+        return trainer.step(samples, skipped=skipped, estimator_params=params), info
+
+    def _rollout_model(self) -> str:
+        """The newest policy the runtime can serve: the family's newest published version (loaded if it is not), else the base model."""
+        version = self._published_version()
+        if version == 0:
+            return self._base_model_name()
+        name = f"{self.family}@{version}"
+        loaded = {a["name"] for a in self.admin.list_adapters().get("data", [])}
+        if name not in loaded:  # e.g. refused by the gate and unloaded: still the weights the trainer continues from
+            path = adapter_path(self.adapter_root, self.family, version)
+            self.admin.load(path, self.family, version, sha256=sha256_file(path / MANIFEST_FILE))
+        return name
+
+    def _publish_intermediate(self, trainer: Any) -> str:
+        """Publish and load the trainer's current weights for the next bucket's siblings (no gate, no alias)."""
+        published = publish_adapter(trainer.model, self.adapter_root, self.family, trainer.version, meta={INTERMEDIATE: True})
+        self.admin.load(published.path, self.family, trainer.version, sha256=published.manifest_sha256)
+        return published.name
 
     def _publish_and_gate(self, trainer: Any) -> dict[str, Any]:
         version = trainer.version
@@ -294,6 +421,17 @@ class LearnerService:
             and (r["last_turn_at"] or 0) < settled
         )
 
+    def _staleness_floor(self) -> int:
+        """The oldest version still fresh: ``max_staleness`` gated versions back (RTPO's intermediate versions do not count)."""
+        versions = []
+        for p in (self.adapter_root / self.family).glob("v*"):
+            if p.name[1:].isdigit() and (p / MANIFEST_FILE).is_file():
+                if not json.loads((p / MANIFEST_FILE).read_text()).get(INTERMEDIATE):
+                    versions.append(int(p.name[1:]))
+        versions.sort(reverse=True)
+        k = self.cfg.settings.samples.max_staleness
+        return versions[k] if len(versions) > k else 0
+
     def _published_version(self) -> int:
         """The family's newest published version (0 before the first): what the runtime may be serving."""
         versions = [int(p.name[1:]) for p in (self.adapter_root / self.family).glob("v*") if p.name[1:].isdigit()]
@@ -363,3 +501,21 @@ class LearnerService:
         fig.tight_layout()
         fig.savefig(self.dir / "reward.png", dpi=90)
         plt.close(fig)
+
+
+def _merge_metrics(acc: Any, m: Any) -> Any:
+    """One update's metrics from several trainer steps: the last step's values, counts summed, ``optimizer_step`` if any stepped."""
+    if acc is None:
+        return m
+    import dataclasses
+
+    skipped = {k: acc.skipped.get(k, 0) + m.skipped.get(k, 0) for k in {*acc.skipped, *m.skipped}}
+    return dataclasses.replace(
+        m,
+        optimizer_step=acc.optimizer_step or m.optimizer_step,
+        samples=acc.samples + m.samples,
+        trained_samples=acc.trained_samples + m.trained_samples,
+        tokens=acc.tokens + m.tokens,
+        step_s=acc.step_s + m.step_s,
+        skipped=skipped,
+    )

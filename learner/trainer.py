@@ -253,10 +253,15 @@ class LoRATrainer:
 
     # -- one update -------------------------------------------------------------------------------
 
-    def step(self, samples: Sequence[Sample], skipped: Mapping[str, int] | None = None) -> StepMetrics:
-        """One optimizer update on ``samples`` (see the module docstring); always advances ``version`` by one."""
+    def step(
+        self, samples: Sequence[Sample], skipped: Mapping[str, int] | None = None, *, estimator_params: Mapping[str, Any] | None = None
+    ) -> StepMetrics:
+        """One optimizer update on ``samples`` (see the module docstring); always advances ``version`` by one.
+
+        ``estimator_params`` replaces the configured ones for this step (e.g. TCPO's counterfactual scores)."""
         t0 = time.perf_counter()
-        advantages = compute_advantages(self.cfg.estimator, to_turn_samples(samples), **self.cfg.estimator_params) if samples else []
+        params = self.cfg.estimator_params if estimator_params is None else estimator_params
+        advantages = compute_advantages(self.cfg.estimator, to_turn_samples(samples), **params) if samples else []
         if len(advantages) != len(samples) or not all(np.isfinite(advantages)):
             raise ValueError(f"estimator {self.cfg.estimator!r} returned {len(advantages)} advantages for {len(samples)} samples, or non-finite ones")
         m = StepMetrics(version=self.version, optimizer_step=False, samples=len(samples), trained_samples=0, tokens=0, skipped=dict(skipped or {}))

@@ -153,3 +153,93 @@ def test_serve_starts_the_learner_and_keeps_the_admin_api_closed_to_others(start
     while json.loads(status_file.read_text())["state"] != "stopped" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert json.loads(status_file.read_text())["state"] == "stopped"  # the learner stops with the server
+
+
+MULTI_AGENT = {
+    "name": "multi-agent",
+    "temperature": 1.0,
+    "stop_policy": "fixed",
+    "max_turns": 3,
+    "max_tokens_per_turn": 6,
+    "task": "basic_arithmetic",
+    "adapter_family": "rt",
+}
+
+
+def multi_traffic(server, problems: range, samples: int) -> list[str]:
+    """Three-turn runs (fixed stop policy), alternating feedback per problem so groups have variance."""
+    if "multi-agent" not in {a["name"] for a in admin(server, "GET", "/admin/agents").json()["data"]}:
+        assert admin(server, "POST", "/admin/agents", json=MULTI_AGENT).status_code == 201
+    ids = []
+    for p in problems:
+        for k in range(samples):
+            body = {"task": "basic_arithmetic", "problem_index": p, "seed": 0, "sample_seed": k}
+            r = httpx.post(server.url + "/agents/multi-agent/runs", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["turns"] == 3
+            ids.append(r.json()["trajectory_id"])
+            httpx.post(server.url + "/feedback", json={"trajectory_id": ids[-1], "reward": float(k % 2)}, timeout=60).raise_for_status()
+    return ids
+
+
+def rr_service(server, tiny_model_path, family: str, estimator: str, rerollouts: dict) -> LearnerService:
+    s = settings().model_dump()
+    s.update(family=family, rerollouts=rerollouts)
+    s["trainer"]["estimator"] = estimator
+    cfg = ServiceConfig(
+        data_dir=server.log_path.parent,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        settings=LearnerSettings.model_validate(s),
+        agent="multi-agent",
+        gate_n=0,
+    )
+    return LearnerService(cfg)
+
+
+def test_rtpo_sweeps_turns_in_reverse_with_siblings_from_the_exact_stored_contexts(server, tiny_model_path):
+    from learner.store import SqliteStore
+
+    backbones = multi_traffic(server, range(2), 4)
+    svc = rr_service(server, tiny_model_path, "rt", "rtpo", {"branches": 1, "siblings": 2, "refresh": True})
+    record = svc.update()
+    rr = record["rerollouts"]
+    assert rr["backbones"] == 8 and rr["branch_points"] == 8 and rr["sibling_runs"] == 16 and rr["failed"] == 0
+    assert [b["turns"] for b in rr["buckets"]] == [[2], [1], [0]]  # latest turn first
+    assert rr["siblings"] == 16 and sum(b["siblings"] for b in rr["buckets"]) == 16
+    store = SqliteStore(server.log_path.parent / "interactions.db")
+    branches = [t for t in store.list_trajectories(limit=1000) if t["meta"].get("rerollout") == "rtpo"]
+    assert len(branches) == 16
+    for row in branches:
+        branch = store.get_trajectory(row["trajectory_id"])
+        backbone = store.get_trajectory(branch.meta["branch_of"])
+        t = branch.meta["branch_turn"]
+        assert backbone.trajectory_id in backbones and t in (1, 2)
+        assert branch.turns[0].index == t and branch.turns[0].context_ids == backbone.turns[t].context_ids  # byte-identical
+        assert branch.turns[0].parent_turn_id == backbone.turns[t - 1].turn_id
+        assert len(branch.turns) == 3 - t  # rolled to the end of the run
+    # the sweep's intermediate versions served only its siblings: unloaded again; later siblings used them
+    loaded = {a["name"] for a in admin(server, "GET", "/admin/adapters").json()["data"]}
+    assert not loaded & set(rr["refreshed"])
+    # turn 2's sibling sets have reward variance (backbones got feedback 0/1, siblings the verifier's 0), so its
+    # bucket stepped and turn 1's siblings were sampled by the just-updated policy
+    assert rr["buckets"][0]["optimizer_step"] and len(rr["refreshed"]) >= 1
+    later = {store.get_trajectory(r["trajectory_id"]).turns[0].adapter for r in branches if r["meta"]["branch_turn"] == 1}
+    assert later == {rr["refreshed"][0]}
+    assert record["gate"]["decision"] in ("passed", "skipped")
+    # the live stream never takes the branches again
+    from learner.samples import Cursor, collect_samples
+
+    batch = collect_samples(store, family="rt", current_version=9, cursor=Cursor(), cfg=svc.cfg.settings.samples)
+    assert batch.counts.rerollout >= sum(3 - r["meta"]["branch_turn"] for r in branches)
+    assert not any(s.meta.get("rerollout") for s in batch.samples)
+
+
+def test_tcpo_scores_one_step_counterfactuals_of_high_surprisal_turns(server, tiny_model_path):
+    multi_traffic(server, range(10, 11), 4)
+    svc = rr_service(server, tiny_model_path, "tc", "tcpo", {"cf_top_q": 0.25, "cf_samples": 2})
+    record = svc.update()
+    info = record["rerollouts"]
+    assert info["selected_turns"] >= 1 and info["counterfactual_runs"] == 2 * info["branch_points"] and info["failed"] == 0
+    assert info["scored_turns"] == info["branch_points"]

@@ -1,0 +1,209 @@
+"""Re-rollouts from stored contexts: RTPO's sparse reverse trees and TCPO's fixed-history counterfactuals.
+
+    runner = BranchRunner("http://127.0.0.1:8000", api_key, agent="calc-agent", store=store)
+    runs = runner.run([BranchPoint(traj, 2)], n=2, model="calc-lora@3", kind="rtpo")   # list[BranchRun]
+
+A **branch point** is turn ``t`` of a recorded task run (its meta names ``task``, ``problem_index`` and
+``problem_seed``). A branch run asks the runtime's runs endpoint for the same agent and task problem
+with ``branch`` = the trajectory's output ids of turns ``0..t-1`` and the sha256 of its recorded
+context at turn ``t``: the runtime replays those turns (tools and environment run again), refuses with
+409 unless the rebuilt context is byte-identical, and samples from turn ``t`` with the given model to
+the end of the run (``agents/loop.py``, "Re-rollouts"). The verifier rewards the branch like any run;
+its trajectory is recorded with meta ``branch_of``/``branch_turn``/``anchor``/``rerollout``, which keeps
+it out of the live sample stream (``learner.samples``: the update that asked for it trains on it).
+``BranchRunner`` reads each branch back from the interaction store, waiting out the recorder's commit
+window, so training uses the exact recorded ids, never the HTTP answer.
+
+Pure planning helpers:
+- :func:`choose_branch_turns`: RTPO's K branch turns of a backbone (uniform over turns ``1..T-1``;
+  turn 0 needs no branch: a problem's runs already share that context, so they are its siblings);
+- :func:`rtpo_buckets`: the reverse sweep's turn buckets, latest first (``advantages.rtpo_update_order``);
+- :func:`select_counterfactual_turns`: TCPO's high-surprisal turns (``advantages.tcpo_select_turns``);
+- :func:`counterfactual_score`: the score of a one-step alternative (its process score, else the
+  verifier's reward of the one-step run).
+
+Not here: the update schedule (``learner/service.py`` runs the sweep and the trainer), advantages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+import structlog
+
+from learner.advantages import tcpo_select_turns, turn_surprisal
+from learner.records import Trajectory, context_sha256
+from learner.samples import Sample
+
+log = structlog.get_logger(__name__)
+
+
+class _Store(Protocol):
+    def get_trajectory(self, trajectory_id: str) -> Trajectory | None: ...
+
+
+@dataclass(frozen=True)
+class BranchPoint:
+    trajectory: Trajectory  # the backbone, as recorded
+    turn: int  # the position of the branch turn in ``trajectory.turns`` (= its turn index for agent runs)
+
+
+@dataclass
+class BranchRun:
+    point: BranchPoint
+    run: dict[str, Any] = field(default_factory=dict)  # the runs endpoint's answer ({} on failure)
+    trajectory: Trajectory | None = None  # the recorded branch (sampled turns only), None on failure
+    error: str | None = None  # why there is no branch (409 mismatch, HTTP error, not recorded in time)
+
+
+def branchable(traj: Trajectory) -> bool:
+    """A task run the runtime can replay: it names its problem and was not itself a branch or an eval run."""
+    m = traj.meta
+    return (
+        isinstance(m.get("problem_index"), int)
+        and m.get("task") is not None
+        and not m.get("rerollout")
+        and not m.get("eval")
+        and m.get("trainable", True) is not False
+        and [t.index for t in traj.turns] == list(range(len(traj.turns)))
+    )
+
+
+def branch_body(point: BranchPoint, *, sample_seed: int, model: str | None, kind: str, max_turns: int | None = None) -> dict[str, Any]:
+    """The ``POST /v1/agents/{agent}/runs`` body of one branch run."""
+    traj, t = point.trajectory, point.turn
+    if not 0 <= t < len(traj.turns):
+        raise ValueError(f"branch turn {t} outside the trajectory's {len(traj.turns)} turns")
+    m = traj.meta
+    body: dict[str, Any] = {
+        "task": m["task"],
+        "problem_index": m["problem_index"],
+        "seed": m.get("problem_seed") or 0,
+        "sample_seed": sample_seed,
+        "branch": {
+            "prefix_outputs": [list(x.output_ids) for x in traj.turns[:t]],
+            "context_sha256": context_sha256(traj.turns[t].context_ids),
+            "parent_turn_id": traj.turns[t - 1].turn_id if t else None,
+            "trajectory_id": traj.trajectory_id,
+            "kind": kind,
+        },
+    }
+    if model is not None:
+        body["model"] = model
+    if max_turns is not None:
+        body["max_turns"] = max_turns
+    return body
+
+
+def choose_branch_turns(n_turns: int, k: int, rng: random.Random) -> list[int]:
+    """RTPO's sparse branch turns of one backbone: ``min(k, n_turns - 1)`` distinct turns of ``1..n_turns-1``, ascending."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    pool = list(range(1, n_turns))
+    return sorted(rng.sample(pool, min(k, len(pool))))
+
+
+def rtpo_buckets(turn_indices: Iterable[int], bucket_size: int = 1) -> list[list[int]]:
+    """The reverse sweep over turn indices: buckets of ``bucket_size`` turns, latest first, each ascending.
+
+    Bucket k holds the turns in ``(t_max - (k+1)*bucket_size, t_max - k*bucket_size]`` (empty ones dropped),
+    the same rule as :func:`learner.advantages.rtpo_update_order` applies to samples."""
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
+    turns = sorted(set(turn_indices))
+    if not turns:
+        return []
+    buckets: dict[int, list[int]] = {}
+    for t in turns:
+        buckets.setdefault((turns[-1] - t) // bucket_size, []).append(t)
+    return [buckets[k] for k in sorted(buckets)]
+
+
+def select_counterfactual_turns(samples: Sequence[Sample], *, top_q: float, threshold: float | None) -> list[Sample]:
+    """TCPO's selective counterfactuals: the samples whose behaviour-policy surprisal is in the top ``top_q`` (or above ``threshold``).
+
+    Samples without recorded logprobs have no surprisal and are never selected."""
+    with_lp = [s for s in samples if s.logprobs]
+    if not with_lp:
+        return []
+    chosen = tcpo_select_turns([turn_surprisal(s.logprobs) for s in with_lp], top_q=top_q, threshold=threshold)
+    return [s for s, c in zip(with_lp, chosen, strict=True) if c]
+
+
+def counterfactual_score(run: dict[str, Any]) -> float | None:
+    """The verifier's score of a one-step alternative: its process score, else the run's reward; None if neither."""
+    steps = [s for s in run.get("steps", []) if not s.get("replayed")]
+    if steps and isinstance(steps[-1].get("process_score"), int | float):
+        return float(steps[-1]["process_score"])
+    r = run.get("reward")
+    return float(r) if isinstance(r, int | float) else None
+
+
+class BranchRunner:
+    """Runs branch points through a runtime's runs endpoint and reads the recorded branches back."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        *,
+        agent: str,
+        store: _Store,
+        concurrency: int = 8,
+        timeout_s: float = 900.0,
+        record_wait_s: float = 30.0,
+    ) -> None:
+        self.base_url, self.agent, self.store = base_url.rstrip("/"), agent, store
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.concurrency, self.timeout_s, self.record_wait_s = concurrency, timeout_s, record_wait_s
+
+    def run(self, points: Sequence[BranchPoint], *, n: int, model: str | None, kind: str, one_step: bool = False, seed: int = 0) -> list[BranchRun]:
+        """``n`` branch runs per point (sampling seeds ``seed*10007 + k``); ``one_step`` stops each after its first sampled turn."""
+        return asyncio.run(self._run_all(points, n, model, kind, one_step, seed))
+
+    async def _run_all(self, points: Sequence[BranchPoint], n: int, model: str | None, kind: str, one_step: bool, seed: int) -> list[BranchRun]:
+        sem = asyncio.Semaphore(self.concurrency)
+        async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout_s) as client:
+
+            async def one(point: BranchPoint, k: int) -> BranchRun:
+                body = branch_body(point, sample_seed=seed * 10007 + k, model=model, kind=kind, max_turns=point.turn + 1 if one_step else None)
+                async with sem:
+                    try:
+                        r = await client.post(f"/v1/agents/{self.agent}/runs", json=body)
+                    except httpx.HTTPError as exc:
+                        return BranchRun(point, error=f"{type(exc).__name__}: {exc}")
+                if r.status_code != 200:
+                    return BranchRun(point, error=f"{r.status_code}: {r.text[:300]}")
+                run = r.json()
+                traj = await self._recorded(run)
+                return BranchRun(point, run, traj, None if traj is not None else "the branch was not recorded in time")
+
+            results = await asyncio.gather(*(one(p, k) for p in points for k in range(n)))
+        failed = [r.error for r in results if r.error]
+        if failed:
+            log.warning("branch runs failed", kind=kind, failed=len(failed), of=len(results), first=failed[0])
+        return list(results)
+
+    async def _recorded(self, run: dict[str, Any]) -> Trajectory | None:
+        """The branch's trajectory once all its sampled turns, its meta and (if the run got one) its reward are stored."""
+        sampled = sum(1 for s in run.get("steps", []) if not s.get("replayed"))
+        want_reward = run.get("reward") is not None
+        deadline = time.monotonic() + self.record_wait_s
+        while True:
+            traj = self.store.get_trajectory(run["trajectory_id"])
+            if (
+                traj is not None
+                and len(traj.turns) == sampled
+                and traj.meta.get("rerollout")
+                and (not want_reward or any(r.target == "trajectory" for r in traj.rewards))
+            ):
+                return traj
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.05)

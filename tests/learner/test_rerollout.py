@@ -1,0 +1,111 @@
+"""The re-rollout planning helpers on tables (the HTTP path runs end to end in ``test_service.py``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from learner.advantages import TurnSample, rtpo_update_order
+from learner.records import Trajectory, Turn, context_sha256
+from learner.rerollout import (
+    BranchPoint,
+    branch_body,
+    branchable,
+    choose_branch_turns,
+    counterfactual_score,
+    rtpo_buckets,
+    select_counterfactual_turns,
+)
+from learner.samples import Sample
+
+
+def turn(i: int, ctx: list[int], out: list[int]) -> Turn:
+    return Turn(
+        turn_id=f"t{i}", trajectory_id="tr", session_id="s", index=i, parent_turn_id=f"t{i - 1}" if i else None,
+        model="m", context_ids=ctx, output_ids=out, logprobs=[-0.1] * len(out), loss_mask=[1] * len(out), completion_id="c", finish_reason="stop",
+    )  # fmt: skip
+
+
+def traj(meta: dict | None = None) -> Trajectory:
+    turns = [turn(0, [1, 2], [3, 4]), turn(1, [1, 2, 3, 4, 9], [5]), turn(2, [1, 2, 3, 4, 9, 5, 9], [6, 7])]
+    m = {"task": "calc_arith", "problem_index": 3, "problem_seed": 7, "agent": "a", **(meta or {})}
+    return Trajectory(trajectory_id="tr", session_id="s", turns=turns, meta=m)
+
+
+def test_branch_body_replays_the_prefix_and_pins_the_recorded_context():
+    body = branch_body(BranchPoint(traj(), 2), sample_seed=11, model="fam@2", kind="rtpo")
+    assert body["task"] == "calc_arith" and body["problem_index"] == 3 and body["seed"] == 7 and body["sample_seed"] == 11
+    assert body["branch"]["prefix_outputs"] == [[3, 4], [5]]
+    assert body["branch"]["context_sha256"] == context_sha256([1, 2, 3, 4, 9, 5, 9])
+    assert body["branch"]["parent_turn_id"] == "t1" and body["branch"]["trajectory_id"] == "tr" and body["model"] == "fam@2"
+    one = branch_body(BranchPoint(traj(), 0), sample_seed=0, model=None, kind="tcpo", max_turns=1)
+    assert one["branch"]["prefix_outputs"] == [] and one["branch"]["parent_turn_id"] is None and one["max_turns"] == 1 and "model" not in one
+    with pytest.raises(ValueError, match="outside"):
+        branch_body(BranchPoint(traj(), 3), sample_seed=0, model=None, kind="rtpo")
+
+
+def test_context_ids_hash_is_stable_and_order_sensitive():
+    assert context_sha256([1, 2, 3]) == context_sha256((1, 2, 3))
+    assert context_sha256([1, 2, 3]) != context_sha256([3, 2, 1])
+    assert context_sha256([]) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of nothing
+
+
+def test_only_replayable_task_runs_are_branched():
+    assert branchable(traj())
+    assert not branchable(traj({"problem_index": None}))
+    assert not branchable(traj({"rerollout": "rtpo"}))  # never branch a branch
+    assert not branchable(traj({"eval": True}))
+    assert not branchable(traj({"trainable": False}))
+
+
+@pytest.mark.parametrize("n_turns,k,expected_len", [(1, 2, 0), (2, 2, 1), (5, 2, 2), (5, 0, 0), (4, 9, 3)])
+def test_branch_turns_are_distinct_and_never_turn_zero(n_turns, k, expected_len):
+    for seed in range(20):
+        got = choose_branch_turns(n_turns, k, random.Random(seed))
+        assert len(got) == expected_len and got == sorted(set(got)) and all(1 <= t < n_turns for t in got)
+
+
+def test_branch_turns_cover_all_later_turns_uniformly():
+    rng = random.Random(0)
+    hits = [0] * 5
+    for _ in range(4000):
+        for t in choose_branch_turns(5, 1, rng):
+            hits[t] += 1
+    assert hits[0] == 0 and all(900 < h < 1100 for h in hits[1:])
+
+
+def test_rtpo_buckets_run_latest_first_and_match_the_sample_order():
+    assert rtpo_buckets([0, 1, 2, 2, 5]) == [[5], [2], [1], [0]]
+    assert rtpo_buckets([0, 1, 2, 3, 4], bucket_size=2) == [[3, 4], [1, 2], [0]]
+    assert rtpo_buckets([]) == []
+    turns = [0, 3, 1, 4, 4, 2, 7]
+    samples = [TurnSample(trajectory_id="a", group_id="g", turn_index=t, reward=None, trajectory_reward=1.0) for t in turns]
+    for size in (1, 2, 3):
+        by_samples = [sorted({turns[i] for i in b}) for b in rtpo_update_order(samples, bucket_size=size)]
+        assert rtpo_buckets(turns, size) == by_samples
+    with pytest.raises(ValueError):
+        rtpo_buckets([1], bucket_size=0)
+
+
+def sample(tid: str, t: int, lps: list[float]) -> Sample:
+    return Sample(
+        turn_id=f"{tid}{t}", trajectory_id=tid, group_id="g", turn_index=t, context_ids=[1], output_ids=[2] * max(1, len(lps)),
+        logprobs=lps, loss_mask=[1] * max(1, len(lps)), adapter=None, adapter_version=0, reward=None, trajectory_reward=1.0,
+        temperature=1.0, created_at=0.0,
+    )  # fmt: skip
+
+
+def test_counterfactual_turns_are_the_most_surprising():
+    s = [sample("a", 0, [-0.1, -0.1]), sample("a", 1, [-3.0, -1.0]), sample("b", 0, [-0.5]), sample("b", 1, []), sample("c", 0, [-2.5])]
+    chosen = select_counterfactual_turns(s, top_q=0.5, threshold=None)
+    assert [(x.trajectory_id, x.turn_index) for x in chosen] == [("a", 1), ("c", 0)]  # ceil(0.5 * 4 with logprobs) = 2
+    assert [(x.trajectory_id, x.turn_index) for x in select_counterfactual_turns(s, top_q=0.0, threshold=0.4)] == [("a", 1), ("b", 0), ("c", 0)]
+    assert select_counterfactual_turns([sample("z", 0, [])], top_q=1.0, threshold=None) == []
+
+
+def test_counterfactual_score_prefers_the_sampled_turns_process_score():
+    run = {"steps": [{"replayed": True, "process_score": 1.0}, {"replayed": False, "process_score": 0.25}], "reward": 0.0}
+    assert counterfactual_score(run) == 0.25
+    assert counterfactual_score({"steps": [{"replayed": False, "process_score": None}], "reward": 1.0}) == 1.0
+    assert counterfactual_score({"steps": [], "reward": None}) is None
