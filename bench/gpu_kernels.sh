@@ -23,6 +23,7 @@ mkdir -p bench/results
 
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))"
 command -v nvcc > /dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] || { echo "nvcc not found (set CUDA_HOME)" >&2; exit 1; }
+PATH="$(dirname "$PY"):$PATH" command -v ninja > /dev/null || { echo "ninja not found: torch.utils.cpp_extension needs it (pip install ninja)" >&2; exit 1; }
 
 echo "== kernel tasks: check + bench of every known-good solution (jobs=$JOBS) =="
 "$PY" bench/kernels.py --gpu-table --jobs "$JOBS" --budget-s "${BUDGET_S:-330}"

@@ -27,6 +27,7 @@ from tools.cuda import (
     resolve_reference,
 )
 from tools.cuda.api import NO_DEVICE, NO_DEVICE_BENCH
+from tools.cuda.process import ProcessResult
 from tools.cuda.toolchain import normalise_arch, torch_arch_list
 
 FIXTURES = Path(__file__).with_name("cuda_fixtures")
@@ -213,6 +214,132 @@ def test_bench_without_a_gpu_says_speed_was_not_measured(no_gpu: None, monkeypat
     r = cuda_bench(GOOD, "tools.cuda.api")
     assert (r.measured, r.correct, r.speedup, r.kernel_ms, r.eager_ms) == (False, None, None, None, None)
     assert r.reason.startswith(NO_DEVICE_BENCH) and r.summary() == r.reason
+
+
+# -- the GPU path's logic, on the CPU ------------------------------------------------------------------
+
+
+def test_harness_builds_the_seeded_reference_and_compares_like_allclose() -> None:
+    torch = pytest.importorskip("torch")
+    from tools.cuda import _harness as harness
+
+    model, inputs = harness.build_reference(SCALE_REF, 0, "cpu")
+    again, inputs_again = harness.build_reference(SCALE_REF, 0, "cpu")
+    assert torch.equal(model.weight, again.weight) and torch.equal(inputs[0], inputs_again[0])  # the seed fixes both
+    with torch.no_grad():
+        expected = model(*inputs)
+    assert harness.compare(expected.clone(), expected, 1e-3, 1e-3) == {"correct": True, "max_abs_err": 0.0}
+    assert harness.compare(expected + 5e-4, expected, 1e-3, 1e-3)["correct"] is True
+    off = harness.compare(expected + 1.0, expected, 1e-3, 1e-3)
+    assert off["correct"] is False and off["max_abs_err"] == pytest.approx(1.0)
+    nan = expected.clone()
+    nan[0, 0] = float("nan")
+    assert harness.compare(nan, expected, 1e-3, 1e-3) == {"correct": False, "max_abs_err": None}
+    assert "differs from the reference's (256, 1024)" in harness.compare(expected[0], expected, 1e-3, 1e-3)["error"]
+    assert harness.compare(expected.half(), expected, 1e-2, 1e-2)["note"].startswith("output dtype torch.float16")
+
+
+def test_the_harness_runs_confined_with_the_servers_interpreter() -> None:
+    result, proc = api._run_harness({"mode": "probe"}, timeout_s=120)  # the real subprocess: -I, spec in, JSON out
+    assert proc.exit_code == 0 and not proc.timed_out, proc.output
+    assert result is not None and set(result) >= {"cuda", "torch"}
+    available, detail = cuda_device_available()
+    assert result["cuda"] is available
+    if not available:
+        assert "CPU-only build" in detail or "torch" in detail
+
+
+# The shape of a failing torch.utils.cpp_extension.load's message (ninja's lines, then nvcc's real output for BROKEN's
+# line 6, with the build folder's path); written from the format, not captured here: this machine cannot run load().
+BUILD_FAILURE = """Error building extension 'lw_0123': [1/2] /usr/local/cuda/bin/nvcc -c lw_0123.cu -o lw_0123.cuda.o
+FAILED: lw_0123.cuda.o
+/usr/local/cuda/bin/nvcc --generate-dependencies-with-compile --dependency-output lw_0123.cuda.o.d -c /tmp/lw_0123/lw_0123.cu -o lw_0123.cuda.o
+/tmp/lw_0123/lw_0123.cu(6): error: identifier "undefined_thing" is undefined
+      y[0] = undefined_thing;
+             ^
+
+1 error detected in the compilation of "/tmp/lw_0123/lw_0123.cu".
+ninja: build stopped: subcommand failed.
+"""
+
+
+def _proc(**kw: object) -> ProcessResult:
+    fields: dict[str, object] = {
+        "exit_code": 0,
+        "signal": None,
+        "timed_out": False,
+        "output": "",
+        "output_truncated": False,
+        "wall_s": 1.0,
+        "confined": True,
+    }
+    fields.update(kw)
+    return ProcessResult(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("harness", "proc", "check", "bench"),
+    [
+        (
+            {"cuda": True, "compiled": False, "build_log": BUILD_FAILURE},
+            _proc(),
+            {"measured": False, "compiled": False, "correct": False, "reason": "compile failed with 1 error(s); not run"},
+            {"measured": False, "correct": False, "speedup": None},
+        ),
+        (
+            {"cuda": True, "compiled": True, "correct": True, "max_abs_err": 2e-7, "kernel_ms": 0.02, "eager_ms": 0.05},
+            _proc(),
+            {"measured": True, "compiled": True, "correct": True, "max_abs_err": 2e-7, "reason": "output matches the reference"},
+            {"measured": True, "correct": True, "speedup": pytest.approx(2.5), "reason": "timed"},
+        ),
+        (
+            {"cuda": True, "compiled": True, "correct": False, "max_abs_err": 1.0, "kernel_ms": 0.02, "eager_ms": 0.05},
+            _proc(),
+            {"measured": True, "correct": False, "max_abs_err": 1.0, "reason": "output differs from the reference beyond the tolerance"},
+            {"measured": True, "correct": False, "speedup": None, "kernel_ms": 0.02},
+        ),
+        (
+            {"cuda": True, "compiled": True, "correct": False, "error": "RuntimeError: CUDA error: an illegal memory access was encountered"},
+            _proc(),
+            {"measured": True, "compiled": True, "correct": False, "max_abs_err": None},
+            {"measured": False, "correct": False, "speedup": None},
+        ),
+        (
+            None,
+            _proc(exit_code=None, signal=9, timed_out=True, wall_s=300.0),
+            {"measured": False, "timed_out": True, "correct": None},
+            {"timed_out": True},
+        ),
+        (
+            {"harness_error": "ModuleNotFoundError: No module named 'scipy'"},
+            _proc(exit_code=1),
+            {"measured": False, "correct": None, "reason": "the reference or the harness failed: ModuleNotFoundError: No module named 'scipy'"},
+            {"measured": False, "correct": None},
+        ),
+    ],
+)
+def test_gpu_harness_reports_become_results(
+    harness: dict[str, object] | None,
+    proc: ProcessResult,
+    check: dict[str, object],
+    bench: dict[str, object],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("LOOPWISE_CUDA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(api, "cuda_device_available", lambda: (True, "fake H200"))
+    specs: list[dict[str, object]] = []
+    monkeypatch.setattr(api, "_run_harness", lambda spec, timeout_s: (specs.append(spec), (harness, proc))[1])
+    checked, benched = cuda_check(GOOD, SCALE_REF).to_dict(), cuda_bench(GOOD, SCALE_REF, warmup=2, repeats=3).to_dict()
+    assert {k: checked[k] for k in check} == check
+    assert {k: benched[k] for k in bench} == bench
+    if harness and harness.get("build_log"):
+        assert checked["diagnostics"] == [Diagnostic("/tmp/lw_0123/lw_0123.cu", 6, "error", 'identifier "undefined_thing" is undefined').to_dict()]
+    assert specs[0]["mode"] == "check" and specs[1]["mode"] == "bench" and specs[1]["repeats"] == 3
+    assert specs[0]["ext_name"] == specs[1]["ext_name"] and Path(str(specs[0]["source_path"])).read_text() == GOOD  # one build for both
+
+
+# -- the registry tools -------------------------------------------------------------------------------
 
 
 @needs_nvcc

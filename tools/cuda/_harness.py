@@ -39,10 +39,6 @@ def _load_reference(reference: str) -> Any:
     return importlib.import_module(reference)
 
 
-def _to_cuda(value: Any, torch: Any) -> Any:
-    return value.cuda() if isinstance(value, torch.Tensor) else value
-
-
 def _time_ms(fn: Any, warmup: int, repeats: int, torch: Any) -> float:
     for _ in range(warmup):
         fn()
@@ -56,6 +52,35 @@ def _time_ms(fn: Any, warmup: int, repeats: int, torch: Any) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return float(statistics.median(times))
+
+
+def build_reference(reference: str, seed: int, device: str) -> tuple[Any, list[Any]]:
+    """``Model(*get_init_inputs())`` and ``get_inputs()`` after ``torch.manual_seed(seed)``, both on ``device``."""
+    import torch
+
+    ref = _load_reference(reference)
+    torch.manual_seed(seed)
+    model = ref.Model(*ref.get_init_inputs()).to(device).eval()
+    inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in ref.get_inputs()]
+    return model, inputs
+
+
+def compare(got: Any, expected: Any, atol: float, rtol: float) -> dict[str, Any]:
+    """``correct``/``max_abs_err`` (allclose in float64; NaN or inf is never correct), or ``correct=False`` with ``error``."""
+    import torch
+
+    if not isinstance(got, torch.Tensor):
+        return {"correct": False, "error": f"forward returned {type(got).__name__}, expected a torch.Tensor"}
+    if tuple(got.shape) != tuple(expected.shape):
+        return {"correct": False, "error": f"output shape {tuple(got.shape)} differs from the reference's {tuple(expected.shape)}"}
+    got64, exp64 = got.detach().double(), expected.detach().double()
+    diff = (got64 - exp64).abs()
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    finite = math.isfinite(max_abs)
+    out: dict[str, Any] = {"correct": finite and bool(torch.allclose(got64, exp64, atol=atol, rtol=rtol)), "max_abs_err": max_abs if finite else None}
+    if got.dtype != expected.dtype:
+        out["note"] = f"output dtype {got.dtype} differs from the reference's {expected.dtype}"
+    return out
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -81,10 +106,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         out.update(compiled=False, build_log=str(exc)[-200_000:], build_s=time.monotonic() - started)
         return out
     out.update(compiled=True, build_s=time.monotonic() - started)
-    ref = _load_reference(spec["reference"])
-    torch.manual_seed(spec["seed"])
-    model = ref.Model(*ref.get_init_inputs()).cuda().eval()
-    inputs = [_to_cuda(x, torch) for x in ref.get_inputs()]
+    model, inputs = build_reference(spec["reference"], spec["seed"], "cuda")
     weights = [*model.parameters(), *model.buffers()]
     with torch.no_grad():
         expected = model(*inputs)
@@ -94,18 +116,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:  # the candidate's own failure (bad launch, illegal address, wrong arguments)
             out.update(correct=False, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
             return out
-    if not isinstance(got, torch.Tensor):
-        out.update(correct=False, error=f"forward returned {type(got).__name__}, expected a torch.Tensor")
+    out.update(compare(got, expected, spec["atol"], spec["rtol"]))
+    if "error" in out:
         return out
-    if tuple(got.shape) != tuple(expected.shape):
-        out.update(correct=False, error=f"output shape {tuple(got.shape)} differs from the reference's {tuple(expected.shape)}")
-        return out
-    diff = (got.double() - expected.double()).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    close = bool(torch.allclose(got.double(), expected.double(), atol=spec["atol"], rtol=spec["rtol"]))
-    out.update(correct=close and math.isfinite(max_abs), max_abs_err=max_abs if math.isfinite(max_abs) else None)
-    if got.dtype != expected.dtype:
-        out["note"] = f"output dtype {got.dtype} differs from the reference's {expected.dtype}"
     if spec["mode"] == "bench":
         with torch.no_grad():
             out["kernel_ms"] = _time_ms(lambda: ext.forward(*inputs, *weights), spec["warmup"], spec["repeats"], torch)

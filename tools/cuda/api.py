@@ -52,7 +52,7 @@ import structlog
 
 from tools.cuda.diagnostics import Diagnostic, count, parse_diagnostics
 from tools.cuda.process import ProcessResult, base_env, run_confined
-from tools.cuda.toolchain import find_toolchain, normalise_arch, nvcc_command, torch_arch_list
+from tools.cuda.toolchain import find_toolchain, normalise_arch, nvcc_command, torch_arch_list, torch_build_info
 
 log = structlog.get_logger(__name__)
 
@@ -274,7 +274,14 @@ def _compile_result(proc: ProcessResult, command: list[str]) -> CompileResult:
 
 @functools.lru_cache(maxsize=1)
 def cuda_device_available() -> tuple[bool, str]:
-    """Whether torch sees a CUDA device, asked once per process in the confined harness; (available, detail)."""
+    """Whether torch sees a CUDA device, asked once per process; (available, detail).
+
+    A CPU-only torch build (its ``version.py`` says ``cuda = None``) cannot see one, which is known without
+    importing torch; otherwise the confined harness asks ``torch.cuda.is_available()``.
+    """
+    build = torch_build_info(find_toolchain().torch_dir)
+    if build is not None and build["cuda"] is None:
+        return False, f"torch {build.get('__version__')} is a CPU-only build"
     result, proc = _run_harness({"mode": "probe"}, timeout_s=180.0)
     if result is None:
         return False, f"the CUDA probe failed ({_process_failure(proc)})"
@@ -304,9 +311,13 @@ def _run_harness(spec: dict[str, Any], *, timeout_s: float, files: dict[str, str
         full = {**spec, "sys_path": [os.getcwd(), *(p for p in sys.path if p)]}
         (workdir / "spec.json").write_text(json.dumps(full), encoding="utf-8")
         tc = find_toolchain()
+        # cpp_extension.load needs ninja (the venv's, when pip installed it there) and nvcc on PATH.
+        path = [os.path.dirname(sys.executable), base_env(workdir)["PATH"]]
         extra = {"MAX_JOBS": "1"}
         if tc.cuda_home:
-            extra.update(CUDA_HOME=tc.cuda_home, PATH=os.path.join(tc.cuda_home, "bin") + ":" + base_env(workdir)["PATH"])
+            extra["CUDA_HOME"] = tc.cuda_home
+            path.insert(0, os.path.join(tc.cuda_home, "bin"))
+        extra["PATH"] = ":".join(path)
         if "arch" in spec:
             extra["TORCH_CUDA_ARCH_LIST"] = torch_arch_list(spec["arch"])
         argv = [sys.executable, "-I", str(_HARNESS), "spec.json", "result.json"]

@@ -12,6 +12,7 @@ inside torch's headers are not reported as the kernel's). Pure functions apart f
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import os
@@ -73,6 +74,25 @@ def find_toolchain() -> Toolchain:
     spec = importlib.util.find_spec("torch")  # locates the package without importing it
     torch_dir = next(iter(spec.submodule_search_locations)) if spec is not None and spec.submodule_search_locations else None
     return Toolchain(nvcc=nvcc, cuda_home=home, torch_dir=torch_dir, python_include=sysconfig.get_paths()["include"])
+
+
+def torch_build_info(torch_dir: str | None) -> dict[str, str | None] | None:
+    """``__version__`` and ``cuda`` from torch's ``version.py``, read with ``ast`` (torch is not imported); None if unreadable."""
+    if torch_dir is None:
+        return None
+    try:
+        tree = ast.parse(open(os.path.join(torch_dir, "version.py"), encoding="utf-8").read())
+    except (OSError, SyntaxError):
+        return None
+    info: dict[str, str | None] = {}
+    for node in tree.body:
+        target = (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else node.target if isinstance(node, ast.AnnAssign) else None
+        )
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(target, ast.Name) and target.id in ("__version__", "cuda") and isinstance(value, ast.Constant):
+            info[target.id] = value.value if isinstance(value.value, str) else None
+    return info if "cuda" in info else None
 
 
 def normalise_arch(arch: str | None) -> str:
