@@ -9,8 +9,9 @@ Built-in names (``task_names()``): the reasoning-gym generators ``basic_arithmet
 ``gsm_symbolic``, ``countdown`` (options = the generator's config, plus ``partial_credit``);
 ``calc_arith`` (calculator-tool arithmetic; ``agents.tasks.calc_arith``); ``frozenlake`` (multi-turn
 gymnasium environment; ``agents.tasks.frozenlake``); ``humaneval`` (code, run in ``tools.sandbox``;
-``agents.tasks.humaneval``). Any other reasoning-gym generator is available as ``rg:<name>``.
-``register_task`` adds more.
+``agents.tasks.humaneval``); ``kernels`` (CUDA kernels for PyTorch reference modules, compiled, checked
+and timed by ``tools.cuda``; multi-turn; ``agents.tasks.kernels.task``). Any other reasoning-gym
+generator is available as ``rg:<name>``. ``register_task`` adds more.
 
 Task modules are imported when a task is first built, so importing this package is cheap and pulls in
 neither reasoning-gym nor gymnasium. Unknown names raise ``UnknownTask`` (a ``KeyError`` and a
@@ -69,6 +70,12 @@ def _humaneval(**options: Any) -> Task:
     return HumanEvalTask(**options)
 
 
+def _kernels(**options: Any) -> Task:
+    from .kernels.task import KernelTask
+
+    return KernelTask(**options)
+
+
 _REGISTRY: dict[str, TaskFactory] = {
     "basic_arithmetic": _reasoning_gym("basic_arithmetic"),
     "chain_sum": _reasoning_gym("chain_sum"),
@@ -77,6 +84,7 @@ _REGISTRY: dict[str, TaskFactory] = {
     "calc_arith": _calc_arith,
     "frozenlake": _frozenlake,
     "humaneval": _humaneval,
+    "kernels": _kernels,
 }
 
 
