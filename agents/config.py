@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agents.t2po import T2POConfig
+from agents.tasks.kernels import CONVENTION as KERNEL_CONVENTION
 from memory.config import MemoryConfig
 
 AGENT_NAME = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"
@@ -77,5 +78,17 @@ BUILTIN_AGENTS: tuple[dict[str, Any], ...] = (
         "stop_policy": "svr",
         "stop_params": {"tau": 0.7},
         "task": "calc_arith",
+    },
+    {
+        "name": "kernel-agent",
+        "description": "Writes CUDA kernels for PyTorch modules: compile, check, time, revise (kernels task, up to 4 attempts).",
+        "system_prompt": "You are an expert CUDA engineer. You replace PyTorch modules with correct, fast CUDA kernels. " + KERNEL_CONVENTION,
+        "stop_policy": "answer",
+        "task": "kernels",
+        "task_options": {"reward": "kevin", "max_turns": 4},
+        "adapter_family": "kernel-lora",
+        "max_turns": 4,
+        "max_tokens_per_turn": 2048,
+        "token_budget": 8192,
     },
 )

@@ -536,10 +536,10 @@ def test_models_endpoints(tiny_server):
     listed = oai.models.list()
     # the base model first, then the built-in agents (served as models too)
     assert [m.id for m in listed.data if m.owned_by != "loopwise-agent"] == [MODEL] and listed.data[0].id == MODEL
-    assert {m.id for m in listed.data if m.owned_by == "loopwise-agent"} == {"calc-agent", "svr-agent"}
+    assert {m.id for m in listed.data if m.owned_by == "loopwise-agent"} == {"calc-agent", "svr-agent", "kernel-agent"}
     raw = httpx.get(tiny_server.url + "/models", timeout=10).json()
     assert raw["object"] == "list"
-    assert len(raw["data"]) == 3
+    assert len(raw["data"]) == 4
     card = raw["data"][0]
     assert card["id"] == MODEL and card["object"] == "model" and isinstance(card["created"], int) and card["owned_by"]
     assert oai.models.retrieve(MODEL).id == MODEL
