@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import resource
 import statistics
 import sys
 import time
@@ -154,23 +156,32 @@ def gpu_table(tasks: list[Task], jobs: int, budget_s: float, timeout_s: float) -
 def compile_latency(tasks: list[Task], timeout_s: float) -> dict[str, Any]:
     rows = []
     for task in tasks:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         r = cuda_compile(task.solution, timeout_s=timeout_s)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the compiler's processes, reaped up the chain
+        cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         rows.append(
             {
                 "task": task.name,
                 "ok": r.ok,
                 "timed_out": r.timed_out,
                 "elapsed_s": r.elapsed_s,
+                "cpu_s": cpu_s,
                 "errors": [d.format() for d in r.diagnostics if d.severity == "error"][:3],
             }
         )
-        print(f"  {task.name:<28} {'ok' if r.ok else 'TIMED OUT' if r.timed_out else 'FAILED'}  {r.elapsed_s:7.1f} s", flush=True)
+        print(
+            f"  {task.name:<28} {'ok' if r.ok else 'TIMED OUT' if r.timed_out else 'FAILED'}  {r.elapsed_s:7.1f} s wall, {cpu_s:7.1f} s CPU",
+            flush=True,
+        )
     times = [r["elapsed_s"] for r in rows if r["ok"]]
-    summary = {"tasks": len(rows), "ok": len(times)}
+    summary: dict[str, Any] = {"tasks": len(rows), "ok": len(times), "load_average": os.getloadavg()}
     if times:
-        summary.update(median_s=statistics.median(times), min_s=min(times), max_s=max(times))
+        cpu = [r["cpu_s"] for r in rows if r["ok"]]
+        summary.update(median_s=statistics.median(times), min_s=min(times), max_s=max(times), median_cpu_s=statistics.median(cpu))
         print(
             f"\ncompile latency over {len(times)} tasks: median {summary['median_s']:.1f} s, min {summary['min_s']:.1f} s, max {summary['max_s']:.1f} s"
+            f" (median CPU time {summary['median_cpu_s']:.1f} s; load average {summary['load_average'][0]:.1f} on {os.cpu_count()} CPUs)"
         )
     return {"summary": summary, "rows": rows}
 

@@ -43,6 +43,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,11 +304,9 @@ def _process_failure(proc: ProcessResult) -> str:
     return f"exit code {proc.exit_code}: {proc.output.strip()[-500:]}"
 
 
-def _run_harness(spec: dict[str, Any], *, timeout_s: float, files: dict[str, str] | None = None) -> tuple[dict[str, Any] | None, ProcessResult]:
+def _run_harness(spec: dict[str, Any], *, timeout_s: float) -> tuple[dict[str, Any] | None, ProcessResult]:
     workdir = _workdir()
     try:
-        for name, text in (files or {}).items():
-            (workdir / name).write_text(text, encoding="utf-8")
         full = {**spec, "sys_path": [os.getcwd(), *(p for p in sys.path if p)]}
         (workdir / "spec.json").write_text(json.dumps(full), encoding="utf-8")
         tc = find_toolchain()
@@ -366,7 +365,9 @@ def _run_kernel(mode: str, source: str, reference: str, params: dict[str, Any], 
     build_dir.mkdir(mode=0o700, exist_ok=True)
     source_path = build_dir / f"{name}.cu"
     if not source_path.is_file() or source_path.read_text(encoding="utf-8") != source:
-        source_path.write_text(source, encoding="utf-8")
+        tmp = build_dir / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"  # atomic: a concurrent build never reads half a file
+        tmp.write_text(source, encoding="utf-8")
+        os.replace(tmp, source_path)
     spec = {
         "mode": mode,
         "source_path": str(source_path),

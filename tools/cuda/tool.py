@@ -10,14 +10,23 @@ verifier can read ``correct``/``speedup``/``measured`` as data. ``ok`` is false,
 when the source did not compile (``compile_error``), timed out (``timeout``) or was measured incorrect
 (``incorrect``). Bad arguments (an empty source, an unknown task) raise ``ValueError``, which the registry
 turns into a ``tool_error`` observation. The calls block (the registry runs them in a thread).
+
+Time limits: the functions' defaults (compile 180 s, check/bench 300 s), or ``LOOPWISE_CUDA_TIMEOUT_S`` for
+all three: a compile that includes ``<torch/extension.h>`` takes minutes on a small CPU machine.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tools.cuda.api import cuda_bench, cuda_check, cuda_compile
 from tools.registry import ToolResult, tool
+
+
+def _timeout(default: float) -> float:
+    value = os.environ.get("LOOPWISE_CUDA_TIMEOUT_S")
+    return float(value) if value else default
 
 
 def _result(content: str, flags: dict[str, Any], error_kind: str | None) -> ToolResult:
@@ -33,7 +42,7 @@ def compile_tool(source: str) -> ToolResult:
         source: The complete .cu file: #include <torch/extension.h>, a `torch::Tensor forward(...)` function and
             PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &forward); }.
     """
-    r = cuda_compile(source)
+    r = cuda_compile(source, timeout_s=_timeout(180.0))
     kind = "timeout" if r.timed_out else None if r.ok else "compile_error"
     return _result(r.summary(), r.to_dict(), kind)
 
@@ -46,7 +55,7 @@ def check_tool(source: str, task: str) -> ToolResult:
         source: The complete .cu file (a PyTorch extension defining and binding `forward`).
         task: The task's reference module: a dotted module path or a .py file defining Model, get_inputs and get_init_inputs.
     """
-    r = cuda_check(source, task)
+    r = cuda_check(source, task, timeout_s=_timeout(300.0))
     kind = "timeout" if r.timed_out else "compile_error" if not r.compiled and r.correct is False else "incorrect" if r.correct is False else None
     return _result(r.summary(), r.to_dict(), kind)
 
@@ -59,7 +68,7 @@ def bench_tool(source: str, task: str) -> ToolResult:
         source: The complete .cu file (a PyTorch extension defining and binding `forward`).
         task: The task's reference module: a dotted module path or a .py file defining Model, get_inputs and get_init_inputs.
     """
-    r = cuda_bench(source, task)
+    r = cuda_bench(source, task, timeout_s=_timeout(300.0))
     compile_failed = r.reason.startswith("compile failed")
     kind = "timeout" if r.timed_out else "compile_error" if compile_failed else "incorrect" if r.correct is False else None
     return _result(r.summary(), r.to_dict(), kind)
