@@ -8,10 +8,12 @@
 #    (agents.tasks.kernels) with cuda_check, JOBS at a time, then times each with cuda_bench (CUDA events,
 #    median of 50 after 10 warm-ups, against eager PyTorch); prints the table (compile rate, correct,
 #    geomean speedup, fast_1.0, fast_1.2), also in bench/results/kernels_gpu.json;
-# 3. a short LEAP probe (python -m learner.leap --probe) if learner/leap.py exists, else says it is skipped;
+# 3. a short LEAP probe: python -m learner.leap --probe on a recorded probe (recorded first with
+#    bench/leap_probe.py when there is none), if learner/leap.py exists; otherwise it says it is skipped;
 # 4. with GPU_TESTS=1, the tests marked gpu in tests/tools/test_cuda_tools.py (4 more builds, ~2 minutes).
 # Environment: PYTHON (default .venv/bin/python, else python3), JOBS (default: CPU count, at most 16),
 # BUDGET_S (seconds after which the table starts no new work, default 330), LEAP_TIMEOUT_S (default 90),
+# LEAP_PROBE (a recorded probe, default bench/data/leap_probe.jsonl),
 # LOOPWISE_CUDA_ARCH (default sm_90), LOOPWISE_CUDA_CACHE (extension build cache; default under /tmp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,10 +31,22 @@ echo "== kernel tasks: check + bench of every known-good solution (jobs=$JOBS) =
 "$PY" bench/kernels.py --gpu-table --jobs "$JOBS" --budget-s "${BUDGET_S:-330}"
 
 echo "== LEAP probe =="
-if [ -f learner/leap.py ]; then
-    timeout "${LEAP_TIMEOUT_S:-90}" "$PY" -m learner.leap --probe || echo "LEAP probe failed or ran past ${LEAP_TIMEOUT_S:-90} s (exit $?)"
-else
+# DCP over a recorded probe (LEAP_PROBE, default bench/data/leap_probe.jsonl); when none is recorded, record
+# a short one first with bench/leap_probe.py (G=2, level 1; compile outcomes only), both under LEAP_TIMEOUT_S.
+LEAP_PROBE=${LEAP_PROBE:-bench/data/leap_probe.jsonl}
+if [ ! -f learner/leap.py ]; then
     echo "learner/leap.py is not there yet: LEAP probe skipped"
+else
+    if [ ! -f "$LEAP_PROBE" ] && [ -f bench/leap_probe.py ]; then
+        LEAP_PROBE=bench/results/leap_probe_gpu_host.jsonl
+        echo "no recorded probe: recording a short one into $LEAP_PROBE"
+        timeout "${LEAP_TIMEOUT_S:-90}" "$PY" bench/leap_probe.py --out "$LEAP_PROBE" --g 2 --level 1 || echo "recording the probe failed or ran past ${LEAP_TIMEOUT_S:-90} s (exit $?)"
+    fi
+    if [ -f "$LEAP_PROBE" ]; then
+        timeout "${LEAP_TIMEOUT_S:-90}" "$PY" -m learner.leap --probe "$LEAP_PROBE" || echo "LEAP probe failed or ran past ${LEAP_TIMEOUT_S:-90} s (exit $?)"
+    else
+        echo "no LEAP probe file ($LEAP_PROBE): LEAP probe skipped"
+    fi
 fi
 
 if [ "${GPU_TESTS:-0}" = "1" ]; then
