@@ -290,7 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copilot-max-tokens", type=int, default=160)
     p.add_argument("--copilot-temperature", type=float, default=0.7)
     p.add_argument("--player-max-tokens", type=int, default=8)
-    p.add_argument("--invalid", choices=["loss", "random"], default="loss", help="rps: a reply without a move forfeits (loss) or plays a random move")
+    p.add_argument("--player-temperature", type=float, default=0.0, help="player sampling temperature (seeded per decision; default 0)")
+    p.add_argument("--free-player", action="store_true", help="no constrained decoding: the player's free text is parsed")
+    p.add_argument(
+        "--invalid",
+        choices=["loss", "random"],
+        default="loss",
+        help="a reply without a legal action forfeits (rps: loses the round; holdem: folds or checks) or plays a random one",
+    )
     p.add_argument("--concurrency", type=int, default=8, help="games in flight at once (default 8)")
     p.add_argument("--boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--json-out", type=Path, help="write games and summary as JSON")
@@ -385,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             player = args.player_model or base_model_name(c)
         if args.memopilot_version is not None and args.adapter_root is not None:
             load_memopilot(url, args.admin_key, args.adapter_root, args.memopilot_version)
-        options = {"invalid": args.invalid} if args.testbed == "rps" else {}
+        options = {"invalid": args.invalid}
         jobs = []
         for label in methods:
             cfg = PlayConfig(
@@ -396,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                 copilot_max_tokens=args.copilot_max_tokens,
                 copilot_temperature=args.copilot_temperature,
                 player_max_tokens=args.player_max_tokens,
+                player_temperature=args.player_temperature,
+                constrain_player=not args.free_player,
                 match_options=options,
             )
             jobs += [(args.testbed, o, s, label, cfg, args.memory_chars) for o in opps for s in range(args.seeds)]

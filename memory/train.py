@@ -8,7 +8,8 @@ One iteration (algorithms.md section 10, [RECON] reading):
 1. **Rollouts.** For every (opponent, seed) of the schedule, ``--group-size`` G rollouts of the same
    game (same opponent, same seed, same player request seeds) with the ``memopilot`` method; the copilot
    is ``memopilot@N`` (the base model before the first update) sampled at ``--temperature``, with a
-   different request seed per rollout (``seed_salt``), so rollouts differ only through the memories.
+   different request seed per rollout (``seed_salt``); the player's request seeds are the same in
+   every rollout, so rollouts differ only through the memories.
 2. **Turn rewards.** The copilot's rewrite after episode ``t`` is the action of turn ``t``; its reward is
    the player's mean payoff per round in episode ``t+1``, the rounds played with that memory. The
    rewrite after the last episode has no reward and is not made. Rewards are also stored on the
@@ -153,8 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copilot-max-tokens", type=int, default=160)
     p.add_argument("--player-max-tokens", type=int, default=8)
     p.add_argument(
-        "--player-temperature", type=float, default=0.0, help="player sampling temperature (default 0: greedy, rollouts differ only by memory)"
+        "--player-temperature",
+        type=float,
+        default=0.0,
+        help="player sampling temperature (seeded per decision, the same in every rollout; default 0)",
     )
+    p.add_argument("--independent-player-seeds", action="store_true", help="different player request seeds per rollout (default: the same)")
+    p.add_argument("--free-player", action="store_true", help="no constrained decoding: the player's free text is parsed")
     p.add_argument("--invalid", choices=["loss", "random"], default="loss")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--rank", type=int, default=8)
@@ -232,8 +238,10 @@ def _iteration(
                     copilot_max_tokens=args.copilot_max_tokens,
                     player_max_tokens=args.player_max_tokens,
                     player_temperature=args.player_temperature,
+                    constrain_player=not args.free_player,
+                    salt_player_seeds=args.independent_player_seeds,
                     seed_salt=f"v{version}-g{g}",
-                    match_options={"invalid": args.invalid} if args.testbed == "rps" else {},
+                    match_options={"invalid": args.invalid},
                 )
                 jobs.append((args.testbed, opp, seed, FAMILY, cfg, args.memory_chars))
                 rollout_ids.append(f"v{version}:{opp}:{seed}:g{g}")

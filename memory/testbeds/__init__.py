@@ -18,7 +18,7 @@ Not here: model calls, memory methods (``memory.methods``), ratings (``memory.to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class Match(Protocol):
     opponent: str
     seed: int
     rules: str  # the game's rules for the player's system prompt
+    reply_schema: dict[str, Any]  # JSON schema of a legal reply (for constrained decoding)
 
     def decision_prompt(self) -> str | None:
         """The next decision of the current round as a user message; None once the round is decided."""

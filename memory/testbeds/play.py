@@ -11,8 +11,13 @@ method updates the memory: ``method.prompt(memory, interaction)`` → one chat c
 ``copilot_model`` (``memopilot@N`` for a trained copilot, the base model otherwise) →
 ``method.apply``. The rewrite after the last episode is skipped unless ``update_after_last``.
 
-Request seeds are derived from (testbed, opponent, seed, episode, round, ``seed_salt``), so a game is
-reproducible on one server, and training rollouts differ only through ``seed_salt``. An HTTP error
+With ``constrain_player`` (default) the player's reply is decoded under the match's ``reply_schema``
+(a JSON string enum of the legal actions), so a small player always makes a legal move; without it
+the reply is free text, parsed leniently. Player request seeds are derived from (testbed, opponent,
+seed, decision number), the same for every method and rollout (common random numbers: with a sampling
+player, two memories that leave its move distribution alike give the same move); copilot seeds also
+from the episode and ``seed_salt``, so training rollouts differ through their memories only
+(``salt_player_seeds`` salts the player's seeds too, for independent player noise). An HTTP error
 from the server raises :class:`PlayError` (a tournament with silently missing moves would be wrong).
 
 Not here: ratings (``memory.tournament``), training (``memory.train``), the served copilot of live
@@ -45,10 +50,12 @@ class PlayConfig:
     copilot_model: str | None = None  # model of the memory rewrite; None = player_model (the base model)
     player_temperature: float = 0.0
     player_max_tokens: int = 8
+    constrain_player: bool = True  # decode the player's reply under the match's ``reply_schema`` (always a legal action)
     copilot_temperature: float = 0.7
     copilot_max_tokens: int = 128
     update_after_last: bool = False
-    seed_salt: str = ""  # varies the request seeds (training rollouts), nothing else
+    seed_salt: str = ""  # varies the copilot's request seeds (training rollouts), nothing else
+    salt_player_seeds: bool = False  # also vary the player's request seeds with seed_salt (independent player noise)
     match_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"invalid": "random"} for rps
 
     def __post_init__(self) -> None:
@@ -106,10 +113,20 @@ def request_seed(*parts: object) -> int:
 
 
 async def chat(
-    client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], *, temperature: float, max_tokens: int, seed: int, user: str
+    client: httpx.AsyncClient,
+    model: str,
+    messages: list[dict[str, str]],
+    *,
+    temperature: float,
+    max_tokens: int,
+    seed: int,
+    user: str,
+    schema: dict[str, Any] | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """One chat completion: (content, the response's ``loopwise`` ids or {})."""
-    body = {"model": model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens, "seed": seed, "user": user}
+    """One chat completion (under the JSON ``schema`` if given): (content, the response's ``loopwise`` ids or {})."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens, "seed": seed, "user": user}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "action", "schema": schema}}
     try:
         r = await client.post("/v1/chat/completions", json=body)
     except httpx.TransportError as exc:
@@ -147,8 +164,9 @@ async def play_game(
                     messages,
                     temperature=cfg.player_temperature,
                     max_tokens=cfg.player_max_tokens,
-                    seed=request_seed(testbed, opponent, seed, "player", step, cfg.seed_salt),
+                    seed=request_seed(testbed, opponent, seed, "player", step, cfg.seed_salt if cfg.salt_player_seeds else ""),
                     user=user,
+                    schema=match.reply_schema if cfg.constrain_player else None,
                 )
                 messages.append({"role": "assistant", "content": reply})
                 if ids.get("turn_id"):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from memory.testbeds import RoundResult
 
@@ -144,6 +144,7 @@ class RPSMatch:
     invalid: Literal["loss", "random"] = "loss"
     testbed: str = "rps"
     rules: str = RULES
+    reply_schema: dict[str, Any] = field(default_factory=lambda: {"type": "string", "enum": list(MOVES)})
     history: list[tuple[str, str]] = field(default_factory=list)  # (player move, opponent move); invalid → "none"
     _bot: Opponent = field(init=False)
     _pending: RoundResult | None = field(init=False, default=None)

@@ -1,12 +1,14 @@
-"""RPS testbed: scripted opponents behave as specified, moves parse leniently, payoffs and invalid replies."""
+"""Testbeds: RPS and hold'em scripted opponents behave as specified, replies parse leniently, payoffs, invalid replies."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from memory.testbeds import make_match, opponents
+from memory.testbeds import RoundResult, make_match, opponents
 from memory.testbeds.rps import BEATS, BIAS_P, CYCLES, MIX_P, MOVES, Opponent, parse_move, payoff
 
 
@@ -152,3 +154,66 @@ def test_invalid_reply_forfeits_or_plays_a_reply_seeded_move() -> None:
         assert h.history[1][1] == h.history[0][1]
     with pytest.raises(ValueError, match="invalid"):
         make_match("rps", "copy", 0, invalid="skip")
+
+
+# -- limit hold'em (pokerkit, the ``memory`` extra) ---------------------------------------------------
+
+
+def play_hand(match: Any, choose: Callable[[str, list[str]], str]) -> RoundResult:
+    """Play one hold'em hand with ``choose(prompt, legal actions)``."""
+    while (prompt := match.decision_prompt()) is not None:
+        match.act(choose(prompt, match.reply_schema["enum"]))
+    return match.end_round()
+
+
+def test_holdem_opponents_and_hands() -> None:
+    holdem = pytest.importorskip("memory.testbeds.holdem", reason="pokerkit (the memory extra) is not installed")
+    assert opponents("holdem") == holdem.OPPONENTS
+    # a calling station never folds or raises; a maniac never folds and raises when it can
+    for kind, banned in (("station", (" fold", " raise", " bet")), ("maniac", (" fold", " check"))):
+        m = make_match("holdem", kind, 0)
+        for _ in range(12):
+            r = play_hand(m, lambda p, legal: "raise" if "raise" in legal else "call" if "call" in legal else "bet")
+            opp = [a for a in r.line.split(": ", 1)[1].split(" -> ")[0].split("; ") if " opponent " in f" {a} "]
+            assert opp and not any(a.endswith(b) for a in opp for b in banned), r.line
+    # against a rock, betting every street wins the blinds whenever it holds nothing strong
+    rock = make_match("holdem", "rock", 1)
+    results = [play_hand(rock, lambda p, legal: "bet" if "bet" in legal else "raise" if "raise" in legal else "call") for _ in range(20)]
+    assert any("opponent fold" in r.line for r in results)
+    # a folder folds to most bets without a strong hand
+    folder = make_match("holdem", "folder", 2)
+    folds = sum("opponent fold" in play_hand(folder, lambda p, legal: "raise" if "raise" in legal else "bet").line for _ in range(30))
+    assert folds >= 10
+    # payoffs are chip changes in big blinds and zero-sum against the blinds posted; seats alternate
+    m = make_match("holdem", "station", 3)
+    first = play_hand(m, lambda p, legal: "fold" if "fold" in legal else "check")
+    assert "big blind" in first.line.split(";")[0]
+    second = play_hand(m, lambda p, legal: "fold" if "fold" in legal else "check")
+    assert "button" in second.line.split(";")[0] and second.payoff == -0.5  # the button folds its small blind
+    assert first.payoff in (0.0, 1.0, -1.0) or first.payoff % 0.5 == 0
+
+
+def test_holdem_is_seeded_and_parses_actions() -> None:
+    holdem = pytest.importorskip("memory.testbeds.holdem", reason="pokerkit (the memory extra) is not installed")
+    assert holdem.parse_action("I think I should **Raise** here") == "raise"
+    assert holdem.parse_action("Check.") == "check"
+    assert holdem.parse_action("calling station") is None
+    lines = [play_hand(make_match("holdem", "mix", 5), lambda p, legal: legal[-1]).line for _ in range(2)]
+    assert lines[0] == lines[1]
+    a, b = make_match("holdem", "station", 5), make_match("holdem", "station", 6)
+    assert play_hand(a, lambda p, legal: "call").line != play_hand(b, lambda p, legal: "call").line
+    # an invalid reply folds when facing a bet (loss) and is a legal random action otherwise
+    m = make_match("holdem", "maniac", 0)
+    prompt = m.decision_prompt()
+    assert prompt is not None and prompt.startswith("Hand 1, preflop.")
+    while "To call" not in (prompt or ""):
+        m.act("check")
+        prompt = m.decision_prompt()
+    m.act("hmm")
+    r = m.end_round()
+    assert r.line.rstrip().split(" -> ")[0].endswith("you fold") and r.parsed < r.decisions
+    assert m.decision_prompt() is not None
+    with pytest.raises(RuntimeError, match="not over"):
+        m.end_round()  # the next hand has a pending decision
+    with pytest.raises(ValueError, match="unknown holdem opponent"):
+        make_match("holdem", "shark", 0)

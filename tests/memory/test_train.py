@@ -90,7 +90,8 @@ def test_train_publishes_a_changed_memopilot_and_the_tournament_plays_it(start_s
         [
             *common,
             *("--model", str(tiny_model_path), "--iterations", "1", "--group-size", "4", "--opponents", "copy"),
-            *("--rounds", "6", "--episode-rounds", "2", "--player-temperature", "1.0", "--player-max-tokens", "4", "--lr", "1e-3"),
+            *("--rounds", "6", "--episode-rounds", "2", "--player-max-tokens", "4", "--lr", "1e-3"),
+            *("--player-temperature", "1.0", "--independent-player-seeds"),
             *("--checkpoint-dir", str(tmp_path / "ckpt"), "--json-out", str(out)),
         ]
     )
