@@ -2,12 +2,13 @@
 
     python -m memory.tournament --testbed rps --spawn --model default --seeds 3 --rounds 20 --episode-rounds 5 \\
         [--methods none,append-all,reflection,memopilot] [--memopilot-version N --adapter-root DIR] \\
-        [--json-out FILE] [--png FILE]
+        [--json-out FILE] [--png FILE] [--include-games EARLIER.json]
 
 Every method plays the same games: each (opponent, seed) of the testbed, ``--rounds`` rounds with the
 frozen player, memory updated after every episode (``memory.testbeds.play``). ``--memopilot-version N``
 adds the trained copilot ``memopilot@N`` as a fifth arm (loaded from ``DIR/memopilot/vN`` through the
-admin API when ``--adapter-root`` is given).
+admin API when ``--adapter-root`` is given). ``--include-games`` rates the arms of an earlier run's JSON
+together with this run's (the same scripted games, e.g. the trained arm played after training).
 
 Ratings (pure functions below, tested on fixed tables):
 
@@ -301,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8, help="games in flight at once (default 8)")
     p.add_argument("--boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--json-out", type=Path, help="write games and summary as JSON")
+    p.add_argument(
+        "--include-games",
+        type=Path,
+        action="append",
+        default=[],
+        help="rate together with the games of an earlier --json-out (same testbed, opponents, seeds, rounds; e.g. a later trained arm)",
+    )
     p.add_argument("--png", type=Path, help="write the Elo and learning-curve plot")
     return p
 
@@ -377,6 +385,22 @@ async def play_all(
         return list(await asyncio.gather(*(one(j) for j in jobs)))
 
 
+def included_games(paths: Sequence[Path], games: Sequence[GameRecord]) -> list[GameRecord]:
+    """Games of earlier runs whose methods this run did not play; they must be the same (opponent, seed, rounds) games."""
+    played = {g.method for g in games}
+    keys = {(g.testbed, g.opponent, g.seed, len(g.rounds)) for g in games}
+    out: list[GameRecord] = []
+    for path in paths:
+        for d in json.loads(path.read_text())["games"]:
+            g = GameRecord.from_dict(d)
+            if g.method in played:
+                continue
+            if (g.testbed, g.opponent, g.seed, len(g.rounds)) not in keys:
+                raise SystemExit(f"error: {path} has a game ({g.testbed}, {g.opponent}, seed {g.seed}, {len(g.rounds)} rounds) this run did not play")
+            out.append(g)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -409,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             jobs += [(args.testbed, o, s, label, cfg, args.memory_chars) for o in opps for s in range(args.seeds)]
         games = asyncio.run(play_all(url, headers, jobs, args.concurrency))
+    games += included_games(args.include_games, games)
     summary = summarize(games, n_boot=args.boot)
     summary.update(
         testbed=args.testbed,

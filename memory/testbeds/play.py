@@ -106,6 +106,20 @@ class GameRecord:
         d["parse_rate"] = self.parse_rate
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GameRecord:
+        """The inverse of :meth:`to_dict` (derived fields are recomputed)."""
+        return cls(
+            testbed=d["testbed"],
+            opponent=d["opponent"],
+            seed=int(d["seed"]),
+            method=d["method"],
+            rounds=[RoundResult(**r) for r in d["rounds"]],
+            rewrites=[Rewrite(**r) for r in d["rewrites"]],
+            player_turn_ids=list(d["player_turn_ids"]),
+            episode_of_round=list(d["episode_of_round"]),
+        )
+
 
 def request_seed(*parts: object) -> int:
     """A stable 31-bit seed from ``parts``."""

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 
 from memory.testbeds import RoundResult
-from memory.testbeds.play import GameRecord
+from memory.testbeds.play import GameRecord, Rewrite
 from memory.tournament import (
     MatchResult,
     bootstrap_elo,
     fit_elo,
+    included_games,
     learning_slope,
     matches_from_games,
     ols_slope,
@@ -127,3 +129,16 @@ def test_matches_from_games_and_summary(tmp_path: Path) -> None:
     out = tmp_path / "t.png"
     plot({**s, "title": "test"}, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_games_round_trip_and_earlier_arms_are_rated_together(tmp_path: Path) -> None:
+    earlier = [game("none", "copy", 0, [0, 1, -1, 1]), game("reflection", "copy", 0, [1, 1, 1, 0])]
+    earlier[0].rewrites.append(Rewrite(0, "", "m", "c", "turn-1", "traj-1", None))
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"games": [g.to_dict() for g in earlier]}))
+    assert GameRecord.from_dict(earlier[0].to_dict()) == earlier[0]
+    now = [game("memopilot@1", "copy", 0, [1, 1, 1, 1]), game("none", "copy", 0, [0, 0, 0, 0])]
+    added = included_games([path], now)
+    assert [g.method for g in added] == ["reflection"]  # "none" was played again in this run: this run's copy counts
+    with pytest.raises(SystemExit, match="did not play"):
+        included_games([path], [game("memopilot@1", "cycle", 0, [1, 1, 1, 1])])
