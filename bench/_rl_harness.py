@@ -1,0 +1,104 @@
+"""Shared pieces of the learning benchmarks (``trl_compare.py``, ``rtpo_compare.py``): rollouts, updates, held-out evals.
+
+The loopwise side of a benchmark is the real product path: a spawned ``serve.py`` serves the model and
+the agents, rollouts are ``POST /v1/agents/{agent}/runs`` (recorded with exact ids and verifier
+rewards), and updates are the learner's own ``LearnerService.update`` (sample collection, estimator,
+re-rollouts, trainer step, publish, load). Only the promotion policy differs: :class:`PromoteService`
+serves every new version at once (alias flip), without the eval gate or an A/B experiment, so a
+benchmark measures the estimator, not the gate.
+
+Not a test and not part of the product.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from learner.config import LearnerSettings
+from learner.publish import publish_adapter
+from learner.service import LearnerService, ServiceConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class PromoteService(LearnerService):
+    """The learner with 'always serve the newest version' instead of the eval gate and A/B."""
+
+    def _publish_and_gate(self, trainer: Any) -> dict[str, Any]:
+        published = publish_adapter(trainer.model, self.adapter_root, self.family, trainer.version)
+        self.admin.load(published.path, self.family, trainer.version, sha256=published.manifest_sha256, alias=True)
+        self.status.champion = published.name
+        return {"decision": "promoted", "new": published.name}
+
+
+def service(url: str, key: str, data: Path, model_path: Path, agent: str, settings: dict[str, Any]) -> PromoteService:
+    cfg = ServiceConfig(
+        data_dir=data,
+        admin_url=url,
+        admin_key=key,
+        base_model=model_path,
+        settings=LearnerSettings.model_validate(settings),
+        agent=agent,
+        gate_n=0,
+    )
+    return PromoteService(cfg)
+
+
+def admin(url: str, key: str, method: str, path: str, **kw: Any) -> dict[str, Any]:
+    r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=300, **kw)
+    if r.status_code >= 400:
+        raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:300]}")
+    return r.json()
+
+
+def add_agent(url: str, key: str, config: dict[str, Any]) -> None:
+    names = {a["name"] for a in admin(url, key, "GET", "/admin/agents")["data"]}
+    if config["name"] not in names:
+        admin(url, key, "POST", "/admin/agents", json=config)
+
+
+async def _runs(url: str, agent: str, bodies: list[dict[str, Any]], concurrency: int) -> list[dict[str, Any]]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
+
+        async def one(body: dict[str, Any]) -> dict[str, Any]:
+            async with sem:
+                r = await client.post(f"/v1/agents/{agent}/runs", json=body)
+            r.raise_for_status()
+            out: dict[str, Any] = r.json()
+            return out
+
+        return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+def rollouts(url: str, agent: str, task: str, problems: list[int], group: int, seed: int, concurrency: int = 16) -> list[dict[str, Any]]:
+    """``group`` sampled runs per training problem (problem seed 0), recorded with their verifier rewards."""
+    bodies = [{"task": task, "problem_index": p, "seed": 0, "sample_seed": seed * 100_003 + p * 131 + k} for p in problems for k in range(group)]
+    runs = asyncio.run(_runs(url, agent, bodies, concurrency))
+    time.sleep(0.5)  # the recorder commits every 50 ms: let the last turns and rewards land before an update reads them
+    return runs
+
+
+def heldout(url: str, agent: str, task: str, n: int, model: str, seed: int = 4242, concurrency: int = 16) -> float:
+    """Success rate on ``n`` held-out problems (a problem seed no training run uses), as eval runs."""
+    bodies = [{"task": task, "problem_index": i, "seed": seed, "sample_seed": i, "model": model, "eval": True} for i in range(n)]
+    runs = asyncio.run(_runs(url, agent, bodies, concurrency))
+    return sum(bool(r.get("correct")) for r in runs) / n
+
+
+def bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(values) for _ in values) / len(values) for _ in range(reps))
+    return means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=str))

@@ -1,0 +1,167 @@
+"""RTPO vs trajectory-level GRPO vs turn-level GRPO on a multi-turn task, at equal sampled-token budget.
+
+    .venv/bin/python bench/rtpo_compare.py --seeds 0,1,2 --budget 6000          # SmolLM2, FrozenLake
+    .venv/bin/python bench/rtpo_compare.py --model tiny --seeds 0 --budget 300  # smoke run
+
+Task: ``frozenlake`` (random 4x4 maps, deterministic moves), one action per turn, the episode reward
+(1 at the goal) as the outcome reward. Each arm (estimator x seed) gets its own adapter family, agent
+and learner on one shared server; the arms run one after the other. One iteration = ``--prompts``
+new training problems x ``--group`` sampled episodes (temperature 1.0) through the agent's runs
+endpoint, then one ``LearnerService.update`` (the learner's real path; new versions are served at
+once, no gate). RTPO's update re-rolls ``K=--branches`` turns per episode with ``m=--siblings``
+siblings each, from the exact stored contexts, and sweeps the turn buckets latest first
+(``learner/rerollout.py``); its siblings' tokens count against its budget, so it gets fewer
+iterations. An arm stops when its sampled tokens (episodes + siblings) reach ``--budget``.
+
+Reported: per arm the success curve (success of its training episodes per iteration against the
+sampled tokens spent), and the held-out success of its final version on ``--n-eval`` problems of a
+seed no arm trains on (same sampling seeds for every arm). One PNG with all curves (thin: seeds,
+thick: mean per estimator) and ``rtpo_compare.json`` under ``bench/results/rtpo_compare/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agents.eval import spawned_server  # noqa: E402
+from bench._rl_harness import add_agent, heldout, rollouts, service, write_json  # noqa: E402
+
+TASK = "frozenlake"
+
+
+def agent(name: str, family: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "name": name,
+        "system_prompt": "You are an agent walking on a frozen lake. Reach the goal without falling into a hole.",
+        "temperature": 1.0,
+        "max_turns": args.max_turns,
+        "max_tokens_per_turn": args.max_tokens,
+        "task": TASK,
+        **({"adapter_family": family} if family else {}),
+    }
+
+
+def run_arm(url: str, key: str, data: Path, model_path: Path, est: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    family, name = f"{est.replace('_', '-')}-s{seed}", f"fl-{est.replace('_', '-')}-s{seed}"
+    add_agent(url, key, agent(name, family, args))
+    settings: dict[str, Any] = {
+        "family": family,
+        "lora": {"rank": 8, "alpha": 16.0},
+        "trainer": {"lr": args.lr, "estimator": est, "seed": seed, "threads": None, "progress": False},
+        "samples": {"settle_s": 0.0, "max_staleness": 1},
+        "rerollouts": {"branches": args.branches, "siblings": args.siblings, "refresh": True},
+    }
+    svc = service(url, key, data, model_path, name, settings)
+    spent, it, curve = 0, 0, []
+    t0 = time.perf_counter()
+    while spent < args.budget:
+        problems = [seed * 10_000 + it * args.prompts + j for j in range(args.prompts)]
+        runs = rollouts(url, name, TASK, problems, args.group, seed=seed)
+        spent += sum(r["completion_tokens"] for r in runs)
+        success = sum(bool(r.get("correct")) for r in runs) / len(runs)
+        rec = svc.update()
+        rr = rec.get("rerollouts") or {}
+        spent += int(rr.get("sampled_tokens", 0))
+        curve.append({"iteration": it, "tokens": spent, "train_success": success, "optimizer_step": rec["metrics"].get("optimizer_step")})
+        print(f"  {family} it {it}: success {success:.2f}, tokens {spent}, siblings {rr.get('siblings', 0)}", flush=True)
+        it += 1
+    final = svc.status.champion
+    wall = time.perf_counter() - t0
+    del svc
+    return {"estimator": est, "seed": seed, "family": family, "final": final, "iterations": it, "tokens": spent, "curve": curve, "wall_s": wall}
+
+
+def plot(arms: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = {"grpo": "tab:blue", "turn_grpo": "tab:orange", "rtpo": "tab:green"}
+    for est in dict.fromkeys(a["estimator"] for a in arms):
+        mine = [a for a in arms if a["estimator"] == est]
+        grid = np.linspace(0, max(a["tokens"] for a in mine), 50)
+        ys = []
+        for a in mine:
+            x = [c["tokens"] for c in a["curve"]]
+            y = np.cumsum([c["train_success"] for c in a["curve"]]) / np.arange(1, len(x) + 1)  # running mean success
+            ax.plot(x, y, color=colors.get(est), alpha=0.3, linewidth=1)
+            ys.append(np.interp(grid, x, y))
+        ax.plot(grid, np.mean(ys, axis=0), color=colors.get(est), linewidth=2.5, label=f"{est} (mean of {len(mine)} seeds)")
+    ax.set_xlabel("sampled tokens (episodes + re-rollouts)")
+    ax.set_ylabel("training success (running mean)")
+    ax.set_title("FrozenLake: RTPO vs trajectory GRPO vs turn GRPO")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--estimators", default="grpo,turn_grpo,rtpo")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--budget", type=int, default=6000, help="sampled tokens per arm")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--branches", type=int, default=1)
+    p.add_argument("--siblings", type=int, default=2)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--n-eval", type=int, default=24)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rtpo_compare")
+    args = p.parse_args()
+
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    key = secrets.token_hex(8)
+    arms: list[dict[str, Any]] = []
+    with spawned_server(args.model, key, ["--max-loaded-adapters", "12"], data_dir=args.out / "server") as url:
+        data = args.out / "server"
+        model_path = data / "models" / ("SmolLM2-135M-Instruct" if args.model == "default" else args.model)
+        base = httpx.get(url + "/ready", timeout=30).json()["model"]
+        add_agent(url, key, agent("fl-eval", None, args))
+        base_success = heldout(url, "fl-eval", TASK, args.n_eval, base)
+        print(f"base held-out success {base_success:.3f} (n={args.n_eval})", flush=True)
+        for est in args.estimators.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                print(f"arm {est} seed {seed}", flush=True)
+                arm = run_arm(url, key, data, model_path, est, seed, args)
+                arm["heldout"] = heldout(url, "fl-eval", TASK, args.n_eval, arm["final"] or base)
+                print(f"  held-out success {arm['heldout']:.3f} ({arm['final'] or base}), {arm['wall_s']:.0f} s", flush=True)
+                arms.append(arm)
+                write_json(args.out / "rtpo_compare.json", {"args": {k: str(v) for k, v in vars(args).items()}, "base": base_success, "arms": arms})
+    plot(arms, args.out / "rtpo_compare.png")
+    print("\n| estimator | seeds | iterations (mean) | final train success (mean) | held-out success (mean) |\n|---|---|---|---|---|")
+    means: dict[str, float] = {}
+    for est in dict.fromkeys(a["estimator"] for a in arms):
+        mine = [a for a in arms if a["estimator"] == est]
+        means[est] = sum(a["heldout"] for a in mine) / len(mine)
+        it = sum(a["iterations"] for a in mine) / len(mine)
+        tr = sum(a["curve"][-1]["train_success"] for a in mine) / len(mine)
+        print(f"| {est} | {len(mine)} | {it:.1f} | {tr:.3f} | {means[est]:.3f} |")
+    print(f"base model held-out success: {base_success:.3f} (n={args.n_eval} per arm)")
+    for other in ("grpo", "turn_grpo"):
+        if "rtpo" in means and other in means and means[other] > 0:
+            print(f"rtpo vs {other}: {100 * (means['rtpo'] / means[other] - 1):+.1f}% relative held-out success")
+    print(f"plot: {args.out / 'rtpo_compare.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
