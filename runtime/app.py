@@ -142,7 +142,9 @@ def create_app(
     install_learner_routes(app, server.data_dir, server.admin_key, learner_enabled)
     install_memory_routes(app, memory, server.admin_key)
 
-    app.add_middleware(_RequestContext, api_keys=server.api_keys, metrics=metrics)
+    # the admin key is a superuser: where /v1 needs an API key, it is one too (memory: "admin sees all")
+    v1_keys = (*server.api_keys, server.admin_key) if server.api_keys and server.admin_key else server.api_keys
+    app.add_middleware(_RequestContext, api_keys=v1_keys, metrics=metrics)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

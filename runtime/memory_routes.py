@@ -8,8 +8,10 @@ The runtime never imports ``memory/``: ``serve.py`` hands ``create_app`` a :clas
   version's metadata (provenance: method, copilot adapter, player and copilot trajectory/turn ids).
 - ``DELETE /v1/memory/{scope}``: deletes every version; a later GET is 404.
 - Admin (``Authorization: Bearer <admin key>``): ``GET /admin/memory?owner=`` lists everyone's (or one
-  owner's) documents; ``GET`` / ``DELETE /admin/memory/{owner}/{scope}`` reach any document. On the
-  ``/v1/memory`` routes the admin key (where it passes the API-key check) may add ``?owner=`` too.
+  owner's) documents; ``GET`` / ``DELETE /admin/memory/{owner}/{scope}`` reach any document. The admin
+  key also works on the ``/v1/memory`` routes (the app accepts it wherever ``/v1`` needs an API key):
+  ``GET /v1/memory`` lists everyone's documents, ``/v1/memory/{scope}`` reaches the owner that has the
+  scope (409 ``ambiguous_owner`` when several do and none is the admin's own), ``?owner=`` names one.
 
 The caller's owner identity comes from its key (``runtime/identity.py``); every lookup is by (owner,
 scope), so a scope that is unknown and one that belongs to someone else answer the same 404 (existence
@@ -107,13 +109,28 @@ def install_memory_routes(app: FastAPI, memory: MemoryBackend | None, admin_key:
             return await list_docs(None)
         return await list_docs(owner_for(request, owner))
 
+    async def scope_owner(request: Request, owner: str | None, scope: str) -> str:
+        """The owner a ``/v1/memory/{scope}`` request reaches. The admin key without ``?owner=`` reaches the one
+        owner that has the scope (admin sees all); when several do, it must name one."""
+        if owner is not None or not is_admin(request):
+            return owner_for(request, owner)
+        check_scope(scope)
+        own = owner_of(request)
+        docs = await asyncio.to_thread(memory.documents, None) if memory is not None else []
+        owners = sorted({d["owner"] for d in docs if d["scope"] == scope})
+        if len(owners) > 1 and own not in owners:
+            raise APIError(
+                409, f"{len(owners)} owners have {scope!r}: name one with ?owner= ({', '.join(owners[:10])})", param="owner", code="ambiguous_owner"
+            )
+        return own if own in owners or not owners else owners[0]
+
     @app.get("/v1/memory/{scope}")
     async def get_memory(scope: str, request: Request, owner: str | None = None) -> dict[str, Any]:
-        return await get_doc(owner_for(request, owner), scope)
+        return await get_doc(await scope_owner(request, owner, scope), scope)
 
     @app.delete("/v1/memory/{scope}")
     async def delete_memory(scope: str, request: Request, owner: str | None = None) -> dict[str, Any]:
-        return await delete_doc(owner_for(request, owner), scope)
+        return await delete_doc(await scope_owner(request, owner, scope), scope)
 
     @app.get("/admin/memory")
     async def admin_list_memory(request: Request, owner: str | None = None) -> dict[str, Any]:
