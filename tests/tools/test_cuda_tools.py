@@ -305,6 +305,16 @@ def _proc(**kw: object) -> ProcessResult:
             {"measured": False, "correct": False, "speedup": None},
         ),
         (
+            {"cuda": True, "compiled": False, "build_log": "ImportError: /tmp/lw_0123/lw_0123.so: undefined symbol: _Z6helperv"},
+            _proc(),
+            {
+                "compiled": False,
+                "correct": False,
+                "reason": "compile failed with 0 error(s); not run: ImportError: /tmp/lw_0123/lw_0123.so: undefined symbol: _Z6helperv",
+            },
+            {"measured": False, "correct": False},
+        ),
+        (
             None,
             _proc(exit_code=None, signal=9, timed_out=True, wall_s=300.0),
             {"measured": False, "timed_out": True, "correct": None},
@@ -333,7 +343,7 @@ def test_gpu_harness_reports_become_results(
     checked, benched = cuda_check(GOOD, SCALE_REF).to_dict(), cuda_bench(GOOD, SCALE_REF, warmup=2, repeats=3).to_dict()
     assert {k: checked[k] for k in check} == check
     assert {k: benched[k] for k in bench} == bench
-    if harness and harness.get("build_log"):
+    if harness and harness.get("build_log") == BUILD_FAILURE:
         assert checked["diagnostics"] == [Diagnostic("/tmp/lw_0123/lw_0123.cu", 6, "error", 'identifier "undefined_thing" is undefined').to_dict()]
     assert specs[0]["mode"] == "check" and specs[1]["mode"] == "bench" and specs[1]["repeats"] == 3
     assert specs[0]["ext_name"] == specs[1]["ext_name"] and Path(str(specs[0]["source_path"])).read_text() == GOOD  # one build for both

@@ -391,8 +391,13 @@ def _run_kernel(mode: str, source: str, reference: str, params: dict[str, Any], 
     if not result.get("cuda"):  # the device vanished since the probe
         return _Run(False, not_measured, False, None, [], False, result)
     if not result.get("compiled"):
-        diagnostics = parse_diagnostics(result.get("build_log", ""))
-        return _Run(False, f"compile failed with {count(diagnostics, 'error')} error(s); not run", False, False, diagnostics, False, result)
+        build_log = str(result.get("build_log", ""))
+        diagnostics = parse_diagnostics(build_log)
+        errors = count(diagnostics, "error")
+        reason = f"compile failed with {errors} error(s); not run"
+        if not errors:  # a link or load failure (e.g. "undefined symbol" when the module is imported): show its end
+            reason += ": " + build_log.strip()[-800:]
+        return _Run(False, reason, False, False, diagnostics, False, result)
     if result.get("error"):
         return _Run(True, f"the kernel failed: {result['error']}", True, False, [], False, result)
     reason = "output matches the reference" if result.get("correct") else "output differs from the reference beyond the tolerance"
