@@ -43,7 +43,7 @@ from runtime.engine import Engine, EngineError
 from runtime.errors import APIError, from_engine, from_validation
 from runtime.experiments import Experiments
 from runtime.http_body import read_json
-from runtime.learner_routes import install_learner_routes
+from runtime.learner_routes import LearnerCollector, install_learner_routes
 from runtime.memory_routes import MemoryBackend, install_memory_routes
 from runtime.metrics import Metrics
 from runtime.openai_schemas import ChatCompletionRequest
@@ -140,6 +140,7 @@ def create_app(
 
     install_agent_routes(app, agents, server.admin_key, server.max_body_bytes, _name_taken)
     install_learner_routes(app, server.data_dir, server.admin_key, learner_enabled)
+    metrics.registry.register(LearnerCollector(server.data_dir / "learner"))
     install_memory_routes(app, memory, server.admin_key)
 
     # the admin key is a superuser: where /v1 needs an API key, it is one too (memory: "admin sees all")

@@ -1,9 +1,12 @@
-"""``GET /admin/learner`` and ``POST /admin/learner/update``: the learner processes' state, through files.
+"""``GET /admin/learner``, ``POST /admin/learner/update`` and the learner's ``/metrics``: its state, through files.
 
 The learner (``python -m learner run``) keeps ``<data-dir>/learner/<family>/status.json`` current;
 this module serves those files and asks for an update by writing ``update.request`` next to them,
-which the learner picks up within a second. Files keep the runtime free of learner imports and work
-when the learner runs on another host that shares the data folder.
+which the learner picks up within a second. :class:`LearnerCollector` exports each learner's
+last-step metrics (loss, KL, clip fraction, reward mean/std, ``frac_reward_zero_std``, entropy,
+tokens/s), version and update count on the server's ``/metrics`` (``loopwise_learner_*{family=...}``),
+read at scrape time. Files keep the runtime free of learner imports and work when the learner runs on
+another host that shares the data folder.
 
 Not here: training (``learner/``).
 """
@@ -13,10 +16,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from runtime.errors import APIError
 from runtime.http_body import read_json
@@ -40,6 +45,46 @@ def _statuses(root: Path) -> list[dict[str, Any]]:
         status["history"] = [json.loads(line) for line in history.read_text().splitlines()[-20:] if line.strip()] if history.exists() else []
         out.append(status)
     return out
+
+
+LEARNER_GAUGES = {  # status.json's last_metrics key -> (metric name, help)
+    "loss": ("loopwise_learner_loss", "policy loss of the last update step"),
+    "kl": ("loopwise_learner_kl", "KL to the base model (mean per token) of the last update step"),
+    "clip_frac": ("loopwise_learner_clip_fraction", "fraction of tokens whose ratio was clipped in the last update step"),
+    "reward_mean": ("loopwise_learner_reward_mean", "mean reward of the last update's samples"),
+    "reward_std": ("loopwise_learner_reward_std", "reward std of the last update's samples"),
+    "frac_reward_zero_std": ("loopwise_learner_frac_reward_zero_std", "share of groups with equal rewards (nothing to learn) in the last update"),
+    "entropy": ("loopwise_learner_entropy", "mean token entropy of the last update step"),
+    "tokens_per_s": ("loopwise_learner_tokens_per_second", "forward+backward tokens per second of the last update step"),
+    "grad_norm": ("loopwise_learner_grad_norm", "gradient norm (before clipping) of the last update step"),
+}
+
+
+class LearnerCollector:
+    """Prometheus collector: each learner's last-step metrics, version and update count, read from its status file at scrape time."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        statuses = [s for s in _statuses(self.root) if "family" in s and s.get("state") != "unknown"]
+        version = GaugeMetricFamily("loopwise_learner_version", "the learner's trainer version", labels=["family"])
+        running = GaugeMetricFamily("loopwise_learner_running", "1 while the learner keeps its status fresh", labels=["family"])
+        updates = CounterMetricFamily("loopwise_learner_updates", "updates run by the learner", labels=["family"])
+        gauges = {k: GaugeMetricFamily(name, doc, labels=["family"]) for k, (name, doc) in LEARNER_GAUGES.items()}
+        for st in statuses:
+            fam = str(st["family"])
+            version.add_metric([fam], float(st.get("version") or 0))
+            running.add_metric([fam], 1.0 if st.get("running") else 0.0)
+            updates.add_metric([fam], float(st.get("updates") or 0))
+            for k, g in gauges.items():
+                v = (st.get("last_metrics") or {}).get(k)
+                if isinstance(v, int | float):
+                    g.add_metric([fam], float(v))
+        yield version
+        yield running
+        yield updates
+        yield from gauges.values()
 
 
 def install_learner_routes(app: FastAPI, data_dir: Path, admin_key: str | None, learner_enabled: bool) -> None:

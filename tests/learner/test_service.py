@@ -100,6 +100,11 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     status = admin(server, "GET", "/admin/learner").json()
     [fam] = [s for s in status["data"] if s["family"] == "fam"]
     assert fam["version"] == 2 and fam["state"] == "ab" and len(fam["history"]) == 2
+    # the last step's metrics are on the server's /metrics, per family
+    prom = httpx.get(server.base_url + "/metrics", timeout=30).text
+    assert 'loopwise_learner_version{family="fam"} 2.0' in prom and 'loopwise_learner_updates_total{family="fam"} 2.0' in prom
+    for name in ("loss", "kl", "clip_fraction", "reward_mean", "reward_std", "frac_reward_zero_std", "entropy", "tokens_per_second"):
+        assert f'loopwise_learner_{name}{{family="fam"}}' in prom, name
     assert admin(server, "POST", "/admin/learner/update", json={"family": "fam"}).status_code == 202
     assert (learner_dir(data, "fam") / REQUEST_FILE).exists()
     assert admin(server, "POST", "/admin/learner/update", json={"family": "nope"}).status_code == 404
