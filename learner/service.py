@@ -209,7 +209,7 @@ class LearnerService:
         estimator = self.cfg.settings.trainer.estimator
         if not samples or not rr.enabled or self.cfg.agent is None or estimator not in ("rtpo", "tcpo"):
             return trainer.step(samples, skipped=skipped), None
-        runner = BranchRunner(self.cfg.admin_url, self.cfg.api_key, agent=self.cfg.agent, store=self.store, concurrency=rr.concurrency)
+        runner = BranchRunner(self.cfg.admin_url, self._v1_key, agent=self.cfg.agent, store=self.store, concurrency=rr.concurrency)
         if estimator == "rtpo":
             return self._rtpo_sweep(trainer, runner, samples, skipped)
         return self._tcpo_step(trainer, runner, samples, skipped)
@@ -369,7 +369,7 @@ class LearnerService:
         }
 
     async def _success(self, model: str) -> float:
-        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        headers = {"Authorization": f"Bearer {self._v1_key}"} if self._v1_key else {}
         task = self._task()
         sem = asyncio.Semaphore(8)
         async with httpx.AsyncClient(base_url=self.cfg.admin_url, headers=headers, timeout=900) as client:
@@ -472,6 +472,11 @@ class LearnerService:
             self.admin._call("DELETE", f"/admin/adapters/{name}", idempotent=True)
         except AdminError as exc:
             log.warning("could not unload a refused version", adapter=name, error=str(exc))
+
+    @property
+    def _v1_key(self) -> str | None:
+        """The key for the runs endpoint: the API key if one is configured, else the admin key (the runtime accepts it on /v1)."""
+        return self.cfg.api_key or self.cfg.admin_key
 
     def _set(self, state: str, detail: str) -> None:
         self.status.state, self.status.detail, self.status.updated_at = state, detail, time.time()

@@ -176,7 +176,7 @@ class LearnerProcessSettings(_Frozen):
     )
     gate_n: int = Field(32, ge=0, description="held-out problems per side in the eval gate", json_schema_extra={"flag": "--learner-gate-n"})
     config: Path | None = Field(
-        None, description="learner config ([lora], [trainer], [samples] tables)", json_schema_extra={"flag": "--learner-config"}
+        None, description="learner config ([lora], [trainer], [samples], [rerollouts] tables)", json_schema_extra={"flag": "--learner-config"}
     )
 
 
