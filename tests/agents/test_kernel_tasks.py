@@ -5,7 +5,8 @@ convention and takes exactly the model's inputs + parameters + buffers; the Env 
 ``tools.cuda`` compiles (one real solution, module-scoped, plus include-typo candidates that nvcc rejects in
 its preprocessing pass within seconds) and on results built from the tools' own result types for the GPU
 paths (correct / incorrect / benchmarked); the kernel agent's loop with the tiny tokenizer and a scripted
-engine. GPU tests (``-m gpu``): every solution passes ``cuda_check`` and a deliberately wrong kernel fails.
+engine. The two tests that need a full real compile are marked ``slow`` (``-m "not slow"`` skips them).
+GPU tests (``-m gpu``): every solution passes ``cuda_check`` and a deliberately wrong kernel fails.
 """
 
 from __future__ import annotations
@@ -255,6 +256,8 @@ def test_env_observation_on_a_real_compile_failure(real_tools):
     assert not verdict.correct and verdict.reward == 0.0 and "extention.h" in verdict.detail
 
 
+@pytest.mark.slow  # one real torch-extension compile (minutes on a busy 2-core machine), shared with the loop test
+@pytest.mark.timeout(1800)
 def test_real_solution_compiles_and_cpu_gives_no_correctness_credit(real_tools, relu_compiled):
     spec, result = relu_compiled
     assert result.ok, result.summary()
@@ -282,7 +285,8 @@ def test_kernel_agent_is_built_in():
     assert CONVENTION in cfg.system_prompt and "PYBIND11_MODULE" in cfg.system_prompt
 
 
-def test_kernel_agent_loop_turns_diagnostics_into_the_next_observation(tiny_model_path, tmp_path, real_tools, relu_compiled):
+def run_kernel_agent(tiny_model_path, tmp_path, task, problem, script):
+    """The built-in kernel-agent's loop over a scripted engine (real tiny tokenizer, client, recorder, store)."""
     from transformers import AutoTokenizer
 
     from agents.config import BUILTIN_AGENTS, AgentConfig
@@ -290,14 +294,8 @@ def test_kernel_agent_loop_turns_diagnostics_into_the_next_observation(tiny_mode
     from tests.agents._scripted import ScriptedEngine, make_client
     from tools.builtins import default_registry
 
-    spec, _ = relu_compiled
-    _, toolset = real_tools
     tok = AutoTokenizer.from_pretrained(str(tiny_model_path))
-    task = KernelTask(level=1, max_turns=3, toolset=toolset)
-    problem = next(p for p in task.problems(20) if p.metadata["spec"] == spec.name)
-    broken = f"First try:\n```cuda\n{typo_include(spec.solution)}```"
-    fixed = f"Fixed the header:\n```cuda\n{spec.solution}```"
-    engine = ScriptedEngine(tok, [broken, fixed, "unused"], max_model_len=16384)
+    engine = ScriptedEngine(tok, script, max_model_len=16384)
     client, recorder, _store = make_client(tok, engine, tmp_path)
     [raw] = [a for a in BUILTIN_AGENTS if a["name"] == "kernel-agent"]
     loop = AgentLoop(AgentConfig(**raw), client, default_registry(), task=task)
@@ -310,6 +308,32 @@ def test_kernel_agent_loop_turns_diagnostics_into_the_next_observation(tiny_mode
 
     result = asyncio.run(go())
     recorder.close()
+    return result, engine, tok
+
+
+def test_kernel_agent_loop_runs_to_max_turns_on_compile_errors(tiny_model_path, tmp_path, real_tools):
+    _, toolset = real_tools
+    spec = get_kernel_task("level1/relu")
+    task = KernelTask(level=1, max_turns=2, toolset=toolset)
+    problem = next(p for p in task.problems(20) if p.metadata["spec"] == spec.name)
+    other_typo = spec.solution.replace("#include <torch/extension.h>", "#include <torch/extensions.h>")
+    script = [f"```cuda\n{typo_include(spec.solution)}```", f"```cuda\n{other_typo}```", "unused"]
+    result, engine, tok = run_kernel_agent(tiny_model_path, tmp_path, task, problem, script)
+    assert len(engine.calls) == 2 and result.stop_reason == "env_done" and result.reward == 0.0 and not result.correct
+    assert "extention.h" in tok.decode(list(engine.calls[1].input_ids))  # turn 1's diagnostics are turn 2's context
+    assert "extensions.h" in result.steps[1].observation and "last of 2 attempts" in result.steps[1].observation
+
+
+@pytest.mark.slow  # uses the module's real ReLU compile
+@pytest.mark.timeout(1800)
+def test_kernel_agent_loop_turns_diagnostics_into_the_next_observation(tiny_model_path, tmp_path, real_tools, relu_compiled):
+    spec, _ = relu_compiled
+    _, toolset = real_tools
+    task = KernelTask(level=1, max_turns=3, toolset=toolset)
+    problem = next(p for p in task.problems(20) if p.metadata["spec"] == spec.name)
+    broken = f"First try:\n```cuda\n{typo_include(spec.solution)}```"
+    fixed = f"Fixed the header:\n```cuda\n{spec.solution}```"
+    result, engine, tok = run_kernel_agent(tiny_model_path, tmp_path, task, problem, [broken, fixed, "unused"])
     assert len(engine.calls) == 2 and result.turns == 2
     assert "Compilation failed" in result.steps[0].observation and "extention.h" in result.steps[0].observation
     second_prompt = tok.decode(list(engine.calls[1].input_ids))

@@ -43,8 +43,9 @@ from . import KernelTaskSpec, kernel_tasks
 
 __all__ = ["bundle", "bundle_source", "emulate", "nvcc_bundle"]
 
-_INCLUDE_RE = re.compile(r"^\s*#\s*include\s*[<\"].*[>\"]\s*$", re.MULTILINE)
-_DEFINE_RE = re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)", re.MULTILINE)
+# [ \t] rather than \s: a removed line must keep its newline, so line numbers map back to the candidate
+_INCLUDE_RE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"].*[>\"][ \t]*$", re.MULTILINE)
+_DEFINE_RE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)", re.MULTILINE)
 _PYBIND_RE = re.compile(r"PYBIND11_MODULE\s*\(.*?\)\s*\{.*?\}\s*", re.DOTALL)
 _LAUNCH_RE = re.compile(r"\b(\w+)\s*<<<\s*([^,<>]+?)\s*,\s*([^<>]+?)\s*>>>\s*\(")
 
