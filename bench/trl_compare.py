@@ -3,7 +3,9 @@
     .venv/bin/pip install trl==1.16.0            # not a project dependency: only this benchmark needs it
     .venv/bin/python bench/trl_compare.py --steps 6 --prompts 4 --group 4 --n-eval 100
 
-The task is ``calc_arith`` without the calculator (single turn: TRL's trainer has no agent loop), so
+The task is ``calc_arith`` without the calculator, one operation on operands up to 12 by default
+(``--n-ops``, ``--max-operand``: harder settings give SmolLM2 no correct samples, so neither side gets
+a learning signal), single turn (TRL's trainer has no agent loop), so
 both sides see exactly the same chat prompt (the agent's system prompt + the problem) and the same
 reward (the task's verifier on the answer). Per step both sample ``group`` completions (temperature
 1.0, at most ``--max-tokens`` tokens) for the same ``prompts`` training problems and take one
@@ -42,7 +44,8 @@ from agents.policies import make_policy  # noqa: E402
 from agents.tasks import get_task  # noqa: E402
 from bench._rl_harness import add_agent, admin, bootstrap_ci, heldout, rollouts, service, write_json  # noqa: E402
 
-TASK, OPTIONS = "calc_arith", {"use_tools": False}
+TASK = "calc_arith"
+OPTIONS: dict = {"use_tools": False}  # plus --n-ops / --max-operand
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -139,8 +142,11 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--n-eval", type=int, default=100)
+    p.add_argument("--n-ops", type=int, default=1, help="calc_arith operations per problem (1: 'a op b', where SmolLM2 is right sometimes)")
+    p.add_argument("--max-operand", type=int, default=12)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "trl_compare")
     args = p.parse_args()
+    OPTIONS.update(n_ops=args.n_ops, max_operand=args.max_operand)
 
     out = args.out
     shutil.rmtree(out, ignore_errors=True)
