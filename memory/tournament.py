@@ -309,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="rate together with the games of an earlier --json-out (same testbed, opponents, seeds, rounds; e.g. a later trained arm)",
     )
+    p.add_argument("--rate-only", action="store_true", help="play nothing: rate the --include-games files' games together (no server)")
     p.add_argument("--png", type=Path, help="write the Elo and learning-curve plot")
     return p
 
@@ -411,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         methods.append(f"memopilot@{args.memopilot_version}")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     t0 = time.perf_counter()
+    if args.rate_only:
+        return rate_only(args)
     with server_url(args) as url:
         with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
             player = args.player_model or base_model_name(c)
@@ -448,13 +451,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(render(summary))
     print(f"({summary['matches']} matches, {len(games)} games, {summary['elapsed_s']:.0f} s)")
+    write_outputs(args, summary, games)
+    return 0
+
+
+def rate_only(args: argparse.Namespace) -> int:
+    """``--rate-only``: rate the games of the ``--include-games`` files together, without a server."""
+    if not args.include_games:
+        raise SystemExit("error: --rate-only needs --include-games FILE (one or more)")
+    loaded = [json.loads(p.read_text()) for p in args.include_games]
+    games = [GameRecord.from_dict(d) for data in loaded for d in data["games"]]
+    first = loaded[0].get("summary", {})
+    summary = summarize(games, n_boot=args.boot)
+    summary.update({k: first[k] for k in ("testbed", "opponents", "seeds", "rounds", "episode_rounds", "player_model") if k in first})
+    summary["sources"] = [str(p) for p in args.include_games]
+    summary["title"] = first.get("title", "memory tournament")
+    print(render(summary))
+    print(f"({summary['matches']} matches, {len(games)} games)")
+    write_outputs(args, summary, games)
+    return 0
+
+
+def write_outputs(args: argparse.Namespace, summary: dict[str, Any], games: Sequence[GameRecord]) -> None:
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps({"summary": summary, "games": [g.to_dict() for g in games]}, indent=1))
     if args.png:
         args.png.parent.mkdir(parents=True, exist_ok=True)
         plot(summary, args.png)
-    return 0
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from memory.tournament import (
     fit_elo,
     included_games,
     learning_slope,
+    main,
     matches_from_games,
     ols_slope,
     plot,
@@ -142,3 +143,9 @@ def test_games_round_trip_and_earlier_arms_are_rated_together(tmp_path: Path) ->
     assert [g.method for g in added] == ["reflection"]  # "none" was played again in this run: this run's copy counts
     with pytest.raises(SystemExit, match="did not play"):
         included_games([path], [game("memopilot@1", "cycle", 0, [1, 1, 1, 1])])
+    out = tmp_path / "rated.json"
+    path2 = tmp_path / "later.json"
+    path2.write_text(json.dumps({"games": [now[0].to_dict()]}))
+    assert main(["--rate-only", "--include-games", str(path), "--include-games", str(path2), "--boot", "20", "--json-out", str(out)]) == 0
+    rated = json.loads(out.read_text())["summary"]["ratings"]
+    assert rated[0]["method"] == "memopilot@1" and len(rated) == 3
