@@ -144,19 +144,20 @@ def test_zero_variance_batch_skips_the_optimizer_but_advances_the_version(model_
     assert (empty.optimizer_step, empty.version) == (False, 7)
 
 
-def test_micro_batching_gives_the_same_update(model_path: Path) -> None:
+def test_micro_batching_and_activation_checkpointing_give_the_same_update(model_path: Path) -> None:
     samples = make_samples(4, n_groups=3, per_group=2)
     results = []
-    for tokens in (4096, 64):
-        tr = LoRATrainer(model_path, cfg(micro_batch_tokens=tokens), LORA)
+    for tokens, ckpt in ((4096, False), (64, False), (64, True)):
+        tr = LoRATrainer(model_path, cfg(micro_batch_tokens=tokens, activation_checkpointing=ckpt), LORA)
         m = tr.step(samples)
         results.append((m, tr.lora_state()))
-    (m_big, w_big), (m_small, w_small) = results
+    (m_big, w_big), *others = results
     assert len(plan_micro_batches([len(s.context_ids) + len(s.output_ids) for s in samples], 64)) > 1
-    assert m_big.loss == pytest.approx(m_small.loss, rel=1e-5, abs=1e-7)
-    assert m_big.grad_norm == pytest.approx(m_small.grad_norm, rel=1e-4)
-    for k in w_big:
-        torch.testing.assert_close(w_big[k], w_small[k], rtol=1e-4, atol=1e-6)
+    for m_small, w_small in others:
+        assert m_big.loss == pytest.approx(m_small.loss, rel=1e-5, abs=1e-7)
+        assert m_big.grad_norm == pytest.approx(m_small.grad_norm, rel=1e-4)
+        for k in w_big:
+            torch.testing.assert_close(w_big[k], w_small[k], rtol=1e-4, atol=1e-6)
 
 
 def test_plan_micro_batches_bounds_padded_tokens() -> None:
