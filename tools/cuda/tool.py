@@ -34,7 +34,6 @@ def _result(content: str, flags: dict[str, Any], error_kind: str | None) -> Tool
     return ToolResult(content=content, ok=error_kind is None, error_kind=error_kind, flags=flags)
 
 
-@tool(name="cuda_compile")
 def compile_tool(source: str) -> ToolResult:
     """Compile a CUDA C++ source (a PyTorch extension) with nvcc and report errors and warnings with line numbers.
 
@@ -47,7 +46,6 @@ def compile_tool(source: str) -> ToolResult:
     return _result(r.summary(), r.to_dict(), kind)
 
 
-@tool(name="cuda_check")
 def check_tool(source: str, task: str) -> ToolResult:
     """Build the kernel, run it on the task's seeded inputs and compare its output with the PyTorch reference.
 
@@ -60,7 +58,6 @@ def check_tool(source: str, task: str) -> ToolResult:
     return _result(r.summary(), r.to_dict(), kind)
 
 
-@tool(name="cuda_bench")
 def bench_tool(source: str, task: str) -> ToolResult:
     """Time the kernel against eager PyTorch on the task's inputs (CUDA events, median of 50 runs) and report the speedup.
 
@@ -74,4 +71,8 @@ def bench_tool(source: str, task: str) -> ToolResult:
     return _result(r.summary(), r.to_dict(), kind)
 
 
+# Marked in place (the functions are returned unchanged), so register() and register_dotted() use these names.
+tool(compile_tool, name="cuda_compile")
+tool(check_tool, name="cuda_check")
+tool(bench_tool, name="cuda_bench")
 CUDA_TOOLS = (compile_tool, check_tool, bench_tool)
