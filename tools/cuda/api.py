@@ -22,7 +22,8 @@ machine allows, killed with its whole process tree at ``timeout_s``.
   (``LOOPWISE_CUDA_CACHE``, default ``<tmp>/loopwise-cuda-<uid>``, mode 0700), named by the hash of the
   source and architecture, so ``cuda_bench`` after ``cuda_check`` of the same source does not build again.
 
-Without a CUDA device (``torch.cuda.is_available()`` is false, asked once per process in a subprocess)
+Without a CUDA device (a CPU-only torch build, read from its ``version.py``, or ``torch.cuda.is_available()``
+false in the confined harness; asked once per process)
 ``cuda_check``/``cuda_bench`` still run ``cuda_compile``, so compile errors are reported, and return
 ``measured=False`` with the reason; they never guess correctness or speed. A source that does not compile
 is ``correct=False`` on any machine (that much is known without a GPU).
