@@ -36,7 +36,10 @@ TCPO counterfactuals (``learner/rerollout.py``). T²PO-intervened backbones cann
 **Verification.** When the run names a task problem, the task's verifier scores the final answer and
 the reward is attached to the trajectory (source ``verifier:<task>``); per-turn process scores go on
 the turns (``verifier:<task>:process``). Environment tasks (FrozenLake) answer each action turn with
-the environment's observation and end when the episode does.
+the environment's observation and end when the episode does; the episode's reward is its summed step
+rewards clipped to [0, 1] and "correct" means reward 1, unless the last step's ``info`` reports its own
+``correct`` (bool) and uncapped ``score`` (the kernel task: a right-but-slow kernel is correct, and
+Kevin's ``0.3 + speedup`` is recorded as the reward and the meta ``score`` LEAP's rank estimator reads).
 
 Not here: HTTP (``agents/host.py``), tool execution (``tools/``), parsing the self-check formats
 (``agents/stop.py``).
@@ -44,6 +47,7 @@ Not here: HTTP (``agents/host.py``), tool execution (``tools/``), parsing the se
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -302,6 +306,7 @@ class AgentLoop:
         stop_reason = "max_turns"
         env_reward = 0.0
         env_done = False
+        env_info: dict[str, Any] = {}
         finish = "stop"
         pending_text = ""  # text of an intervened turn that the next call continues (same assistant message)
         spec = format_grammar(policy.fmt) if cfg.constrain_format and not self.tool_names and not cfg.t2po.thinking_intervention else None
@@ -397,6 +402,7 @@ class AgentLoop:
             if env is not None and not calls:
                 env_step = env.step(text)
                 env_reward += env_step.reward
+                env_info = env_step.info
                 step.observation = env_step.observation
                 if env_step.done:
                     env_done = True
@@ -472,7 +478,15 @@ class AgentLoop:
             result.task, result.task_key, result.problem_id = self.task.name, self.task.task_key(problem), problem.id
             if env is not None:
                 reward = min(1.0, max(0.0, env_reward))
-                result.reward, result.correct, result.verdict_detail = reward, env_done and reward >= 1.0, "episode reward"
+                correct = env_done and reward >= 1.0
+                # an environment may report its own outcome in the last step's info: "correct" (e.g. a kernel that is
+                # right but slow) and an uncapped "score" (e.g. Kevin's 0.3 + speedup), which is what gets recorded
+                if isinstance(env_info.get("correct"), bool):
+                    correct = env_info["correct"]
+                score = env_info.get("score")
+                if isinstance(score, int | float) and not isinstance(score, bool) and math.isfinite(score):
+                    reward = float(score)
+                result.reward, result.correct, result.verdict_detail = reward, correct, "episode reward"
             else:
                 verdict = self.task.verify(problem, answer)
                 result.reward, result.correct, result.verdict_detail = verdict.reward, verdict.correct, verdict.detail

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from agents.config import AgentConfig
 from agents.loop import AgentLoop, ContextTracker
-from agents.tasks import get_task
+from agents.tasks import Problem, TaskBase, get_task
 from tests.agents._scripted import Reply, ScriptedEngine, make_client
 from tools.builtins import default_registry
 
@@ -250,3 +250,49 @@ def test_every_sentence_of_the_format_grammar_parses(tok, fmt):
     assert check is not None and check.format_ok and check.verdict == "incorrect"
     bad = xgr.GrammarMatcher(xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok)).compile_grammar(format_grammar(fmt)))
     assert not bad.accept_string("The answer is 42.")
+
+
+class _OutcomeEnv:
+    """Ends after two steps; the last step reports its own outcome (as the kernel task does)."""
+
+    def __init__(self, info: dict) -> None:
+        self.info, self.n = info, 0
+
+    def reset(self) -> str:
+        return "go"
+
+    def step(self, action_text: str):
+        from agents.tasks import EnvStep
+
+        self.n += 1
+        return EnvStep("again", 0.0, False) if self.n < 2 else EnvStep("done", 1.0, True, info=self.info)
+
+
+class _OutcomeTask(TaskBase):
+    name, description = "outcome", "an env task whose last step reports correct and an uncapped score"
+
+    def __init__(self, info: dict) -> None:
+        self.info = info
+
+    def problems(self, n: int, seed: int = 0):
+        return [Problem(self.name, f"o/{i}", "play", None, {}) for i in range(n)]
+
+    def make_env(self, problem):
+        return _OutcomeEnv(self.info)
+
+
+@pytest.mark.parametrize(
+    "info,reward,correct",
+    [
+        ({}, 1.0, True),
+        ({"correct": True, "score": 2.7}, 2.7, True),
+        ({"correct": False, "score": 0.0}, 0.0, False),
+        ({"score": float("nan")}, 1.0, True),
+    ],
+)
+def test_an_environment_can_report_its_own_outcome(tok, tmp_path, info, reward, correct):
+    task = _OutcomeTask(info)
+    result, _, view = run(tok, tmp_path, ["a", "b"], task=task, problem=task.problems(1)[0], max_turns=5)
+    assert result.stop_reason == "env_done" and result.reward == reward and result.correct is correct
+    meta = view.trajectory(result.trajectory_id).meta
+    assert meta["score"] == reward and meta["correct"] is correct  # what LEAP's rank estimator reads

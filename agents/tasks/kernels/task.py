@@ -259,6 +259,9 @@ class KernelEnv:
             "speedup": outcome.speedup if outcome is not None else None,
             "measured": outcome.measured if outcome is not None else False,
             "kevin_reward": kevin_reward(outcome.correct, outcome.speedup) if outcome is not None else 0.0,
+            # what the agent loop records (agents/loop.py): correctness and the uncapped score, whose order within a
+            # group is LEAP's "correct beats incorrect, then faster" (kevin_reward is monotone in speedup when correct)
+            "score": kevin_reward(outcome.correct, outcome.speedup) if outcome is not None else 0.0,
             "episode_reward": reward,
             "format_error": outcome is not None and not outcome.found_code,
         }
