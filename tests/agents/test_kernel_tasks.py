@@ -256,7 +256,7 @@ def test_env_observation_on_a_real_compile_failure(real_tools):
     assert not verdict.correct and verdict.reward == 0.0 and "extention.h" in verdict.detail
 
 
-@pytest.mark.slow  # one real torch-extension compile (minutes on a busy 2-core machine), shared with the loop test
+@pytest.mark.torch_ext  # one real torch-extension compile (~250 s of CPU here), shared with the loop test
 @pytest.mark.timeout(1800)
 def test_real_solution_compiles_and_cpu_gives_no_correctness_credit(real_tools, relu_compiled):
     spec, result = relu_compiled
@@ -324,7 +324,7 @@ def test_kernel_agent_loop_runs_to_max_turns_on_compile_errors(tiny_model_path, 
     assert "extensions.h" in result.steps[1].observation and "last of 2 attempts" in result.steps[1].observation
 
 
-@pytest.mark.slow  # uses the module's real ReLU compile
+@pytest.mark.torch_ext  # uses the module's real ReLU compile
 @pytest.mark.timeout(1800)
 def test_kernel_agent_loop_turns_diagnostics_into_the_next_observation(tiny_model_path, tmp_path, real_tools, relu_compiled):
     spec, _ = relu_compiled
