@@ -3,8 +3,11 @@
     .venv/bin/python bench/rtpo_compare.py --seeds 0,1,2 --budget 6000          # SmolLM2, FrozenLake
     .venv/bin/python bench/rtpo_compare.py --model tiny --seeds 0 --budget 300  # smoke run
 
-Task: ``frozenlake`` (random 4x4 maps, deterministic moves), one action per turn, the episode reward
-(1 at the goal) as the outcome reward. Each arm (estimator x seed) gets its own adapter family, agent
+Task: ``frozenlake`` by default (random 4x4 maps, deterministic moves), one action per turn, the
+episode reward (1 at the goal) as the outcome reward; ``--task calc_arith --stop-policy fixed
+--max-turns 2`` is a two-turn alternative (answer, then "Continue." and a second answer, the verifier
+scoring the last), for models that never reach a FrozenLake goal (SmolLM2: 0 of 16 held-out, 0 of 8
+training episodes in our run, so no arm ever had a reward to learn from). Each arm (estimator x seed) gets its own adapter family, agent
 and learner on one shared server; the arms run one after the other. One iteration = ``--prompts``
 new training problems x ``--group`` sampled episodes (temperature 1.0) through the agent's runs
 endpoint, then one ``LearnerService.update`` (the learner's real path; new versions are served at
@@ -22,6 +25,7 @@ thick: mean per estimator) and ``rtpo_compare.json`` under ``bench/results/rtpo_
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import shutil
 import sys
@@ -37,17 +41,22 @@ sys.path.insert(0, str(ROOT))
 from agents.eval import spawned_server  # noqa: E402
 from bench._rl_harness import add_agent, heldout, rollouts, service, write_json  # noqa: E402
 
-TASK = "frozenlake"
+PROMPTS = {
+    "frozenlake": "You are an agent walking on a frozen lake. Reach the goal without falling into a hole.",
+    "calc_arith": "You are a careful assistant. Check your previous answer when asked to continue.",
+}
 
 
 def agent(name: str, family: str | None, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "name": name,
-        "system_prompt": "You are an agent walking on a frozen lake. Reach the goal without falling into a hole.",
+        "system_prompt": PROMPTS.get(args.task, "You are a careful assistant."),
         "temperature": 1.0,
         "max_turns": args.max_turns,
         "max_tokens_per_turn": args.max_tokens,
-        "task": TASK,
+        "stop_policy": args.stop_policy,
+        "task": args.task,
+        "task_options": json.loads(args.task_options),
         **({"adapter_family": family} if family else {}),
     }
 
@@ -67,7 +76,7 @@ def run_arm(url: str, key: str, data: Path, model_path: Path, est: str, seed: in
     t0 = time.perf_counter()
     while spent < args.budget:
         problems = [seed * 10_000 + it * args.prompts + j for j in range(args.prompts)]
-        runs = rollouts(url, name, TASK, problems, args.group, seed=seed)
+        runs = rollouts(url, name, args.task, problems, args.group, seed=seed)
         spent += sum(r["completion_tokens"] for r in runs)
         success = sum(bool(r.get("correct")) for r in runs) / len(runs)
         rec = svc.update()
@@ -82,7 +91,7 @@ def run_arm(url: str, key: str, data: Path, model_path: Path, est: str, seed: in
     return {"estimator": est, "seed": seed, "family": family, "final": final, "iterations": it, "tokens": spent, "curve": curve, "wall_s": wall}
 
 
-def plot(arms: list[dict[str, Any]], out: Path) -> None:
+def plot(arms: list[dict[str, Any]], out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +112,7 @@ def plot(arms: list[dict[str, Any]], out: Path) -> None:
         ax.plot(grid, np.mean(ys, axis=0), color=colors.get(est), linewidth=2.5, label=f"{est} (mean of {len(mine)} seeds)")
     ax.set_xlabel("sampled tokens (episodes + re-rollouts)")
     ax.set_ylabel("training success (running mean)")
-    ax.set_title("FrozenLake: RTPO vs trajectory GRPO vs turn GRPO")
+    ax.set_title(f"{title}: RTPO vs trajectory GRPO vs turn GRPO")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=90)
@@ -114,6 +123,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
     p.add_argument("--estimators", default="grpo,turn_grpo,rtpo")
+    p.add_argument("--task", default="frozenlake", help="a multi-turn task: frozenlake, or e.g. calc_arith with --stop-policy fixed")
+    p.add_argument("--task-options", default="{}", help="the task's options as JSON")
+    p.add_argument("--stop-policy", default="answer", help="the agents' stop policy (fixed: every run takes --max-turns turns)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--budget", type=int, default=6000, help="sampled tokens per arm")
     p.add_argument("--prompts", type=int, default=2)
@@ -136,17 +148,17 @@ def main() -> int:
         model_path = data / "models" / ("SmolLM2-135M-Instruct" if args.model == "default" else args.model)
         base = httpx.get(url + "/ready", timeout=30).json()["model"]
         add_agent(url, key, agent("fl-eval", None, args))
-        base_success = heldout(url, "fl-eval", TASK, args.n_eval, base)
+        base_success = heldout(url, "fl-eval", args.task, args.n_eval, base)
         print(f"base held-out success {base_success:.3f} (n={args.n_eval})", flush=True)
         for est in args.estimators.split(","):
             for seed in (int(s) for s in args.seeds.split(",")):
                 print(f"arm {est} seed {seed}", flush=True)
                 arm = run_arm(url, key, data, model_path, est, seed, args)
-                arm["heldout"] = heldout(url, "fl-eval", TASK, args.n_eval, arm["final"] or base)
+                arm["heldout"] = heldout(url, "fl-eval", args.task, args.n_eval, arm["final"] or base)
                 print(f"  held-out success {arm['heldout']:.3f} ({arm['final'] or base}), {arm['wall_s']:.0f} s", flush=True)
                 arms.append(arm)
                 write_json(args.out / "rtpo_compare.json", {"args": {k: str(v) for k, v in vars(args).items()}, "base": base_success, "arms": arms})
-    plot(arms, args.out / "rtpo_compare.png")
+    plot(arms, args.out / "rtpo_compare.png", args.task)
     print("\n| estimator | seeds | iterations (mean) | final train success (mean) | held-out success (mean) |\n|---|---|---|---|---|")
     means: dict[str, float] = {}
     for est in dict.fromkeys(a["estimator"] for a in arms):
