@@ -6,6 +6,7 @@
     adv = compute_advantages("rank", kernel_rank_samples(episodes))
 
     python -m learner.leap --probe bench/data/leap_probe.jsonl [--max-turns 4] [--p-hi 1.0] [--s-hi 1.0] [--json]
+    python -m learner.leap --expand --url URL --agent kernel-agent --problems 0-7 --group 4 [--api-key K] [--json]
 
 DCP ([RECON] ``shared/reference/algorithms.md`` section 3). Before multi-turn expansion, each task gets ``G``
 cheap first-turn samples (the *probe*). :func:`classify_probe` labels the task from them:
@@ -34,8 +35,9 @@ into the :class:`learner.advantages.TurnSample` rows that the registered ``rank`
 not measured has ``correct=None`` and is excluded (advantage 0): compile success is not correctness.
 
 What it does not do: sample, compile or run kernels (the probe is recorded elsewhere, e.g.
-``bench/leap_probe.py``), or decide how a ``simple`` task is trained (single-turn group or skipped: the
-caller's choice). It imports nothing outside ``learner``.
+``bench/leap_probe.py``, or probed on a running server by ``learner.leap_expand``, which ``--expand`` runs),
+or decide how a ``simple`` task is trained (single-turn group or skipped: the caller's choice). It imports
+nothing outside ``learner``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -344,14 +347,34 @@ def kernel_rank_advantages(episodes: Iterable[KernelEpisode], **params: Any) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m learner.leap", description="LEAP difficulty-conditioned pruning over a recorded probe.")
-    p.add_argument("--probe", required=True, type=Path, help="JSON lines, one first-turn sample per line (task, compiled, first_error, ...)")
-    p.add_argument("--max-turns", type=int, default=4, help="turns of the multi-turn expansion (default 4)")
+    p = argparse.ArgumentParser(
+        prog="python -m learner.leap",
+        description="LEAP difficulty-conditioned pruning over a recorded probe (--probe), or probe + prune + expand on a server (--expand).",
+    )
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--probe", type=Path, help="JSON lines, one first-turn sample per line (task, compiled, first_error, ...)")
+    mode.add_argument("--expand", action="store_true", help="probe kernel problems through a served agent, prune, expand the rest")
+    p.add_argument("--max-turns", type=int, default=4, help="turns of the multi-turn expansion (default 4, kernel-agent's cap)")
     p.add_argument("--p-hi", type=float, default=1.0, help="share correct for 'simple' (default 1.0)")
     p.add_argument("--s-hi", type=float, default=1.0, help="median speedup among the correct for 'simple' (default 1.0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    e = p.add_argument_group("--expand (learner.leap_expand)")
+    e.add_argument("--url", default=os.environ.get("LOOPWISE_URL", "http://127.0.0.1:8000"), help="loopwise server base URL")
+    e.add_argument("--api-key", default=os.environ.get("LOOPWISE_API_KEY"), help="API key of the server")
+    e.add_argument("--agent", default="kernel-agent", help="the agent that runs the kernels task (default kernel-agent)")
+    e.add_argument("--problems", default="0-7", help="problem indices and/or spec names: 0-7, 0,3,level1/relu (default 0-7)")
+    e.add_argument("--group", type=int, default=4, help="G: probe samples and expansion episodes per problem (default 4)")
+    e.add_argument("--seed", type=int, default=0, help="problem seed (default 0)")
+    e.add_argument("--sample-seed", type=int, default=0, help="first sampling seed: probes use +0..G-1, episodes +G..2G-1 (default 0)")
+    e.add_argument("--concurrency", type=int, default=8, help="runs in flight at once (default 8)")
+    e.add_argument("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
+    e.add_argument("--save-probe", type=Path, help="also write the probe samples as a file that --probe reads")
     args = p.parse_args(argv)
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # logs on stderr; stdout is for the report
+    if args.expand:
+        from learner.leap_expand import run_cli  # imports httpx; leap_expand imports this module
+
+        return run_cli(args)
     try:
         probes = load_probe(args.probe)
     except (OSError, ValueError) as exc:
