@@ -8,11 +8,12 @@ users, the learner training ``calc-lora`` with its eval gate and A/B experiments
 kept data folder, for ``--minutes`` of wall time. Nothing is steered from here: promotion is the
 learner's and the A/B experiment's own decision.
 
-What it measures, at the end, side by side on the same server: the demo agent on ``--n`` held-out
-problems (problem seed ``--heldout-seed``, which neither the demo users (seed 0) nor the learner's gate
-(seed 100000) use), once served by the base model and once by the family alias ``calc-lora`` (the
-champion), with the same sampling seed per problem (paired). The arms alternate problem by problem, so
-the demo traffic that keeps running loads both the same. Also reported: every promotion and experiment
+What it measures, at the end, side by side on one fresh server (the demo server, its users and its
+learner are stopped first, so the comparison has the machine to itself): the demo agent on ``--n``
+held-out problems (problem seed ``--heldout-seed``, which neither the demo users (seed 0) nor the
+learner's gate (seed 100000) use), once served by the base model and once by the champion the
+learner promoted (loaded from the adapter folder it published into), with the same sampling seed per
+problem (paired), the arms interleaved. Also reported: every promotion and experiment
 the learner logged (``history.jsonl``, ``GET /admin/experiments``), the number of runs, and the paired
 difference with a bootstrap 95% interval. Results go to ``bench/results/online_learning.json`` and the
 learner's ``reward.png`` is copied next to it.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import random
 import secrets
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agents.eval import spawned_server  # noqa: E402
+from serve import DEMO_AGENT  # noqa: E402
 
 FAMILY, AGENT, TASK = "calc-lora", "demo-agent", "calc_arith"
 
@@ -98,12 +101,23 @@ def main() -> int:
         aliases = httpx.get(f"{url}/admin/adapters", headers=admin, timeout=30).json().get("aliases", {})
         champion = aliases.get(FAMILY)
         experiments = httpx.get(f"{url}/admin/experiments", headers=admin, timeout=30).json()
-        arms = [base] + ([FAMILY] if champion else [])
-        print(f"held-out comparison on {args.n} problems: {', '.join(arms)} (champion {champion})", flush=True)
+        runs = httpx.get(f"{url}/admin/learner", headers=admin, timeout=30).json()["data"]
+    # the held-out comparison runs on a fresh server without the demo users and the learner, so the two arms
+    # get the machine to themselves; the champion is loaded from the adapter folder the learner published into
+    with spawned_server(args.model, key, ["--agent", json.dumps(DEMO_AGENT)], data_dir=data) as url:
+        admin = {"Authorization": f"Bearer {key}"}
+        arms = [base]
+        if champion:
+            version = int(champion.split("@")[1])
+            path = data / "adapters" / FAMILY / f"v{version}"
+            sha = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
+            body = {"path": str(path), "family": FAMILY, "version": version, "sha256": sha}
+            httpx.post(f"{url}/admin/adapters", headers=admin, json=body, timeout=300).raise_for_status()
+            arms.append(champion)
+        print(f"held-out comparison on {args.n} problems: {', '.join(arms)}", flush=True)
         t1 = time.time()
         res = asyncio.run(heldout(url, arms, args.n, args.heldout_seed))
         eval_s = time.time() - t1
-        runs = httpx.get(f"{url}/admin/learner", headers=admin, timeout=30).json()["data"]
     history_file = next(data.glob("learner/*/history.jsonl"), None)
     history = [json.loads(x) for x in history_file.read_text().splitlines() if x.strip()] if history_file else []
     for png in data.glob("learner/*/*.png"):
@@ -123,7 +137,7 @@ def main() -> int:
         "eval_s": eval_s,
     }
     if champion:
-        diff, lo, hi = paired_ci(res[base], res[FAMILY])
+        diff, lo, hi = paired_ci(res[base], res[champion])
         summary["paired_diff"] = {"mean": diff, "ci95": [lo, hi]}
     (args.out / "online_learning.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"\nupdates: {len(history)}; published versions: {summary['published']}; champion at the end: {champion}")
