@@ -58,6 +58,7 @@ from typing import Any
 import structlog
 
 from learner.advantages import Advantages, TurnSample, compute_advantages
+from tools.cuda.api import failure_class
 
 __all__ = [
     "KernelEpisode",
@@ -101,17 +102,9 @@ class ProbeSample:
     @property
     def failure_class(self) -> str | None:
         """None for a correct kernel; else format / compile_timeout / compile_error / unmeasured / runtime_error / incorrect."""
-        if not self.found_code:
-            return "format"
-        if self.compile_timed_out:
-            return "compile_timeout"
-        if not self.compiled:
-            return "compile_error"
-        if not self.measured:
-            return "unmeasured"
-        if self.correct is None:
-            return "runtime_error"
-        return None if self.correct else "incorrect"
+        return failure_class(
+            found_code=self.found_code, compile_timed_out=self.compile_timed_out, compiled=self.compiled, measured=self.measured, correct=self.correct
+        )
 
     @property
     def failure_key(self) -> str | None:

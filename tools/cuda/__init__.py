@@ -12,7 +12,17 @@ include paths without importing torch), ``process`` (the confined, time-limited 
 the GPU side; never imported here). Importing this package does not import torch.
 """
 
-from tools.cuda.api import BenchResult, CheckResult, CompileResult, cuda_bench, cuda_check, cuda_compile, cuda_device_available, resolve_reference
+from tools.cuda.api import (
+    BenchResult,
+    CheckResult,
+    CompileResult,
+    cuda_bench,
+    cuda_check,
+    cuda_compile,
+    cuda_device_available,
+    failure_class,
+    resolve_reference,
+)
 from tools.cuda.diagnostics import Diagnostic, parse_diagnostics
 from tools.cuda.tool import CUDA_TOOLS, bench_tool, check_tool, compile_tool
 
@@ -29,6 +39,7 @@ __all__ = [
     "cuda_check",
     "cuda_compile",
     "cuda_device_available",
+    "failure_class",
     "parse_diagnostics",
     "resolve_reference",
 ]

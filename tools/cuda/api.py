@@ -453,3 +453,22 @@ def cuda_bench(source: str, reference: str, *, warmup: int = 10, repeats: int = 
     )
     log.info("cuda_bench", measured=result.measured, speedup=result.speedup, correct=result.correct, elapsed_s=round(result.elapsed_s, 2))
     return result
+
+
+def failure_class(*, found_code: bool, compile_timed_out: bool, compiled: bool, measured: bool, correct: bool | None) -> str | None:
+    """How one kernel attempt failed, in LEAP's failure classes; None for a correct kernel.
+
+    ``format`` (no code found), ``compile_timeout``, ``compile_error``, ``unmeasured`` (compiled, no GPU to
+    run it), ``runtime_error`` (ran without a verdict), ``incorrect``. The kernel task's outcomes and the
+    learner's DCP probes classify with this one function."""
+    if not found_code:
+        return "format"
+    if compile_timed_out:
+        return "compile_timeout"
+    if not compiled:
+        return "compile_error"
+    if not measured:
+        return "unmeasured"
+    if correct is None:
+        return "runtime_error"
+    return None if correct else "incorrect"

@@ -47,6 +47,8 @@ from typing import Any, Literal
 
 import structlog
 
+from tools.cuda.api import failure_class
+
 from ..base import EnvStep, Problem, TaskBase, Verdict
 from . import CONVENTION, KernelTaskSpec, get_kernel_task, kernel_tasks
 
@@ -126,17 +128,9 @@ class KernelOutcome:
     @property
     def failure_class(self) -> str | None:
         """``format`` / ``compile_timeout`` / ``compile_error`` / ``unmeasured`` / ``runtime_error`` / ``incorrect``; None if correct."""
-        if not self.found_code:
-            return "format"
-        if self.compile_timed_out:
-            return "compile_timeout"
-        if not self.compiled:
-            return "compile_error"
-        if not self.measured:
-            return "unmeasured"
-        if self.correct is None:
-            return "runtime_error"
-        return None if self.correct else "incorrect"
+        return failure_class(
+            found_code=self.found_code, compile_timed_out=self.compile_timed_out, compiled=self.compiled, measured=self.measured, correct=self.correct
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
