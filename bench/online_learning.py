@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import random
 import secrets
@@ -39,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agents.eval import spawned_server  # noqa: E402
+from learner._files import sha256_file  # noqa: E402
+from learner.publish import MANIFEST_FILE  # noqa: E402
 from serve import DEMO_AGENT  # noqa: E402
 
 FAMILY, AGENT, TASK = "calc-lora", "demo-agent", "calc_arith"
@@ -110,7 +111,7 @@ def main() -> int:
         if champion:
             version = int(champion.split("@")[1])
             path = data / "adapters" / FAMILY / f"v{version}"
-            sha = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
+            sha = sha256_file(path / MANIFEST_FILE)
             body = {"path": str(path), "family": FAMILY, "version": version, "sha256": sha}
             httpx.post(f"{url}/admin/adapters", headers=admin, json=body, timeout=300).raise_for_status()
             arms.append(champion)

@@ -65,6 +65,7 @@ __all__ = [
     "get_advantage",
     "rank_wins",
     "register_advantage",
+    "rtpo_turn_buckets",
     "rtpo_update_order",
     "tcpo_counterfactual",
     "tcpo_hindsight",
@@ -506,20 +507,30 @@ def rtpo(
     return base, _stats(b, valid, n_g, n_z)
 
 
-def rtpo_update_order(samples: Sequence[TurnSample], *, bucket_size: int = 1) -> list[list[int]]:
-    """RTPO's reverse sweep (algorithms.md 2, step 3): sample indices in turn buckets, latest turns first.
+def rtpo_turn_buckets(turn_indices: Sequence[int], bucket_size: int = 1) -> list[list[int]]:
+    """RTPO's reverse sweep over turn indices: the distinct turns in buckets of ``bucket_size``, latest first, each ascending.
 
     Bucket k holds the turns in ``(t_max - (k+1)*bucket_size, t_max - k*bucket_size]``; empty buckets are
-    dropped, so every turn in a bucket is strictly below every turn of the bucket before it. Indices inside
-    a bucket are ascending.
-    """
+    dropped, so every turn in a bucket is strictly below every turn of the bucket before it."""
     if bucket_size < 1:
         raise AdvantageInputError(f"bucket_size must be >= 1, got {bucket_size}")
-    if not samples:
-        return []
-    turns = np.array([s.turn_index for s in samples], dtype=np.int64)
-    bucket = (int(turns.max()) - turns) // bucket_size  # 0 = latest
-    return [np.flatnonzero(bucket == k).tolist() for k in np.unique(bucket)]
+    turns = sorted(set(turn_indices))
+    buckets: dict[int, list[int]] = {}
+    for t in turns:
+        buckets.setdefault((turns[-1] - t) // bucket_size, []).append(t)
+    return [buckets[k] for k in sorted(buckets)]
+
+
+def rtpo_update_order(samples: Sequence[TurnSample], *, bucket_size: int = 1) -> list[list[int]]:
+    """RTPO's reverse sweep (algorithms.md 2, step 3): sample indices by :func:`rtpo_turn_buckets`, latest first.
+
+    Indices inside a bucket are ascending."""
+    turns = [s.turn_index for s in samples]
+    bucket_of = {t: k for k, b in enumerate(rtpo_turn_buckets(turns, bucket_size)) for t in b}
+    out: list[list[int]] = [[] for _ in set(bucket_of.values())]
+    for i, t in enumerate(turns):
+        out[bucket_of[t]].append(i)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ window, so training uses the exact recorded ids, never the HTTP answer.
 Pure planning helpers:
 - :func:`choose_branch_turns`: RTPO's K branch turns of a backbone (uniform over turns ``1..T-1``;
   turn 0 needs no branch: a problem's runs already share that context, so they are its siblings);
-- :func:`rtpo_buckets`: the reverse sweep's turn buckets, latest first (``advantages.rtpo_update_order``);
+- ``rtpo_buckets``: the reverse sweep's turn buckets, latest first (``advantages.rtpo_turn_buckets``);
 - :func:`select_counterfactual_turns`: TCPO's high-surprisal turns (``advantages.tcpo_select_turns``);
 - :func:`counterfactual_score`: the score of a one-step alternative (its process score, else the
   verifier's reward of the one-step run).
@@ -30,14 +30,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 import structlog
 
-from learner.advantages import tcpo_select_turns, turn_surprisal
+from learner.advantages import rtpo_turn_buckets, tcpo_select_turns, turn_surprisal
 from learner.records import Trajectory, context_sha256
 from learner.samples import Sample
 
@@ -109,20 +109,7 @@ def choose_branch_turns(n_turns: int, k: int, rng: random.Random) -> list[int]:
     return sorted(rng.sample(pool, min(k, len(pool))))
 
 
-def rtpo_buckets(turn_indices: Iterable[int], bucket_size: int = 1) -> list[list[int]]:
-    """The reverse sweep over turn indices: buckets of ``bucket_size`` turns, latest first, each ascending.
-
-    Bucket k holds the turns in ``(t_max - (k+1)*bucket_size, t_max - k*bucket_size]`` (empty ones dropped),
-    the same rule as :func:`learner.advantages.rtpo_update_order` applies to samples."""
-    if bucket_size < 1:
-        raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
-    turns = sorted(set(turn_indices))
-    if not turns:
-        return []
-    buckets: dict[int, list[int]] = {}
-    for t in turns:
-        buckets.setdefault((turns[-1] - t) // bucket_size, []).append(t)
-    return [buckets[k] for k in sorted(buckets)]
+rtpo_buckets = rtpo_turn_buckets  # the reverse sweep's turn buckets (one rule, in learner.advantages)
 
 
 def select_counterfactual_turns(samples: Sequence[Sample], *, top_q: float, threshold: float | None) -> list[Sample]:

@@ -48,6 +48,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from learner import store as _store
+
 log = logging.getLogger(__name__)
 
 DEFAULT_DB_NAME = "memory.db"
@@ -78,10 +80,6 @@ class MemoryTooLarge(ValueError):
 
 class StaleMemory(RuntimeError):
     """The document changed or was deleted after the rewrite read it; the rewrite is dropped."""
-
-
-class SchemaTooNew(RuntimeError):
-    """The memory database was written by a newer loopwise."""
 
 
 @dataclass(frozen=True)
@@ -142,24 +140,13 @@ def _v1_initial(conn: sqlite3.Connection) -> None:
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1_initial,)
 
 
+SchemaTooNew = _store.SchemaTooNew  # the database was written by a newer loopwise
+
+
 def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Connection], None]] = MIGRATIONS) -> int:
-    """Apply the missing migrations in order, one transaction each (``conn`` in autocommit mode)."""
-    while True:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > len(migrations):
-                raise SchemaTooNew(f"memory database schema version {version} is newer than this code's {len(migrations)}")
-            if version == len(migrations):
-                conn.execute("COMMIT")
-                return version
-            migrations[version](conn)
-            conn.execute(f"PRAGMA user_version = {version + 1}")
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+    """Apply the missing migrations in order, one transaction each (``conn`` in autocommit mode): the
+    interaction store's runner (``learner.store.migrate``), over this database's own migrations."""
+    return _store.migrate(conn, migrations)
 
 
 _COLUMNS = "owner, scope, version, text, created_at, method, adapter, trajectory_id, turn_id, copilot_trajectory_id, copilot_turn_id, meta"

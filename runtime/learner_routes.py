@@ -30,7 +30,8 @@ from runtime.store_routes import check_admin_key
 STALE_S = 120.0  # a status not refreshed for this long belongs to a learner that is not running
 
 
-def _statuses(root: Path) -> list[dict[str, Any]]:
+def _statuses(root: Path, history: bool = True) -> list[dict[str, Any]]:
+    """Every learner's status; with ``history`` also its last 20 updates (``GET /admin/learner``; ``/metrics`` skips them)."""
     out = []
     for path in sorted(root.glob("*/status.json")):
         try:
@@ -41,8 +42,9 @@ def _statuses(root: Path) -> list[dict[str, Any]]:
         age = time.time() - float(status.get("updated_at", 0))
         status["running"] = status.get("state") != "stopped" and age < STALE_S
         status["status_age_s"] = round(age, 1)
-        history = path.parent / "history.jsonl"
-        status["history"] = [json.loads(line) for line in history.read_text().splitlines()[-20:] if line.strip()] if history.exists() else []
+        hist = path.parent / "history.jsonl"
+        if history:
+            status["history"] = [json.loads(line) for line in hist.read_text().splitlines()[-20:] if line.strip()] if hist.exists() else []
         out.append(status)
     return out
 
@@ -67,7 +69,7 @@ class LearnerCollector:
         self.root = Path(root)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        statuses = [s for s in _statuses(self.root) if "family" in s and s.get("state") != "unknown"]
+        statuses = [s for s in _statuses(self.root, history=False) if "family" in s and s.get("state") != "unknown"]
         version = GaugeMetricFamily("loopwise_learner_version", "the learner's trainer version", labels=["family"])
         running = GaugeMetricFamily("loopwise_learner_running", "1 while the learner keeps its status fresh", labels=["family"])
         updates = CounterMetricFamily("loopwise_learner_updates", "updates run by the learner", labels=["family"])
