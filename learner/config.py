@@ -53,6 +53,12 @@ class TrainerConfig(BaseModel):
     activation_checkpointing: bool = Field(
         False, description="recompute activations in the backward pass: a fraction of the activation memory for ~30% more compute"
     )
+    epochs: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="optimizer steps per update over the same batch (PPO epochs); the clip on the ratio to the behaviour logprobs bounds the drift",
+    )
     estimator: str = Field("grpo", description=f"advantage estimator, one of {', '.join(ESTIMATORS)}")
     estimator_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the estimator (e.g. eps, gamma)")
     drop_zero_advantage: bool = Field(

@@ -7,7 +7,8 @@
     trainer.save_checkpoint(ckpt_root)
     publish_adapter(trainer.model, adapter_root, family, trainer.version)   # learner.publish
 
-One ``step`` is one optimizer update (algorithms.md 1.1-1.4 with 1.8's per-turn layout):
+One ``step`` is one update: ``epochs`` optimizer steps over the same batch (PPO epochs; TRL's
+``num_iterations``, verl's ``ppo_epochs``), each as follows (algorithms.md 1.1-1.4 with 1.8's per-turn layout):
 1. advantages: ``learner.advantages.compute_advantages(cfg.estimator, turn_samples, **cfg.estimator_params)``,
    one per sample (turn); samples with advantage exactly 0 are left out of the forward pass when
    ``drop_zero_advantage`` (DAPO's filter). If no sample has a non-zero advantage (zero-variance groups),
@@ -287,16 +288,48 @@ class LoRATrainer:
         m.trained_samples = len(chosen)
         m.tokens = total_tokens = sum(s.n_tokens for s in chosen)
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         batches = plan_micro_batches([len(s.context_ids) + len(s.output_ids) for s in chosen], self.cfg.micro_batch_tokens)
+        seen_tokens = 0
+        olds: dict[int, torch.Tensor] = {}  # micro-batch → the first epoch's old logprobs (recorded ones, else the first pass's own)
+        for epoch in range(self.cfg.epochs):  # the metrics reported are the last epoch's
+            label = f"v{self.version + 1}" + (f" epoch {epoch + 1}/{self.cfg.epochs}" if self.cfg.epochs > 1 else "")
+            sums, entropy_sum, epoch_tokens = self._optimizer_step(chosen, adv, batches, total_tokens, label, m, olds)
+            seen_tokens += epoch_tokens
+        self.version += 1
+        m.optimizer_step, m.version = True, self.version
+        m.loss_stats = {k: v / max(total_tokens, 1) for k, v in sums.items()}
+        m.loss = m.loss_stats.pop("loss")
+        m.kl = m.loss_stats.get("kl", 0.0)
+        m.clip_frac = m.loss_stats.get("clip_frac", 0.0)
+        m.entropy = entropy_sum / max(total_tokens, 1)
+        m.step_s = time.perf_counter() - t0
+        m.tokens_per_s = seen_tokens / m.step_s if m.step_s > 0 else 0.0
+        if m.clip_frac >= 1.0:
+            log.warning("every token was clipped: the policy moved far from the behaviour policy (lower lr?)", version=self.version)
+        log.info("learner step", **{k: v for k, v in m.as_dict().items() if k not in ("skipped", "loss_stats")}, skipped=m.skipped)
+        return m
+
+    def _optimizer_step(
+        self,
+        chosen: Sequence[Sample],
+        adv: Sequence[float],
+        batches: list[list[int]],
+        total_tokens: int,
+        label: str,
+        m: StepMetrics,
+        olds: dict[int, torch.Tensor],
+    ) -> tuple[dict[str, float], float, int]:
+        """One pass over the micro-batches and one AdamW step; returns the loss sums, entropy sum and tokens seen."""
+        self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         entropy_sum = 0.0
         seen_tokens = 0
-        for idx in tqdm(batches, desc=f"learner step v{self.version + 1}", unit="mb", disable=not self.cfg.progress, leave=False):
+        for b, idx in enumerate(tqdm(batches, desc=f"learner step {label}", unit="mb", disable=not self.cfg.progress, leave=False)):
             mb = [chosen[i] for i in idx]
             t = self._batch_tensors(mb)
             logp, ent = self._logprobs(t, entropy=True)  # (B, T)
-            old = torch.where(t["has_old"][:, None], t["old"], logp.detach())  # no recorded logprobs → ratio 1
+            # no recorded logprobs → the first epoch's own (ratio 1 in that epoch, and the clip applies in later ones)
+            old = olds.setdefault(b, torch.where(t["has_old"][:, None], t["old"], logp.detach()))
             ref = None
             if self.cfg.kl_coef > 0:
                 with torch.no_grad(), self.model.disable_adapter():
@@ -319,19 +352,7 @@ class LoRATrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
-        self.version += 1
-        m.optimizer_step, m.version = True, self.version
-        m.loss_stats = {k: v / max(total_tokens, 1) for k, v in sums.items()}
-        m.loss = m.loss_stats.pop("loss")
-        m.kl = m.loss_stats.get("kl", 0.0)
-        m.clip_frac = m.loss_stats.get("clip_frac", 0.0)
-        m.entropy = entropy_sum / max(total_tokens, 1)
-        m.step_s = time.perf_counter() - t0
-        m.tokens_per_s = seen_tokens / m.step_s if m.step_s > 0 else 0.0
-        if m.clip_frac >= 1.0:
-            log.warning("every token was clipped: the policy moved far from the behaviour policy (lower lr?)", version=self.version)
-        log.info("learner step", **{k: v for k, v in m.as_dict().items() if k not in ("skipped", "loss_stats")}, skipped=m.skipped)
-        return m
+        return sums, entropy_sum, seen_tokens
 
     @staticmethod
     def _reward_stats(samples: Sequence[Sample], advantages: Sequence[float], m: StepMetrics) -> None:

@@ -160,6 +160,22 @@ def test_micro_batching_and_activation_checkpointing_give_the_same_update(model_
             torch.testing.assert_close(w_big[k], w_small[k], rtol=1e-4, atol=1e-6)
 
 
+def test_epochs_take_several_optimizer_steps_on_one_batch_against_the_first_old_logprobs(model_path: Path) -> None:
+    samples = make_samples(7, n_groups=2, per_group=2)
+    one = LoRATrainer(model_path, cfg(lr=0.05), LORA)
+    m1 = one.step(samples)
+    three = LoRATrainer(model_path, cfg(lr=0.05, epochs=3, micro_batch_tokens=64), LORA)
+    m3 = three.step(samples)
+    assert (m3.version, three.version, three.optimizer_steps) == (1, 1, 3)  # one published version, three AdamW steps
+    assert (m1.version, one.optimizer_steps) == (1, 1)
+    assert m1.clip_frac == 0.0  # the first pass is its own old policy: ratio 1
+    assert m3.clip_frac > 0.0  # later epochs are measured against the first pass's logprobs, so the clip bites
+    moved1 = sum(float((a - b).abs().sum()) for a, b in zip(one.lora_state().values(), LoRATrainer(model_path, cfg(), LORA).lora_state().values()))
+    moved3 = sum(float((a - b).abs().sum()) for a, b in zip(three.lora_state().values(), LoRATrainer(model_path, cfg(), LORA).lora_state().values()))
+    assert moved3 > moved1 > 0
+    assert m3.tokens_per_s > 0 and m3.trained_samples == m1.trained_samples
+
+
 def test_plan_micro_batches_bounds_padded_tokens() -> None:
     lengths = [10, 50, 20, 20, 200, 5]
     plan = plan_micro_batches(lengths, 60)
