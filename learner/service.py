@@ -7,7 +7,10 @@ folder, so it can run on another host that shares the data folder.
 One update:
 1. **Wait** until ``min_new_trajectories`` new rewarded trajectories of the agent arrived (evaluation
    runs excluded), or an update is requested (``POST /admin/learner/update`` writes a request file).
-   While the family has a running A/B experiment, updates wait for its decision.
+   While the family has a running A/B experiment, updates keep training (on both arms' traffic, within
+   the staleness bound) but publish nothing: the trained version is held and published, gated and
+   put against the champion as soon as the experiment has decided (asynchronous training, as AReaL
+   does; an experiment that waits for evidence no longer stalls learning).
 2. **Train**: the settled samples past the data cursor (``learner.samples``) → one ``LoRATrainer.step``
    (advantages from the configured estimator; a batch of zero-variance groups skips the optimizer step
    but still advances the version). A checkpoint (weights, optimizer, RNG, version, cursor) is written
@@ -114,6 +117,7 @@ class LearnerService:
         self.admin = RuntimeAdmin(cfg.admin_url, cfg.admin_key)
         self.status = Status(self.family)
         self._trainer: Any = None  # built on the first update: idle learners hold no model
+        self._held = False  # a version trained during an experiment waits to be published
         self._stop = False
         self._seen_since = time.time()
         # set by serve.py: the learner stops when its server does (uvicorn re-raises SIGTERM, so the server cannot always stop it)
@@ -155,19 +159,27 @@ class LearnerService:
         requested = (self.dir / REQUEST_FILE).exists()
         if requested:
             (self.dir / REQUEST_FILE).unlink(missing_ok=True)
-        if self.status.experiment is not None and self._experiment_running(self.status.experiment):
-            self._set("ab", f"waiting for experiment {self.status.experiment}")
-            return False
+        running = self.status.experiment is not None and self._experiment_running(self.status.experiment)
+        if not running and self._held:
+            self._publish_held()
+            return True
         self.status.new_trajectories = self._count_new()
         if not requested and self.status.new_trajectories < self.cfg.min_new_trajectories:
-            self._set("waiting", f"{self.status.new_trajectories}/{self.cfg.min_new_trajectories} new rewarded trajectories")
+            wait = f"{self.status.new_trajectories}/{self.cfg.min_new_trajectories} new rewarded trajectories"
+            if running:
+                self._set("ab", f"experiment {self.status.experiment} running; {wait} for the next update")
+            else:
+                self._set("waiting", wait)
             return False
-        record = self.update(force=requested)
+        record = self.update(force=requested, publish=not running)
         return bool(record["metrics"])
 
     # ---- one update ----------------------------------------------------------------------------
-    def update(self, force: bool = True) -> dict[str, Any]:
-        """One update; with ``force=False`` nothing happens (no version) when no sample is ready."""
+    def update(self, force: bool = True, publish: bool = True) -> dict[str, Any]:
+        """One update; with ``force=False`` nothing happens (no version) when no sample is ready.
+
+        With ``publish=False`` (an experiment is running) a trained version is held: checkpointed, not
+        published; ``tick`` publishes the newest held version once the experiment has decided."""
         trainer = self._get_trainer()
         self._set("training", f"version {trainer.version + 1}")
         # staleness is counted in published versions: a skipped step changes no weights the runtime serves
@@ -192,8 +204,13 @@ class LearnerService:
             record["rerollouts"] = rerollouts
         self.status.version, self.status.updates, self.status.last_update_at = trainer.version, self.status.updates + 1, time.time()
         self.status.last_metrics = metrics.as_dict()
-        if metrics.optimizer_step:
+        if metrics.optimizer_step and publish:
+            self._held = False
             record["gate"] = self._publish_and_gate(trainer)
+        elif metrics.optimizer_step:
+            self._held = True
+            record["gate"] = {"decision": "held", "reason": f"experiment {self.status.experiment} is running: published once it decides"}
+            self._set("ab", f"version {trainer.version} trained, held until experiment {self.status.experiment} decides")
         else:
             record["gate"] = {"decision": "skipped", "reason": "no optimizer step (no samples, or every group had zero reward variance)"}
             self._set("idle", f"version {trainer.version}: no optimizer step")
@@ -201,6 +218,16 @@ class LearnerService:
             f.write(json.dumps(record) + "\n")
         self._plot()
         return record
+
+    def _publish_held(self) -> None:
+        """Publish and gate the version trained while an experiment ran (one history line, no new metrics)."""
+        trainer = self._get_trainer()
+        self._held = False
+        record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": {}, "held": True}
+        record["gate"] = self._publish_and_gate(trainer)
+        with open(self.dir / "history.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self._plot()
 
     # ---- training, with re-rollouts for rtpo / tcpo ---------------------------------------------
     def _train(self, trainer: Any, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any] | None]:
@@ -495,7 +522,8 @@ class LearnerService:
         if not rows:
             return
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["version"] for r in rows], [r["metrics"].get("reward_mean", 0.0) for r in rows], marker="o", label="train reward")
+        trained = [r for r in rows if r["metrics"]]  # held versions' publish lines carry no metrics
+        ax.plot([r["version"] for r in trained], [r["metrics"].get("reward_mean", 0.0) for r in trained], marker="o", label="train reward")
         gated = [(r["version"], r["gate"]["new_success"]) for r in rows if "new_success" in r.get("gate", {})]
         if gated:
             ax.plot(*zip(*gated, strict=True), marker="s", label="held-out success (gate)")

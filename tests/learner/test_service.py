@@ -95,14 +95,28 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     assert svc.status.experiment == "fam-v2" and svc.status.state == "ab"
     exp = admin(server, "GET", "/admin/experiments/fam-v2").json()
     assert sorted(a["adapter"] for a in exp["arms"]) == ["fam@1", "fam@2"]
-    assert svc.tick() is False  # waits for the experiment's decision
+    assert svc.tick() is False  # no new data yet: nothing to train
+
+    # training goes on while the experiment runs, but the new version is held, not published
+    traffic(server, range(4, 6), 4)
+    assert svc.tick() is True
+    assert svc.status.version == 3 and svc.status.experiment == "fam-v2" and svc.status.state == "ab"
+    assert not (data / "adapters" / "fam" / "v3").exists()
+    history = [json.loads(x) for x in (learner_dir(data, "fam") / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["version"] == 3 and history[-1]["gate"]["decision"] == "held"
+    # once the experiment has decided (here: stopped by hand), the held version is published, gated and put up against the champion
+    assert admin(server, "POST", "/admin/experiments/fam-v2/stop", json={}).status_code == 200
+    assert svc.tick() is True
+    assert (data / "adapters" / "fam" / "v3").is_dir() and svc.status.experiment == "fam-v3"
+    history = [json.loads(x) for x in (learner_dir(data, "fam") / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["held"] is True and history[-1]["gate"]["decision"] == "passed" and history[-1]["metrics"] == {}
 
     status = admin(server, "GET", "/admin/learner").json()
     [fam] = [s for s in status["data"] if s["family"] == "fam"]
-    assert fam["version"] == 2 and fam["state"] == "ab" and len(fam["history"]) == 2
+    assert fam["version"] == 3 and fam["state"] == "ab" and len(fam["history"]) == 4
     # the last step's metrics are on the server's /metrics, per family
     prom = httpx.get(server.base_url + "/metrics", timeout=30).text
-    assert 'loopwise_learner_version{family="fam"} 2.0' in prom and 'loopwise_learner_updates_total{family="fam"} 2.0' in prom
+    assert 'loopwise_learner_version{family="fam"} 3.0' in prom and 'loopwise_learner_updates_total{family="fam"} 3.0' in prom
     for name in ("loss", "kl", "clip_fraction", "reward_mean", "reward_std", "frac_reward_zero_std", "entropy", "tokens_per_second"):
         assert f'loopwise_learner_{name}{{family="fam"}}' in prom, name
     assert admin(server, "POST", "/admin/learner/update", json={"family": "fam"}).status_code == 202
