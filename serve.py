@@ -177,13 +177,16 @@ DEMO_AGENT = {
 }
 
 
+DEMO_LEARNER_CONFIG = Path(__file__).resolve().parent / "learner" / "demo.toml"  # step size, PPO epochs, settle time
+
+
 def demo_args(argv: list[str]) -> tuple[list[str], bool]:
     """``--demo``: the flags of the demo (a sampled calculator agent, the learner on it); the user's own flags win."""
     if "--demo" not in argv:
         return argv, False
     rest = [a for a in argv if a != "--demo"]
     pre = ["--agent", json.dumps(DEMO_AGENT), "--learner", "--learner-agent", "demo-agent", "--learner-family", "calc-lora"]
-    pre += ["--learner-min-trajectories", "32", "--learner-gate-n", "16"]
+    pre += ["--learner-min-trajectories", "32", "--learner-gate-n", "16", "--learner-config", str(DEMO_LEARNER_CONFIG)]
     return pre + rest, True
 
 

@@ -197,3 +197,13 @@ def test_demo_flag_sets_up_the_learning_demo_and_user_flags_win() -> None:
     [agent] = s.agents.definitions
     assert agent["name"] == "demo-agent" and agent["adapter_family"] == "calc-lora" and agent["temperature"] > 0
     assert demo_args(["--port", "1"]) == (["--port", "1"], False)
+    # the demo's learner settings ship with the code and validate
+    import tomllib
+
+    from learner.config import LearnerSettings
+
+    assert s.learner.config is not None and s.learner.config.is_file()
+    demo = LearnerSettings.model_validate({"family": "calc-lora", **tomllib.loads(s.learner.config.read_text())})
+    assert demo.trainer.epochs > 1 and demo.samples.settle_s < LearnerSettings(family="x").samples.settle_s
+    own, _ = demo_args(["--demo", "--learner-config", "mine.toml"])
+    assert str(settings_from_args(own).learner.config) == "mine.toml"

@@ -68,11 +68,11 @@ def branch_at(traj, t: int, kind: str = "rtpo") -> Branch:
 def test_a_branch_samples_from_the_byte_identical_stored_context(tok, tmp_path, backbone):
     result, engine = run(tok, tmp_path, [call("9+5"), "It is <answer>21</answer>"], branch=branch_at(backbone, 2))
     # the engine saw exactly the backbone's recorded context at turn 2, and the replayed turns were never generated
-    assert [list(c.input_ids) for c in engine.calls][0] == backbone.turns[2].context_ids
+    assert next(list(c.input_ids) for c in engine.calls) == backbone.turns[2].context_ids
     assert len(engine.calls) == 2
     assert [s.replayed for s in result.steps] == [True, True, False, False]
     assert result.answer == "21" and result.branch_of == backbone.trajectory_id and result.branch_turn == 2
-    sampled = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in (call("9+5"), "It is <answer>21</answer>")]
+    sampled = [[*tok.encode(t, add_special_tokens=False), tok.eos_token_id] for t in (call("9+5"), "It is <answer>21</answer>")]
     assert result.completion_tokens == sum(map(len, sampled))  # sampled tokens only
     traj = SqliteStore(tmp_path / "interactions.db").get_trajectory(result.trajectory_id)
     assert [t.index for t in traj.turns] == [2, 3]  # only the sampled turns are recorded, at their turn index
@@ -94,7 +94,10 @@ def test_a_replay_that_does_not_rebuild_the_context_is_refused_before_sampling(t
     with pytest.raises(BranchMismatch, match="differs"):
         run(tok, tmp_path, [call("1+1")], branch=wrong)
     # a changed prefix (another tool call) changes the observation, so the context no longer matches either
-    changed = Branch(prefix_outputs=(b.prefix_outputs[0], tuple(tok.encode(call("5+5"), add_special_tokens=False)) + (tok.eos_token_id,)), context_sha256=b.context_sha256)
+    changed = Branch(
+        prefix_outputs=(b.prefix_outputs[0], (*tuple(tok.encode(call("5+5"), add_special_tokens=False)), tok.eos_token_id)),
+        context_sha256=b.context_sha256,
+    )
     with pytest.raises(BranchMismatch):
         run(tok, tmp_path, [call("1+1")], branch=changed)
     before = len(SqliteStore(tmp_path / "interactions.db").list_trajectories(limit=100))
