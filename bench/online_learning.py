@@ -131,7 +131,7 @@ def main() -> int:
         "champion": champion,
         "success": {a: sum(v) / len(v) for a, v in res.items()},
         "updates": len(history),
-        "published": [r["version"] for r in history if r.get("gate", {}).get("decision") not in (None, "skipped")],
+        "published": [r["version"] for r in history if r.get("gate", {}).get("decision") not in (None, "skipped", "held")],
         "gates": [r.get("gate") for r in history],
         "experiments": experiments,
         "learner": runs,
