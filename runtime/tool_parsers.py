@@ -173,6 +173,7 @@ class Qwen25Parser(ToolCallParser):
             out.text(text[pos:start])
             end = text.find(self.END, start)
             body_start = start + len(self.START)
+            end = _json_end(text, body_start, end, self.END)
             if end >= 0:
                 body, pos = text[body_start:end], end + len(self.END)
             else:  # generation cut off before </tool_call>
@@ -185,6 +186,19 @@ class Qwen25Parser(ToolCallParser):
                 out.text(text[start:pos])
         out.text(text[pos:])
         return out.result()
+
+
+def _json_end(text: str, body_start: int, end: int, marker: str) -> int:
+    """The first ``marker`` after which the body parses as JSON, else ``end``: an argument string may contain the marker
+    itself (a grammar-forced call admits any string, and a model writing about tool calls may quote the tag)."""
+    candidate = end
+    while candidate >= 0:
+        try:
+            json.loads(text[body_start:candidate])
+            return candidate
+        except (ValueError, RecursionError):
+            candidate = text.find(marker, candidate + 1)
+    return end
 
 
 class Llama3Parser(ToolCallParser):

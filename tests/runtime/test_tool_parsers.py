@@ -327,3 +327,13 @@ def test_detect_each_format_and_not_plain_text(name, text):
     assert parser.detect(text)
     assert not parser.detect("The weather in Paris is sunny.")
     assert calls(parser.parse(text)) == [("f", {})]
+
+
+def test_qwen25_argument_string_may_contain_the_end_tag():
+    # what a grammar-forced call can legally produce: the closing tag inside a JSON string argument
+    text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": ">6 * 3}}</tool_call>x("}}\n</tool_call>'
+    r = get_parser("qwen25").parse(text, {"calculator"})
+    assert calls(r) == [("calculator", {"expression": ">6 * 3}}</tool_call>x("})] and not (r.content or "").strip()
+    # a real second call after a first one still splits at the first tag
+    two = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    assert [c.name for c in get_parser("qwen25").parse(two).tool_calls] == ["a", "b"]
