@@ -358,7 +358,15 @@ class LoRATrainer:
     def _reward_stats(samples: Sequence[Sample], advantages: Sequence[float], m: StepMetrics) -> None:
         if not samples:
             return
-        values = np.array([s.value for s in samples], dtype=np.float64)
+        # one value per trajectory: its outcome reward (what the estimators normalise; a task's per-turn process
+        # scores are a different scale), else the mean of its turn rewards
+        per_traj: dict[str, list[float]] = {}
+        outcome: dict[str, float] = {}
+        for s in samples:
+            if s.trajectory_reward is not None:
+                outcome[s.trajectory_id] = s.trajectory_reward
+            per_traj.setdefault(s.trajectory_id, []).append(s.value)
+        values = np.array([outcome.get(t, float(np.mean(v))) for t, v in per_traj.items()], dtype=np.float64)
         m.reward_mean, m.reward_std = float(values.mean()), float(values.std())
         groups = make_groups(samples)
         m.frac_reward_zero_std = sum(1 for g in groups if np.std([s.value for s in g.samples]) == 0.0) / len(groups)

@@ -176,6 +176,15 @@ def test_epochs_take_several_optimizer_steps_on_one_batch_against_the_first_old_
     assert m3.tokens_per_s > 0 and m3.trained_samples == m1.trained_samples
 
 
+def test_reward_stats_are_per_trajectory_outcomes_not_turn_process_scores(model_path: Path) -> None:
+    tr = LoRATrainer(model_path, cfg(), LORA)
+    samples = make_samples(8, rewards=[1.0, 0.0, 1.0, 1.0])
+    samples = [replace(s, reward=0.0) for s in samples]  # a task's per-turn process scores, all 0 here
+    samples.append(replace(samples[0], turn_id="t-extra", turn_index=1))  # a second turn of trajectory 0 counts once
+    m = tr.step(samples)
+    assert m.reward_mean == pytest.approx(0.75) and m.reward_std == pytest.approx(0.4330127, rel=1e-6)
+
+
 def test_plan_micro_batches_bounds_padded_tokens() -> None:
     lengths = [10, 50, 20, 20, 200, 5]
     plan = plan_micro_batches(lengths, 60)
