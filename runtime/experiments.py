@@ -10,7 +10,10 @@ starts (it must be an arm). While it runs, requests naming the family alias are 
 with the champion by the always-valid mixture-SPRT p-value (``experiment_stats.decide``, safe to check
 continuously; a fixed-horizon Welch t-test is reported beside it for reference), and applies the
 decision: ``promote`` flips the alias to the winner and ends the experiment; ``rollback`` stops routing
-to that arm. Config, state and every decision are saved in the store, so experiments survive restarts.
+to that arm, and once every challenger is rolled back the experiment ends (``rolled_back``); with
+``max_samples``, an experiment still undecided when every live arm has that many rewards ends
+``inconclusive`` (the champion stays), so an A/B between near-equal versions cannot run forever.
+Config, state and every decision are saved in the store, so experiments survive restarts.
 
 Not here: HTTP (``store_routes``/``app``), loading adapters (``adapters.AdapterRegistry``).
 """
@@ -44,6 +47,7 @@ class ExperimentConfig(BaseModel):
     sticky: Literal["session", "user"] = "session"
     metric: str | None = None
     min_samples: int = Field(100, ge=2)
+    max_samples: int | None = Field(None, ge=2)  # undecided with this many per arm: ends "inconclusive", the champion stays
     alpha: float = Field(0.05, gt=0, lt=0.5)
     test: Literal["msprt"] = "msprt"
     auto_promote: bool = False
@@ -57,6 +61,8 @@ class ExperimentConfig(BaseModel):
         for n in names:
             if n.split("@")[0] != self.family:
                 raise ValueError(f"arm {n} is not a version of family {self.family!r}")
+        if self.max_samples is not None and self.max_samples < self.min_samples:
+            raise ValueError(f"max_samples ({self.max_samples}) must be at least min_samples ({self.min_samples})")
         return self
 
 
@@ -164,9 +170,25 @@ class Experiments:
                 state["stopped_arms"].append(arm.adapter)
                 state["decisions"].append({"time": time.time(), "action": "rollback", "arm": arm.adapter, "reason": d.reason})
                 changed = True
+        changed = self._end_if_over(cfg, state, obs) or changed
         if changed:
             self.store.save_experiment(name, cfg.model_dump(), state)
         return self.status(name, obs)
+
+    @staticmethod
+    def _end_if_over(cfg: ExperimentConfig, state: dict[str, Any], obs: dict[str, dict[str, list[float]]]) -> bool:
+        """End an experiment with nothing left to decide: every challenger rolled back, or ``max_samples`` reached undecided."""
+        champion = state["champion"]
+        live = [a.adapter for a in cfg.arms if a.adapter != champion and a.adapter not in state["stopped_arms"]]
+        if not live:
+            status, reason = "rolled_back", "every challenger was rolled back: the champion stays"
+        elif cfg.max_samples is not None and all(len(obs[a]["rewards"]) >= cfg.max_samples for a in [champion, *live]):
+            status, reason = "inconclusive", f"no decision after {cfg.max_samples} rewards per arm: the champion stays"
+        else:
+            return False
+        state["status"] = status
+        state["decisions"].append({"time": time.time(), "action": "end", "arm": None, "reason": reason})
+        return True
 
     def status(self, name: str, obs: dict[str, dict[str, list[float]]] | None = None) -> dict[str, Any]:
         cfg, state = self.configs[name], self._state(name)

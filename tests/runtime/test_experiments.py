@@ -90,10 +90,11 @@ def test_rollback_only_after_min_samples_and_stopped_arm_routes_to_champion(tmp_
     add_rewards(store, "f@1", [float(rng.random() < 0.7) for _ in range(200)], 20)
     add_rewards(store, "f@2", [float(rng.random() < 0.2) for _ in range(200)], 20)
     status = exps.evaluate("e")
-    assert status["stopped_arms"] == ["f@2"] and status["decisions"][-1]["action"] == "rollback"
+    assert status["stopped_arms"] == ["f@2"] and [d["action"] for d in status["decisions"]] == ["rollback", "end"]
+    assert status["status"] == "rolled_back"  # no challenger left: the experiment is over
     assert reg.aliases()["f"] == "f@1"  # no promotion of the worse arm
     routed = {exps.route("f", f"session-{i}", None) for i in range(200)}
-    assert routed == {"f@1"}  # the rolled-back arm's keys go to the champion
+    assert routed == {None}  # the experiment is over: every request goes to the alias, the champion
     arms = {a["adapter"]: a for a in status["arms"]}
     assert arms["f@1"]["n"] == 220 and arms["f@2"]["n"] == 220
     assert arms["f@2"]["msprt_p_value"] < 0.05 and "welch_p_fixed_horizon" in arms["f@2"]
@@ -124,3 +125,38 @@ def test_routing_is_sticky_and_split(tmp_path):
     share = picks.count("f@2") / len(picks)
     assert 0.22 < share < 0.28
     assert exps.route("other-family", "s1", None) is None
+
+
+def test_max_samples_ends_an_undecided_experiment_inconclusive(tmp_path):
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    with pytest.raises(ValueError, match="at least min_samples"):
+        config(max_samples=10)
+    exps.create(config(auto_rollback=True, auto_promote=True, max_samples=60), {"f@1", "f@2"})
+    same = [float(i % 2) for i in range(50)]
+    add_rewards(store, "f@1", same, 0)
+    add_rewards(store, "f@2", same, 0)
+    assert exps.evaluate("e")["status"] == "running"  # undecided, below max_samples
+    add_rewards(store, "f@1", same, 50)
+    add_rewards(store, "f@2", same, 50)
+    status = exps.evaluate("e")
+    assert status["status"] == "inconclusive" and status["decisions"][-1]["action"] == "end"
+    assert reg.aliases()["f"] == "f@1" and exps.route("f", "any-session", None) is None  # no experiment: the alias (champion) serves
+    assert Experiments(store, reg).status("e")["status"] == "inconclusive"  # persisted
+
+
+def test_a_rolled_back_arm_of_a_running_experiment_routes_to_the_champion(tmp_path):
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2", "f@3")
+    exps = Experiments(store, reg)
+    arms = [{"adapter": "f@1"}, {"adapter": "f@2"}, {"adapter": "f@3"}]
+    exps.create(config(arms=arms, auto_rollback=True, auto_promote=True), {"f@1", "f@2", "f@3"})
+    rng = random.Random(0)
+    add_rewards(store, "f@1", [float(rng.random() < 0.7) for _ in range(200)], 0)
+    add_rewards(store, "f@2", [float(rng.random() < 0.1) for _ in range(200)], 0)
+    add_rewards(store, "f@3", [float(rng.random() < 0.7) for _ in range(200)], 0)
+    status = exps.evaluate("e")
+    assert status["status"] == "running" and status["stopped_arms"] == ["f@2"]  # f@3 is still undecided
+    routed = {exps.route("f", f"session-{i}", None) for i in range(300)}
+    assert routed == {"f@1", "f@3"}  # f@2's keys go to the champion
