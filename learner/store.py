@@ -649,16 +649,20 @@ class SqliteStore:
         return [(r[0], json.loads(r[1]), json.loads(r[2])) for r in rows]
 
     def arm_observations(self, adapter: str, since: float, source: str | None = None) -> dict[str, list[float]]:
-        """For one adapter version since ``since``: its turn-level reward values (optionally of one source),
-        and per turn its total latency and output tokens/s."""
+        """For one adapter version since ``since``: the rewards on its turns and on the trajectories it served (a
+        verifier's outcome reward is on the trajectory), optionally of one source, in the order they came; and per
+        turn its total latency and output tokens/s."""
         conn = self._conn()
-        query = """SELECT r.value FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
-                   WHERE t.adapter IS ? AND t.created_at >= ?"""
-        args: list[Any] = [adapter, since]
-        if source is not None:
-            query += " AND r.source = ?"
-            args.append(source)
-        rewards = [row[0] for row in conn.execute(query + " ORDER BY r.created_at", args)]
+        where_source = " AND r.source = ?" if source is not None else ""
+        query = f"""SELECT r.value, r.created_at FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
+                    WHERE t.adapter IS ? AND t.created_at >= ?{where_source}
+                    UNION ALL
+                    SELECT r.value, r.created_at FROM rewards r
+                    WHERE r.target = 'trajectory' AND r.target_id IN
+                          (SELECT DISTINCT trajectory_id FROM turns WHERE adapter IS ? AND created_at >= ?){where_source}
+                    ORDER BY 2"""
+        one: list[Any] = [adapter, since] + ([source] if source is not None else [])
+        rewards = [row[0] for row in conn.execute(query, one + one)]
         latency, tps = [], []
         for n_bytes, timings in conn.execute(
             "SELECT length(output_ids), timings FROM turns WHERE adapter IS ? AND created_at >= ?", (adapter, since)

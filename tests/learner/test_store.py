@@ -507,6 +507,13 @@ def test_arm_observations_by_adapter_and_source(tmp_path: Path) -> None:
     assert sorted(s.arm_observations(None, since=0.0, source="verifier:x")["rewards"]) == [1.0, 3.0, 5.0]  # the base model
     assert s.arm_observations("lora-v3", since=2_003.0, source="verifier:x")["rewards"] == [4.0]
     assert len(arm["latency_s"]) == 3
+    # a verifier's outcome reward is on the trajectory: it counts for the arm that served the trajectory's turns
+    s.add_reward(Reward(target="trajectory", target_id="traj-2", value=7.0, source="verifier:outcome"))
+    s.add_reward(Reward(target="trajectory", target_id="traj-3", value=9.0, source="verifier:outcome"))
+    assert s.arm_observations("lora-v3", since=0.0, source="verifier:outcome")["rewards"] == [7.0]
+    assert s.arm_observations(None, since=0.0, source="verifier:outcome")["rewards"] == [9.0]
+    assert sorted(s.arm_observations("lora-v3", since=0.0)["rewards"]) == [0.0, 2.0, 4.0, 7.0, 100.0]
+    assert s.arm_observations("lora-v3", since=2_003.0, source="verifier:outcome")["rewards"] == []  # traj-2 is older
 
 
 def test_trajectory_meta_merges_and_reaches_samples(store: SqliteStore) -> None:
