@@ -108,6 +108,7 @@ def start_learner(settings: Settings, server: ServerSettings, model_path: Path, 
         sys.executable, "-m", "learner", "run",
         "--data-dir", str(server.data_dir), "--admin-url", url, "--base-model", str(model_path),
         "--family", ls.family, "--agent", agent, "--min-new-trajectories", str(ls.min_new_trajectories), "--gate-n", str(ls.gate_n),
+        "--ab-min-samples", str(ls.ab_min_samples), "--ab-max-samples", str(ls.ab_max_samples),
     ]  # fmt: skip
     if ls.config is not None:
         cmd += ["--config", str(ls.config)]
@@ -192,6 +193,7 @@ def demo_args(argv: list[str]) -> tuple[list[str], bool]:
     rest = [a for a in argv if a != "--demo"]
     pre = ["--agent", json.dumps(DEMO_AGENT), "--learner", "--learner-agent", "demo-agent", "--learner-family", "calc-lora"]
     pre += ["--learner-min-trajectories", "32", "--learner-gate-n", "16", "--learner-config", str(DEMO_LEARNER_CONFIG)]
+    pre += ["--learner-ab-min-samples", "48", "--learner-ab-max-samples", "160"]
     return pre + rest, True
 
 

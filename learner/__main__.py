@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gate-n", type=int, default=32, help="held-out problems per side in the eval gate (0 = no gate)")
     run.add_argument("--gate-tolerance", type=float, default=0.05, help="refuse a version whose held-out success is lower by more than this")
     run.add_argument("--ab-min-samples", type=int, default=64, help="min_samples of the A/B experiment against the champion")
+    run.add_argument(
+        "--ab-max-samples", type=int, default=256, help="an A/B still undecided with this many rewards per arm ends, the champion stays (0 = no cap)"
+    )
     run.add_argument("--once", action="store_true", help="run one update now and exit")
     return parser
 
@@ -107,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # logs on stderr; stdout is for results
     if not args.admin_key:
         print("error: the learner needs the runtime's admin key (--admin-key or LOOPWISE_ADMIN_KEY)", file=sys.stderr)
+        return 2
+    if args.ab_min_samples < 2 or 0 < args.ab_max_samples < args.ab_min_samples:
+        print(f"error: need 2 <= --ab-min-samples <= --ab-max-samples (or 0), got {args.ab_min_samples} and {args.ab_max_samples}", file=sys.stderr)
         return 2
     data: dict = {"family": args.family}
     if args.config is not None:
@@ -131,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             gate_n=args.gate_n if args.agent else 0,
             gate_tolerance=args.gate_tolerance,
             ab_min_samples=args.ab_min_samples,
+            ab_max_samples=args.ab_max_samples or None,
         )
     )
     if args.once:

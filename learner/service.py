@@ -86,6 +86,7 @@ class ServiceConfig:
     gate_seed: int = 100_000  # held-out problems: a seed the live traffic and demo never use
     gate_tolerance: float = 0.05
     ab_min_samples: int = 64
+    ab_max_samples: int | None = 256  # an undecided experiment ends here (the champion stays), so training goes on being published
     api_key: str | None = None
 
 
@@ -368,6 +369,7 @@ class LearnerService:
                     "sticky": "session",
                     "metric": f"verifier:{task}" if task else None,
                     "min_samples": self.cfg.ab_min_samples,
+                    "max_samples": self.cfg.ab_max_samples,
                     "auto_promote": True,
                     "auto_rollback": True,
                 }

@@ -175,6 +175,15 @@ class LearnerProcessSettings(_Frozen):
         32, ge=1, description="new rewarded trajectories that start an update", json_schema_extra={"flag": "--learner-min-trajectories"}
     )
     gate_n: int = Field(32, ge=0, description="held-out problems per side in the eval gate", json_schema_extra={"flag": "--learner-gate-n"})
+    ab_min_samples: int = Field(
+        64, ge=2, description="rewards per arm before the A/B experiment may decide", json_schema_extra={"flag": "--learner-ab-min-samples"}
+    )
+    ab_max_samples: int = Field(
+        256,
+        ge=0,
+        description="an A/B experiment undecided at this many rewards per arm ends and the champion stays (0 = no cap)",
+        json_schema_extra={"flag": "--learner-ab-max-samples"},
+    )
     config: Path | None = Field(
         None, description="learner config ([lora], [trainer], [samples], [rerollouts] tables)", json_schema_extra={"flag": "--learner-config"}
     )

@@ -101,6 +101,9 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     traffic(server, range(4, 6), 4)
     assert svc.tick() is True
     assert svc.status.version == 3 and svc.status.experiment == "fam-v2" and svc.status.state == "ab"
+    exp = admin(server, "GET", "/admin/experiments/fam-v2").json()
+    assert exp["config"]["max_samples"] == 256 and exp["config"]["metric"] == "verifier:basic_arithmetic"
+    assert sum(a["n"] for a in exp["arms"]) == 8  # the verifier's outcome rewards of the arms' runs, on their trajectories
     assert not (data / "adapters" / "fam" / "v3").exists()
     history = [json.loads(x) for x in (learner_dir(data, "fam") / "history.jsonl").read_text().splitlines()]
     assert history[-1]["version"] == 3 and history[-1]["gate"]["decision"] == "held"
@@ -151,6 +154,10 @@ def test_learner_cli_refuses_without_an_admin_key(tiny_model_path, tmp_path):
         env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
     )
     assert proc.returncode == 2 and "admin key" in proc.stderr
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "LOOPWISE_ADMIN_KEY": "k"}
+    cmd = [sys.executable, "-m", "learner", "run", "--base-model", str(tiny_model_path), "--data-dir", str(tmp_path)]
+    proc = subprocess.run([*cmd, "--ab-min-samples", "64", "--ab-max-samples", "10"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and "--ab-max-samples" in proc.stderr
 
 
 def test_serve_starts_the_learner_and_keeps_the_admin_api_closed_to_others(start_server, tmp_path_factory):
