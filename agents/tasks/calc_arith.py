@@ -189,7 +189,7 @@ class CalcArithTask(TaskBase):
                 except ArithError:
                     continue
             return 0.0
-        candidate = extract_answer(turn_text)
+        candidate = extract_answer(turn_text, numeric=True)  # as the verifier reads a final answer: else the last number
         value = parse_number(candidate) if candidate is not None else None
         if value is None and candidate is not None:
             value = extract_number(candidate)

@@ -200,6 +200,9 @@ def test_calc_arith_process_score() -> None:
     assert task.process_score(p, f"<answer>{p.answer}</answer>") == 1.0
     assert task.process_score(p, f"<answer>{p.answer + 1}</answer>") == 0.0
     assert task.process_score(p, "hmm") == 0.0
+    # an untagged answer is read like the verifier reads it (the last number), so a one-turn run's process score is its outcome
+    assert task.process_score(p, f"so it is {p.answer}") == 1.0 == task.verify(p, f"so it is {p.answer}").reward
+    assert task.process_score(p, f"so it is {p.answer + 1}") == 0.0
     assert calculator_expressions("use the calculator: '12 * 3' and \"garbage\"") == ["12 * 3"]
     assert calculator_expressions('no tool here "3 + 4"') == []
 
