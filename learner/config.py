@@ -59,6 +59,22 @@ class TrainerConfig(BaseModel):
         le=16,
         description="optimizer steps per update over the same batch (PPO epochs); the clip on the ratio to the behaviour logprobs bounds the drift",
     )
+    old_logprobs: Literal["behaviour", "recompute"] = Field(
+        "behaviour",
+        description=(
+            "the PPO ratio's old policy: 'behaviour' = the recorded sampling logprobs; 'recompute' = the trainer's own "
+            "logprobs at the start of the update (verl's recomputed old_log_prob; AReaL's proximal policy), so turns "
+            "sampled by an older version (an A/B champion, a stale arm) are not clipped away"
+        ),
+    )
+    behaviour_weight_cap: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "with old_logprobs='recompute': weight each token by min(pi_old / pi_behaviour, cap) (AReaL's decoupled PPO "
+            "importance weight, correcting for who sampled it); None = no weight"
+        ),
+    )
     estimator: str = Field("grpo", description=f"advantage estimator, one of {', '.join(ESTIMATORS)}")
     estimator_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the estimator (e.g. eps, gamma)")
     drop_zero_advantage: bool = Field(
@@ -91,6 +107,12 @@ class TrainerConfig(BaseModel):
         if v not in AGG_MODES:
             raise ValueError(f"unknown loss aggregation {v!r}; choose one of {', '.join(AGG_MODES)}")
         return v
+
+    @model_validator(mode="after")
+    def _weight_needs_recompute(self) -> TrainerConfig:
+        if self.behaviour_weight_cap is not None and self.old_logprobs != "recompute":
+            raise ValueError("behaviour_weight_cap weighs tokens by pi_old / pi_behaviour: it needs old_logprobs = 'recompute'")
+        return self
 
     @model_validator(mode="after")
     def _norm_needs_constant(self) -> TrainerConfig:

@@ -166,8 +166,12 @@ def policy_loss(
     mask: Tensor,
     cfg: LossConfig,
     ref_logp: Tensor | None = None,
+    token_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """``loss = agg(pg) + kl_coef * agg(KL(logp, ref_logp))`` (algorithms.md 1.1-1.3).
+    """``loss = agg(w * pg) + kl_coef * agg(KL(logp, ref_logp))`` (algorithms.md 1.1-1.3).
+
+    ``token_weight`` (B, T), detached, default 1: a per-token weight on the policy-gradient term (AReaL's
+    decoupled PPO: ``min(pi_old / pi_behaviour, cap)`` when ``old_logp`` is a recomputed proximal policy).
 
     Shapes: ``logp``, ``old_logp``, ``ref_logp``, ``mask`` (B, T) with mask 1 = trained token;
     ``advantages`` (B,) per sequence (broadcast over T) or (B, T). ``rho = exp(clamp(logp - old_logp, -20, 20))``.
@@ -189,6 +193,10 @@ def policy_loss(
     log_ratio = torch.clamp(lp - old_logp.detach().to(torch.float32), min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg, clipped, dual = POLICY_LOSSES[cfg.loss_type](ratio, adv, log_ratio, cfg)
+    if token_weight is not None:
+        if token_weight.shape != logp.shape:
+            raise ValueError(f"token_weight must have shape {tuple(logp.shape)}, got {tuple(token_weight.shape)}")
+        pg = pg * token_weight.detach().to(torch.float32)
     pg_loss = aggregate(pg, mask, cfg.agg, cfg.max_tokens)
     m = mask.to(torch.float32)
     n_tok = m.sum().clamp_min(1.0)

@@ -19,6 +19,11 @@ One ``step`` is one update: ``epochs`` optimizer steps over the same batch (PPO 
    output token at position ``len(context) + j`` is scored by the logit at ``len(context) + j - 1``.
    Logits are divided by the sample's sampling temperature, as the engine did for its logprobs.
 3. reference logprobs with the adapter disabled (same model, no second copy) only when ``kl_coef > 0``.
+   The PPO ratio's old policy is fixed in the first epoch: the recorded behaviour logprobs
+   (``old_logprobs="behaviour"``), or the trainer's own logprobs before any step of this update
+   (``"recompute"``, verl's recomputed ``old_log_prob``): turns sampled by an older version, such as an A/B
+   champion while the learner trains on, are then not clipped away; ``behaviour_weight_cap`` adds AReaL's
+   decoupled-PPO token weight ``min(pi_old / pi_behaviour, cap)``.
 4. ``learner.losses.policy_loss`` per micro-batch, weighted so the sum equals the loss of the whole
    batch under the aggregation mode; gradients accumulate; the LoRA gradients are clipped to
    ``max_grad_norm``; AdamW and a linear warm-up scheduler step.
@@ -47,6 +52,7 @@ Not here: choosing samples (``learner.samples``), estimators and losses (``learn
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -291,9 +297,10 @@ class LoRATrainer:
         batches = plan_micro_batches([len(s.context_ids) + len(s.output_ids) for s in chosen], self.cfg.micro_batch_tokens)
         seen_tokens = 0
         olds: dict[int, torch.Tensor] = {}  # micro-batch → the first epoch's old logprobs (recorded ones, else the first pass's own)
+        weights: dict[int, torch.Tensor] = {}  # micro-batch → decoupled-PPO token weights (behaviour_weight_cap)
         for epoch in range(self.cfg.epochs):  # the metrics reported are the last epoch's
             label = f"v{self.version + 1}" + (f" epoch {epoch + 1}/{self.cfg.epochs}" if self.cfg.epochs > 1 else "")
-            sums, entropy_sum, epoch_tokens = self._optimizer_step(chosen, adv, batches, total_tokens, label, m, olds)
+            sums, entropy_sum, epoch_tokens = self._optimizer_step(chosen, adv, batches, total_tokens, label, m, olds, weights)
             seen_tokens += epoch_tokens
         self.version += 1
         m.optimizer_step, m.version = True, self.version
@@ -318,6 +325,7 @@ class LoRATrainer:
         label: str,
         m: StepMetrics,
         olds: dict[int, torch.Tensor],
+        weights: dict[int, torch.Tensor],
     ) -> tuple[dict[str, float], float, int]:
         """One pass over the micro-batches and one AdamW step; returns the loss sums, entropy sum and tokens seen."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -328,14 +336,24 @@ class LoRATrainer:
             mb = [chosen[i] for i in idx]
             t = self._batch_tensors(mb)
             logp, ent = self._logprobs(t, entropy=True)  # (B, T)
-            # no recorded logprobs → the first epoch's own (ratio 1 in that epoch, and the clip applies in later ones)
-            old = olds.setdefault(b, torch.where(t["has_old"][:, None], t["old"], logp.detach()))
+            # the first epoch fixes the old policy: the recorded behaviour logprobs, or ('recompute', or none recorded)
+            # the trainer's own first-pass logprobs (ratio 1 in that epoch; the clip applies in later ones)
+            if b not in olds:
+                own = logp.detach()
+                if self.cfg.old_logprobs == "recompute":
+                    olds[b] = own
+                    if self.cfg.behaviour_weight_cap is not None:
+                        behav = torch.where(t["has_old"][:, None], t["old"], own)
+                        weights[b] = torch.exp(torch.clamp(own - behav, max=math.log(self.cfg.behaviour_weight_cap)))
+                else:
+                    olds[b] = torch.where(t["has_old"][:, None], t["old"], own)
+            old = olds[b]
             ref = None
             if self.cfg.kl_coef > 0:
                 with torch.no_grad(), self.model.disable_adapter():
                     ref, _ = self._logprobs(t)
             a = torch.tensor([adv[i] for i in idx], dtype=torch.float32, device=self.device)  # (B,)
-            loss, stats = policy_loss(logp, old, a, t["mask"], self.loss_cfg, ref_logp=ref)
+            loss, stats = policy_loss(logp, old, a, t["mask"], self.loss_cfg, ref_logp=ref, token_weight=weights.get(b))
             mb_tokens = int(t["mask"].sum().item())
             w = _micro_weight(self.cfg.agg, len(mb), mb_tokens, len(chosen), total_tokens)
             (loss * w).backward()

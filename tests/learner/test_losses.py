@@ -194,3 +194,17 @@ def test_config_validation_and_registry() -> None:
         register_policy_loss("ppo_clip")(lambda ratio, adv, log_ratio, cfg: (ratio, ratio > 0, ratio > 0))
     with pytest.raises(ValueError, match="loss_type"):
         policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), LossConfig(loss_type="nope"))
+
+
+def test_token_weight_scales_the_policy_gradient_term() -> None:
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]], requires_grad=True)
+    old = logp.detach().clone()
+    mask = torch.ones(2, 2)
+    adv = torch.tensor([1.0, -2.0])
+    weight = torch.tensor([[1.0, 2.0], [0.5, 0.0]])
+    loss, _ = policy_loss(logp, old, adv, mask, LossConfig())
+    wloss, _ = policy_loss(logp, old, adv, mask, LossConfig(), token_weight=weight)
+    assert float(loss.detach()) == pytest.approx(-(1 + 1 - 2 - 2) / 4)  # ratio 1: -mean(A)
+    assert float(wloss.detach()) == pytest.approx(-(1 * 1 + 2 * 1 + 0.5 * -2 + 0 * -2) / 4)
+    with pytest.raises(ValueError, match="token_weight"):
+        policy_loss(logp, old, adv, mask, LossConfig(), token_weight=torch.ones(2, 3))

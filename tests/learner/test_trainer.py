@@ -176,6 +176,28 @@ def test_epochs_take_several_optimizer_steps_on_one_batch_against_the_first_old_
     assert m3.tokens_per_s > 0 and m3.trained_samples == m1.trained_samples
 
 
+def test_recomputed_old_logprobs_keep_stale_turns_from_being_clipped_away(model_path: Path) -> None:
+    """Turns sampled by an older version (behaviour logprobs 2 nats below the trainer's): with the recorded
+    logprobs as the old policy the clip zeroes most of the gradient; 'recompute' trains on them at ratio 1,
+    and behaviour_weight_cap weighs each token by min(pi_old / pi_behaviour, cap)."""
+    fresh = make_samples(11, n_groups=2, per_group=2)
+    own = LoRATrainer(model_path, cfg(), LORA).token_logprobs(fresh)
+    stale = [replace(s, logprobs=[x - 2.0 for x in lp]) for s, lp in zip(fresh, own, strict=True)]
+    behaviour = LoRATrainer(model_path, cfg(), LORA).step(stale)
+    assert behaviour.clip_frac > 0.4  # ratio e^2 > 1.2 on every token; only the negative-advantage ones are unclipped
+    plain = LoRATrainer(model_path, cfg(), LORA)
+    m_plain = plain.step(fresh)
+    recompute = LoRATrainer(model_path, cfg(old_logprobs="recompute"), LORA)
+    m_re = recompute.step(stale)
+    assert m_re.clip_frac == 0.0 and m_re.loss == pytest.approx(m_plain.loss, abs=1e-7)
+    for k, w in plain.lora_state().items():
+        torch.testing.assert_close(recompute.lora_state()[k], w)  # the same update as on-policy turns
+    capped = LoRATrainer(model_path, cfg(old_logprobs="recompute", behaviour_weight_cap=3.0), LORA).step(stale)
+    assert capped.loss == pytest.approx(3.0 * m_plain.loss, rel=1e-5)  # every weight e^2 = 7.4, capped at 3
+    with pytest.raises(ValueError, match="needs old_logprobs"):
+        cfg(behaviour_weight_cap=2.0)
+
+
 def test_reward_stats_are_per_trajectory_outcomes_not_turn_process_scores(model_path: Path) -> None:
     tr = LoRATrainer(model_path, cfg(), LORA)
     samples = make_samples(8, rewards=[1.0, 0.0, 1.0, 1.0])
