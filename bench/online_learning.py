@@ -14,8 +14,8 @@ held-out problems (problem seed ``--heldout-seed``, which neither the demo users
 learner's gate (seed 100000) use), once served by the base model and once by the champion the
 learner promoted (loaded from the adapter folder it published into), with the same sampling seed per
 problem (paired), the arms interleaved. Also reported: every promotion and experiment
-the learner logged (``history.jsonl``, ``GET /admin/experiments``), the number of runs, and the paired
-difference with a bootstrap 95% interval. Results go to ``bench/results/online_learning.json`` and the
+the learner logged (``history.jsonl``, ``GET /admin/experiments``), the demo users' success per serving
+version (from the store), and the paired difference with a bootstrap 95% interval. Results go to ``bench/results/online_learning.json`` and the
 learner's ``reward.png`` is copied next to it.
 """
 
@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from agents.eval import spawned_server  # noqa: E402
 from learner._files import sha256_file  # noqa: E402
 from learner.publish import MANIFEST_FILE  # noqa: E402
+from learner.store import SqliteStore  # noqa: E402
 from serve import DEMO_AGENT  # noqa: E402
 
 FAMILY, AGENT, TASK = "calc-lora", "demo-agent", "calc_arith"
@@ -60,6 +61,21 @@ async def heldout(url: str, arms: list[str], n: int, seed: int, concurrency: int
 
         await asyncio.gather(*(one(i, a) for i in range(n) for a in arms))
     return out
+
+
+def live_success(db: Path) -> dict[str, dict[str, float]]:
+    """Success of the demo users' runs (not eval runs) per serving version, in order of first use, from the store."""
+    store = SqliteStore(db)
+    acc: dict[str, list[bool]] = {}
+    for row in sorted(store.list_trajectories(limit=1_000_000), key=lambda r: r["created_at"]):
+        meta = row["meta"]
+        if meta.get("eval") or meta.get("agent") != AGENT or "correct" not in meta or meta.get("rerollout"):
+            continue
+        traj = store.get_trajectory(row["trajectory_id"])
+        if traj is None or not traj.turns:
+            continue
+        acc.setdefault(traj.turns[0].adapter or "base", []).append(bool(meta["correct"]))
+    return {a: {"n": len(v), "success": sum(v) / len(v)} for a, v in acc.items()}
 
 
 def paired_ci(a: list[bool], b: list[bool], reps: int = 5000, seed: int = 0) -> tuple[float, float, float]:
@@ -103,32 +119,39 @@ def main() -> int:
         champion = aliases.get(FAMILY)
         experiments = httpx.get(f"{url}/admin/experiments", headers=admin, timeout=30).json()
         runs = httpx.get(f"{url}/admin/learner", headers=admin, timeout=30).json()["data"]
-    # the held-out comparison runs on a fresh server without the demo users and the learner, so the two arms
-    # get the machine to themselves; the champion is loaded from the adapter folder the learner published into
+    history_file = next(data.glob("learner/*/history.jsonl"), None)
+    history = [json.loads(x) for x in history_file.read_text().splitlines() if x.strip()] if history_file else []
+    passed = [r["version"] for r in history if r.get("gate", {}).get("decision") == "passed"]
+    latest = f"{FAMILY}@{passed[-1]}" if passed and f"{FAMILY}@{passed[-1]}" != champion else None
+    # the held-out comparison runs on a fresh server without the demo users and the learner, so the arms get
+    # the machine to themselves; the champion (and the newest version that passed the gate, when it is not the
+    # champion: what the learner reached, promoted or not) are loaded from the folder the learner published into
     with spawned_server(args.model, key, ["--agent", json.dumps(DEMO_AGENT)], data_dir=data) as url:
         admin = {"Authorization": f"Bearer {key}"}
         arms = [base]
-        if champion:
-            version = int(champion.split("@")[1])
+        for name in (champion, latest):
+            if name is None:
+                continue
+            version = int(name.split("@")[1])
             path = data / "adapters" / FAMILY / f"v{version}"
             sha = sha256_file(path / MANIFEST_FILE)
             body = {"path": str(path), "family": FAMILY, "version": version, "sha256": sha}
             httpx.post(f"{url}/admin/adapters", headers=admin, json=body, timeout=300).raise_for_status()
-            arms.append(champion)
+            arms.append(name)
         print(f"held-out comparison on {args.n} problems: {', '.join(arms)}", flush=True)
         t1 = time.time()
         res = asyncio.run(heldout(url, arms, args.n, args.heldout_seed))
         eval_s = time.time() - t1
-    history_file = next(data.glob("learner/*/history.jsonl"), None)
-    history = [json.loads(x) for x in history_file.read_text().splitlines() if x.strip()] if history_file else []
     for png in data.glob("learner/*/*.png"):
         shutil.copy(png, args.out / f"online_learning_{png.name}")
+    live = live_success(data / "interactions.db")
     summary: dict[str, Any] = {
         "model": args.model,
         "minutes": args.minutes,
         "n": args.n,
         "base": base,
         "champion": champion,
+        "latest_passed": latest,
         "success": {a: sum(v) / len(v) for a, v in res.items()},
         "updates": len(history),
         "published": [r["version"] for r in history if r.get("gate", {}).get("decision") not in (None, "skipped", "held")],
@@ -136,18 +159,27 @@ def main() -> int:
         "experiments": experiments,
         "learner": runs,
         "eval_s": eval_s,
+        "live_success": live,
     }
     if champion:
         diff, lo, hi = paired_ci(res[base], res[champion])
         summary["paired_diff"] = {"mean": diff, "ci95": [lo, hi]}
+    if latest:
+        ldiff, llo, lhi = paired_ci(res[base], res[latest])
+        summary["latest_paired_diff"] = {"mean": ldiff, "ci95": [llo, lhi]}
     (args.out / "online_learning.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"\nupdates: {len(history)}; published versions: {summary['published']}; champion at the end: {champion}")
+    print("live success of the demo users' runs per serving version: " + ", ".join(f"{a} {v['success']:.3f} (n={v['n']})" for a, v in live.items()))
     for a, v in res.items():
         print(f"held-out success  {a:<28} {sum(v) / len(v):.3f}  (n={len(v)})")
     if champion:
         print(f"champion - base: {diff * 100:+.1f} points, 95% CI [{lo * 100:+.1f}, {hi * 100:+.1f}] (paired bootstrap)")
     else:
         print("no champion was promoted within the budget")
+    if latest:
+        print(
+            f"{latest} (newest version that passed the gate, not the champion) - base: {ldiff * 100:+.1f} points, 95% CI [{llo * 100:+.1f}, {lhi * 100:+.1f}]"
+        )
     print(f"results: {args.out / 'online_learning.json'}")
     return 0
 
