@@ -133,6 +133,15 @@ class SampleConfig(BaseModel):
         ge=0,
         description="a trajectory is taken only once its last turn is this old, so late turns and rewards arrive first; later rewards are not used",
     )
+    max_trajectories: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "most trajectories one update trains on; when traffic outpaces training, whole groups are kept, largest "
+            "first (a group cut by the settle window is smaller; bigger groups give better baselines), then newest, "
+            "and the rest are skipped as 'surplus' (freshness over backlog); None = take everything"
+        ),
+    )
     include_other_families: bool = Field(False, description="also train on turns another adapter family produced (off-policy; counted either way)")
 
 

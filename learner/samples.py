@@ -131,6 +131,7 @@ class SkipCounts:
     no_tokens: int = 0
     missing_logprobs: int = 0  # kept, but trained with ratio 1
     deferred_trajectories: int = 0  # still within settle_s; a later call takes them
+    surplus: int = 0  # beyond max_trajectories: the smallest and oldest groups left out
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -233,6 +234,8 @@ def collect_samples(
             counts.rerollout += len(traj.turns)
             continue
         samples += trajectory_samples(traj, family=family, min_version=min_version, cfg=cfg, counts=counts)
+    if cfg.max_trajectories is not None:
+        samples = _cap_trajectories(samples, cfg.max_trajectories, counts)
     next_cursor = Cursor(since=max(cursor.since, horizon))
     log.info("collected samples", family=family, samples=len(samples), trajectories=len(seen), **counts.as_dict())
     return SampleBatch(samples=samples, counts=counts, cursor=next_cursor)
@@ -286,6 +289,28 @@ def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: 
                 meta=dict(traj.meta),
             )
         )
+    return out
+
+
+def _cap_trajectories(samples: list[Sample], limit: int, counts: SkipCounts) -> list[Sample]:
+    """Whole groups, largest first then newest, until ``limit`` trajectories (always at least one group)."""
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+
+    def size(g: list[Sample]) -> int:
+        return len({s.trajectory_id for s in g})
+
+    order = sorted(groups.values(), key=lambda g: (size(g), max(s.created_at for s in g)), reverse=True)
+    kept: set[str] = set()
+    taken = 0
+    for g in order:
+        if taken and taken + size(g) > limit:
+            continue
+        kept.add(g[0].group_id)
+        taken += size(g)
+    out = [s for s in samples if s.group_id in kept]
+    counts.surplus += len(samples) - len(out)
     return out
 
 

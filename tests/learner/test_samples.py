@@ -110,6 +110,23 @@ def test_groups_by_task_key_with_chat_fallbacks(store: SqliteStore) -> None:
     assert len(groups) == 5
 
 
+def test_max_trajectories_keeps_whole_groups_largest_then_newest(store: SqliteStore) -> None:
+    sizes = {"old-full": (4, 1_000.0), "new-full": (4, 2_000.0), "cut": (2, 3_000.0), "newest-small": (1, 4_000.0)}
+    for key, (n, t0) in sizes.items():
+        for i in range(n):
+            add_trajectory(store, f"tr-{key}-{i}", meta={"agent": "calc", "task_key": key}, reward=float(i % 2), t0=t0 + i)
+    capped = collect(store, cfg=SampleConfig(max_staleness=2, settle_s=100.0, max_trajectories=8))
+    groups = {g.group_id: len(g.trajectory_ids) for g in make_groups(capped.samples)}
+    assert groups == {"task:calc:new-full": 4, "task:calc:old-full": 4}  # the groups of four first, whole, then nothing fits
+    assert capped.counts.surplus == 3
+    one = collect(store, cfg=SampleConfig(max_staleness=2, settle_s=100.0, max_trajectories=6))
+    assert {g.group_id for g in make_groups(one.samples)} == {"task:calc:new-full", "task:calc:cut"}  # 4, then 2 fits
+    tiny = collect(store, cfg=SampleConfig(max_staleness=2, settle_s=100.0, max_trajectories=1))
+    assert {g.group_id for g in make_groups(tiny.samples)} == {"task:calc:new-full"}  # never less than one whole group
+    assert len(collect(store).samples) == 11 and collect(store).counts.surplus == 0  # no cap: everything
+    assert tiny.cursor == collect(store).cursor  # the rest is skipped, not deferred
+
+
 def test_group_id_of_same_context_is_stable() -> None:
     a = Trajectory(trajectory_id="a", session_id="s", turns=[make_turn("x", "a")])
     b = Trajectory(trajectory_id="b", session_id="s", turns=[make_turn("x", "b")])  # same context ids
