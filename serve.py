@@ -184,6 +184,7 @@ DEMO_AGENT = {
 
 
 DEMO_LEARNER_CONFIG = Path(__file__).resolve().parent / "learner" / "demo.toml"  # step size, PPO epochs, settle time
+DEMO_GROUP = 8  # runs per problem the demo users send: at ~20% success, 4 leave half the groups without reward variance, 8 a sixth
 
 
 def demo_args(argv: list[str]) -> tuple[list[str], bool]:
@@ -193,7 +194,7 @@ def demo_args(argv: list[str]) -> tuple[list[str], bool]:
     rest = [a for a in argv if a != "--demo"]
     pre = ["--agent", json.dumps(DEMO_AGENT), "--learner", "--learner-agent", "demo-agent", "--learner-family", "calc-lora"]
     pre += ["--learner-min-trajectories", "32", "--learner-gate-n", "16", "--learner-config", str(DEMO_LEARNER_CONFIG)]
-    pre += ["--learner-ab-min-samples", "48", "--learner-ab-max-samples", "160"]
+    pre += ["--learner-ab-min-samples", "48", "--learner-ab-max-samples", "100"]
     return pre + rest, True
 
 
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
                 from learner.demo import DemoUsers
 
                 print("demo: synthetic users send one-step calc_arith problems to demo-agent; the learner trains calc-lora on them", flush=True)
-                DemoUsers(url, server.admin_key or "", "demo-agent", "calc_arith").start()
+                DemoUsers(url, server.admin_key or "", "demo-agent", "calc_arith", group=DEMO_GROUP).start()
         await serve
 
     try:

@@ -1,10 +1,12 @@
 """Synthetic users for ``serve.py --demo``: task traffic with verifier rewards, and a console report.
 
 Each user round picks a problem of the demo task (training seeds, never the gate's held-out seed) and
-runs the demo agent on it ``group`` times with different sampling seeds, so the learner gets groups to
-compare. The agent's verifier rewards every run. Every ``report_s`` seconds one line goes to stdout:
-runs so far, recent success rate per serving version, and the learner's state (version, champion,
-running experiment) read from ``GET /admin/learner``.
+runs the demo agent on it ``group`` times at once with different sampling seeds, so the learner gets
+groups to compare: sent together, a group's runs end together and settle into one learner update
+(sent one after another, the learner's window split them: one update got 75 runs in 13 partial groups). The
+agent's verifier rewards every run. Every ``report_s`` seconds one line goes to stdout: runs so far,
+recent success rate per serving version, and the learner's state (version, champion, running
+experiment) read from ``GET /admin/learner``.
 
 Not here: training (the learner process does it).
 """
@@ -15,6 +17,7 @@ import random
 import threading
 import time
 from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -60,26 +63,30 @@ class DemoUsers:
         self._stop.set()
 
     def _user(self, i: int) -> None:
-        with httpx.Client(base_url=self.base_url, timeout=900) as client:
+        limits = httpx.Limits(max_connections=self.group, max_keepalive_connections=self.group)
+        with httpx.Client(base_url=self.base_url, timeout=900, limits=limits) as client, ThreadPoolExecutor(self.group) as pool:
             while not self._stop.is_set():
                 with self._lock:
                     problem = self.rng.randrange(self.problems)
-                for k in range(self.group):
-                    body = {"task": self.task, "problem_index": problem, "seed": 0, "sample_seed": 1000 * i + k, "user": f"demo-user-{i}"}
-                    try:
-                        r = client.post(f"/v1/agents/{self.agent}/runs", json=body, headers={"X-Session-Id": f"demo-{i}-{problem}-{k}"})
-                        if r.status_code != 200:
-                            raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:300]}", request=r.request, response=r)
-                    except httpx.HTTPError as exc:
-                        with self._lock:
-                            self.errors += 1
-                        log.warning("demo run failed", error=str(exc))
-                        self._stop.wait(2.0)
-                        continue
-                    run = r.json()
-                    with self._lock:
-                        self.runs += 1
-                        self.recent[run.get("adapter") or "base"].append(bool(run.get("correct")))
+                for f in [pool.submit(self._run, client, i, problem, k) for k in range(self.group)]:
+                    f.result()
+
+    def _run(self, client: httpx.Client, i: int, problem: int, k: int) -> None:
+        body = {"task": self.task, "problem_index": problem, "seed": 0, "sample_seed": 1000 * i + k, "user": f"demo-user-{i}"}
+        try:
+            r = client.post(f"/v1/agents/{self.agent}/runs", json=body, headers={"X-Session-Id": f"demo-{i}-{problem}-{k}"})
+            if r.status_code != 200:
+                raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:300]}", request=r.request, response=r)
+        except httpx.HTTPError as exc:
+            with self._lock:
+                self.errors += 1
+            log.warning("demo run failed", error=str(exc))
+            self._stop.wait(2.0)
+            return
+        run = r.json()
+        with self._lock:
+            self.runs += 1
+            self.recent[run.get("adapter") or "base"].append(bool(run.get("correct")))
 
     def line(self) -> str:
         with self._lock:
