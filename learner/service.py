@@ -492,7 +492,8 @@ class LearnerService:
             raise
         if state.get("status") == "running":
             return True
-        self.status.champion = state.get("champion") or self.status.champion
+        # a promotion's winner is the champion now; "champion" is the one the experiment started with
+        self.status.champion = state.get("winner") or state.get("champion") or self.status.champion
         self.status.experiment = None
         return False
 

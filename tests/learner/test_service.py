@@ -125,6 +125,10 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     assert admin(server, "POST", "/admin/learner/update", json={"family": "fam"}).status_code == 202
     assert (learner_dir(data, "fam") / REQUEST_FILE).exists()
     assert admin(server, "POST", "/admin/learner/update", json={"family": "nope"}).status_code == 404
+    # a promotion makes the winner the learner's champion (not the experiment's starting champion)
+    assert admin(server, "POST", "/admin/experiments/fam-v3/promote", json={"arm": "fam@3"}).status_code == 200
+    assert svc._experiment_running("fam-v3") is False
+    assert svc.status.champion == "fam@3" and svc.status.experiment is None
 
 
 def test_zero_variance_data_skips_the_step_but_advances_the_version(server, tiny_model_path, tmp_path):
