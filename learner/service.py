@@ -32,10 +32,12 @@ Not here: how samples, steps and publishing work (``samples``, ``trainer``, ``pu
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import random
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,6 +66,21 @@ log = structlog.get_logger(__name__)
 
 REQUEST_FILE = "update.request"
 INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only for an RTPO sweep's siblings
+
+
+def die_with_parent(parent: int) -> bool:
+    """Have Linux SIGKILL this process when its parent exits (``prctl(PR_SET_PDEATHSIG)``); False where unsupported.
+
+    For the learner serve.py starts: a server killed without its ``finally`` (SIGKILL, or SIGTERM re-raised
+    by uvicorn) otherwise leaves a learner training on, model in memory, until its step ends. Killing it
+    mid-step is safe: checkpoints and publishes are written to a temporary folder and renamed."""
+    if not sys.platform.startswith("linux"):
+        return False
+    if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+        return False
+    if os.getppid() != parent:  # the parent exited before the call
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
 def learner_dir(data_dir: Path, family: str) -> Path:
@@ -128,6 +145,8 @@ class LearnerService:
     # ---- the loop ------------------------------------------------------------------------------
     def run_forever(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        if self._parent is not None:
+            die_with_parent(self._parent)  # the polling in _sleep only notices between steps
         removed = clean_staging(self.adapter_root)
         if removed:
             log.info("removed half-published adapters", paths=[str(p) for p in removed])

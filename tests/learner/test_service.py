@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -273,3 +274,34 @@ def test_tcpo_scores_one_step_counterfactuals_of_high_surprisal_turns(server, ti
     info = record["rerollouts"]
     assert info["selected_turns"] >= 1 and info["counterfactual_runs"] == 2 * info["branch_points"] and info["failed"] == 0
     assert info["scored_turns"] == info["branch_points"]
+
+
+def test_a_learner_dies_with_the_server_that_started_it(tmp_path):
+    """die_with_parent: a parent killed with SIGKILL (no cleanup) takes its learner process with it."""
+    child = (
+        "import os, time\nfrom learner.service import die_with_parent\n"
+        "assert die_with_parent(int(os.environ['P']))\nprint('armed', flush=True)\ntime.sleep(120)"
+    )
+    parent = (
+        "import os, subprocess, sys\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {child!r}], env={{**os.environ, 'P': str(os.getpid())}}, stdout=subprocess.PIPE, text=True)\n"
+        "assert c.stdout.readline().strip() == 'armed'\n"
+        "print(c.pid, flush=True)\n"
+        "import time; time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.time() + 10
+    while time.time() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in state  # a zombie has exited; only its parent (now init) has not reaped it yet
