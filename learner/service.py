@@ -68,18 +68,19 @@ REQUEST_FILE = "update.request"
 INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only for an RTPO sweep's siblings
 
 
-def die_with_parent(parent: int) -> bool:
-    """Have Linux SIGKILL this process when its parent exits (``prctl(PR_SET_PDEATHSIG)``); False where unsupported.
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:
+    """Have Linux send ``sig`` to this process when its parent exits (``prctl(PR_SET_PDEATHSIG)``); False where unsupported.
 
     For the learner serve.py starts: a server killed without its ``finally`` (SIGKILL, or SIGTERM re-raised
-    by uvicorn) otherwise leaves a learner training on, model in memory, until its step ends. Killing it
-    mid-step is safe: checkpoints and publishes are written to a temporary folder and renamed."""
+    by uvicorn) otherwise leaves a learner training on, model in memory, until its step ends. The learner's
+    SIGTERM handler then abandons the round it is in (safe: checkpoints and publishes are written to a
+    temporary folder and renamed) or, idle, stops at once."""
     if not sys.platform.startswith("linux"):
         return False
-    if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+    if ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
         return False
     if os.getppid() != parent:  # the parent exited before the call
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
     return True
 
 
@@ -137,6 +138,7 @@ class LearnerService:
         self._trainer: Any = None  # built on the first update: idle learners hold no model
         self._held = False  # a version trained during an experiment waits to be published
         self._stop = False
+        self._busy = False  # inside a scheduling round (an update, a publish, a gate)
         self._seen_since = time.time()
         # set by serve.py: the learner stops when its server does (uvicorn re-raises SIGTERM, so the server cannot always stop it)
         parent = os.environ.get("LOOPWISE_LEARNER_PARENT")
@@ -144,19 +146,22 @@ class LearnerService:
 
     # ---- the loop ------------------------------------------------------------------------------
     def run_forever(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         if self._parent is not None:
-            die_with_parent(self._parent)  # the polling in _sleep only notices between steps
+            die_with_parent(self._parent)  # SIGTERM when the server dies: the polling in _sleep only notices between rounds
         removed = clean_staging(self.adapter_root)
         if removed:
             log.info("removed half-published adapters", paths=[str(p) for p in removed])
         self._restore_cursor()
         while not self._stop:
             try:
+                self._busy = True
                 self.tick()
             except (AdminError, httpx.HTTPError) as exc:  # the runtime is away (restarting?): retry next round
                 self._set("error", f"runtime admin API: {exc}")
                 log.warning("learner round failed", error=str(exc))
+            finally:
+                self._busy = False
             self._sleep(self.cfg.poll_s)
         self._set("stopped", "")
         self.admin.close()
@@ -164,6 +169,12 @@ class LearnerService:
 
     def stop(self) -> None:
         self._stop = True
+
+    def _on_sigterm(self, *_: Any) -> None:
+        """Stop after this round; orphaned mid-round (the server died), abandon it: checkpoints and publishes are atomic."""
+        self.stop()
+        if self._busy and self._parent is not None and os.getppid() != self._parent:
+            raise SystemExit(143)
 
     def _sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds

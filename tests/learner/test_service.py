@@ -279,8 +279,8 @@ def test_tcpo_scores_one_step_counterfactuals_of_high_surprisal_turns(server, ti
 def test_a_learner_dies_with_the_server_that_started_it(tmp_path):
     """die_with_parent: a parent killed with SIGKILL (no cleanup) takes its learner process with it."""
     child = (
-        "import os, time\nfrom learner.service import die_with_parent\n"
-        "assert die_with_parent(int(os.environ['P']))\nprint('armed', flush=True)\ntime.sleep(120)"
+        "import os, signal, time\nfrom learner.service import die_with_parent\n"
+        "assert die_with_parent(int(os.environ['P']), signal.SIGKILL)\nprint('armed', flush=True)\ntime.sleep(120)"
     )
     parent = (
         "import os, subprocess, sys\n"
