@@ -294,21 +294,15 @@ def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: 
 
 def _cap_trajectories(samples: list[Sample], limit: int, counts: SkipCounts) -> list[Sample]:
     """Whole groups, largest first then newest, until ``limit`` trajectories (always at least one group)."""
-    groups: dict[str, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault(s.group_id, []).append(s)
-
-    def size(g: list[Sample]) -> int:
-        return len({s.trajectory_id for s in g})
-
-    order = sorted(groups.values(), key=lambda g: (size(g), max(s.created_at for s in g)), reverse=True)
+    order = sorted(make_groups(samples), key=lambda g: (len(g.trajectory_ids), max(s.created_at for s in g.samples)), reverse=True)
     kept: set[str] = set()
     taken = 0
     for g in order:
-        if taken and taken + size(g) > limit:
+        size = len(g.trajectory_ids)
+        if taken and taken + size > limit:
             continue
-        kept.add(g[0].group_id)
-        taken += size(g)
+        kept.add(g.group_id)
+        taken += size
     out = [s for s in samples if s.group_id in kept]
     counts.surplus += len(samples) - len(out)
     return out

@@ -18,12 +18,12 @@ One ``step`` is one update: ``epochs`` optimizer steps over the same batch (PPO 
    that predict the output tokens: the logit at position ``p`` predicts the token at ``p + 1``, so the
    output token at position ``len(context) + j`` is scored by the logit at ``len(context) + j - 1``.
    Logits are divided by the sample's sampling temperature, as the engine did for its logprobs.
-3. reference logprobs with the adapter disabled (same model, no second copy) only when ``kl_coef > 0``.
    The PPO ratio's old policy is fixed in the first epoch: the recorded behaviour logprobs
    (``old_logprobs="behaviour"``), or the trainer's own logprobs before any step of this update
    (``"recompute"``, verl's recomputed ``old_log_prob``): turns sampled by an older version, such as an A/B
    champion while the learner trains on, are then not clipped away; ``behaviour_weight_cap`` adds AReaL's
    decoupled-PPO token weight ``min(pi_old / pi_behaviour, cap)``.
+3. reference logprobs with the adapter disabled (same model, no second copy) only when ``kl_coef > 0``.
 4. ``learner.losses.policy_loss`` per micro-batch, weighted so the sum equals the loss of the whole
    batch under the aggregation mode; gradients accumulate; the LoRA gradients are clipped to
    ``max_grad_norm``; AdamW and a linear warm-up scheduler step.
