@@ -50,7 +50,8 @@ import numpy as np
 
 from memory.methods import METHODS, get_method
 from memory.testbeds import TESTBEDS, opponents
-from memory.testbeds.play import GameRecord, PlayConfig, play_game
+from memory.testbeds import actions as testbed_actions
+from memory.testbeds.play import MEMOPILOT_FORMATS, PLAYER_CONTEXTS, GameRecord, PlayConfig, play_game
 
 ELO_BASE = 1500.0
 ELO_SCALE = 400.0 / math.log(10.0)  # Elo points per unit of Bradley-Terry strength
@@ -294,6 +295,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--player-temperature", type=float, default=0.0, help="player sampling temperature (seeded per decision; default 0)")
     p.add_argument("--free-player", action="store_true", help="no constrained decoding: the player's free text is parsed")
     p.add_argument(
+        "--player-context",
+        choices=PLAYER_CONTEXTS,
+        default="state",
+        help="state: a fresh request per decision with the episode's rounds so far (default); chat: one growing chat per episode",
+    )
+    p.add_argument(
+        "--memory-in",
+        choices=["user", "system"],
+        default="user",
+        help="state context: the memory goes in the player's user message (default) or its system prompt",
+    )
+    p.add_argument(
+        "--memopilot-format",
+        choices=MEMOPILOT_FORMATS,
+        default="json",
+        help='json: memopilot writes {"note", "next"} over the game\'s actions (default); text: free-text memory',
+    )
+    p.add_argument(
         "--invalid",
         choices=["loss", "random"],
         default="loss",
@@ -379,7 +398,8 @@ async def play_all(
 
         async def one(job: tuple[str, str, int, str, PlayConfig, int]) -> GameRecord:
             testbed, opp, seed, label, cfg, chars = job
-            method = get_method(label.split("@")[0], max_chars=chars)
+            acts = testbed_actions(testbed) if cfg.memopilot_format == "json" else None
+            method = get_method(label.split("@")[0], max_chars=chars, actions=acts)
             async with sem:
                 return await play_game(client, testbed, opp, seed, method, cfg, label=label)
 
@@ -432,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
                 player_max_tokens=args.player_max_tokens,
                 player_temperature=args.player_temperature,
                 constrain_player=not args.free_player,
+                player_context=args.player_context,
+                memopilot_format=args.memopilot_format,
+                memory_in=args.memory_in,
                 match_options=options,
             )
             jobs += [(args.testbed, o, s, label, cfg, args.memory_chars) for o in opps for s in range(args.seeds)]

@@ -47,7 +47,7 @@ import httpx
 import structlog
 
 from memory.testbeds import TESTBEDS, opponents
-from memory.testbeds.play import GameRecord, PlayConfig
+from memory.testbeds.play import MEMOPILOT_FORMATS, PLAYER_CONTEXTS, GameRecord, PlayConfig
 from memory.tournament import add_server_args, base_model_name, load_memopilot, play_all, server_url
 
 log = structlog.get_logger(__name__)
@@ -161,6 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--independent-player-seeds", action="store_true", help="different player request seeds per rollout (default: the same)")
     p.add_argument("--free-player", action="store_true", help="no constrained decoding: the player's free text is parsed")
+    p.add_argument(
+        "--player-context",
+        choices=PLAYER_CONTEXTS,
+        default="state",
+        help="state: a fresh request per decision with the episode's rounds so far (default); chat: one growing chat per episode",
+    )
+    p.add_argument(
+        "--memory-in",
+        choices=["user", "system"],
+        default="user",
+        help="state context: the memory goes in the player's user message (default) or its system prompt",
+    )
+    p.add_argument(
+        "--memopilot-format",
+        choices=MEMOPILOT_FORMATS,
+        default="json",
+        help='json: memopilot writes {"note", "next"} over the game\'s actions (default); text: free-text memory',
+    )
     p.add_argument("--invalid", choices=["loss", "random"], default="loss")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--rank", type=int, default=8)
@@ -239,6 +257,9 @@ def _iteration(
                     player_max_tokens=args.player_max_tokens,
                     player_temperature=args.player_temperature,
                     constrain_player=not args.free_player,
+                    player_context=args.player_context,
+                    memopilot_format=args.memopilot_format,
+                    memory_in=args.memory_in,
                     salt_player_seeds=args.independent_player_seeds,
                     seed_salt=f"v{version}-g{g}",
                     match_options={"invalid": args.invalid},

@@ -3,13 +3,28 @@
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         game = await play_game(client, "rps", "cycle", 0, get_method("reflection"), PlayConfig(player_model="base"))
 
-A game is ``rounds`` rounds split into episodes of ``episode_rounds``. Each episode is one chat with
-the frozen player (``player_model``): the system prompt holds the game's rules and the current memory,
-each decision is a user message and the player's reply one ``/v1/chat/completions`` call, so the
-runtime records every move as a turn (one trajectory per episode). After an episode the memory
+A game is ``rounds`` rounds split into episodes of ``episode_rounds``; the frozen player
+(``player_model``) gets the game's rules and the current memory in its system prompt, and each
+decision is one ``/v1/chat/completions`` call, so the runtime records every move as a turn. How the
+player sees the game (``player_context``):
+
+- ``"state"`` (default): every decision is a fresh two-message request: the rules as system prompt,
+  and one user message with this episode's finished rounds (their result lines), the memory, and the
+  decision prompt. One trajectory per decision. ``memory_in="system"`` puts the memory in the system
+  prompt instead, as the served copilot does (``memory/copilot.py``).
+- ``"chat"``: an episode is one growing chat with the memory in the system prompt: each decision a
+  user message, each reply an assistant message (one trajectory per episode).
+
+Why ``"state"`` with the memory in the user message: a 135M player barely reads anything else.
+Probabilities of SmolLM2-135M's move after four rounds (full-sequence logprobs of the three replies,
+renormalised): in ``"chat"``, the memory "Play paper every round." took P(paper) from 0.08 to 0.06
+(the player repeats its own earlier replies); in ``"state"`` with the memory in the system prompt,
+"Next move: paper" took it from 0.06 to 0.24; in the user message, to 0.55.
+
+After an episode the memory
 method updates the memory: ``method.prompt(memory, interaction)`` → one chat completion on
-``copilot_model`` (``memopilot@N`` for a trained copilot, the base model otherwise) →
-``method.apply``. The rewrite after the last episode is skipped unless ``update_after_last``.
+``copilot_model`` (``memopilot@N`` for a trained copilot, the base model otherwise; decoded under
+``method.response_schema`` when the method has one) → ``method.apply``. The rewrite after the last episode is skipped unless ``update_after_last``.
 
 With ``constrain_player`` (default) the player's reply is decoded under the match's ``reply_schema``
 (a JSON string enum of the legal actions), so a small player always makes a legal move; without it
@@ -36,6 +51,9 @@ from memory.methods import Interaction, MemoryMethod
 from memory.testbeds import RoundResult, make_match
 
 MEMORY_HEADER = "Your memory from earlier rounds against this opponent:"
+EPISODE_HEADER = "Rounds played so far:"
+PLAYER_CONTEXTS = ("state", "chat")
+MEMOPILOT_FORMATS = ("json", "text")
 
 
 class PlayError(RuntimeError):
@@ -51,6 +69,9 @@ class PlayConfig:
     player_temperature: float = 0.0
     player_max_tokens: int = 8
     constrain_player: bool = True  # decode the player's reply under the match's ``reply_schema`` (always a legal action)
+    player_context: str = "state"  # "state": a fresh request per decision; "chat": one growing chat per episode
+    memory_in: str = "user"  # "state" context: the memory goes in the user message ("user") or the system prompt ("system")
+    memopilot_format: str = "json"  # "json": memopilot writes {"note", "next"} over the game's actions; "text": free text
     copilot_temperature: float = 0.7
     copilot_max_tokens: int = 128
     update_after_last: bool = False
@@ -61,6 +82,12 @@ class PlayConfig:
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.episode_rounds < 1:
             raise ValueError("rounds and episode_rounds must be at least 1")
+        if self.player_context not in PLAYER_CONTEXTS:
+            raise ValueError(f"player_context must be one of {', '.join(PLAYER_CONTEXTS)}, got {self.player_context!r}")
+        if self.memory_in not in ("user", "system"):
+            raise ValueError(f"memory_in must be 'user' or 'system', got {self.memory_in!r}")
+        if self.memopilot_format not in MEMOPILOT_FORMATS:
+            raise ValueError(f"memopilot_format must be one of {', '.join(MEMOPILOT_FORMATS)}, got {self.memopilot_format!r}")
 
 
 @dataclass(frozen=True)
@@ -155,6 +182,14 @@ def player_system(rules: str, memory: str) -> str:
     return f"{rules}\n\n{MEMORY_HEADER}\n{memory}" if memory.strip() else rules
 
 
+def state_message(lines: list[str], decision: str, memory: str = "") -> str:
+    """The user message of a ``"state"`` decision: the episode's finished rounds, the memory if given, the decision."""
+    parts = [f"{EPISODE_HEADER}\n" + "\n".join(lines)] if lines else []
+    if memory.strip():
+        parts.append(f"{MEMORY_HEADER}\n{memory}")
+    return "\n\n".join([*parts, decision])
+
+
 async def play_game(
     client: httpx.AsyncClient, testbed: str, opponent: str, seed: int, method: MemoryMethod, cfg: PlayConfig, *, label: str | None = None
 ) -> GameRecord:
@@ -164,14 +199,22 @@ async def play_game(
     game = GameRecord(testbed=testbed, opponent=opponent, seed=seed, method=name)
     user = f"memory-{testbed}-{name}-{opponent}-{seed}{'-' + cfg.seed_salt if cfg.seed_salt else ''}"
     memory = ""
+    decisions = 0  # the player's decisions so far (its request seeds)
     n_episodes = -(-cfg.rounds // cfg.episode_rounds)
     for episode in range(n_episodes):
-        messages: list[dict[str, str]] = [{"role": "system", "content": player_system(match.rules, memory)}]
+        in_user = cfg.player_context == "state" and cfg.memory_in == "user"
+        system = {"role": "system", "content": match.rules if in_user else player_system(match.rules, memory)}
+        chat_messages: list[dict[str, str]] = [system]
         lines: list[str] = []
         for _ in range(min(cfg.episode_rounds, cfg.rounds - episode * cfg.episode_rounds)):
             while (prompt := match.decision_prompt()) is not None:
-                messages.append({"role": "user", "content": prompt})
-                step = len(game.player_turn_ids)
+                if cfg.player_context == "chat":
+                    chat_messages.append({"role": "user", "content": prompt})
+                    messages = chat_messages
+                else:
+                    messages = [system, {"role": "user", "content": state_message(lines, prompt, memory if in_user else "")}]
+                step = decisions
+                decisions += 1
                 reply, ids = await chat(
                     client,
                     cfg.player_model,
@@ -182,7 +225,8 @@ async def play_game(
                     user=user,
                     schema=match.reply_schema if cfg.constrain_player else None,
                 )
-                messages.append({"role": "assistant", "content": reply})
+                if cfg.player_context == "chat":
+                    chat_messages.append({"role": "assistant", "content": reply})
                 if ids.get("turn_id"):
                     game.player_turn_ids.append(ids["turn_id"])
                 match.act(reply)
@@ -218,6 +262,7 @@ async def _update(
             max_tokens=cfg.copilot_max_tokens,
             seed=request_seed(game.testbed, game.opponent, game.seed, "copilot", episode, cfg.seed_salt),
             user=f"{user}-copilot",
+            schema=method.response_schema,
         )
     new = method.apply(memory, interaction, completion)
     game.rewrites.append(
