@@ -18,15 +18,25 @@ Both model methods ask for the memory inside ``<memory>…</memory>`` and parse 
 leniently: a ``<think>`` span is dropped, the last complete ``<memory>`` block wins (an unclosed one
 is taken to the end), a lone code fence is unwrapped; an empty result keeps the old memory.
 
+``memopilot`` given the game's ``actions`` (``get_method(..., actions=...)``, what the testbeds use)
+writes structured memory instead: its reply is decoded under ``response_schema``, a JSON object
+``{"note": <at most note_chars characters>, "next": <one of the actions>}``, and the memory is the
+note followed by ``Next move: <action>``. A small copilot writing free text rarely names an action
+at all (SmolLM2-135M sampled at temperature 1 wrote none in 16 rewrites of RPS logs), and a small
+player follows a named action far more than a lesson; the schema gives the learner an action it can
+credit while the note stays free. A reply that is not such an object keeps the old memory.
+
 Not here: where memory is stored (``memory/store.py``), when the copilot runs and how its call is
 recorded (``memory/copilot.py``). No I/O, no model, no torch.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 METHODS: tuple[str, ...] = ("none", "append-all", "reflection", "memopilot")
 
@@ -45,6 +55,7 @@ class Interaction:
 class MemoryMethod(Protocol):
     name: str  # "none" | "append-all" | "reflection" | "memopilot"
     needs_model: bool
+    response_schema: dict[str, Any] | None  # JSON schema the model's reply is decoded under (None: free text)
 
     def prompt(self, memory: str, interaction: Interaction) -> list[dict[str, str]] | None:
         """Chat messages for the model call; None when the method makes no model call."""
@@ -105,6 +116,7 @@ class NoMemory:
     max_chars: int = DEFAULT_MAX_CHARS
     name: str = "none"
     needs_model: bool = False
+    response_schema: None = None
 
     def prompt(self, memory: str, interaction: Interaction) -> list[dict[str, str]] | None:
         return None
@@ -120,6 +132,7 @@ class AppendAll:
     max_chars: int = DEFAULT_MAX_CHARS
     name: str = "append-all"
     needs_model: bool = False
+    response_schema: None = None
 
     def prompt(self, memory: str, interaction: Interaction) -> list[dict[str, str]] | None:
         return None
@@ -167,6 +180,7 @@ class RewriteMethod:
     max_log_chars: int = DEFAULT_MAX_LOG_CHARS
     empty_memory: str = "(empty)"
     needs_model: bool = True
+    response_schema: None = None
 
     def prompt(self, memory: str, interaction: Interaction) -> list[dict[str, str]] | None:
         values = {
@@ -187,10 +201,74 @@ class RewriteMethod:
         return keep_head(new, self.max_chars)
 
 
-def get_method(name: str, *, max_chars: int = DEFAULT_MAX_CHARS, max_log_chars: int = DEFAULT_MAX_LOG_CHARS) -> MemoryMethod:
-    """The memory method called ``name``; ``ValueError`` naming the known ones otherwise."""
+MEMOPILOT_JSON_SYSTEM = (
+    "You are a memory copilot. A player model that cannot learn plays repeated games against the same "
+    "counterpart; its only way to improve is the memory you write, which it reads before its next game. "
+    "Given the previous memory, the log of the game just played and its outcome, rewrite the memory as a JSON object: "
+    '"note", what the player should remember about the counterpart (at most {note_chars} characters), and '
+    '"next", the move the player should make next time, one of: {actions}.'
+)
+NEXT_MOVE = "Next move: "
+DEFAULT_NOTE_CHARS = 80
+
+
+@dataclass(frozen=True)
+class StructuredRewrite:
+    """``memopilot`` over a game's actions: the reply is ``{"note", "next"}`` JSON (see the module docstring)."""
+
+    actions: tuple[str, ...]
+    max_chars: int = DEFAULT_MAX_CHARS
+    max_log_chars: int = DEFAULT_MAX_LOG_CHARS
+    note_chars: int = DEFAULT_NOTE_CHARS
+    name: str = "memopilot"
+    needs_model: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.actions:
+            raise ValueError("a structured memopilot needs at least one action")
+
+    @property
+    def response_schema(self) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {"note": {"type": "string", "maxLength": self.note_chars}, "next": {"type": "string", "enum": list(self.actions)}},
+            "required": ["note", "next"],
+            "additionalProperties": False,
+        }
+
+    def prompt(self, memory: str, interaction: Interaction) -> list[dict[str, str]] | None:
+        system = MEMOPILOT_JSON_SYSTEM.format(note_chars=self.note_chars, actions=", ".join(self.actions))
+        user = MEMOPILOT_USER.format(
+            memory=memory.strip() or "(empty)",
+            transcript=keep_newest(interaction.transcript.strip(), self.max_log_chars),
+            outcome=_outcome_line(interaction),
+        )
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    def apply(self, memory: str, interaction: Interaction, completion: str | None) -> str:
+        try:
+            reply = json.loads(completion or "")
+        except json.JSONDecodeError:
+            return keep_head(memory, self.max_chars)
+        if not isinstance(reply, dict) or reply.get("next") not in self.actions:
+            return keep_head(memory, self.max_chars)
+        note = str(reply.get("note") or "").strip()[: self.note_chars]
+        move = f"{NEXT_MOVE}{reply['next']}"
+        return keep_newest(f"{note}\n{move}" if note else move, self.max_chars)
+
+
+def get_method(
+    name: str, *, max_chars: int = DEFAULT_MAX_CHARS, max_log_chars: int = DEFAULT_MAX_LOG_CHARS, actions: Sequence[str] | None = None
+) -> MemoryMethod:
+    """The memory method called ``name``; ``ValueError`` naming the known ones otherwise.
+
+    ``actions`` (a game's moves) makes ``memopilot`` structured (:class:`StructuredRewrite`); the other
+    methods ignore it.
+    """
     if max_chars < 1:
         raise ValueError(f"max_chars must be at least 1, got {max_chars}")
+    if name == "memopilot" and actions is not None:
+        return StructuredRewrite(tuple(actions), max_chars=max_chars, max_log_chars=max_log_chars)
     if name == "none":
         return NoMemory(max_chars=max_chars)
     if name == "append-all":

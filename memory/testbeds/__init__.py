@@ -71,6 +71,19 @@ def opponents(testbed: str) -> tuple[str, ...]:
     raise ValueError(f"unknown testbed {testbed!r}; known: {', '.join(TESTBEDS)}")
 
 
+def actions(testbed: str) -> tuple[str, ...]:
+    """Every action a player of ``testbed`` can take (what a structured memory may recommend)."""
+    if testbed == "rps":
+        from memory.testbeds.rps import MOVES
+
+        return MOVES
+    if testbed == "holdem":
+        from memory.testbeds.holdem import ACTIONS
+
+        return ACTIONS
+    raise ValueError(f"unknown testbed {testbed!r}; known: {', '.join(TESTBEDS)}")
+
+
 def make_match(testbed: str, opponent: str, seed: int, **options: object) -> Match:
     """A fresh match of ``testbed`` against ``opponent`` (see each testbed's ``make_match`` for options)."""
     if testbed == "rps":

@@ -36,6 +36,7 @@ from pokerkit import Automation, Card, Deck, FixedLimitTexasHoldem, Label, Stand
 
 from memory.testbeds import RoundResult
 
+ACTIONS = ("fold", "check", "call", "raise")  # every action a player can take (legal ones depend on the state)
 OPPONENTS = ("station", "maniac", "rock", "folder", "mix")
 FOLD_P = 0.8
 STACK, SMALL_BLIND, BIG_BLIND, SMALL_BET, BIG_BET = 200, 1, 2, 2, 4

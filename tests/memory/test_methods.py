@@ -91,3 +91,40 @@ def test_rewrite_apply_parses_bounds_and_keeps_old_memory_on_empty(name: str) ->
     long = "line one is here\nline two is here\nline three is here\n"
     assert m.apply("", INTER, f"<memory>{long}</memory>") == "line one is here\nline two is here"
     assert len(m.apply("", INTER, "x" * 100)) == 40
+
+
+# --- structured memopilot (a game's actions given) -------------------------------------------------
+
+
+def test_structured_memopilot_writes_note_and_next_move() -> None:
+    m = get_method("memopilot", max_chars=200, actions=("rock", "paper", "scissors"))
+    assert m.name == "memopilot" and m.needs_model
+    schema = m.response_schema
+    assert schema["properties"]["next"]["enum"] == ["rock", "paper", "scissors"]
+    assert schema["required"] == ["note", "next"] and schema["properties"]["note"]["maxLength"] == 80
+    prompt = m.prompt("old", Interaction("Round 1: you rock, opponent paper -> you lost", "0 won"))
+    assert "rock, paper, scissors" in prompt[0]["content"] and "Round 1: you rock" in prompt[1]["content"]
+    assert m.apply("old", Interaction("x"), '{"note": " loves rock ", "next": "paper"}') == "loves rock\nNext move: paper"
+    assert m.apply("old", Interaction("x"), '{"note": "", "next": "scissors"}') == "Next move: scissors"
+
+
+@pytest.mark.parametrize("completion", [None, "", "not json", '["paper"]', '{"note": "x", "next": "lizard"}', '{"note": "x"}'])
+def test_structured_memopilot_keeps_the_old_memory_on_a_bad_reply(completion: str | None) -> None:
+    m = get_method("memopilot", max_chars=200, actions=("rock", "paper", "scissors"))
+    assert m.apply("the old memory", Interaction("x"), completion) == "the old memory"
+
+
+def test_structured_memory_is_bounded_and_keeps_the_move() -> None:
+    m = get_method("memopilot", max_chars=30, actions=("fold", "call"))
+    out = m.apply("", Interaction("x"), '{"note": "' + "n" * 200 + '", "next": "call"}')
+    assert len(out) == 30 and out.endswith("\nNext move: call")
+
+
+def test_actions_make_only_memopilot_structured() -> None:
+    acts = ("rock", "paper")
+    assert get_method("reflection", actions=acts).response_schema is None
+    assert get_method("append-all", actions=acts).response_schema is None
+    assert get_method("none", actions=acts).response_schema is None
+    assert get_method("memopilot").response_schema is None  # no actions: free text, as served
+    with pytest.raises(ValueError, match="action"):
+        get_method("memopilot", actions=())
