@@ -170,7 +170,11 @@ def test_concurrent_requests_record_exactly_the_expected_turns(rec_server):
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         expected = sum(pool.map(one, range(24)))
-    after = admin(rec_server, "GET", "/admin/stats").json()
+    # async durability: a response is sent once its turns are queued, and the writer commits them within
+    # its 50 ms group-commit window (/admin/stats counts committed turns only), so wait for the last commit
+    deadline = time.monotonic() + 10
+    while (after := admin(rec_server, "GET", "/admin/stats").json())["turns"] - before < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert after["turns"] - before == expected
     assert after["queued"] == 0
 
