@@ -4,8 +4,8 @@
         game = await play_game(client, "rps", "cycle", 0, get_method("reflection"), PlayConfig(player_model="base"))
 
 A game is ``rounds`` rounds split into episodes of ``episode_rounds``; the frozen player
-(``player_model``) gets the game's rules and the current memory in its system prompt, and each
-decision is one ``/v1/chat/completions`` call, so the runtime records every move as a turn. How the
+(``player_model``) gets the game's rules and the current memory, and each decision is one
+``/v1/chat/completions`` call, so the runtime records every move as a turn. How the
 player sees the game (``player_context``):
 
 - ``"state"`` (default): every decision is a fresh two-message request: the rules as system prompt,
