@@ -75,7 +75,13 @@ class TrainerConfig(BaseModel):
             "importance weight, correcting for who sampled it); None = no weight"
         ),
     )
-    estimator: str = Field("grpo", description=f"advantage estimator, one of {', '.join(ESTIMATORS)}")
+    estimator: str = Field(
+        "grpo",
+        description=(
+            f"advantage estimator, one of {', '.join(ESTIMATORS)} (read by the pipeline, learner/update.py, before the step); "
+            "drgrpo also sets agg = seq-mean-token-sum-norm unless agg is given"
+        ),
+    )
     estimator_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the estimator (e.g. eps, gamma)")
     drop_zero_advantage: bool = Field(
         True, description="leave samples whose advantage is exactly 0 out of the forward pass (DAPO-style filter; saves compute)"
@@ -113,6 +119,15 @@ class TrainerConfig(BaseModel):
         if self.behaviour_weight_cap is not None and self.old_logprobs != "recompute":
             raise ValueError("behaviour_weight_cap weighs tokens by pi_old / pi_behaviour: it needs old_logprobs = 'recompute'")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drgrpo_aggregation(cls, data: Any) -> Any:
+        """Dr.GRPO is two changes (algorithms.md 1.5): no std in the advantage *and* the constant-normalised sum; the
+        estimator brings the first, so it also sets the aggregation unless ``agg`` is given explicitly."""
+        if isinstance(data, dict) and data.get("estimator") == "drgrpo" and "agg" not in data:
+            return {**data, "agg": "seq-mean-token-sum-norm"}
+        return data
 
     @model_validator(mode="after")
     def _norm_needs_constant(self) -> TrainerConfig:

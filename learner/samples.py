@@ -102,6 +102,7 @@ class Sample:
     temperature: float  # sampling temperature (the recorded logprobs are of logits / T; 1.0 for greedy)
     created_at: float
     meta: dict[str, Any] = field(default_factory=dict, compare=False)  # the trajectory's meta (agent, task_key, ...)
+    grammar: dict[str, str] | None = None  # the decoding constraint {"kind", "spec"} the engine masked with; None = free
 
     @property
     def n_tokens(self) -> int:

@@ -61,6 +61,7 @@ from learner.rerollout import (
 )
 from learner.samples import Cursor, Sample, SkipCounts, collect_samples, trajectory_samples
 from learner.store import SqliteStore, db_path
+from learner.update import estimate
 
 log = structlog.get_logger(__name__)
 
@@ -266,7 +267,7 @@ class LearnerService:
         rr = self.cfg.settings.rerollouts
         estimator = self.cfg.settings.trainer.estimator
         if not samples or not rr.enabled or self.cfg.agent is None or estimator not in ("rtpo", "tcpo"):
-            return trainer.step(samples, skipped=skipped), None
+            return trainer.step(samples, estimate(samples, estimator, self.cfg.settings.trainer.estimator_params), skipped=skipped), None
         runner = BranchRunner(self.cfg.admin_url, self._v1_key, agent=self.cfg.agent, store=self.store, concurrency=rr.concurrency)
         if estimator == "rtpo":
             return self._rtpo_sweep(trainer, runner, samples, skipped)
@@ -311,7 +312,7 @@ class LearnerService:
                     siblings += [s for s in got if s.turn_index == r.point.turn]
             chosen = [s for s in samples if s.turn_index in bucket] + siblings
             info["siblings"] += len(siblings)
-            m = trainer.step(chosen, skipped=skipped if k == 0 else {})
+            m = trainer.step(chosen, estimate(chosen, "rtpo", self.cfg.settings.trainer.estimator_params), skipped=skipped if k == 0 else {})
             info["buckets"].append({"turns": bucket, "samples": len(chosen), "siblings": len(siblings), "optimizer_step": m.optimizer_step})
             merged = _merge_metrics(merged, m)
             if rr.refresh and m.optimizer_step and points and k + 1 < len(buckets) and any(p.turn in b for b in buckets[k + 1 :] for p in plan):
@@ -352,7 +353,7 @@ class LearnerService:
         }
         log.info("tcpo counterfactuals", **info)
         params = {**self.cfg.settings.trainer.estimator_params, "counterfactual_scores": scores}
-        return trainer.step(samples, skipped=skipped, estimator_params=params), info
+        return trainer.step(samples, estimate(samples, "tcpo", params), skipped=skipped), info
 
     def _rollout_model(self) -> str:
         """The newest policy the runtime can serve: the family's newest published version (loaded if it is not), else the base model."""

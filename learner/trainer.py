@@ -2,22 +2,28 @@
 
     trainer = LoRATrainer(base_model_dir, TrainerConfig(), LoRAConfig(), version=current_version)
     trainer.load_checkpoint(ckpt_root)              # resume if a complete checkpoint exists
-    metrics = trainer.step(batch.samples, skipped=batch.counts.as_dict())
+    adv = learner.update.estimate(batch.samples, "grpo")   # the estimator stage, before the trainer
+    metrics = trainer.step(batch.samples, adv, skipped=batch.counts.as_dict())
     trainer.cursor = batch.cursor.to_dict()
     trainer.save_checkpoint(ckpt_root)
     publish_adapter(trainer.model, adapter_root, family, trainer.version)   # learner.publish
 
-One ``step`` is one update: ``epochs`` optimizer steps over the same batch (PPO epochs; TRL's
-``num_iterations``, verl's ``ppo_epochs``), each as follows (algorithms.md 1.1-1.4 with 1.8's per-turn layout):
-1. advantages: ``learner.advantages.compute_advantages(cfg.estimator, turn_samples, **cfg.estimator_params)``,
-   one per sample (turn); samples with advantage exactly 0 are left out of the forward pass when
-   ``drop_zero_advantage`` (DAPO's filter). If no sample has a non-zero advantage (zero-variance groups),
-   the optimizer step is skipped but ``version`` still advances (STYLE.md 9.8.4).
+The trainer is the loss → step part of the learner's pipeline (``learner/update.py``): it gets the samples
+and one advantage per sample, and computes nothing about rewards itself. One ``step`` is one update:
+``epochs`` optimizer steps over the same batch (PPO epochs; TRL's ``num_iterations``, verl's
+``ppo_epochs``), each as follows (algorithms.md 1.1-1.4 with 1.8's per-turn layout):
+1. samples with advantage exactly 0 are left out of the forward pass when ``drop_zero_advantage`` and
+   ``kl_coef == 0`` (DAPO's filter; with a KL term they still carry its gradient). If no sample has a
+   non-zero advantage (zero-variance groups), the optimizer step is skipped but ``version`` still
+   advances (STYLE.md 9.8.4).
 2. micro-batches bounded by ``micro_batch_tokens`` padded tokens; each is one teacher-forced forward
    pass over ``context_ids + output_ids`` (left-padded, explicit position ids), keeping only the logits
    that predict the output tokens: the logit at position ``p`` predicts the token at ``p + 1``, so the
    output token at position ``len(context) + j`` is scored by the logit at ``len(context) + j - 1``.
-   Logits are divided by the sample's sampling temperature, as the engine did for its logprobs.
+   Logits are divided by the sample's sampling temperature, as the engine did for its logprobs, and a
+   turn decoded under a grammar (``Sample.grammar``) gets the same mask the engine applied
+   (``learner.grammar_mask``), so its trained and behaviour logprobs are one distribution (a turn whose
+   grammar does not replay over its output is left out, counted as ``grammar_mismatch``).
    The PPO ratio's old policy is fixed in the first epoch: the recorded behaviour logprobs
    (``old_logprobs="behaviour"``), or the trainer's own logprobs before any step of this update
    (``"recompute"``, verl's recomputed ``old_log_prob``): turns sampled by an older version, such as an A/B
@@ -43,10 +49,11 @@ load; ``load_checkpoint`` takes the newest ``ckpt-*`` whose ``state.json`` hashe
 is logged and skipped), so a resumed learner continues from exactly the state it saved. A learner
 loop should checkpoint *before* it publishes ``family@version`` and, after a resume, publish the
 checkpoint's version if it is not published yet: the other order could publish one version twice
-with different weights.
+with different weights. A checkpoint records its LoRA config; resuming one whose shape differs from
+the configured one rebuilds the adapter in the checkpoint's shape (logged), never loads it mis-scaled.
 
-Not here: choosing samples (``learner.samples``), estimators and losses (``learner.advantages``,
-``learner.losses``), publishing (``learner.publish``), scheduling updates, multi-GPU training.
+Not here: choosing samples (``learner.samples``), advantages (``learner.advantages``, called by
+``learner.update``), the loss formulas (``learner.losses``), publishing (``learner.publish``), scheduling updates, multi-GPU training.
 """
 
 from __future__ import annotations
@@ -73,10 +80,10 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from learner._files import fsync_path, sha256_file, writer_alive
-from learner.advantages import compute_advantages
 from learner.config import LoRAConfig, TrainerConfig
+from learner.grammar_mask import GrammarMasks, GrammarReplayError, unpack_bitmask
 from learner.losses import LossConfig, policy_loss
-from learner.samples import Sample, make_groups, to_turn_samples
+from learner.samples import Sample, make_groups
 
 log = structlog.get_logger(__name__)
 
@@ -155,13 +162,40 @@ class LoRATrainer:
     """A peft LoRA on a base causal LM, its AdamW optimizer and scheduler, the version counter and the data cursor."""
 
     def __init__(self, base_model: Path, cfg: TrainerConfig, lora: LoRAConfig, *, version: int = 0) -> None:
-        self.cfg, self.lora_cfg = cfg, lora
+        self.cfg = cfg
+        self.base_model_dir = Path(base_model)
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)  # process-wide: the learner runs in its own process
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
         self._seed_everything(cfg.seed)
         base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=self.dtype)
+        eos = base.generation_config.eos_token_id if base.generation_config is not None else None
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
+        self.vocab_size = int(base.config.vocab_size)
+        self._masks: GrammarMasks | None = None  # built on the first grammar-constrained sample
+        self._bits_cache: dict[str, torch.Tensor] = {}  # turn id → its replayed grammar bitmask (T, V/32)
+        self._build(base, lora)
+        self.loss_cfg = LossConfig(
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip_c=cfg.dual_clip_c,
+            kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            agg=cfg.agg,
+            max_tokens=cfg.max_tokens,
+        )
+        self.version = version
+        self.optimizer_steps = 0
+        self.cursor: dict[str, Any] = {}
+        log.info(
+            "trainer ready", base=str(base_model), device=str(self.device), dtype=str(self.dtype), lora_params=sum(p.numel() for p in self.params)
+        )
+
+    def _build(self, base: torch.nn.Module, lora: LoRAConfig) -> None:
+        """Wrap ``base`` in a fresh LoRA of shape ``lora`` and make its optimizer and scheduler."""
+        cfg = self.cfg
+        self.lora_cfg = lora
         peft_cfg = PeftLoraConfig(
             r=lora.rank,
             lora_alpha=lora.alpha,
@@ -178,21 +212,6 @@ class LoRATrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         warm = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
-        self.loss_cfg = LossConfig(
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            dual_clip_c=cfg.dual_clip_c,
-            kl_coef=cfg.kl_coef,
-            kl_estimator=cfg.kl_estimator,
-            agg=cfg.agg,
-            max_tokens=cfg.max_tokens,
-        )
-        self.version = version
-        self.optimizer_steps = 0
-        self.cursor: dict[str, Any] = {}
-        log.info(
-            "trainer ready", base=str(base_model), device=str(self.device), dtype=str(self.dtype), lora_params=sum(p.numel() for p in self.params)
-        )
 
     @staticmethod
     def _seed_everything(seed: int) -> None:
@@ -224,7 +243,36 @@ class LoRATrainer:
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L): each row starts at position 0 after its padding
         temps = torch.tensor([s.temperature for s in mb], dtype=torch.float32)  # (B,)
         out = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, mask=mask, old=old, has_old=has_old, temps=temps)
+        if any(s.grammar for s in mb):
+            allowed = torch.ones(rows, t_out, self.vocab_size, dtype=torch.bool)  # (B, T, V); padding columns stay unmasked
+            for i, s in enumerate(mb):
+                if s.grammar:
+                    allowed[i, t_out - len(s.output_ids) :] = unpack_bitmask(self._grammar_bits(s), self.vocab_size)
+            out["allowed"] = allowed
         return {k: v.to(self.device) for k, v in out.items()}
+
+    def _grammar_bits(self, s: Sample) -> torch.Tensor:
+        """The recorded constraint of ``s`` replayed over its output ids (learner.grammar_mask), cached per turn."""
+        if self._masks is None:
+            self._masks = GrammarMasks(self.base_model_dir, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
+        cached = self._bits_cache.get(s.turn_id)
+        if cached is None:
+            assert s.grammar is not None
+            cached = self._bits_cache[s.turn_id] = self._masks.bitmask(s.grammar, s.output_ids)
+        return cached
+
+    def replayable(self, samples: Sequence[Sample]) -> list[int]:
+        """Indices of ``samples`` that can be scored exactly: unconstrained, or constrained with a grammar that replays over the output."""
+        keep: list[int] = []
+        for i, s in enumerate(samples):
+            if s.grammar:
+                try:
+                    self._grammar_bits(s)
+                except GrammarReplayError as exc:
+                    log.warning("constrained turn left out: its recorded grammar does not replay", turn=s.turn_id, error=str(exc))
+                    continue
+            keep.append(i)
+        return keep
 
     def _logprobs(self, t: Mapping[str, torch.Tensor], *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs of the output tokens (B, T) under the current model (adapter state as set by the caller)."""
@@ -234,6 +282,9 @@ class LoRATrainer:
         )
         # out.logits: (B, T+1, V) for positions L-T-1 .. L-1; the last one predicts past the end → drop it
         logits = out.logits[:, :-1, :].float() / t["temps"][:, None, None]  # (B, T, V)
+        allowed = t.get("allowed")
+        if allowed is not None:  # the recorded grammar's mask, as the engine applied it before its logprobs
+            logits = logits.masked_fill(~allowed[..., : logits.shape[-1]], float("-inf"))
         targets = t["input_ids"][:, -t_out:]  # (B, T): the tokens those logits predict
         lse = torch.logsumexp(logits, dim=-1)  # (B, T)
         logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse  # (B, T)
@@ -241,7 +292,7 @@ class LoRATrainer:
         if entropy:
             with torch.no_grad():
                 probs = torch.softmax(logits, dim=-1)  # (B, T, V)
-                ent = lse - (probs * logits).sum(-1)  # (B, T)
+                ent = lse - (probs * torch.nan_to_num(logits, neginf=0.0)).sum(-1)  # (B, T); masked tokens have p = 0
         return logp, ent
 
     @torch.no_grad()
@@ -263,34 +314,39 @@ class LoRATrainer:
 
     # -- one update -------------------------------------------------------------------------------
 
-    def step(
-        self, samples: Sequence[Sample], skipped: Mapping[str, int] | None = None, *, estimator_params: Mapping[str, Any] | None = None
-    ) -> StepMetrics:
-        """One optimizer update on ``samples`` (see the module docstring); always advances ``version`` by one.
+    def step(self, samples: Sequence[Sample], advantages: Sequence[float], skipped: Mapping[str, int] | None = None) -> StepMetrics:
+        """One optimizer update of ``samples`` with one advantage per sample (same order); always advances ``version`` by one.
 
-        ``estimator_params`` replaces the configured ones for this step (e.g. TCPO's counterfactual scores)."""
+        The advantages come from the estimator stage (``learner.update.estimate``); a
+        ``learner.advantages.Advantages`` also carries the estimator's stats (excluded samples, zero-spread
+        groups), which the metrics report. Samples with advantage exactly 0 are left out of the forward pass
+        when ``drop_zero_advantage`` and there is no KL term (with ``kl_coef > 0`` they still pull toward the
+        base model, so they stay). Constrained turns whose recorded grammar does not replay are left out."""
         t0 = time.perf_counter()
-        params = self.cfg.estimator_params if estimator_params is None else estimator_params
-        advantages = compute_advantages(self.cfg.estimator, to_turn_samples(samples), **params) if samples else []
-        if len(advantages) != len(samples) or not all(np.isfinite(advantages)):
-            raise ValueError(f"estimator {self.cfg.estimator!r} returned {len(advantages)} advantages for {len(samples)} samples, or non-finite ones")
+        if len(advantages) != len(samples) or not all(math.isfinite(a) for a in advantages):
+            raise ValueError(f"step needs one finite advantage per sample: got {len(advantages)} for {len(samples)} samples, or non-finite ones")
         m = StepMetrics(version=self.version, optimizer_step=False, samples=len(samples), trained_samples=0, tokens=0, skipped=dict(skipped or {}))
         self._reward_stats(samples, advantages, m)
         est_stats = getattr(advantages, "stats", None)  # learner.advantages.Advantages carries the estimator's own view
         if est_stats is not None:
             m.frac_reward_zero_std = float(est_stats.frac_reward_zero_std)  # same zero-std tolerance as the advantages
             m.skipped["excluded_by_estimator"] = int(est_stats.n_excluded)
-        keep = [i for i, a in enumerate(advantages) if a != 0.0 or not self.cfg.drop_zero_advantage]
-        m.skipped["zero_advantage"] = len(samples) - len(keep) if self.cfg.drop_zero_advantage else 0
+        drop_zero = self.cfg.drop_zero_advantage and self.cfg.kl_coef == 0
+        keep = [i for i, a in enumerate(advantages) if a != 0.0 or not drop_zero]
+        m.skipped["zero_advantage"] = len(samples) - len(keep)
         if m.frac_reward_zero_std == 1.0:
             log.warning("frac_reward_zero_std == 1: every group has equal rewards, so nothing is learned (harder tasks, bigger groups?)")
-        if not any(a != 0.0 for a in advantages):
+        replays = self.replayable([samples[i] for i in keep])
+        if len(replays) < len(keep):
+            m.skipped["grammar_mismatch"] = len(keep) - len(replays)
+        keep = [keep[j] for j in replays]
+        chosen, adv = [samples[i] for i in keep], [float(advantages[i]) for i in keep]
+        if not any(a != 0.0 for a in adv):
             self.version += 1
             m.version, m.step_s = self.version, time.perf_counter() - t0
             log.warning("all advantages are zero (zero-variance groups): optimizer step skipped", version=self.version, samples=len(samples))
+            self._bits_cache.clear()
             return m
-        chosen = [samples[i] for i in keep]
-        adv = [advantages[i] for i in keep]
         m.trained_samples = len(chosen)
         m.tokens = total_tokens = sum(s.n_tokens for s in chosen)
         self.model.train()
@@ -302,6 +358,7 @@ class LoRATrainer:
             label = f"v{self.version + 1}" + (f" epoch {epoch + 1}/{self.cfg.epochs}" if self.cfg.epochs > 1 else "")
             sums, entropy_sum, epoch_tokens = self._optimizer_step(chosen, adv, batches, total_tokens, label, m, olds, weights)
             seen_tokens += epoch_tokens
+        self._bits_cache.clear()
         self.version += 1
         m.optimizer_step, m.version = True, self.version
         m.loss_stats = {k: v / max(total_tokens, 1) for k, v in sums.items()}
@@ -454,6 +511,16 @@ class LoRATrainer:
             except CheckpointError as exc:
                 log.error("skipping a damaged checkpoint", path=str(folder), error=str(exc))
                 continue
+            saved_lora = meta.get("lora")
+            if saved_lora is not None and LoRAConfig.model_validate(saved_lora) != self.lora_cfg:
+                # the checkpoint's adapter is the one being trained: rebuild its shape (rank, alpha, targets) rather
+                # than load its weights into a differently shaped or scaled LoRA
+                log.warning(
+                    "the checkpoint's LoRA config differs from the configured one; resuming with the checkpoint's",
+                    saved=saved_lora,
+                    configured=self.lora_cfg.model_dump(),
+                )
+                self._build(self.model.unload(), LoRAConfig.model_validate(saved_lora))
             set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in load_file(str(folder / LORA_FILE)).items()})
             # on CPU: RNG states must stay there; load_state_dict moves optimizer state to each parameter's device
             state = torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")

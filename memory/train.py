@@ -17,9 +17,9 @@ One iteration (algorithms.md section 10, [RECON] reading):
 3. **Advantages.** ``turn_grpo`` with ``source="reward"``: normalised per (opponent, seed, turn index)
    across the G rollouts, whatever memory each rollout had (context-independent turn-level advantage).
 4. **Update.** The exact recorded copilot turns (context ids, output ids, behaviour logprobs, loss
-   mask, read back with ``GET /admin/trajectories/{id}``) are one ``LoRATrainer.step``; the adapter is
-   checkpointed, published as ``memopilot@N+1`` (``learner.publish.publish_adapter``) and loaded into
-   the server (``RuntimeAdmin.load``), so the next iteration samples from it.
+   mask and the JSON grammar they were decoded under, read back with ``GET /admin/trajectories/{id}``)
+   go through the learner's one update pipeline (``learner.update``: advantages → ``LoRATrainer.step`` →
+   checkpoint → publish ``memopilot@N+1`` → load into the server), so the next iteration samples from it.
 
 ``--spawn`` starts a private server with ``--adapter-root``; with ``--url`` the server must have been
 started with that adapter root and ``--admin-key``, and ``--model`` must name its base model folder
@@ -238,7 +238,8 @@ def _trainer(args: argparse.Namespace, ckpt: Path) -> Any:
 def _iteration(
     args: argparse.Namespace, url: str, headers: dict[str, str], player: str, opps: Sequence[str], trainer: Any, ckpt: Path, it: int
 ) -> dict[str, Any]:
-    from learner.publish import RuntimeAdmin, publish_adapter
+    from learner.publish import RuntimeAdmin
+    from learner.update import checkpoint_and_publish, update
 
     t0 = time.perf_counter()
     version = trainer.version
@@ -272,11 +273,10 @@ def _iteration(
     admin_headers = {**headers, "Authorization": f"Bearer {args.admin_key}"}
     with httpx.Client(base_url=url, headers=admin_headers, timeout=60) as c:
         samples = fetch_samples(c, turns, args.testbed)
-    metrics = trainer.step(samples)
-    trainer.save_checkpoint(ckpt)  # before publishing (learner.trainer: never publish one version twice)
-    published = publish_adapter(trainer.model, args.adapter_root, FAMILY, trainer.version, meta={"testbed": args.testbed, "samples": len(samples)})
-    with RuntimeAdmin(url, args.admin_key) as admin:
-        admin.load(published.path, FAMILY, published.version, sha256=published.manifest_sha256)
+    metrics, _ = update(trainer, samples)  # the learner's pipeline: turn_grpo advantages → loss → step
+    with RuntimeAdmin(url, args.admin_key) as admin:  # checkpoint first, then publish + load (learner.update)
+        meta = {"testbed": args.testbed, "samples": len(samples)}
+        published = checkpoint_and_publish(trainer, ckpt, args.adapter_root, FAMILY, meta=meta, admin=admin)
     rewards = [t.reward for t in turns]
     return {
         "iteration": it,

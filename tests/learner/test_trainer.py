@@ -20,9 +20,15 @@ import torch
 from learner.config import LoRAConfig, TrainerConfig
 from learner.samples import Sample
 from learner.trainer import LORA_FILE, LoRATrainer, iter_lora_parameters, list_checkpoints, plan_micro_batches, read_checkpoint_meta
+from learner.update import update
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def step(trainer: LoRATrainer, samples: list[Sample]):
+    """The learner's pipeline on ``samples``: the configured estimator's advantages, then one trainer step."""
+    return update(trainer, samples)[0]
 
 
 def cfg(**kw) -> TrainerConfig:
@@ -81,7 +87,7 @@ def test_one_step_moves_lora_only(model_path: Path) -> None:
     lora_names = {n for n, _ in iter_lora_parameters(tr.model)}
     assert lora_names and all(("lora_A" in n) or ("lora_B" in n) for n in lora_names)
     assert {n for n, p in tr.model.named_parameters() if p.requires_grad} == lora_names
-    m = tr.step(make_samples(1))
+    m = step(tr, make_samples(1))
     assert m.optimizer_step and m.version == 1 and m.trained_samples == 4
     after = snapshot(tr)
     changed = {n for n in before if not torch.equal(before[n], after[n])}
@@ -89,7 +95,7 @@ def test_one_step_moves_lora_only(model_path: Path) -> None:
     assert changed <= lora_names, f"base parameters moved: {sorted(changed - lora_names)[:5]}"
     # LoRA starts with B = 0, so dL/dA = s·Bᵀ(dL/dy)xᵀ is exactly 0 on the first step: every B moves, no A can
     assert {n for n in lora_names if "lora_B" in n} == changed
-    tr.step(make_samples(2))
+    step(tr, make_samples(2))
     final = snapshot(tr)
     assert {n for n in lora_names if not torch.equal(before[n], final[n])} == lora_names  # every LoRA parameter moved
     assert all(torch.equal(before[n], final[n]) for n in before if n not in lora_names)
@@ -135,12 +141,12 @@ def test_logprobs_match_generation_and_base_for_a_fresh_adapter(model_path: Path
 def test_zero_variance_batch_skips_the_optimizer_but_advances_the_version(model_path: Path) -> None:
     tr = LoRATrainer(model_path, cfg(), LORA, version=5)
     before = snapshot(tr)
-    m = tr.step(make_samples(3, rewards=[1.0, 1.0, 0.0, 0.0]))  # each group has equal rewards
+    m = step(tr, make_samples(3, rewards=[1.0, 1.0, 0.0, 0.0]))  # each group has equal rewards
     assert (m.optimizer_step, m.version, tr.version, tr.optimizer_steps) == (False, 6, 6, 0)
     assert m.frac_reward_zero_std == 1.0 and m.trained_samples == 0 and m.skipped["zero_advantage"] == 4
     assert all(torch.equal(before[n], p) for n, p in tr.model.named_parameters())
     assert tr.optimizer.state_dict()["state"] == {}  # AdamW never stepped
-    empty = tr.step([])
+    empty = step(tr, [])
     assert (empty.optimizer_step, empty.version) == (False, 7)
 
 
@@ -149,7 +155,7 @@ def test_micro_batching_and_activation_checkpointing_give_the_same_update(model_
     results = []
     for tokens, ckpt in ((4096, False), (64, False), (64, True)):
         tr = LoRATrainer(model_path, cfg(micro_batch_tokens=tokens, activation_checkpointing=ckpt), LORA)
-        m = tr.step(samples)
+        m = step(tr, samples)
         results.append((m, tr.lora_state()))
     (m_big, w_big), *others = results
     assert len(plan_micro_batches([len(s.context_ids) + len(s.output_ids) for s in samples], 64)) > 1
@@ -163,9 +169,9 @@ def test_micro_batching_and_activation_checkpointing_give_the_same_update(model_
 def test_epochs_take_several_optimizer_steps_on_one_batch_against_the_first_old_logprobs(model_path: Path) -> None:
     samples = make_samples(7, n_groups=2, per_group=2)
     one = LoRATrainer(model_path, cfg(lr=0.05), LORA)
-    m1 = one.step(samples)
+    m1 = step(one, samples)
     three = LoRATrainer(model_path, cfg(lr=0.05, epochs=3, micro_batch_tokens=64), LORA)
-    m3 = three.step(samples)
+    m3 = step(three, samples)
     assert (m3.version, three.version, three.optimizer_steps) == (1, 1, 3)  # one published version, three AdamW steps
     assert (m1.version, one.optimizer_steps) == (1, 1)
     assert m1.clip_frac == 0.0  # the first pass is its own old policy: ratio 1
@@ -183,16 +189,16 @@ def test_recomputed_old_logprobs_keep_stale_turns_from_being_clipped_away(model_
     fresh = make_samples(11, n_groups=2, per_group=2)
     own = LoRATrainer(model_path, cfg(), LORA).token_logprobs(fresh)
     stale = [replace(s, logprobs=[x - 2.0 for x in lp]) for s, lp in zip(fresh, own, strict=True)]
-    behaviour = LoRATrainer(model_path, cfg(), LORA).step(stale)
+    behaviour = step(LoRATrainer(model_path, cfg(), LORA), stale)
     assert behaviour.clip_frac > 0.4  # ratio e^2 > 1.2 on every token; only the negative-advantage ones are unclipped
     plain = LoRATrainer(model_path, cfg(), LORA)
-    m_plain = plain.step(fresh)
+    m_plain = step(plain, fresh)
     recompute = LoRATrainer(model_path, cfg(old_logprobs="recompute"), LORA)
-    m_re = recompute.step(stale)
+    m_re = step(recompute, stale)
     assert m_re.clip_frac == 0.0 and m_re.loss == pytest.approx(m_plain.loss, abs=1e-7)
     for k, w in plain.lora_state().items():
         torch.testing.assert_close(recompute.lora_state()[k], w)  # the same update as on-policy turns
-    capped = LoRATrainer(model_path, cfg(old_logprobs="recompute", behaviour_weight_cap=3.0), LORA).step(stale)
+    capped = step(LoRATrainer(model_path, cfg(old_logprobs="recompute", behaviour_weight_cap=3.0), LORA), stale)
     assert capped.loss == pytest.approx(3.0 * m_plain.loss, rel=1e-5)  # every weight e^2 = 7.4, capped at 3
     with pytest.raises(ValueError, match="needs old_logprobs"):
         cfg(behaviour_weight_cap=2.0)
@@ -203,7 +209,7 @@ def test_reward_stats_are_per_trajectory_outcomes_not_turn_process_scores(model_
     samples = make_samples(8, rewards=[1.0, 0.0, 1.0, 1.0])
     samples = [replace(s, reward=0.0) for s in samples]  # a task's per-turn process scores, all 0 here
     samples.append(replace(samples[0], turn_id="t-extra", turn_index=1))  # a second turn of trajectory 0 counts once
-    m = tr.step(samples)
+    m = step(tr, samples)
     assert m.reward_mean == pytest.approx(0.75) and m.reward_std == pytest.approx(0.4330127, rel=1e-6)
 
 
@@ -218,16 +224,52 @@ def test_plan_micro_batches_bounds_padded_tokens() -> None:
 
 def test_kl_to_the_base_uses_the_disabled_adapter(model_path: Path) -> None:
     tr = LoRATrainer(model_path, cfg(kl_coef=0.1), LORA)
-    first = tr.step(make_samples(5))
+    first = step(tr, make_samples(5))
     assert first.kl == pytest.approx(0.0, abs=1e-9)  # B = 0: policy == base
-    second = tr.step(make_samples(6))
+    second = step(tr, make_samples(6))
     assert second.kl > 0 and "kl_loss" in second.loss_stats
+
+
+def test_zero_advantage_samples_stay_in_the_kl_term(model_path: Path) -> None:
+    # group 0 has equal rewards (advantage 0), group 1 has spread: with a KL term the zero-advantage samples still
+    # carry its gradient (they pull toward the base), so they are not filtered out of the forward pass
+    samples = make_samples(7, rewards=[1.0, 1.0, 0.0, 1.0])
+    with_kl = step(LoRATrainer(model_path, cfg(kl_coef=0.1), LORA), samples)
+    assert with_kl.trained_samples == 4 and with_kl.skipped["zero_advantage"] == 0
+    without = step(LoRATrainer(model_path, cfg(), LORA), samples)
+    assert without.trained_samples == 2 and without.skipped["zero_advantage"] == 2
+
+
+def test_drgrpo_sets_its_constant_normalised_aggregation() -> None:
+    # Dr.GRPO is the std-free advantage *and* seq-mean-token-sum-norm (algorithms.md 1.5)
+    assert TrainerConfig(estimator="drgrpo", max_tokens=128).agg == "seq-mean-token-sum-norm"
+    assert TrainerConfig(estimator="drgrpo", agg="token-mean").agg == "token-mean"  # an explicit choice stays
+    assert TrainerConfig(estimator="grpo").agg == "token-mean"
+    with pytest.raises(ValueError, match="max_tokens"):
+        TrainerConfig(estimator="drgrpo")  # the constant L must be given
+
+
+def test_resume_uses_the_checkpoints_lora_shape(model_path: Path, tmp_path: Path) -> None:
+    tr = LoRATrainer(model_path, cfg(), LORA)
+    step(tr, make_samples(21))
+    step(tr, make_samples(22))  # B != 0 now, so alpha / rank scales the output
+    tr.save_checkpoint(tmp_path)
+    probe = make_samples(23)
+    want = tr.token_logprobs(probe)
+    # configured with another alpha (and rank): the saved adapter is resumed as it was trained, not re-scaled
+    other = LoRATrainer(model_path, cfg(), LoRAConfig(rank=8, alpha=64.0, target_modules=LORA.target_modules))
+    other.load_checkpoint(tmp_path)
+    assert other.lora_cfg == LORA and other.version == 2
+    got = other.token_logprobs(probe)
+    for a, b in zip(got, want, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    step(other, make_samples(24))  # and it trains on: optimizer rebuilt for the checkpoint's parameters
 
 
 def test_checkpoint_round_trip_and_damaged_checkpoint_skipped(model_path: Path, tmp_path: Path) -> None:
     tr = LoRATrainer(model_path, cfg(keep_checkpoints=3), LORA)
     for i in range(2):
-        tr.step(make_samples(10 + i))
+        step(tr, make_samples(10 + i))
         tr.cursor = {"since": 100.0 + i}
         tr.save_checkpoint(tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000001", "ckpt-00000002"]
@@ -277,7 +319,7 @@ def learn(model: Path, ckpt: Path, adapters: Path, steps: int, hang_at: int = 0)
         while tr.version < steps:
             i = int(tr.cursor.get("since", 0))
             print("STEP", tr.version + 1, flush=True)
-            tr.step(make_samples(100 + i))
+            step(tr, make_samples(100 + i))
             tr.cursor = {"since": float(i + 1)}
             tr.save_checkpoint(ckpt)
             publish_adapter(tr.model, adapters, "fam", tr.version)
@@ -346,7 +388,7 @@ def test_learner_killed_mid_update_resumes_exactly(model_path: Path, tmp_path: P
     # an uninterrupted run in this process ends in the same weights and optimizer state
     ref = LoRATrainer(model_path, cfg(keep_checkpoints=2), LORA)
     for i in range(steps):
-        ref.step(make_samples(100 + i))
+        step(ref, make_samples(100 + i))
     reloaded = LoRATrainer(model_path, cfg(), LORA)
     reloaded.load_checkpoint(ckpt)
     assert reloaded.version == steps and resumed.cursor == {"since": float(steps)}
