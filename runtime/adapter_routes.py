@@ -188,7 +188,9 @@ def install_adapter_routes(
     async def list_experiments(request: Request) -> dict[str, Any]:
         check_admin_key(request, admin_key)
         exps = need_experiments()
-        return {"object": "list", "data": [{"name": n, "family": c.family, "status": exps.states[n]["status"]} for n, c in exps.configs.items()]}
+        keys = ("status", "champion", "winner", "started_at")
+        rows = [{"name": n, "family": c.family, **{k: exps.states[n].get(k) for k in keys}} for n, c in exps.configs.items()]
+        return {"object": "list", "data": rows}
 
     @app.get("/admin/experiments/{name}")
     async def experiment_status(request: Request, name: str) -> dict[str, Any]:

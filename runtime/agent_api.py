@@ -17,6 +17,7 @@ Not here: the agent loop, stop policies or tools (``agents/``, ``tools/``).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,6 +26,7 @@ from learner.records import Reward, Turn
 from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, parse_model_name
 from runtime.chat_format import ChatFormatter, RenderedPrompt
 from runtime.engine import Engine, GenerateRequest, GenerateResult, SamplingParams, StreamChunk
+from runtime.metrics import Metrics
 from runtime.recorder import ANONYMOUS, Recorder
 from runtime.tool_parsers import ParseResult, get_parser
 
@@ -105,8 +107,10 @@ class LocalRuntimeClient:
         recorder: Recorder | None,
         model_id: str,
         route: Callable[[str, str], AdapterRef | None] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics  # per-adapter requests, tokens and latency of agent model calls, as for chat requests
         self.route = route  # the app's model → version routing (A/B arms, session pins); raises AdapterNotFound
         self.formatter = formatter
         self.registry = registry
@@ -146,11 +150,30 @@ class LocalRuntimeClient:
 
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, adapter: str | None, request_id: str) -> GenerateResult:
         """One generation on ``adapter``, a version the caller holds a lease on (None = the base)."""
-        return await self.engine.generate(GenerateRequest(request_id=request_id, input_ids=tuple(input_ids), sampling=sampling, adapter=adapter))
+        t0 = time.perf_counter()
+        result = await self.engine.generate(GenerateRequest(request_id=request_id, input_ids=tuple(input_ids), sampling=sampling, adapter=adapter))
+        self._count(adapter, len(result.output_ids), t0)
+        return result
 
-    def stream(self, input_ids: Sequence[int], sampling: SamplingParams, adapter: str | None, request_id: str) -> AsyncIterator[StreamChunk]:
+    async def stream(self, input_ids: Sequence[int], sampling: SamplingParams, adapter: str | None, request_id: str) -> AsyncIterator[StreamChunk]:
         """Token chunks of one generation on a leased ``adapter``; closing the iterator cancels it."""
-        return self.engine.stream(GenerateRequest(request_id=request_id, input_ids=tuple(input_ids), sampling=sampling, adapter=adapter))
+        t0, n = time.perf_counter(), 0
+        chunks = self.engine.stream(GenerateRequest(request_id=request_id, input_ids=tuple(input_ids), sampling=sampling, adapter=adapter))
+        try:
+            async for chunk in chunks:
+                n += len(chunk.token_ids)
+                yield chunk
+        finally:
+            if (aclose := getattr(chunks, "aclose", None)) is not None:
+                await aclose()  # cancels the generation when the caller stopped early
+            self._count(adapter, n, t0)
+
+    def _count(self, adapter: str | None, tokens: int, t0: float) -> None:
+        if self.metrics is not None:
+            label = adapter or "base"
+            self.metrics.adapter_requests.labels(label).inc()
+            self.metrics.adapter_tokens.labels(label).inc(tokens)
+            self.metrics.adapter_latency.labels(label).observe(time.perf_counter() - t0)
 
     async def record(self, turns: list[Turn]) -> None:
         if self.recorder is not None and turns:

@@ -4,7 +4,9 @@
 (no module globals); the lifespan starts and stops the engine. Routes:
 
 - ``POST /v1/chat/completions`` (``serving_chat``), ``GET /v1/models``, ``GET /v1/models/{id}``
-- ``GET /health`` (a one-token generate), ``GET /ready``, ``GET /metrics`` (Prometheus)
+- ``GET /health`` (a one-token generate), ``GET /ready``, ``GET /metrics`` (Prometheus; the ``endpoint``
+  label is the route's template, so ids in paths never grow the label set)
+- ``GET /admin/traffic`` (``runtime/traffic.py``)
 
 Every error leaves as OpenAI's envelope (``runtime/errors.py``): validation failures are 400 with
 ``param`` (never FastAPI's 422), a bad or missing key 401, an unknown model 404, an oversized body 413,
@@ -32,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.adapter_routes import evaluate_forever, install_adapter_routes
@@ -51,6 +54,7 @@ from runtime.recorder import ANONYMOUS, Recorder
 from runtime.serving_chat import ChatService
 from runtime.settings import AdapterSettings, EngineSettings, RecorderSettings, ServerSettings
 from runtime.store_routes import install_store_routes, prune_forever, session_of
+from runtime.traffic import TrafficHistory, install_traffic_routes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,8 +93,8 @@ def create_app(
         formatter = ChatFormatter(tokenizer, model_type=model_type, parser=server.tool_call_parser)
         app.state.chat = ChatService(engine, formatter, model_id, engine_settings.default_max_tokens, metrics, recorder=recorder)
         if agents is not None:
-            agents.bind(LocalRuntimeClient(engine, formatter, registry, recorder, model_id, route=_route))
-        background: list[asyncio.Task[None]] = []
+            agents.bind(LocalRuntimeClient(engine, formatter, registry, recorder, model_id, route=_route, metrics=metrics))
+        background: list[asyncio.Task[None]] = [asyncio.create_task(traffic.run())]
         if recorder is not None:
             recorder.start()
             if recorder_settings.retention_days:
@@ -142,10 +146,13 @@ def create_app(
     install_learner_routes(app, server.data_dir, server.admin_key, learner_enabled)
     metrics.registry.register(LearnerCollector(server.data_dir / "learner"))
     install_memory_routes(app, memory, server.admin_key)
+    traffic = TrafficHistory(metrics)
+    app.state.traffic = traffic
+    install_traffic_routes(app, traffic, server.admin_key)
 
     # the admin key is a superuser: where /v1 needs an API key, it is one too (memory: "admin sees all")
     v1_keys = (*server.api_keys, server.admin_key) if server.api_keys and server.admin_key else server.api_keys
-    app.add_middleware(_RequestContext, api_keys=v1_keys, metrics=metrics)
+    app.add_middleware(_RequestContext, api_keys=v1_keys, metrics=metrics, routes=app.router.routes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -274,8 +281,8 @@ class _RequestContext:
     request and response body in extra tasks and streams, which cost measurable latency per request.
     """
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], metrics: Metrics) -> None:
-        self.app, self.api_keys, self.metrics = app, api_keys, metrics
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], metrics: Metrics, routes: list[BaseRoute]) -> None:
+        self.app, self.api_keys, self.metrics, self.routes = app, api_keys, metrics, routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -313,9 +320,19 @@ class _RequestContext:
                     500, f"The server had an error processing your request (request id {rid}).", type="server_error", code="internal_error"
                 )
                 await _error_response(error)(scope, receive, send_with_id)
-        self.metrics.requests.labels(endpoint, str(status)).inc()
+        # the route's template, not the raw path: ids in paths (and unknown paths) must not grow the label set without bound
+        label = getattr(scope.get("route"), "path", None) or _route_template(self.routes, scope)
+        self.metrics.requests.labels(label, str(status)).inc()
         if status < 400:
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+            self.metrics.latency.labels(label).observe(time.perf_counter() - t0)
+
+
+def _route_template(routes: list[BaseRoute], scope: Scope) -> str:
+    """The path template of the route ``scope`` would match (for a request refused before routing), else ``unmatched``."""
+    for route in routes:
+        if route.matches(scope)[0] != Match.NONE and isinstance(path := getattr(route, "path", None), str):
+            return path
+    return "unmatched"
 
 
 def _model_card(model_id: str, created: int, owned_by: str = "loopwise") -> dict[str, Any]:

@@ -13,6 +13,8 @@ decision: ``promote`` flips the alias to the winner and ends the experiment; ``r
 to that arm, and once every challenger is rolled back the experiment ends (``rolled_back``); with
 ``max_samples``, an experiment still undecided when every live arm has that many rewards ends
 ``inconclusive`` (the champion stays), so an A/B between near-equal versions cannot run forever.
+Each change of a challenger's p-value is kept in ``p_history`` (time, p, both arms' n; at most
+``P_HISTORY_MAX`` points, thinned evenly), so the p-value can be drawn over time.
 Config, state and every decision are saved in the store, so experiments survive restarts.
 
 Not here: HTTP (``store_routes``/``app``), loading adapters (``adapters.AdapterRegistry``).
@@ -163,6 +165,7 @@ class Experiments:
             )
             if d.p_value != state["p_values"].get(arm.adapter):
                 state["p_values"][arm.adapter] = d.p_value
+                _append_p(state, arm.adapter, d.p_value, len(obs[champion]["rewards"]), len(obs[arm.adapter]["rewards"]))
                 changed = True
             if d.action == "promote" and cfg.auto_promote:
                 return self.promote(name, arm.adapter, reason=d.reason)
@@ -223,6 +226,17 @@ class Experiments:
         if name not in self.states:
             raise KeyError(name)
         return self.states[name]
+
+
+P_HISTORY_MAX = 512  # points kept per arm; past it every other older point is dropped (the newest always stays)
+
+
+def _append_p(state: dict[str, Any], arm: str, p: float, n_champion: int, n: int) -> None:
+    """Record the arm's always-valid p-value as it changes (``p_history``), for the console's p-value-over-time chart."""
+    hist = state.setdefault("p_history", {}).setdefault(arm, [])
+    hist.append({"t": time.time(), "p": p, "n_champion": n_champion, "n": n})
+    if len(hist) > P_HISTORY_MAX:
+        hist[:] = [*hist[:-1:2], hist[-1]]
 
 
 def _num(x: float) -> float | None:

@@ -1,4 +1,4 @@
-"""``GET /admin/learner``, ``POST /admin/learner/update`` and the learner's ``/metrics``: its state, through files.
+"""``GET /admin/learner[?history=N]``, ``POST /admin/learner/update`` and the learner's ``/metrics``: its state, through files.
 
 The learner (``python -m learner run``) keeps ``<data-dir>/learner/<family>/status.json`` current;
 this module serves those files and asks for an update by writing ``update.request`` next to them,
@@ -13,6 +13,7 @@ Not here: training (``learner/``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -27,11 +28,12 @@ from runtime.errors import APIError
 from runtime.http_body import read_json
 from runtime.store_routes import check_admin_key
 
+MAX_HISTORY = 1000  # updates per learner one GET /admin/learner returns at most
 STALE_S = 120.0  # a status not refreshed for this long belongs to a learner that is not running
 
 
-def _statuses(root: Path, history: bool = True) -> list[dict[str, Any]]:
-    """Every learner's status; with ``history`` also its last 20 updates (``GET /admin/learner``; ``/metrics`` skips them)."""
+def _statuses(root: Path, history: int = 20) -> list[dict[str, Any]]:
+    """Every learner's status with its last ``history`` updates (``GET /admin/learner?history=N``; ``/metrics`` asks for none)."""
     out = []
     for path in sorted(root.glob("*/status.json")):
         try:
@@ -43,10 +45,25 @@ def _statuses(root: Path, history: bool = True) -> list[dict[str, Any]]:
         status["running"] = status.get("state") != "stopped" and age < STALE_S
         status["status_age_s"] = round(age, 1)
         hist = path.parent / "history.jsonl"
-        if history:
-            status["history"] = [json.loads(line) for line in hist.read_text().splitlines()[-20:] if line.strip()] if hist.exists() else []
+        if history > 0:
+            status["history"] = _tail_jsonl(hist, history)
         out.append(status)
     return out
+
+
+def _tail_jsonl(path: Path, n: int) -> list[dict[str, Any]]:
+    """The last ``n`` records of a JSON-lines file; a line being appended right now (not yet whole) is skipped."""
+    try:
+        lines = path.read_text().splitlines()[-(n + 1) :]
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out[-n:]
 
 
 LEARNER_GAUGES = {  # status.json's last_metrics key -> (metric name, help)
@@ -69,7 +86,7 @@ class LearnerCollector:
         self.root = Path(root)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        statuses = [s for s in _statuses(self.root, history=False) if "family" in s and s.get("state") != "unknown"]
+        statuses = [s for s in _statuses(self.root, history=0) if "family" in s and s.get("state") != "unknown"]
         version = GaugeMetricFamily("loopwise_learner_version", "the learner's trainer version", labels=["family"])
         running = GaugeMetricFamily("loopwise_learner_running", "1 while the learner keeps its status fresh", labels=["family"])
         updates = CounterMetricFamily("loopwise_learner_updates", "updates run by the learner", labels=["family"])
@@ -93,9 +110,11 @@ def install_learner_routes(app: FastAPI, data_dir: Path, admin_key: str | None, 
     root = Path(data_dir) / "learner"
 
     @app.get("/admin/learner")
-    async def learner_status(request: Request) -> dict[str, Any]:
+    async def learner_status(request: Request, history: int = 20) -> dict[str, Any]:
         check_admin_key(request, admin_key)
-        return {"object": "list", "enabled": learner_enabled, "data": _statuses(root)}
+        if not 0 <= history <= MAX_HISTORY:
+            raise APIError(400, f"history must be between 0 and {MAX_HISTORY}", param="history", code="invalid_value")
+        return {"object": "list", "enabled": learner_enabled, "data": await asyncio.to_thread(_statuses, root, history)}
 
     @app.post("/admin/learner/update", status_code=202)
     async def learner_update(request: Request) -> dict[str, Any]:

@@ -5,7 +5,11 @@ token, prompt and generated token counters (``rate(loopwise_generated_tokens_tot
 ``loopwise_generation_tokens_per_second`` is the same over the last 10 s for a glance), queue depth
 and running requests (read from the engine at scrape time), and the decode batch size per step.
 
-Not here: per-adapter or per-experiment metrics (they arrive with adapters and A/B routing).
+Per served adapter (``base`` = the base model): model requests, their latency and generated tokens,
+counted for chat completions and for agent model calls alike. ``runtime/traffic.py`` turns these
+counters into rates over the last hour.
+
+Not here: per-experiment statistics (``runtime/experiments.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ class Metrics:
         self.record_backpressure = Counter("loopwise_record_backpressure", "requests that waited for room in the recorder queue", registry=r)
         self.record_failures = Counter("loopwise_record_failures", "turns that could not be recorded after retries", registry=r)
         self.adapter_requests = Counter(
-            "loopwise_adapter_requests", "chat requests per served adapter (base = the base model)", ["adapter"], registry=r
+            "loopwise_adapter_requests",
+            "model requests (chat completions, agent model calls) per served adapter (base = the base model)",
+            ["adapter"],
+            registry=r,
         )
         self.adapter_latency = Histogram(
             "loopwise_adapter_latency_seconds", "request latency per adapter", ["adapter"], buckets=_LATENCY_BUCKETS, registry=r

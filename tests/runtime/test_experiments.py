@@ -160,3 +160,29 @@ def test_a_rolled_back_arm_of_a_running_experiment_routes_to_the_champion(tmp_pa
     assert status["status"] == "running" and status["stopped_arms"] == ["f@2"]  # f@3 is still undecided
     routed = {exps.route("f", f"session-{i}", None) for i in range(300)}
     assert routed == {"f@1", "f@3"}  # f@2's keys go to the champion
+
+
+def test_p_value_history_records_each_change_and_stays_bounded(tmp_path, monkeypatch):
+    import runtime.experiments as experiments_module
+
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    exps.create(config(min_samples=20), {"f@1", "f@2"})  # no auto actions: it keeps running
+    rng = random.Random(3)
+    for look in range(4):
+        add_rewards(store, "f@1", [float(rng.random() < 0.3) for _ in range(25)], look * 25)
+        add_rewards(store, "f@2", [float(rng.random() < 0.7) for _ in range(25)], look * 25)
+        exps.evaluate("e")
+        exps.evaluate("e")  # nothing new: no new point
+    hist = exps.evaluate("e")["p_history"]["f@2"]
+    assert [(h["n_champion"], h["n"]) for h in hist] == [(25, 25), (50, 50), (75, 75), (100, 100)]
+    ps = [h["p"] for h in hist]
+    assert ps == sorted(set(ps), reverse=True) and ps[-1] == exps.evaluate("e")["arms"][1]["msprt_p_value"]  # always-valid: never rises
+    assert Experiments(SqliteStore(tmp_path / "x.db"), reg).states["e"]["p_history"]["f@2"] == hist  # persisted
+    monkeypatch.setattr(experiments_module, "P_HISTORY_MAX", 4)
+    state = {"p_history": {}}
+    for i in range(9):
+        experiments_module._append_p(state, "a", 1.0 / (i + 1), i, i)
+    kept = [h["n"] for h in state["p_history"]["a"]]
+    assert len(kept) <= 4 and kept[0] == 0 and kept[-1] == 8  # thinned evenly, first and newest kept
