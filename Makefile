@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve serve-tiny test test-fast bench clean
+.PHONY: install browser serve serve-tiny test test-fast bench clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,16 +20,20 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 install: $(STAMP)
 
+browser:                  ## Debian's chromium for the console's browser tests (playwright drives it; no browser download)
+	@command -v chromium >/dev/null || { apt-get update -q && apt-get install -y -q chromium; } \
+		|| echo "warning: could not install chromium (apt-get needs root): the console's browser tests will be skipped"
+
 serve: install            ## the server with the embedded default model (SmolLM2) on 127.0.0.1:8000
 	$(BIN)/python serve.py --model default $(ARGS)
 
 serve-tiny: install
 	$(BIN)/python serve.py --model tiny $(ARGS)
 
-test: install             ## the whole CPU test suite
+test: install browser     ## the whole CPU test suite
 	$(BIN)/python -m pytest $(ARGS)
 
-test-fast: install
+test-fast: install browser
 	$(BIN)/python -m pytest -m 'not slow and not gpu and not sglang' $(ARGS)
 
 bench: install

@@ -6,7 +6,7 @@
 - ``POST /v1/chat/completions`` (``serving_chat``), ``GET /v1/models``, ``GET /v1/models/{id}``
 - ``GET /health`` (a one-token generate), ``GET /ready``, ``GET /metrics`` (Prometheus; the ``endpoint``
   label is the route's template, so ids in paths never grow the label set)
-- ``GET /admin/traffic`` (``runtime/traffic.py``)
+- ``GET /admin/traffic`` (``runtime/traffic.py``) and the console page ``GET /console`` (``runtime/console.py``)
 
 Every error leaves as OpenAI's envelope (``runtime/errors.py``): validation failures are 400 with
 ``param`` (never FastAPI's 422), a bad or missing key 401, an unknown model 404, an oversized body 413,
@@ -42,6 +42,7 @@ from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, base_
 from runtime.agent_api import AgentHost, LocalRuntimeClient
 from runtime.agent_routes import agent_chat, install_agent_routes
 from runtime.chat_format import ChatFormatter
+from runtime.console import install_console_routes
 from runtime.engine import Engine, EngineError
 from runtime.errors import APIError, from_engine, from_validation
 from runtime.experiments import Experiments
@@ -149,6 +150,7 @@ def create_app(
     traffic = TrafficHistory(metrics)
     app.state.traffic = traffic
     install_traffic_routes(app, traffic, server.admin_key)
+    install_console_routes(app)
 
     # the admin key is a superuser: where /v1 needs an API key, it is one too (memory: "admin sees all")
     v1_keys = (*server.api_keys, server.admin_key) if server.api_keys and server.admin_key else server.api_keys
