@@ -1,11 +1,13 @@
 """loopwise's entry point and composition root: ``python serve.py [--model default|tiny|PATH] [--port 8000] ...``.
 
-Builds the frozen settings (flags > ``LOOPWISE_…`` env > config file > defaults), configures structlog
-JSON logging once, resolves the model (converting SmolLM2 on first use), builds the engine and the app,
-and runs uvicorn. Flags are generated from the settings fields, so ``--help`` lists every server and
-engine setting with its description and default.
+Builds the frozen settings (flags > ``LOOPWISE_…`` env > config file > defaults), configures logging
+once (``learner/logs.py``: readable lines on a terminal, JSON lines otherwise or with ``--log-format
+json``), resolves the model (converting SmolLM2 on first use), builds the engine and the app, runs
+uvicorn and prints where the API and the console (``/console``) are. The learner process it starts
+logs in the same format, relayed through this process's stderr. Flags are generated from the
+settings fields, so ``--help`` lists every setting with its description and default.
 
-Not here: any serving logic (``runtime/``). The learner process arrives with its own issue.
+Not here: any serving logic (``runtime/``), training (``learner/``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
-import structlog
 import uvicorn
 
 from runtime.settings import (
@@ -96,8 +97,10 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
     return Settings.model_validate(merged)
 
 
-def start_learner(settings: Settings, server: ServerSettings, model_path: Path, url: str, agents: Any) -> subprocess.Popen[bytes]:
+def start_learner(settings: Settings, server: ServerSettings, model_path: Path, url: str, agents: Any, log_format: str) -> subprocess.Popen[bytes]:
     """``python -m learner run`` for the configured family, logging into our stderr; stopped when we stop."""
+    from learner import logs
+
     ls = settings.learner
     agent = ls.agent if agents is not None and ls.agent in agents.names() else ""
     if not agent:
@@ -113,7 +116,11 @@ def start_learner(settings: Settings, server: ServerSettings, model_path: Path, 
     if ls.config is not None:
         cmd += ["--config", str(ls.config)]
     env = {**os.environ, "LOOPWISE_ADMIN_KEY": server.admin_key or "", "LOOPWISE_LEARNER_PARENT": str(os.getpid())}
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent, env=env, stdout=sys.stderr)  # our stdout carries the announce line
+    # its lines in our format, relayed through our stderr (our stdout carries the announce line): a live status line stays whole
+    env |= {logs.ENV_FORMAT: log_format, logs.ENV_COLORS: "1" if log_format == "console" and sys.stderr.isatty() else "0"}
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    logs.relay(proc.stdout, "learner-output")
     logging.getLogger("serve").info("learner started (pid %d) for family %s", proc.pid, ls.family)
     return proc
 
@@ -131,38 +138,6 @@ def build_agents(agent_settings: AgentSettings, memory: Any = None) -> Any:
         return Host(configs, tools, memory=memory)
     except (ToolError, ValueError) as exc:
         sys.exit(f"error: agents: {exc}")
-
-
-def configure_logging(level: str) -> None:
-    shared = [
-        structlog.contextvars.merge_contextvars,
-        structlog.stdlib.add_log_level,
-        structlog.stdlib.add_logger_name,
-        structlog.processors.TimeStamper(fmt="iso"),
-    ]
-    structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        cache_logger_on_first_use=True,
-    )
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=shared,
-            processors=[
-                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                structlog.processors.format_exc_info,
-                structlog.processors.JSONRenderer(),
-            ],
-        )
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logging.getLogger(name).handlers[:] = []
-        logging.getLogger(name).propagate = True
-    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
 
 
 # The demo agent answers one-operation calc_arith problems without the calculator: SmolLM2-135M never emits a
@@ -202,7 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     argv, demo = demo_args(list(sys.argv[1:] if argv is None else argv))
     settings = settings_from_args(argv)
     server = settings.server
-    configure_logging(server.log_level)
+    from learner.logs import configure_logging
+
+    log_format = configure_logging(server.log_level, server.log_format, process="server")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from runtime.app import create_app  # heavy imports after argument parsing, so --help is instant
@@ -317,13 +294,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"loopwise serving model '{model_id}' ({model_path}) on http://{host}:{port}/v1", flush=True)
             local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             url = f"http://{'[' + local + ']' if ':' in local else local}:{port}"
+            print(console_line(url, server.admin_key, with_key=sys.stdout.isatty()), flush=True)
             if settings.learner.enabled:
-                learner = start_learner(settings, server, model_path, url, agents)
+                learner = start_learner(settings, server, model_path, url, agents, log_format)
             if demo:
                 from learner.demo import DemoUsers
 
                 print("demo: synthetic users send one-step calc_arith problems to demo-agent; the learner trains calc-lora on them", flush=True)
-                DemoUsers(url, server.admin_key or "", "demo-agent", "calc_arith", group=DEMO_GROUP).start()
+                DemoUsers(url, server.admin_key or "", "demo-agent", "calc_arith", group=DEMO_GROUP, live=log_format == "console").start()
         await serve
 
     try:
@@ -337,6 +315,22 @@ def main(argv: list[str] | None = None) -> None:
                 learner.kill()
     if not uv.started:
         sys.exit("error: the server did not start (see the log above)")
+
+
+def console_line(url: str, admin_key: str | None, with_key: bool) -> str:
+    """Where the console is. With a key only loopwise holds (the learner's) and a terminal on stdout, the URL
+    carries it in its fragment (``#key=...``: never sent to the server; the page keeps it for the tab and clears
+    the address bar), as Jupyter prints its token: whoever reads this terminal is the operator. A key you chose
+    is never printed, nor the internal one into a pipe or a log file."""
+    from runtime.store_routes import InternalKey
+
+    if not admin_key:
+        return f"loopwise console: {url}/console (the admin API is off: start with --admin-key KEY to use it)"
+    if isinstance(admin_key, InternalKey) and with_key:
+        return f"loopwise console: {url}/console#key={admin_key}"
+    if isinstance(admin_key, InternalKey):
+        return f"loopwise console: {url}/console (start with --admin-key KEY to sign in to it)"
+    return f"loopwise console: {url}/console (sign in with your --admin-key)"
 
 
 def _fit_adapters_to_sglang(adapters: AdapterSettings, server_info: dict[str, Any]) -> AdapterSettings:

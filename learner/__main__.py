@@ -98,16 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--ab-max-samples", type=int, default=256, help="an A/B still undecided with this many rewards per arm ends, the champion stays (0 = no cap)"
     )
     run.add_argument("--once", action="store_true", help="run one update now and exit")
+    run.add_argument("--log-format", choices=("auto", "console", "json"), default=os.environ.get("LOOPWISE_LOG_FORMAT", "auto"), help="log lines")
+    run.add_argument("--log-level", default=os.environ.get("LOOPWISE_LOG_LEVEL", "info"), help="log level (debug shows each admin API call)")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    import structlog
-
     from learner.config import LearnerSettings
+    from learner.logs import configure_logging
     from learner.service import LearnerService, ServiceConfig
 
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # logs on stderr; stdout is for results
+    chosen = configure_logging(args.log_level, args.log_format, process="learner")  # logs on stderr; stdout is for results
     if not args.admin_key:
         print("error: the learner needs the runtime's admin key (--admin-key or LOOPWISE_ADMIN_KEY)", file=sys.stderr)
         return 2
@@ -118,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
     if args.config is not None:
         text = args.config.read_text()
         data.update(json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text))
+    if chosen == "json" or not sys.stderr.isatty():  # a progress bar in a log file (or relayed through serve.py) is noise
+        data["trainer"] = {"progress": False, **data.get("trainer", {})}
     try:
         settings = LearnerSettings.model_validate(data)
     except ValueError as exc:

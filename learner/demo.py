@@ -4,9 +4,10 @@ Each user round picks a problem of the demo task (training seeds, never the gate
 runs the demo agent on it ``group`` times at once with different sampling seeds, so the learner gets
 groups to compare: sent together, a group's runs end together and settle into one learner update
 (sent one after another, the learner's window split them: one update got 75 runs in 13 partial groups). The
-agent's verifier rewards every run. Every ``report_s`` seconds one line goes to stdout: runs so far,
-recent success rate per serving version, and the learner's state (version, champion, running
-experiment) read from ``GET /admin/learner``.
+agent's verifier rewards every run. The status (runs so far, recent success rate per serving version,
+and the learner's state: version, champion, running experiment, read from ``GET /admin/learner``) is
+one live line at the bottom of the terminal with ``live=True`` (``learner.logs.StatusLine``: log lines
+print above it), else a ``demo status`` log event every ``report_s`` seconds.
 
 Not here: training (the learner process does it).
 """
@@ -22,6 +23,8 @@ from typing import Any
 
 import httpx
 import structlog
+
+from learner.logs import StatusLine
 
 log = structlog.get_logger(__name__)
 
@@ -39,6 +42,7 @@ class DemoUsers:
         report_s: float = 30.0,
         problems: int = 2000,
         seed: int = 0,
+        live: bool = False,
     ) -> None:
         self.base_url, self.admin_key, self.agent, self.task = base_url.rstrip("/"), admin_key, agent, task
         self.users, self.group, self.report_s, self.problems = users, group, report_s, problems
@@ -49,6 +53,7 @@ class DemoUsers:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.status = StatusLine() if live else None
 
     def start(self) -> None:
         for i in range(self.users):
@@ -61,6 +66,8 @@ class DemoUsers:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.status is not None:
+            self.status.stop()
 
     def _user(self, i: int) -> None:
         limits = httpx.Limits(max_connections=self.group, max_keepalive_connections=self.group)
@@ -88,16 +95,21 @@ class DemoUsers:
             self.runs += 1
             self.recent[run.get("adapter") or "base"].append(bool(run.get("correct")))
 
-    def line(self) -> str:
+    def snapshot(self) -> dict[str, Any]:
+        """Runs, errors and the recent success rate per serving version (the last 200 runs of each)."""
         with self._lock:
-            rates = ", ".join(f"{v}: {sum(d) / len(d):.2f} (n={len(d)})" for v, d in sorted(self.recent.items()) if d)
-            runs, errors = self.runs, self.errors
-        learner = self._learner()
-        return f"[demo] {runs} runs ({errors} errors) | recent success {rates or 'n/a'} | learner {learner}"
+            success = {v: {"rate": round(sum(d) / len(d), 3), "n": len(d)} for v, d in sorted(self.recent.items()) if d}
+            return {"runs": self.runs, "errors": self.errors, "success": success}
+
+    def line(self, learner: str | None = None) -> str:
+        snap = self.snapshot()
+        rates = ", ".join(f"{v} {s['rate']:.2f} (n={s['n']})" for v, s in snap["success"].items())
+        learner = self._learner() if learner is None else learner
+        return f"demo: {snap['runs']} runs ({snap['errors']} errors) │ recent success {rates or 'n/a'} │ learner {learner}"
 
     def _learner(self) -> str:
         try:
-            r = httpx.get(f"{self.base_url}/admin/learner", headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10)
+            r = httpx.get(f"{self.base_url}/admin/learner?history=0", headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10)
             r.raise_for_status()
             data: list[dict[str, Any]] = r.json()["data"]
         except httpx.HTTPError as exc:
@@ -105,9 +117,16 @@ class DemoUsers:
         if not data:
             return "starting"
         s = data[0]
-        return f"{s['state']} v{s['version']} champion={s.get('champion')} experiment={s.get('experiment')} ({s.get('detail', '')})"
+        return f"{s.get('state')} v{s.get('version')} champion={s.get('champion')} experiment={s.get('experiment')} ({s.get('detail', '')})"
 
     def _reporter(self) -> None:
+        if self.status is not None:
+            self.status.start()
+            learner, last_poll = "starting", 0.0
+            while not self._stop.wait(1.0):  # the line's run counts move every second; the learner is asked every 5 s
+                if time.monotonic() - last_poll >= 5.0:
+                    learner, last_poll = self._learner(), time.monotonic()
+                self.status.update(self.line(learner))
+            return
         while not self._stop.wait(self.report_s):
-            print(self.line(), flush=True)
-        time.sleep(0)
+            log.info("demo status", **self.snapshot(), learner=self._learner())

@@ -44,6 +44,9 @@ class ServerSettings(_Frozen):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="largest accepted request body")
     tool_call_parser: str | None = Field(None, description="tool-call parser (qwen25, hermes, llama3, pythonic, mistral); default chosen per model")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_format: Literal["auto", "console", "json"] = Field(
+        "auto", description="log lines on stderr: console (readable), json (one object per line), auto = console on a terminal, else json"
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod
