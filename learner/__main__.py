@@ -1,4 +1,4 @@
-"""``python -m learner``: the learner's command line: ``run`` (the learner process) and ``export``.
+"""``python -m learner``: the learner's command line: ``run`` (the learner process), ``export`` and ``report``.
 
     python -m learner run --base-model PATH --admin-url URL --admin-key KEY [--family calc-lora --agent calc-agent]
 
@@ -38,6 +38,10 @@ Reading it from other trainers (``datasets.load_dataset("json", data_files="samp
   one multi-turn rollout, ``index`` orders them.
 
 Only ``jsonl`` for now; other formats are rejected.
+
+    python -m learner report --data-dir D --out report.html
+
+writes one standalone HTML file with the learner and experiment charts of the console (``learner/report.py``).
 """
 
 from __future__ import annotations
@@ -100,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--once", action="store_true", help="run one update now and exit")
     run.add_argument("--log-format", choices=("auto", "console", "json"), default=os.environ.get("LOOPWISE_LOG_FORMAT", "auto"), help="log lines")
     run.add_argument("--log-level", default=os.environ.get("LOOPWISE_LOG_LEVEL", "info"), help="log level (debug shows each admin API call)")
+    rep = sub.add_parser("report", help="a standalone HTML file with the learner and experiment charts, for sharing a run")
+    rep.add_argument("--data-dir", type=Path, default=Path(".data"), help="data directory (default .data)")
+    rep.add_argument("--db", type=Path, default=None, help=f"store file (default <data-dir>/{DEFAULT_DB_NAME})")
+    rep.add_argument("--out", type=Path, default=Path("report.html"), help="output file (default report.html)")
     return parser
 
 
@@ -177,10 +185,23 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
+def report(args: argparse.Namespace) -> int:
+    from learner.report import build_report
+
+    if not args.data_dir.is_dir():
+        print(f"error: no data directory at {args.data_dir}", file=sys.stderr)
+        return 2
+    counts = build_report(args.data_dir, args.out, args.db)
+    print(f"wrote {args.out}: {counts['learners']} learner(s), {counts['updates']} update(s), {counts['experiments']} experiment(s)", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return export(args)
+    if args.command == "report":
+        return report(args)
     if args.command == "run":
         return run(args)
     raise AssertionError(args.command)

@@ -111,3 +111,21 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
 def tiny_server(start_server) -> ServerProcess:
     """One shared tiny-model server for the read-only API tests."""
     return start_server()
+
+
+CHROMIUM = Path(os.environ.get("LOOPWISE_CHROMIUM", "/usr/bin/chromium"))
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator:
+    """Debian's Chromium (``make test`` installs it) driven by playwright; skipped where either is missing (nothing is downloaded).
+
+    Module-scoped on purpose: playwright's sync API keeps an event loop running in this thread while it is
+    open, and later tests that call ``asyncio.run`` would fail under it."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency (make install)")
+    if not CHROMIUM.exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}: `make test` installs Debian's chromium")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        yield browser
+        browser.close()

@@ -345,7 +345,8 @@
       small.append(lineChart({ title: label, height: 130, width: cellWidth(width, cols), xInteger: true, series: [{ name: label, points: trained.map((h) => [h.version, num(h.metrics[k])]), markers: true }] }));
     }
     panel.append(small);
-    const lm = st.last_metrics && typeof st.last_metrics === "object" ? st.last_metrics : {};
+    const lastTrained = trained.length ? trained[trained.length - 1].metrics : {};
+    const lm = st.last_metrics && typeof st.last_metrics === "object" && Object.keys(st.last_metrics).length ? st.last_metrics : lastTrained;
     const known = new Set(LAST_METRICS.map(([k]) => k));
     const rows = LAST_METRICS.filter(([k]) => k in lm).map(([k, label]) => [label, fmt(lm[k])]);
     // anything else the learner reports (its status grows): shown as it is
@@ -398,7 +399,7 @@
     if (opts.armActions) headers.push("");
     panel.append(table(headers, rows, { class: "arms" }));
     const ph = ex.p_history && typeof ex.p_history === "object" ? ex.p_history : {};
-    const end = ex.status === "running" ? Date.now() / 1000 : (final ? final.time : null);
+    const end = ex.status === "running" ? (num(opts.now) ?? Date.now() / 1000) : (final ? final.time : null);
     const series = arms.filter((a) => !a.champion).map((a) => {
       const pts = (Array.isArray(ph[a.adapter]) ? ph[a.adapter] : []).map((h) => [h.t, h.p]);
       return { name: `${a.adapter} vs ${ex.champion}`, points: pts, step: true, markers: true, extendTo: end ?? undefined, color: arms.indexOf(a) };

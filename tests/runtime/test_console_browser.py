@@ -18,10 +18,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-CHROMIUM = Path(os.environ.get("LOOPWISE_CHROMIUM", "/usr/bin/chromium"))
-playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency (make install)")
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no Chromium at {CHROMIUM}: `make test` installs Debian's chromium")
-
 ADMIN = "console-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 REWARDS = {"fam@1": [1.0, 1.0, 0.0, 1.0], "fam@2": [0.0, 1.0, 0.0]}
@@ -79,11 +75,8 @@ def loop(start_server, tmp_path_factory, tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    with playwright_sync.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        yield b
-        b.close()
+def browser(chromium):
+    return chromium
 
 
 @pytest.fixture(scope="module")
