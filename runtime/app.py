@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -323,10 +324,13 @@ class _RequestContext:
                 )
                 await _error_response(error)(scope, receive, send_with_id)
         # the route's template, not the raw path: ids in paths (and unknown paths) must not grow the label set without bound
-        label = getattr(scope.get("route"), "path", None) or _route_template(self.routes, scope)
+        label = _CONVERTER.sub("}", getattr(scope.get("route"), "path", None) or _route_template(self.routes, scope))
         self.metrics.requests.labels(label, str(status)).inc()
         if status < 400:
             self.metrics.latency.labels(label).observe(time.perf_counter() - t0)
+
+
+_CONVERTER = re.compile(r":[a-z]+}")  # "/v1/models/{model:path}" is labelled "/v1/models/{model}"
 
 
 def _route_template(routes: list[BaseRoute], scope: Scope) -> str:

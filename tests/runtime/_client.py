@@ -98,7 +98,8 @@ def assert_error(resp: httpx.Response, status: int, *, type: str = "invalid_requ
 
 # ---- /metrics ------------------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+# label values are quoted and may hold braces (the endpoint label is a route template: "/admin/trajectories/{trajectory_id}")
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?\s+(\S+)$')
 
 
 def metrics(server: Any) -> dict[str, float]:

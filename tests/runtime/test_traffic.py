@@ -104,6 +104,7 @@ def test_admin_traffic_counts_model_requests_and_keeps_path_ids_out_of_labels(ap
         tokens += r.json()["usage"]["completion_tokens"]
     for i in range(5):
         assert tc.get(f"/admin/trajectories/traj-{i}", headers=admin).status_code == 404
+    assert tc.get("/v1/models/no/such:model").status_code == 404
     assert tc.get("/admin/traffic", headers={"authorization": "Bearer wrong"}).status_code == 401
     assert tc.get("/admin/traffic?minutes=0", headers=admin).status_code == 400
     traffic = tc.app.state.traffic
@@ -116,6 +117,7 @@ def test_admin_traffic_counts_model_requests_and_keeps_path_ids_out_of_labels(ap
     assert out["totals"]["errors_by_endpoint"]["/admin/traffic"] == {"401": 1.0, "400": 1.0}
     metrics = tc.get("/metrics").text
     assert "traj-3" not in metrics and 'endpoint="/admin/trajectories/{trajectory_id}"' in metrics
+    assert 'endpoint="/v1/models/{model}",status="404"' in metrics and "such" not in metrics  # the converter is not part of the label
 
 
 def test_agent_model_calls_count_per_adapter(tiny_model_path, tmp_path):
