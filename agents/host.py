@@ -146,7 +146,7 @@ class ServedAgentImpl:
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(x) for x in err.get("loc", ()))
-            raise ValueError(f"{where + ': ' if where else ''}{err['msg']}") from None
+            raise ValueError(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}") from None
         problem: Problem | None = None
         loop = self.loop
         if req.problem_index is not None:
@@ -231,7 +231,7 @@ class Host:
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(x) for x in err.get("loc", ()))
-            raise ValueError(f"{where + ': ' if where else ''}{err['msg']}") from None
+            raise ValueError(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}") from None
         if cfg.name in self._configs:
             raise FileExistsError(f"an agent named {cfg.name!r} exists; delete it first")
         if self.reserved(cfg.name):

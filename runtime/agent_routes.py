@@ -1,10 +1,8 @@
 """HTTP surfaces of served agents, over the ``AgentHost`` contract (``runtime/agent_api.py``).
 
-- ``POST /v1/chat/completions`` with ``model`` = an agent's name: :func:`agent_chat` runs the agent
-  server-side and answers like a chat completion (``stream: true`` streams the final answer in
-  OpenAI's chunk format). The ``loopwise`` field carries the trajectory id, the last turn id, turns
-  used and the stop reason. Agents run their own tools: a request with ``tools``, ``n > 1`` or
-  ``response_format`` is a 400.
+- Any generating API (chat completions, responses, messages) with ``model`` = an agent's name runs the
+  agent server-side through the shared request path (``runtime/serving.py``); the ``loopwise`` field
+  carries the trajectory id, the last turn id, turns used and the stop reason.
 - ``POST /v1/agents/{name}/runs`` (API key): the whole trajectory (turns, tool calls, observations,
   verdicts, verifier reward).
 - Admin: ``GET /admin/agents``, ``POST /admin/agents`` (an agent config), ``DELETE /admin/agents/{name}``.
@@ -14,88 +12,17 @@ Not here: the agent loop (``agents/``), which the runtime never imports.
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.agent_api import AgentHost, RunConflict, ServedAgent, UnknownModel
-from runtime.chat_format import to_plain
 from runtime.engine import EngineError
 from runtime.errors import APIError, from_engine
 from runtime.http_body import read_json
 from runtime.identity import bind_caller
-from runtime.openai_schemas import ChatCompletionRequest
 from runtime.store_routes import check_admin_key, session_of
-
-STREAM_PIECE = 16  # characters per streamed content chunk of the final answer
-
-
-def _not_supported(param: str, what: str) -> APIError:
-    return APIError(400, f"{what} is not supported for agents (agents run their own tools and sampling)", param=param, code="unsupported_for_agent")
-
-
-async def agent_chat(request: Request, req: ChatCompletionRequest, agent: ServedAgent) -> Response:
-    if req.tools:
-        raise _not_supported("tools", "passing tools")
-    if req.n != 1:
-        raise _not_supported("n", "n > 1")
-    if req.response_format is not None:
-        raise _not_supported("response_format", "response_format")
-    messages = [to_plain(m, i) for i, m in enumerate(req.messages)]
-    for i, m in enumerate(messages):
-        if m["role"] == "tool" or m.get("tool_calls"):
-            raise APIError(400, "agents keep their own tool history; send user and assistant text only", param=f"messages[{i}]")
-    rid = request.state.request_id
-    try:
-        with bind_caller(request, req.user):  # who asked, for per-user agent memory
-            answer = await agent.chat(messages, session_id=session_of(request, req.user), request_id=rid, options={"seed": req.seed})
-    except UnknownModel as exc:
-        raise APIError(404, f"agent {agent.name!r}: {exc}", param="model", code="model_not_found") from exc
-    except EngineError as exc:
-        raise from_engine(exc) from exc
-    completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
-    usage = {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens}
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    headers = {"X-Loopwise-Trajectory-Id": str(answer.loopwise.get("trajectory_id", ""))}
-    if not req.stream:
-        body = {
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": None,
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": answer.content}, "logprobs": None, "finish_reason": answer.finish_reason}
-            ],
-            "usage": usage,
-            "loopwise": answer.loopwise,
-        }
-        return JSONResponse(body, headers=headers)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    async def events() -> AsyncIterator[str]:
-        base = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": req.model, "system_fingerprint": None}
-        extra = {"usage": None} if include_usage else {}
-
-        def chunk(delta: dict[str, Any], finish: str | None = None, **more: Any) -> str:
-            body = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra, **more}
-            return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-        yield chunk({"role": "assistant", "content": ""})
-        for k in range(0, len(answer.content), STREAM_PIECE):
-            yield chunk({"content": answer.content[k : k + STREAM_PIECE]})
-        yield chunk({}, answer.finish_reason, loopwise=answer.loopwise)
-        if include_usage:
-            yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
 
 def install_agent_routes(app: FastAPI, host: AgentHost | None, admin_key: str | None, max_body: int, reserved: Callable[[str], bool]) -> None:

@@ -24,15 +24,15 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
@@ -41,25 +41,24 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from runtime.adapter_routes import evaluate_forever, install_adapter_routes
 from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, base_shapes_of, parse_model_name
 from runtime.agent_api import AgentHost, LocalRuntimeClient
-from runtime.agent_routes import agent_chat, install_agent_routes
+from runtime.agent_routes import install_agent_routes
 from runtime.chat_format import ChatFormatter
 from runtime.console import install_console_routes
 from runtime.engine import Engine, EngineError
-from runtime.errors import APIError, from_engine, from_validation
+from runtime.errors import APIError, from_engine, human_message
 from runtime.experiments import Experiments
-from runtime.http_body import read_json
+from runtime.generation import Generation
 from runtime.learner_routes import LearnerCollector, install_learner_routes
 from runtime.memory_routes import MemoryBackend, install_memory_routes
 from runtime.metrics import Metrics
-from runtime.openai_schemas import ChatCompletionRequest
 from runtime.recorder import ANONYMOUS, Recorder
-from runtime.serving_chat import ChatService
+from runtime.serving import Gateway
+from runtime.serving_chat import install_chat_routes
 from runtime.settings import AdapterSettings, EngineSettings, RecorderSettings, ServerSettings
-from runtime.store_routes import install_store_routes, prune_forever, session_of
+from runtime.store_routes import install_store_routes, prune_forever
 from runtime.traffic import TrafficHistory, install_traffic_routes
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def create_app(
@@ -93,7 +92,7 @@ def create_app(
         tokenizer = getattr(engine, "tokenizer", None)
         model_type = getattr(getattr(getattr(engine, "model", None), "config", None), "model_type", None)
         formatter = ChatFormatter(tokenizer, model_type=model_type, parser=server.tool_call_parser)
-        app.state.chat = ChatService(engine, formatter, model_id, engine_settings.default_max_tokens, metrics, recorder=recorder)
+        app.state.generation = Generation(engine, formatter, model_id, engine_settings.default_max_tokens, metrics, recorder=recorder)
         if agents is not None:
             agents.bind(LocalRuntimeClient(engine, formatter, registry, recorder, model_id, route=_route, metrics=metrics))
         background: list[asyncio.Task[None]] = [asyncio.create_task(traffic.run())]
@@ -152,60 +151,24 @@ def create_app(
     app.state.traffic = traffic
     install_traffic_routes(app, traffic, server.admin_key)
     install_console_routes(app)
+    gateway = Gateway(lambda: app.state.generation, lambda model, session, user: _route(model, session, user), registry, metrics, agents)
+    app.state.gateway = gateway
+    install_chat_routes(app, gateway, server.max_body_bytes)
 
     # the admin key is a superuser: where /v1 needs an API key, it is one too (memory: "admin sees all")
     v1_keys = (*server.api_keys, server.admin_key) if server.api_keys and server.admin_key else server.api_keys
     app.add_middleware(_RequestContext, api_keys=v1_keys, metrics=metrics, routes=app.router.routes)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await read_json(request, server.max_body_bytes)
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        if agents is not None and (agent := agents.get(req.model)) is not None:
-            return await agent_chat(request, req, agent)
-        session = session_of(request, req.user)
-        lease = _acquire_adapter(req.model, session, req.user)
-        adapter = lease.name if lease is not None else None
-        svc: ChatService = request.app.state.chat
-        rid = request.state.request_id
-        t0 = time.perf_counter()
-        streaming = False
-        try:
-            prep = svc.prepare(req, rid, session, adapter=adapter)
-            if req.stream:
-                opened = await svc.open_streams(prep)
-                headers = {"Cache-Control": "no-cache", **prep.headers()}
-                streaming = True
-                body_iter = _release_after(svc.stream(req, prep, opened), lambda: _release_adapter(lease, adapter, t0))
-                return StreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
-            completion = await _unless_disconnected(request, svc.complete(req, prep))
-        except EngineError as exc:
-            raise from_engine(exc) from exc
-        finally:
-            if not streaming:
-                _release_adapter(lease, adapter, t0)
-        if completion is not None:
-            metrics.adapter_tokens.labels(adapter or "base").inc(completion.usage.completion_tokens)
-        if completion is None:
-            return Response(status_code=499)
-        body = completion.model_dump(exclude_none=False)
-        if body["loopwise"] is None:
-            del body["loopwise"]
-        return JSONResponse(body, headers=prep.headers())
+    if server.cors_origins:  # outermost: a browser's preflight is answered before authentication
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(server.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id", "X-Loopwise-Trajectory-Id", "X-Loopwise-Turn-Id"],
+            max_age=600,
+        )
 
     pins: OrderedDict[tuple[str, str], str] = OrderedDict()  # (session, family) -> version it started on
-
-    def _acquire_adapter(model: str, session: str, user: str | None) -> AdapterRef | None:
-        """The adapter version serving ``model`` (None = the base), acquired until the request ends."""
-        try:
-            return _route(model, session, user)
-        except AdapterNotFound as exc:
-            raise APIError(
-                404, f"The model `{model}` does not exist or you do not have access to it.", param="model", code="model_not_found"
-            ) from exc
 
     def _route(model: str, session: str, user: str | None = None) -> AdapterRef | None:
         """Routing shared by chat requests and agent runs: base, a version, an A/B arm, or the session's pinned version."""
@@ -230,12 +193,6 @@ def create_app(
             while len(pins) > 100_000:
                 pins.popitem(last=False)
         return ref
-
-    def _release_adapter(lease: AdapterRef | None, adapter: str | None, t0: float) -> None:
-        if lease is not None:
-            registry.release(lease)
-        metrics.adapter_requests.labels(adapter or "base").inc()
-        metrics.adapter_latency.labels(adapter or "base").observe(time.perf_counter() - t0)
 
     def _model_ids() -> list[tuple[str, str]]:
         ids = [(model_id, "loopwise")]
@@ -315,6 +272,10 @@ class _RequestContext:
                 if started:
                     raise
                 await _error_response(exc)(scope, receive, send_with_id)
+            except EngineError as exc:  # e.g. a request a translation found invalid (InvalidRequest)
+                if started:
+                    raise
+                await _error_response(from_engine(exc))(scope, receive, send_with_id)
             except Exception:
                 log.exception("unhandled error in %s %s", scope["method"], endpoint)
                 if started:
@@ -345,15 +306,6 @@ def _model_card(model_id: str, created: int, owned_by: str = "loopwise") -> dict
     return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by}
 
 
-async def _release_after(body: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
-    """Stream ``body``; run ``release`` when it ends, however it ends (finished, failed, or the client left)."""
-    try:
-        async for chunk in body:
-            yield chunk
-    finally:
-        release()
-
-
 def _check_auth(request: Request, keys: tuple[str, ...]) -> None:
     if not keys:
         return
@@ -365,32 +317,6 @@ def _check_auth(request: Request, keys: tuple[str, ...]) -> None:
         )
     if token not in keys:
         raise APIError(401, "Incorrect API key provided.", type="authentication_error", code="invalid_api_key")
-
-
-async def _unless_disconnected(request: Request, coro: Awaitable[T]) -> T | None:
-    """Await ``coro``; if the client goes away first, cancel it (which cancels its generation).
-
-    The disconnect is awaited with ``request.receive()`` (once the body is read, the next message is
-    ``http.disconnect`` when the client goes away).
-    """
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done() and not watcher.cancelled() and watcher.exception() is None:
-            log.info("client disconnected; cancelling generation")
-            task.cancel()
-            return None
-        return await task
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
 
 
 def _error_response(exc: APIError) -> JSONResponse:
@@ -406,10 +332,24 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = tuple(x for x in err.get("loc", ()) if x != "body")
-        return _error_response(APIError(400, str(err.get("msg")), param=".".join(map(str, loc)) or None, code="invalid_value"))
+        return _error_response(APIError(400, human_message(str(err.get("msg"))), param=".".join(map(str, loc)) or None, code="invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405) and exc.detail in ("Not Found", "Method Not Allowed"):
+            return _error_response(unknown_route(request, app))
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "not_found" if exc.status_code == 404 else None
         return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=code))
+
+
+def unknown_route(request: Request, app: FastAPI) -> APIError:
+    """A 404 that names the route asked for and the API endpoints this server has (clients show the message)."""
+    endpoints = []
+    for route in app.routes:
+        path = getattr(route, "path", "")
+        if path.startswith("/v1/") and not path.startswith("/v1/agents/"):
+            endpoints += [f"{m} {path}" for m in sorted(getattr(route, "methods", None) or ()) if m != "HEAD"]
+    asked = f"{request.method} {request.url.path}"
+    message = f"Unknown route {asked}: this server has no such endpoint. It serves {', '.join(endpoints)}."
+    return APIError(404, message, code="unknown_route")

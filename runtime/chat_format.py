@@ -17,7 +17,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.engine import InvalidRequest
-from runtime.openai_schemas import AssistantMessage, Message, SystemMessage, TextPart, Tool, ToolMessage, UnsupportedPart
+from runtime.openai_schemas import (
+    AssistantMessage,
+    FunctionMessage,
+    Message,
+    RefusalPart,
+    SystemMessage,
+    TextPart,
+    Tool,
+    ToolCall,
+    ToolMessage,
+    UnsupportedPart,
+)
 from runtime.tool_parsers import parser_for_model
 
 TOOLS_PREAMBLE = (
@@ -75,6 +86,9 @@ def text_of(content: Any, param: str) -> str:
     for j, part in enumerate(content):
         if isinstance(part, UnsupportedPart):
             raise InvalidRequest(f"{part.type} content is not supported by this model", param=f"{param}[{j}]")
+        if isinstance(part, RefusalPart):
+            out.append(part.refusal)
+            continue
         assert isinstance(part, TextPart)
         out.append(part.text)
     return "".join(out)
@@ -82,11 +96,18 @@ def text_of(content: Any, param: str) -> str:
 
 def to_plain(msg: Message, i: int) -> dict[str, Any]:
     """A validated message as a Hugging Face chat-template dict (tool call arguments as objects)."""
+    if isinstance(msg, FunctionMessage):  # legacy function result: a tool result for the call named like it
+        return {"role": "tool", "content": text_of(msg.content, f"messages[{i}].content"), "tool_call_id": legacy_call_id(msg.name)}
     role = "system" if isinstance(msg, SystemMessage) else msg.role
     d: dict[str, Any] = {"role": role, "content": text_of(msg.content, f"messages[{i}].content")}
-    if isinstance(msg, AssistantMessage) and msg.tool_calls:
+    if isinstance(msg, AssistantMessage) and not d["content"] and msg.refusal:
+        d["content"] = msg.refusal  # a refusal sent back as history is what the model said
+    tool_calls = msg.tool_calls if isinstance(msg, AssistantMessage) else None
+    if isinstance(msg, AssistantMessage) and msg.function_call is not None and not tool_calls:
+        tool_calls = [ToolCall(id=legacy_call_id(msg.function_call.name), function=msg.function_call)]
+    if tool_calls:
         calls = []
-        for j, call in enumerate(msg.tool_calls):
+        for j, call in enumerate(tool_calls):
             try:
                 args = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
             except json.JSONDecodeError as exc:
@@ -99,6 +120,11 @@ def to_plain(msg: Message, i: int) -> dict[str, Any]:
     if isinstance(msg, ToolMessage):
         d["tool_call_id"] = msg.tool_call_id
     return d
+
+
+def legacy_call_id(name: str) -> str:
+    """The call id that pairs a legacy ``function_call`` with the ``role: "function"`` message answering it."""
+    return f"call_{name}"
 
 
 def hermes_messages(plain: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -13,12 +13,14 @@ parallel forced calls (a forced choice yields exactly one call).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xgrammar as xgr
 
 from runtime.engine import Grammar, InvalidRequest
-from runtime.openai_schemas import ChatCompletionRequest, NamedToolChoice
+
+if TYPE_CHECKING:
+    from runtime.generation import GenRequest
 
 _CALL_FORMATS: dict[str, tuple[str, str, str]] = {
     # parser name: (prefix, arguments key, suffix)
@@ -29,21 +31,20 @@ _CALL_FORMATS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def grammar_for(req: ChatCompletionRequest, parser_name: str) -> Grammar | None:
-    """The constraint a request asks for, or None when decoding is free."""
-    choice = req.tool_choice
-    if req.tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
-        tools = {t.function.name: t.function.parameters for t in req.tools}
-        if isinstance(choice, NamedToolChoice):
-            tools = {choice.function.name: tools[choice.function.name]}
+def grammar_for(req: GenRequest, parser_name: str) -> Grammar | None:
+    """The constraint an internal request asks for, or None when decoding is free."""
+    if req.forced_tool:
+        tools = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}} for t in req.tools}
+        name = getattr(req.tool_choice, "name", None)
+        if name is not None:
+            tools = {name: tools[name]}
         return Grammar("ebnf", tool_call_ebnf(tools, parser_name))
-    fmt = req.response_format
-    if fmt is None or fmt.type == "text":
+    fmt = req.output_format
+    if fmt is None:
         return None
-    if fmt.type == "json_object":
+    if fmt.kind == "json_object":
         return Grammar("json_object")
-    assert fmt.json_schema is not None
-    return Grammar("json_schema", json.dumps(fmt.json_schema.schema_))
+    return Grammar("json_schema", json.dumps(fmt.schema or {}))
 
 
 def tool_call_ebnf(tools: dict[str, dict[str, Any]], parser_name: str) -> str:

@@ -54,7 +54,21 @@ def from_engine(exc: EngineError) -> APIError:
     return APIError(500, "generation failed", type="server_error", code="internal_error")
 
 
-_UNION_TAGS = {"system", "developer", "user", "assistant", "tool", "text", "image_url", "input_audio", "file", "image", "audio"}
+_UNION_TAGS = {
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+    "text",
+    "refusal",
+    "image_url",
+    "input_audio",
+    "file",
+    "image",
+    "audio",
+}
 
 
 def param_of(loc: tuple[int | str, ...]) -> str | None:
@@ -70,14 +84,26 @@ def param_of(loc: tuple[int | str, ...]) -> str | None:
     return out or None
 
 
+_LIBRARY_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def human_message(msg: str) -> str:
+    """A validation message without pydantic's ``Value error, `` / ``Assertion failed, `` prefixes."""
+    for prefix in _LIBRARY_PREFIXES:
+        if msg.startswith(prefix):
+            return msg[len(prefix) :]
+    return msg
+
+
 def from_validation(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
-    param = param_of(tuple(err["loc"])) or getattr((err.get("ctx") or {}).get("error"), "param", None)
-    msg = err["msg"]
+    field_error = getattr((err.get("ctx") or {}).get("error"), "param", None)  # a cross-field check that names its field
+    param = param_of(tuple(err["loc"])) or field_error
+    msg = human_message(err["msg"])
     if err["type"] == "union_tag_invalid" and param and param.endswith("]"):
         param += ".role" if param.startswith("messages") else ".type"
     if err["type"] == "missing":
         msg = f"'{param}' is a required property" if param else "missing required property"
-    elif param:
+    elif param and not field_error:
         msg = f"Invalid value for '{param}': {msg}"
     return APIError(400, msg, param=param, code="invalid_value")

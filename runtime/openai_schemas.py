@@ -26,11 +26,18 @@ class TextPart(_In):
     text: str
 
 
+class RefusalPart(_In):
+    """An assistant's refusal, sent back as history: its text is what the model said."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class UnsupportedPart(_In):
     type: Literal["image_url", "input_audio", "file", "image", "audio"]
 
 
-ContentPart = Annotated[TextPart | UnsupportedPart, Field(discriminator="type")]
+ContentPart = Annotated[TextPart | RefusalPart | UnsupportedPart, Field(discriminator="type")]
 
 
 class FunctionCall(_In):
@@ -60,8 +67,17 @@ class AssistantMessage(_In):
     role: Literal["assistant"]
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None  # legacy: one call, answered by a ``role: "function"`` message
     name: str | None = None
     refusal: str | None = None
+
+
+class FunctionMessage(_In):
+    """Legacy: the result of the assistant's ``function_call`` (a tool result without a call id)."""
+
+    role: Literal["function"]
+    name: str
+    content: str | list[ContentPart] | None = None
 
 
 class ToolMessage(_In):
@@ -70,7 +86,7 @@ class ToolMessage(_In):
     tool_call_id: str
 
 
-Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage, Field(discriminator="role")]
 
 
 class FunctionDef(_In):
@@ -98,6 +114,10 @@ class NamedFunction(_In):
 class NamedToolChoice(_In):
     type: Literal["function"]
     function: NamedFunction
+
+
+class LegacyFunctionChoice(_In):
+    name: str
 
 
 class JsonSchemaSpec(_In):
@@ -150,6 +170,9 @@ class ChatCompletionRequest(_In):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
+    # legacy function calling: mapped to tools / tool_choice (``serving_chat.to_internal``)
+    functions: list[FunctionDef] | None = Field(None, min_length=1, max_length=128)
+    function_call: Literal["none", "auto"] | LegacyFunctionChoice | None = None
     # SGLang-style extras (``extra_body``)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -163,6 +186,8 @@ class ChatCompletionRequest(_In):
 
     @model_validator(mode="after")
     def _cross_field(self) -> ChatCompletionRequest:
+        if self.functions or self.function_call is not None:
+            self._legacy_functions()
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.stream_options is not None and not self.stream:
@@ -181,6 +206,22 @@ class ChatCompletionRequest(_In):
             if self.tool_choice not in (None, "none"):
                 raise FieldError("response_format", "response_format cannot be combined with tool calls; set tool_choice to none")
         return self
+
+    def _legacy_functions(self) -> None:
+        """``functions`` / ``function_call`` (deprecated by OpenAI) as ``tools`` / ``tool_choice``."""
+        if self.tools or self.tool_choice is not None:
+            raise FieldError("functions", "functions and function_call are the legacy form of tools and tool_choice; send one form, not both")
+        if not self.functions:
+            raise FieldError("function_call", "function_call requires functions")
+        self.tools = [Tool(type="function", function=f) for f in self.functions]
+        fc = self.function_call
+        if isinstance(fc, LegacyFunctionChoice):
+            if fc.name not in {f.name for f in self.functions}:
+                raise FieldError("function_call", f"function_call names function {fc.name!r}, which is not in functions")
+            self.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=fc.name))
+        else:
+            self.tool_choice = fc
+        self.parallel_tool_calls = False
 
 
 class FieldError(ValueError):

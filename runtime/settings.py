@@ -41,6 +41,11 @@ class ServerSettings(_Frozen):
         (), description="API key clients must send as a Bearer token (repeatable; none = open)", json_schema_extra={"flag": "--api-key"}
     )
     admin_key: str | None = Field(None, description="key for the admin API")
+    cors_origins: tuple[str, ...] = Field(
+        (),
+        description="allow browser pages from this origin to call the API (CORS; repeatable; '*' allows any origin)",
+        json_schema_extra={"flag": "--cors-origin"},
+    )
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="largest accepted request body")
     tool_call_parser: str | None = Field(None, description="tool-call parser (qwen25, hermes, llama3, pythonic, mistral); default chosen per model")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
@@ -48,7 +53,7 @@ class ServerSettings(_Frozen):
         "auto", description="log lines on stderr: console (readable), json (one object per line), auto = console on a terminal, else json"
     )
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
         if isinstance(v, str):

@@ -15,6 +15,7 @@ from runtime.constraints import grammar_for, tool_call_ebnf
 from runtime.engine import AdapterError, EngineClosed, EngineError, EngineOverloaded, Grammar, InvalidRequest
 from runtime.errors import APIError, from_engine, from_validation, param_of
 from runtime.openai_schemas import ChatCompletionRequest
+from runtime.serving_chat import to_internal
 
 USER = [{"role": "user", "content": "hi"}]
 F_PARAMS = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -45,27 +46,27 @@ def chat(**fields: Any) -> ChatCompletionRequest:
     ids=["plain", "tools-default", "auto", "none", "text-format"],
 )
 def test_grammar_for_free_decoding(fields: dict[str, Any]) -> None:
-    assert grammar_for(chat(**fields), "qwen25") is None
+    assert grammar_for(to_internal(chat(**fields)), "qwen25") is None
 
 
 def test_grammar_for_json_object() -> None:
-    assert grammar_for(chat(response_format={"type": "json_object"}), "qwen25") == Grammar("json_object", "")
+    assert grammar_for(to_internal(chat(response_format={"type": "json_object"})), "qwen25") == Grammar("json_object", "")
 
 
 def test_grammar_for_json_schema_passes_the_schema_text() -> None:
-    g = grammar_for(chat(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": OK_SCHEMA}}), "qwen25")
+    g = grammar_for(to_internal(chat(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": OK_SCHEMA}})), "qwen25")
     assert g is not None and g.kind == "json_schema"
     assert json.loads(g.spec) == OK_SCHEMA
 
 
 def test_grammar_for_tool_choice_none_with_response_format_uses_the_format() -> None:
-    g = grammar_for(chat(tools=TOOLS, tool_choice="none", response_format={"type": "json_object"}), "qwen25")
+    g = grammar_for(to_internal(chat(tools=TOOLS, tool_choice="none", response_format={"type": "json_object"})), "qwen25")
     assert g == Grammar("json_object", "")
 
 
 def test_grammar_for_required_and_named_are_ebnf() -> None:
-    req = grammar_for(chat(tools=TOOLS, tool_choice="required"), "qwen25")
-    named = grammar_for(chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}), "qwen25")
+    req = grammar_for(to_internal(chat(tools=TOOLS, tool_choice="required")), "qwen25")
+    named = grammar_for(to_internal(chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}})), "qwen25")
     assert req == Grammar("ebnf", tool_call_ebnf({"f": F_PARAMS, "g": G_PARAMS}, "qwen25"))
     assert named == Grammar("ebnf", tool_call_ebnf({"g": G_PARAMS}, "qwen25"))
 
@@ -155,7 +156,7 @@ def test_unsupported_parser_for_forced_calls(parser: str) -> None:
 
 def test_grammar_for_required_with_unsupported_parser() -> None:
     with pytest.raises(InvalidRequest) as ei:
-        grammar_for(chat(tools=TOOLS, tool_choice="required"), "pythonic")
+        grammar_for(to_internal(chat(tools=TOOLS, tool_choice="required")), "pythonic")
     assert ei.value.param == "tool_choice"
 
 

@@ -1,0 +1,550 @@
+"""The one generation path under every API: an internal request → engine requests → choices or stream events.
+
+Chat Completions, Responses, Anthropic Messages and Completions are thin translations of their wire
+formats into a :class:`GenRequest` (chat-template messages, tools, tool choice, output format,
+sampling) and back from :class:`ChoiceOut` values or :class:`StreamEvent` values. Everything that must
+behave the same whichever API a client speaks happens here: rendering the prompt (``chat_format``),
+the context-length check, the decoding constraint (``constraints``), one :class:`GenerateRequest` per
+choice, tool-call parsing (``tool_parsers``; in a stream, ``tool_stream`` sends the arguments as they
+decode), logprobs, and recording each choice as a turn with the recorder's stitching.
+
+Streams: every choice's engine stream is opened before the first byte is sent (so 429/400 still
+arrive as HTTP errors); events of all choices are merged in arrival order; the turns are recorded
+before any :class:`ChoiceDone` is yielded (so ``sync`` durability holds for streams too). An engine
+failure mid-stream yields :class:`StreamFailed` and records that choice with ``finish_reason: "abort"``.
+
+Not here: HTTP, authentication, adapter routing (``runtime/serving.py``), or any wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from learner.records import ToolCallRecord, Turn, TurnTimings
+from runtime.chat_format import ChatFormatter
+from runtime.constraints import grammar_for
+from runtime.engine import (
+    Engine,
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+    InvalidRequest,
+    SamplingParams,
+    StreamChunk,
+    Timings,
+    TokenLogprob,
+)
+from runtime.metrics import Metrics
+from runtime.recorder import ANONYMOUS, Recorder, TurnSlot, messages_key
+from runtime.token_bytes import token_bytes_fn
+from runtime.tool_parsers import ParsedToolCall, get_parser
+from runtime.tool_stream import ToolCallStreamer
+
+log = logging.getLogger(__name__)
+
+
+# ---- the internal request ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NamedTool:
+    """``tool_choice`` naming one function: exactly one call to it is decoded."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """A structured-output constraint on the reply text (``response_format``, ``text.format``)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedTool | None
+
+
+@dataclass
+class GenRequest:
+    """What every API asks the model for, in one vocabulary.
+
+    ``messages`` are chat-template dicts (``role``, ``content`` text, assistant ``tool_calls`` with
+    arguments as objects, tool ``tool_call_id``); ``tools`` are OpenAI chat-shaped tool dicts
+    (``{"type": "function", "function": {"name", "description", "parameters"}}``). ``prompt_ids`` set
+    means a raw prompt (``/v1/completions``): no chat template, no tools.
+    """
+
+    model: str
+    messages: list[dict[str, Any]]
+    api: str  # which wire format asked (recorded with the turn's sampling parameters)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool = True
+    output_format: OutputFormat | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the wire field's name, for error messages
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    user: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    prompt_text: str | None = None  # the raw prompt as text, for records (with prompt_ids)
+    messages_param: str = "messages"
+
+    @property
+    def tools_on(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> bool:
+        return self.tools_on and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedTool))
+
+    def tool_names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools}
+
+
+# ---- what comes back -----------------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceOut:
+    """One finished choice, in API-neutral terms."""
+
+    index: int
+    content: str | None  # the reply text shown to the client (without tool-call markup)
+    tool_calls: list[ParsedToolCall]
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    text: str = ""  # the whole decoded text (tool-call markup included)
+    output_ids: tuple[int, ...] = ()
+    completion_tokens: int = 0
+    logprobs: list[dict[str, Any]] | None = None  # OpenAI's per-token entries, when asked for
+    ids: dict[str, Any] | None = None  # this choice's trajectory and turn ids
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    index: int
+    text: str
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    call_index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolArgsDelta:
+    index: int
+    call_index: int
+    delta: str
+
+
+@dataclass(frozen=True)
+class ChoiceDone:
+    """A choice finished and is recorded: its finish reason and the whole choice."""
+
+    index: int
+    choice: ChoiceOut
+
+
+@dataclass(frozen=True)
+class StreamFailed:
+    index: int
+    message: str = "generation failed"
+
+
+StreamEvent = TextDelta | ToolCallStart | ToolArgsDelta | ChoiceDone | StreamFailed
+
+
+@dataclass
+class Prepared:
+    """A request made ready for the engine, with the ids its response will carry."""
+
+    id: str
+    created: int
+    model: str
+    prompt_ids: tuple[int, ...]
+    engine_reqs: list[GenerateRequest]
+    tool_names: set[str] | None  # None: tool calls are not parsed (no tools, or tool_choice none)
+    forced_tool: bool  # tool_choice required / named: the whole output is one call
+    messages: list[dict[str, Any]]  # the request's messages as chat-template dicts
+    adapter: str | None  # the adapter version serving every choice (None = the base model)
+    slots: list[TurnSlot] | None  # recorded turn ids per choice; None when recording is off
+    want_logprobs: bool = False
+    api: str = "chat.completions"
+    completion_tokens: int = 0  # filled in as the choices finish
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def loopwise(self) -> dict[str, Any] | None:
+        """The ``loopwise`` response field: ids to attach feedback to (choice 0, and every choice when n > 1)."""
+        if self.slots is None:
+            return None
+        first = self.slots[0]
+        out: dict[str, Any] = {"trajectory_id": first.trajectory_id, "turn_id": first.turn_id, "adapter": self.adapter}
+        if len(self.slots) > 1:
+            out["choices"] = [{"index": i, "trajectory_id": s.trajectory_id, "turn_id": s.turn_id} for i, s in enumerate(self.slots)]
+        return out
+
+    def headers(self) -> dict[str, str]:
+        if self.slots is None:
+            return {}
+        return {
+            "X-Loopwise-Trajectory-Id": ",".join(s.trajectory_id for s in self.slots),
+            "X-Loopwise-Turn-Id": ",".join(s.turn_id for s in self.slots),
+        }
+
+    def choice_ids(self, i: int) -> dict[str, Any] | None:
+        if self.slots is None:
+            return None
+        return {"trajectory_id": self.slots[i].trajectory_id, "turn_id": self.slots[i].turn_id}
+
+
+# ---- the service -----------------------------------------------------------------------------------
+
+
+class Generation:
+    def __init__(
+        self,
+        engine: Engine,
+        formatter: ChatFormatter,
+        model_id: str,
+        default_max_tokens: int,
+        metrics: Metrics,
+        recorder: Recorder | None = None,
+    ) -> None:
+        self.engine = engine
+        self.recorder = recorder
+        self.formatter = formatter
+        self.model_id = model_id
+        self.default_max_tokens = default_max_tokens
+        self.metrics = metrics
+        self.parser = get_parser(formatter.parser_name)
+        self.tokenizer = formatter.tokenizer
+        self._bytes = token_bytes_fn(formatter.tokenizer)
+
+    # ---- preparation -----------------------------------------------------------------------
+    def prepare(
+        self, req: GenRequest, request_id: str, session_id: str = ANONYMOUS, adapter: str | None = None, id_prefix: str = "chatcmpl-"
+    ) -> Prepared:
+        """Render, check lengths, build the constraint and one engine request per choice, assign turn ids."""
+        if req.prompt_ids is not None:
+            prompt_ids = req.prompt_ids
+            messages = [{"role": "prompt", "content": req.prompt_text or ""}]
+        else:
+            prompt_ids = self.formatter.render_plain(req.messages, req.tools if req.tools_on else None).token_ids
+            messages = req.messages
+        prompt_len = len(prompt_ids)
+        max_len = self.engine.info.max_model_len
+        if prompt_len >= max_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_len} tokens. However, your {req.messages_param} resulted in "
+                f"{prompt_len} tokens. Please reduce the length of the {req.messages_param}.",
+                param=req.messages_param,
+                code="context_length_exceeded",
+            )
+        asked = req.max_tokens
+        if asked is not None and prompt_len + asked > max_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_len} tokens. However, you requested {prompt_len + asked} "
+                f"tokens ({prompt_len} in the {req.messages_param}, {asked} in the completion). Please reduce the length of the "
+                f"{req.messages_param} or completion.",
+                param=req.max_tokens_param,
+                code="context_length_exceeded",
+            )
+        max_new = asked if asked is not None else min(self.default_max_tokens, max_len - prompt_len)
+        grammar = grammar_for(req, self.formatter.parser_name)
+        temperature = 1.0 if req.temperature is None else req.temperature
+        engine_reqs = []
+        for i in range(req.n):
+            sampling = SamplingParams(
+                max_new_tokens=max_new,
+                temperature=temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=None if req.seed is None else req.seed + i,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                logprobs=req.logprobs or self.recorder is not None,  # recorded turns always keep logprobs
+                top_logprobs=req.top_logprobs,
+                grammar=grammar,
+            )
+            engine_reqs.append(GenerateRequest(request_id=f"{request_id}-{i}", input_ids=prompt_ids, sampling=sampling, adapter=adapter))
+        self.metrics.prompt_tokens.inc(prompt_len * req.n)
+        return Prepared(
+            id=f"{id_prefix}{uuid.uuid4().hex[:24]}",
+            created=int(time.time()),
+            model=req.model,
+            prompt_ids=prompt_ids,
+            engine_reqs=engine_reqs,
+            tool_names=req.tool_names() if req.tools_on else None,
+            forced_tool=req.forced_tool,
+            messages=messages,
+            adapter=adapter,
+            slots=self.recorder.assign(session_id, messages, req.n) if self.recorder is not None else None,
+            want_logprobs=req.logprobs,
+            api=req.api,
+        )
+
+    # ---- non-streamed ----------------------------------------------------------------------
+    async def complete(self, prep: Prepared) -> list[ChoiceOut]:
+        """Generate every choice, parse tool calls, record the turns; the choices in index order."""
+        tasks = [asyncio.ensure_future(self.engine.generate(r)) for r in prep.engine_reqs]
+        try:
+            results: list[GenerateResult] = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:  # one choice failed or the client left: stop the others too
+                t.cancel()
+            raise
+        choices = []
+        for i, res in enumerate(results):
+            self.metrics.ttft.observe(res.timings.ttft_s)
+            calls = self.parser.parse(res.text, prep.tool_names).tool_calls if prep.tool_names is not None else []
+            content = self.parser.parse(res.text, prep.tool_names).content if calls else res.text
+            finish = _finish(res.finish_reason, bool(calls))
+            choices.append(self._choice(prep, i, res, content, calls, finish))
+        await self._record(prep, [(c, r) for c, r in zip(choices, results, strict=True)])
+        return choices
+
+    def _choice(self, prep: Prepared, i: int, res: GenerateResult, content: str | None, calls: list[ParsedToolCall], finish: str) -> ChoiceOut:
+        prep.completion_tokens += len(res.output_ids)
+        return ChoiceOut(
+            index=i,
+            content=content,
+            tool_calls=calls,
+            finish_reason=finish,
+            text=res.text,
+            output_ids=res.output_ids,
+            completion_tokens=len(res.output_ids),
+            logprobs=self.token_logprobs(res.logprobs, res.matched_stop) if prep.want_logprobs else None,
+            ids=prep.choice_ids(i),
+        )
+
+    async def _record(self, prep: Prepared, done: list[tuple[ChoiceOut, GenerateResult]]) -> None:
+        if self.recorder is not None and done:
+            await self.recorder.record([self._turn(prep, c, res) for c, res in done])
+
+    def _turn(self, prep: Prepared, choice: ChoiceOut, res: GenerateResult) -> Turn:
+        """The record of one choice: exact prompt ids, output ids and logprobs as the engine gave them."""
+        assert prep.slots is not None
+        i = choice.index
+        slot = prep.slots[i]
+        sp = prep.engine_reqs[i].sampling
+        reply: dict[str, Any] = {"role": "assistant", "content": choice.content or ""}
+        if choice.tool_calls:
+            reply["tool_calls"] = [_call_dict(c) for c in choice.tool_calls]
+        return Turn(
+            turn_id=slot.turn_id,
+            trajectory_id=slot.trajectory_id,
+            session_id=slot.session_id,
+            index=slot.index,
+            parent_turn_id=slot.parent_turn_id,
+            completion_id=prep.id,
+            choice_index=i,
+            model=self.model_id,
+            adapter=prep.engine_reqs[i].adapter,
+            context_ids=list(res.prompt_ids),
+            output_ids=list(res.output_ids),
+            logprobs=[lp.logprob for lp in res.logprobs],
+            loss_mask=[1] * len(res.output_ids),
+            sampling={
+                "temperature": sp.temperature,
+                "top_p": sp.top_p,
+                "seed": sp.seed,
+                "max_new_tokens": sp.max_new_tokens,
+                "stop": list(sp.stop),
+                "grammar": sp.grammar.kind if sp.grammar else None,
+                "api": prep.api,
+            },
+            tool_calls=[ToolCallRecord(id=c.id, name=c.name, arguments=c.arguments) for c in choice.tool_calls],
+            finish_reason=choice.finish_reason if res.finish_reason != "abort" else "abort",
+            timings=TurnTimings(queued_s=res.timings.queued_s, ttft_s=res.timings.ttft_s, total_s=res.timings.total_s),
+            messages=prep.messages,
+            output_text=res.text,
+            prefix_key=messages_key(prep.messages),
+            continuation_key=messages_key([*prep.messages, reply]),
+        )
+
+    # ---- streamed --------------------------------------------------------------------------
+    async def open_streams(self, prep: Prepared) -> list[tuple[AsyncIterator[StreamChunk], StreamChunk]]:
+        """Start every choice's stream and wait for its first chunk, so that 429/400 happen before any byte is sent."""
+        opened: list[tuple[AsyncIterator[StreamChunk], StreamChunk]] = []
+        try:
+            for r in prep.engine_reqs:
+                it = aiter(self.engine.stream(r))
+                first = await anext(it)
+                opened.append((it, first))
+        except BaseException:
+            for it, _ in opened:
+                await it.aclose()  # type: ignore[attr-defined]
+            raise
+        return opened
+
+    async def events(self, prep: Prepared, opened: list[tuple[AsyncIterator[StreamChunk], StreamChunk]]) -> AsyncIterator[StreamEvent]:
+        """The merged events of every choice; the turns are recorded before the first :class:`ChoiceDone`."""
+        queue: asyncio.Queue[tuple[int, StreamChunk | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, it: AsyncIterator[StreamChunk], first: StreamChunk) -> None:
+            try:
+                await queue.put((index, first))
+                if first.finish_reason is None:
+                    async for chunk in it:
+                        await queue.put((index, chunk))
+            except EngineError as exc:
+                await queue.put((index, exc))
+            finally:
+                await queue.put((index, None))
+
+        states = [_ChoiceStream(i, prep, self) for i in range(len(opened))]
+        tasks = [asyncio.create_task(pump(i, it, first)) for i, (it, first) in enumerate(opened)]
+        try:
+            live = len(tasks)
+            while live:
+                index, item = await queue.get()
+                if item is None:
+                    live -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    log.error("stream failed: %s", item)
+                    states[index].abort()  # recorded below as an aborted turn, with the tokens it got
+                    yield StreamFailed(index)
+                    continue
+                for event in states[index].feed(item):
+                    yield event
+            done = [st for st in states if st.result is not None and st.choice is not None]
+            if len(done) == len(states):
+                await self._record(prep, [(st.choice, st.result) for st in done])  # type: ignore[misc]
+            for st in states:
+                if st.choice is not None and not st.aborted:
+                    yield ChoiceDone(st.index, st.choice)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for it, _ in opened:
+                # a stream still inside its pump's anext() cannot be closed from here ("already running");
+                # cancelling that pump closes it (and so cancels its generation)
+                with contextlib.suppress(RuntimeError):
+                    await it.aclose()  # type: ignore[attr-defined]
+
+    # ---- shared ----------------------------------------------------------------------------
+    def token_logprobs(self, lps: tuple[TokenLogprob, ...], matched_stop: str | int | None) -> list[dict[str, Any]]:
+        """OpenAI's per-token logprob entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``); a final stop token is left out."""
+        out = []
+        tok = self.tokenizer
+        for lp in lps:
+            if isinstance(matched_stop, int) and lp.token_id == matched_stop and lp is lps[-1]:
+                continue  # the stop token is not part of the content
+            top = [{"token": tok.decode([tid]), "logprob": v, "bytes": list(self._bytes(tid))} for tid, v in lp.top]
+            out.append({"token": tok.decode([lp.token_id]), "logprob": lp.logprob, "bytes": list(self._bytes(lp.token_id)), "top_logprobs": top})
+        return out
+
+
+class _ChoiceStream:
+    """Per-choice streaming state: the text so far, what was shown, the tool-call streamer."""
+
+    def __init__(self, index: int, prep: Prepared, svc: Generation) -> None:
+        self.index = index
+        self.prep = prep
+        self.svc = svc
+        self.text = ""  # all text generated so far
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.result: GenerateResult | None = None  # set at the end, for recording
+        self.choice: ChoiceOut | None = None
+        self.aborted = False
+        self.tools = ToolCallStreamer(svc.parser, prep.tool_names, prep.forced_tool) if prep.tool_names is not None else None
+
+    def feed(self, chunk: StreamChunk) -> list[StreamEvent]:
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.text += chunk.text
+        lps = self.svc.token_logprobs(chunk.logprobs, chunk.matched_stop) if self.prep.want_logprobs else None
+        out: list[StreamEvent] = []
+        if self.tools is None:
+            if chunk.text or lps:
+                out.append(TextDelta(self.index, chunk.text, lps))
+        else:
+            pieces = self.tools.feed(chunk.text)
+            if chunk.finish_reason is not None:
+                pieces += self.tools.finish()
+            out += self._events(pieces, lps)
+        if chunk.finish_reason is None:
+            return out
+        req = self.prep.engine_reqs[self.index]
+        self.result = GenerateResult(
+            request_id=req.request_id,
+            prompt_ids=req.input_ids,
+            output_ids=tuple(self.token_ids),
+            text=self.text,
+            finish_reason=chunk.finish_reason,
+            logprobs=tuple(self.logprobs),
+            matched_stop=chunk.matched_stop,
+            timings=chunk.timings or Timings(),
+        )
+        if self.tools is not None:
+            content, calls = self.tools.content(), self.tools.calls()
+        else:
+            content, calls = self.text, []
+        self.choice = self.svc._choice(self.prep, self.index, self.result, content, calls, _finish(chunk.finish_reason, bool(calls)))
+        self.choice.logprobs = None  # already streamed
+        return out
+
+    def _events(self, pieces: list[tuple[Any, ...]], lps: list[dict[str, Any]] | None) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        for piece in pieces:
+            if piece[0] == "text":
+                out.append(TextDelta(self.index, piece[1], lps))
+                lps = None
+            elif piece[0] == "start":
+                out.append(ToolCallStart(self.index, piece[1], piece[2], piece[3]))
+            else:
+                out.append(ToolArgsDelta(self.index, piece[1], piece[2]))
+        if lps:
+            out.append(TextDelta(self.index, "", lps))
+        return out
+
+    def abort(self) -> None:
+        """The engine failed mid-stream: what was generated so far becomes an aborted result (for the record)."""
+        if self.result is not None:
+            return
+        req = self.prep.engine_reqs[self.index]
+        self.aborted = True
+        self.result = GenerateResult(
+            request_id=req.request_id,
+            prompt_ids=req.input_ids,
+            output_ids=tuple(self.token_ids),
+            text=self.text,
+            finish_reason="abort",
+            logprobs=tuple(self.logprobs),
+        )
+        self.choice = self.svc._choice(self.prep, self.index, self.result, self.text, [], "stop")
+
+
+def _finish(reason: str, has_calls: bool) -> str:
+    if reason == "abort":
+        return "stop"
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def _call_dict(c: ParsedToolCall) -> dict[str, Any]:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

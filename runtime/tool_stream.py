@@ -1,0 +1,218 @@
+"""Tool calls out of a token stream: content until a call starts, then the call's name and its arguments as they decode.
+
+:class:`ToolCallStreamer` is fed the text of one choice as it arrives and returns pieces:
+``("text", s)`` (content safe to show), ``("start", k, call_id, name)`` and ``("args", k, delta)``
+(the ``k``-th call's arguments text, in order; the deltas joined are the call's ``arguments``).
+
+For the Hermes/Qwen2.5 format (parsers ``qwen25``, ``hermes``, ``qwen``; what loopwise renders for
+templates without a tool section) calls stream incrementally: once ``<tool_call>`` and the
+``{"name": "...", "arguments": `` head are decoded and the name is one of the request's tools, the
+call starts, and every later character of the arguments object is sent as it arrives (a JSON scanner
+tracks strings and nesting to find where the object ends). The arguments are the model's own JSON
+text, which under a forced tool choice is compact JSON that the grammar guarantees to match the schema.
+For the other formats (``llama3``, ``pythonic``, ``mistral``) the text from the first possible
+call marker is held back and parsed when the choice ends, then sent as one delta per call.
+
+A call that has started stays a call: if the model stops inside the arguments (``length``), the
+arguments are what it produced, as OpenAI streams them. Text the model writes between or after
+calls is sent as content when the choice ends.
+
+Not here: parsing complete outputs (``tool_parsers``), or any wire format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from runtime.tool_parsers import ParsedToolCall, ToolCallParser, new_call_id
+
+_INCREMENTAL = {"qwen25"}  # parser class names whose calls stream incrementally
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)', re.DOTALL)
+_END = "</tool_call>"
+_MAX_HEAD = 512  # a call head longer than this is not one: hold the rest and parse it at the end
+
+
+class ToolCallStreamer:
+    def __init__(self, parser: ToolCallParser, tool_names: set[str], forced: bool = False) -> None:
+        self.parser = parser
+        self.names = tool_names
+        self.forced = forced
+        self.incremental = parser.name in _INCREMENTAL
+        self.mode = "text"  # text | head | args | tail | held
+        self.buf = ""  # text not yet consumed in the current mode
+        self.shown: list[str] = []  # content sent
+        self.after: list[str] = []  # content between/after calls, sent at the end
+        self.held = ""  # text from a call marker on that is parsed when the choice ends
+        self._calls: list[list[str]] = []  # [id, name, arguments]
+        self._depth = 0
+        self._in_str = False
+        self._esc = False
+
+    # ---- feeding
+    def feed(self, text: str) -> list[tuple[Any, ...]]:
+        self.buf += text
+        out: list[tuple[Any, ...]] = []
+        progressed = True
+        while progressed:
+            progressed = getattr(self, f"_{self.mode}")(out)
+        return out
+
+    def finish(self) -> list[tuple[Any, ...]]:
+        """The choice ended: flush what is held (parsing held text for calls)."""
+        out: list[tuple[Any, ...]] = []
+        rest, self.buf = self.buf, ""
+        if self.mode in ("held", "head"):
+            rest = self.held + rest if self.mode == "held" else self.parser.markers[0] + rest
+            parsed = self.parser.parse(rest, self.names)
+            self.after.append(parsed.content or "" if parsed.tool_calls else rest)
+            for c in parsed.tool_calls:
+                k = len(self._calls)
+                self._calls.append([c.id, c.name, c.arguments])
+                out += [("start", k, c.id, c.name), ("args", k, c.arguments)]
+        elif self.mode == "text":
+            self.after.append(rest)
+        elif self.mode in ("tail", "args"):
+            if self.mode == "args":
+                self._emit_args(rest, out)
+            elif not _could_close(rest):
+                self.after.append(rest)
+        text = "".join(self.after)
+        if self._calls:
+            text = text.strip()
+        if text and (text.strip() or not self._calls):
+            out.insert(0, ("text", text))
+            self.shown.append(text)
+        self.mode = "done"
+        return out
+
+    # ---- results
+    def calls(self) -> list[ParsedToolCall]:
+        return [ParsedToolCall(name=name, arguments=args, id=cid) for cid, name, args in self._calls]
+
+    def content(self) -> str | None:
+        text = "".join(self.shown)
+        return text if text or not self._calls else None
+
+    # ---- modes (each returns whether it consumed something and another mode should look)
+    def _text(self, out: list[tuple[Any, ...]]) -> bool:
+        if self._calls:  # text after a finished call: kept for the end
+            start = self.buf.find(self.parser.markers[0]) if self.incremental else -1
+            if start < 0:
+                hold = self.parser.stream_hold_index(self.buf) if self.incremental else len(self.buf)
+                self.after.append(self.buf[:hold])
+                self.buf = self.buf[hold:]
+                return False
+            self.after.append(self.buf[:start])
+            self.buf = self.buf[start + len(self.parser.markers[0]) :]
+            self.mode = "head"
+            return True
+        upto = self.parser.stream_hold_index(self.buf)
+        if upto > 0:
+            out.append(("text", self.buf[:upto]))
+            self.shown.append(self.buf[:upto])
+            self.buf = self.buf[upto:]
+        if upto < len(self.buf) and self.parser.detect(self.buf):
+            if self.incremental and self.buf.startswith(self.parser.markers[0]):
+                self.buf = self.buf[len(self.parser.markers[0]) :]
+                self.mode = "head"
+            else:
+                self.held, self.buf = self.buf, ""
+                self.mode = "held"
+            return True
+        return False
+
+    def _held(self, out: list[tuple[Any, ...]]) -> bool:
+        self.held += self.buf
+        self.buf = ""
+        return False
+
+    def _head(self, out: list[tuple[Any, ...]]) -> bool:
+        m = _HEAD.match(self.buf)
+        if m is None:
+            if len(self.buf) > _MAX_HEAD or (self.buf.strip() and not self.buf.lstrip().startswith("{")):
+                return self._give_up()
+            return False
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except ValueError:
+            return self._give_up()
+        if name not in self.names or self.buf[m.end()] != "{":
+            return self._give_up()
+        k = len(self._calls)
+        call_id = new_call_id()
+        self._calls.append([call_id, name, ""])
+        out.append(("start", k, call_id, name))
+        self.buf = self.buf[m.end() :]
+        self._depth, self._in_str, self._esc = 0, False, False
+        self.mode = "args"
+        return True
+
+    def _give_up(self) -> bool:
+        """Not a call head we can stream: hold everything from the marker and parse it at the end."""
+        self.held = self.parser.markers[0] + self.buf
+        self.buf = ""
+        self.mode = "held"
+        return False
+
+    def _args(self, out: list[tuple[Any, ...]]) -> bool:
+        end = self._scan(self.buf)
+        if end < 0:
+            self._emit_args(self.buf, out)
+            self.buf = ""
+            return False
+        self._emit_args(self.buf[:end], out)
+        self.buf = self.buf[end:]
+        self.mode = "tail"
+        return True
+
+    def _emit_args(self, piece: str, out: list[tuple[Any, ...]]) -> None:
+        if piece:
+            k = len(self._calls) - 1
+            self._calls[k][2] += piece
+            out.append(("args", k, piece))
+
+    def _scan(self, s: str) -> int:
+        """Advance the JSON scanner over ``s``; the index just past the object's closing brace, else -1."""
+        for i, ch in enumerate(s):
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif ch == "\\":
+                    self._esc = True
+                elif ch == '"':
+                    self._in_str = False
+            elif ch == '"':
+                self._in_str = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return -1
+
+    def _tail(self, out: list[tuple[Any, ...]]) -> bool:
+        """After the arguments: ``}`` and ``</tool_call>`` close the call; anything else is content."""
+        i = self.buf.find(_END)
+        if i >= 0:
+            self.buf = self.buf[i + len(_END) :]
+            self.mode = "text"
+            return True
+        if not _could_close(self.buf):
+            self.after.append(self.buf)
+            self.buf = ""
+            self.mode = "text"
+        return False
+
+    def _done(self, out: list[tuple[Any, ...]]) -> bool:
+        return False
+
+
+def _could_close(s: str) -> bool:
+    """``s`` is a prefix of the rest of a call: optional whitespace, ``}``, whitespace, ``</tool_call>``."""
+    t = s.lstrip()
+    if not t:
+        return True
+    return t[0] == "}" and _END.startswith(t[1:].lstrip()[: len(_END)])
