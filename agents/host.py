@@ -128,8 +128,21 @@ class ServedAgentImpl:
         }
 
     async def chat(self, messages: list[dict[str, Any]], *, session_id: str, request_id: str, options: dict[str, Any]) -> AgentAnswer:
+        """Answer a chat-style request. ``options``: ``seed``; from frameworks also ``tools`` (the client's, chat-shaped),
+        ``tool_choice`` (``auto``/``required``/``{"name"}``) and ``output_format`` (``{"kind", "schema"}``); see
+        :meth:`agents.loop.AgentLoop.for_client`."""
+        loop = self.loop
+        tools, choice, fmt = options.get("tools") or [], options.get("tool_choice"), options.get("output_format")
+        if tools or fmt:
+            forced = tools and (choice == "required" or isinstance(choice, dict))
+            finalize = None
+            if forced:
+                finalize = ("tool", loop.client.constraint(tools, choice, None))
+            elif fmt:
+                finalize = ("format", loop.client.constraint([], None, fmt))
+            loop = loop.for_client(tools, finalize)  # type: ignore[arg-type]
         ticket = await self.copilot.prepare(messages, session_id=session_id) if self.copilot is not None else None
-        result = await self.loop.run(ticket.messages if ticket else messages, session_id=session_id, request_id=request_id, seed=options.get("seed"))
+        result = await loop.run(ticket.messages if ticket else messages, session_id=session_id, request_id=request_id, seed=options.get("seed"))
         if ticket is not None and self.copilot is not None:
             self.copilot.after(ticket, messages, result)
         return AgentAnswer(
@@ -138,6 +151,7 @@ class ServedAgentImpl:
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
             loopwise=_ids(result),
+            tool_calls=list(result.tool_calls),
         )
 
     async def run(self, body: dict[str, Any], *, session_id: str, request_id: str) -> dict[str, Any]:

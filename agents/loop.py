@@ -47,6 +47,7 @@ Not here: HTTP (``agents/host.py``), tool execution (``tools/``), parsing the se
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import uuid
@@ -69,6 +70,11 @@ from tools.registry import ToolRegistry
 
 log = structlog.get_logger(__name__)
 
+FINALIZE_MIN_TOKENS = 512
+FINALIZE_PROMPTS = {
+    "tool": "Now give your final answer by calling one of the tools.",
+    "format": "Now give your final answer in the requested JSON format.",
+}
 SENTINEL = "\u2063LOOPWISE\u2063SENTINEL\u2063"  # never produced by a tokenizer's decode of normal text
 
 
@@ -165,6 +171,7 @@ class RunResult:
     branch_turn: int | None = None
     anchor: str | None = None
     rerollout: str | None = None
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # calls to the client's tools that ended the run (id, name, arguments)
 
     @property
     def turns(self) -> int:
@@ -174,6 +181,14 @@ class RunResult:
         out = asdict(self)
         out["turns"] = self.turns
         return out
+
+
+@dataclass
+class _Final:
+    res: GenerateResult
+    step: StepRecord
+    answer: str
+    calls: list[Any]
 
 
 class ContextTracker:
@@ -212,6 +227,24 @@ class AgentLoop:
         self.rewrite = rewrite
         self.tool_schemas = tools.schemas(list(config.tools)) if config.tools else None
         self.tool_names = set(config.tools)
+        self.client_tool_names: frozenset[str] = frozenset()
+        self.finalize: tuple[str, Grammar] | None = None
+
+    def for_client(self, client_tools: list[dict[str, Any]], finalize: tuple[str, Grammar] | None) -> AgentLoop:
+        """This loop for one request from a framework: the client's tools join the agent's (a call to one ends the
+        run with that call, as any model's turn would), and ``finalize`` (``("tool" | "format", grammar)``) adds
+        one last turn decoded under the grammar when the run ends without such a call: the answer as a forced
+        client tool call, or in the requested output format."""
+        loop = copy.copy(self)
+        own = {t["function"]["name"] for t in client_tools}
+        clash = own & self.tool_names
+        if clash:
+            raise ValueError(f"client tools {', '.join(sorted(clash))} have the names of the agent's own tools")
+        loop.tool_schemas = [*(self.tool_schemas or []), *client_tools] or None
+        loop.tool_names = self.tool_names | own
+        loop.client_tool_names = frozenset(own)
+        loop.finalize = finalize
+        return loop
 
     def policy(self) -> StopPolicy:
         return make_policy(self.config.stop_policy, **self.config.stop_params)
@@ -314,6 +347,9 @@ class AgentLoop:
         turn = 0
         branched = branch is None
         replayed_tokens = 0
+        client_calls: list[Any] = []  # calls to the client's tools: they end the run
+        client_text = ""
+        res: GenerateResult | None = None
         while turn < max_turns:
             if self.rewrite is not None and (new_msgs := self.rewrite(msgs, turn)) is not None:
                 msgs = new_msgs
@@ -381,6 +417,13 @@ class AgentLoop:
             if not forced:
                 await self._record(res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, calls, res.finish_reason, trajectory_id)
                 parent = turn_id
+            client_calls = [c for c in calls if c.name in self.client_tool_names]
+            if client_calls:  # the client runs these tools: the run ends here, the call is the answer
+                client_text = self.client.parse_tool_calls(text, self.tool_names).content or ""
+                history.append(TurnView(text=text, tool_calls=len(calls)))
+                msgs += [{"role": "assistant", "content": text}]
+                stop_reason = "client_tool_call"
+                break
             if self.task is not None and problem is not None:
                 step.process_score = self.task.process_score(problem, text)
                 if step.process_score is not None and not forced:
@@ -440,11 +483,21 @@ class AgentLoop:
             raise BranchMismatch(f"{where}: the replayed run stopped at turn {turn} ({stop_reason})")
 
         # ---- the answer and its verification
-        if decision is None or not decision.stop:
+        if not client_calls and (decision is None or not decision.stop):
             final = policy.decide(history, len(history)) if history else None
             if final is not None and env is None:
                 decision = final
         answer = decision.answer if decision is not None and decision.answer is not None else (history[-1].text if history else "")
+        if client_calls:
+            answer = client_text
+        elif self.finalize is not None and env is None and res is not None:
+            fin = await self._finalize(ctx, msgs, res, lease, session_id, run_id, parent, len(steps), trajectory_id)
+            steps.append(fin.step)
+            completion_tokens += len(fin.res.output_ids)
+            parent = fin.step.turn_id
+            answer, client_calls = fin.answer, fin.calls
+            if fin.res.finish_reason == "length":
+                steps[-1].finish_reason = "length"
         if stop_reason == "max_turns" and decision is not None and decision.stop:
             stop_reason = decision.reason
         if steps and steps[-1].finish_reason == "length":
@@ -469,6 +522,7 @@ class AgentLoop:
             last_turn_id=parent,
             finish_reason=finish,
             eval=eval_run,
+            tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in client_calls],
         )
         if problem_ref is not None:
             result.problem_index, result.problem_seed = problem_ref
@@ -494,6 +548,36 @@ class AgentLoop:
         return result
 
     # ---- pieces ---------------------------------------------------------------------------------
+    async def _finalize(
+        self, ctx: ContextTracker, msgs: list[dict[str, Any]], last: GenerateResult, lease: Lease, session_id: str, run_id: str,
+        parent: str | None, index: int, trajectory_id: str,
+    ) -> _Final:  # fmt: skip
+        """One more turn under the request's constraint (a forced client tool call, or an output format)."""
+        assert self.finalize is not None
+        kind, grammar = self.finalize
+        prompt = [{"role": "user", "content": FINALIZE_PROMPTS[kind]}]
+        if msgs and msgs[-1]["role"] == "assistant":  # stopped on an answer: the context has not moved past it yet
+            ctx.advance(index - 1, last.output_ids, [*ctx.ids, *last.output_ids, *self._observation_ids(msgs[:-1], last, prompt)])
+        else:  # stopped after observations (turn or token limit): the prompt follows them
+            ctx.advance(index - 1, [], self.client.render([*msgs, *prompt], self.tool_schemas).token_ids)
+        msgs = [*msgs, *prompt]
+        room = self.client.max_model_len - len(ctx.ids)
+        sampling = SamplingParams(
+            # a constrained answer must be allowed to finish: at least FINALIZE_MIN_TOKENS, whatever the per-turn cap
+            max_new_tokens=max(1, min(max(self.config.max_tokens_per_turn, FINALIZE_MIN_TOKENS), room - 1)),
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            logprobs=True,
+            grammar=grammar,
+        )
+        res = await self.client.generate(ctx.ids, sampling, lease.adapter, f"{run_id}-final")
+        calls = self.client.parse_tool_calls(res.text, set(self.client_tool_names)).tool_calls if kind == "tool" else []
+        turn_id = new_id("turn")
+        await self._record(res, ctx.ids, turn_id, lease, session_id, run_id, parent, index, msgs, calls, res.finish_reason, trajectory_id)
+        step = StepRecord(index, turn_id, res.text, len(res.output_ids), res.finish_reason, decision="finalize")
+        text = self.client.parse_tool_calls(res.text, set(self.client_tool_names)).content or "" if calls else res.text
+        return _Final(res, step, text, calls)
+
     def _check_branch(self, branch: Branch, max_turns: int) -> None:
         if self.config.t2po.thinking_intervention or self.config.t2po.turn_resample:
             raise ValueError("branch: runs of agents with T²PO cannot be replayed exactly")

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from learner.records import Reward, Turn
 from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, parse_model_name
 from runtime.chat_format import ChatFormatter, RenderedPrompt
-from runtime.engine import Engine, GenerateRequest, GenerateResult, SamplingParams, StreamChunk
+from runtime.engine import Engine, GenerateRequest, GenerateResult, Grammar, SamplingParams, StreamChunk
 from runtime.metrics import Metrics
 from runtime.recorder import ANONYMOUS, Recorder
 from runtime.tool_parsers import ParseResult, get_parser
@@ -59,6 +59,7 @@ class AgentAnswer:
     prompt_tokens: int
     completion_tokens: int
     loopwise: dict[str, Any] = field(default_factory=dict)
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # calls to the client's tools (id, name, arguments)
 
 
 class RuntimeClient(Protocol):
@@ -77,6 +78,7 @@ class RuntimeClient(Protocol):
     async def record(self, turns: list[Turn]) -> None: ...
     async def reward(self, reward: Reward) -> None: ...
     async def annotate(self, trajectory_id: str, meta: dict[str, Any]) -> None: ...
+    def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, output_format: dict[str, Any] | None) -> Grammar | None: ...
 
 
 class ServedAgent(Protocol):
@@ -185,6 +187,17 @@ class LocalRuntimeClient:
             return
         await self.recorder.flush()
         await asyncio.to_thread(self.recorder.store.add_reward, reward)
+
+    def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, output_format: dict[str, Any] | None) -> Grammar | None:
+        """The decoding constraint of a request's ``tool_choice`` (``"required"`` or ``{"name": ...}``: exactly one call to
+        one of ``tools``) or ``output_format`` (``{"kind": "json_object" | "json_schema", "schema": ...}``), as chat requests get it."""
+        from runtime.constraints import grammar_for
+        from runtime.generation import GenRequest, NamedTool, OutputFormat
+
+        choice = NamedTool(tool_choice["name"]) if isinstance(tool_choice, dict) else tool_choice
+        fmt = OutputFormat(output_format["kind"], output_format.get("schema")) if output_format else None
+        req = GenRequest(model=self.model_id, messages=[], api="agent", tools=tools, tool_choice=choice, output_format=fmt)
+        return grammar_for(req, self.formatter.parser_name)
 
     async def annotate(self, trajectory_id: str, meta: dict[str, Any]) -> None:
         if self.recorder is None:

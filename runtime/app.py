@@ -3,7 +3,11 @@
 ``create_app(server_settings, engine_settings, engine, model_id)`` builds everything on ``app.state``
 (no module globals); the lifespan starts and stops the engine. Routes:
 
-- ``POST /v1/chat/completions`` (``serving_chat``), ``GET /v1/models``, ``GET /v1/models/{id}``
+- the generating APIs, each a thin translation over one request path (``serving``, ``generation``):
+  ``POST /v1/chat/completions`` (``serving_chat``), ``/v1/responses`` (``serving_responses``),
+  ``/v1/messages`` (``serving_messages``, Anthropic's format and error envelope), ``/v1/completions``
+  (``serving_completions``); ``POST /v1/embeddings`` (``serving_embeddings``)
+- ``GET /v1/models``, ``GET /v1/models/{id}``
 - ``GET /health`` (a one-token generate), ``GET /ready``, ``GET /metrics`` (Prometheus; the ``endpoint``
   label is the route's template, so ids in paths never grow the label set)
 - ``GET /admin/traffic`` (``runtime/traffic.py``) and the console page ``GET /console`` (``runtime/console.py``)
@@ -11,6 +15,9 @@
 Every error leaves as OpenAI's envelope (``runtime/errors.py``): validation failures are 400 with
 ``param`` (never FastAPI's 422), a bad or missing key 401, an unknown model 404, an oversized body 413,
 overload 429 with ``Retry-After``, and a 500 carries only the request id (the traceback is logged).
+An unknown route is a 404 naming it and the endpoints that exist. ``--cors-origin`` adds CORS
+(outermost, so a browser's preflight is answered before the key check). The key is read from
+``Authorization: Bearer`` or ``X-Api-Key`` (Anthropic's SDK).
 
 Not here: the admin API and feedback endpoints (later issues), process startup (``serve.py``).
 """
@@ -48,12 +55,18 @@ from runtime.engine import Engine, EngineError
 from runtime.errors import APIError, from_engine, human_message
 from runtime.experiments import Experiments
 from runtime.generation import Generation
+from runtime.identity import bearer_token
 from runtime.learner_routes import LearnerCollector, install_learner_routes
 from runtime.memory_routes import MemoryBackend, install_memory_routes
 from runtime.metrics import Metrics
 from runtime.recorder import ANONYMOUS, Recorder
+from runtime.response_store import ResponseStore
 from runtime.serving import Gateway
 from runtime.serving_chat import install_chat_routes
+from runtime.serving_completions import install_completions_routes
+from runtime.serving_embeddings import install_embeddings_routes
+from runtime.serving_messages import install_messages_routes
+from runtime.serving_responses import install_responses_routes
 from runtime.settings import AdapterSettings, EngineSettings, RecorderSettings, ServerSettings
 from runtime.store_routes import install_store_routes, prune_forever
 from runtime.traffic import TrafficHistory, install_traffic_routes
@@ -116,6 +129,7 @@ def create_app(
             for task in background:
                 task.cancel()
             await engine.close()
+            responses.close()
             if recorder is not None:
                 await asyncio.to_thread(recorder.close)  # writes everything still queued
 
@@ -154,6 +168,11 @@ def create_app(
     gateway = Gateway(lambda: app.state.generation, lambda model, session, user: _route(model, session, user), registry, metrics, agents)
     app.state.gateway = gateway
     install_chat_routes(app, gateway, server.max_body_bytes)
+    responses = ResponseStore(server.data_dir / "responses.db")
+    install_responses_routes(app, gateway, responses, server.max_body_bytes)
+    install_messages_routes(app, gateway, server.max_body_bytes)
+    install_completions_routes(app, gateway, server.max_body_bytes)
+    install_embeddings_routes(app, gateway, model_id, server.max_body_bytes)
 
     # the admin key is a superuser: where /v1 needs an API key, it is one too (memory: "admin sees all")
     v1_keys = (*server.api_keys, server.admin_key) if server.api_keys and server.admin_key else server.api_keys
@@ -271,11 +290,11 @@ class _RequestContext:
             except APIError as exc:
                 if started:
                     raise
-                await _error_response(exc)(scope, receive, send_with_id)
+                await _error_response(exc, endpoint)(scope, receive, send_with_id)
             except EngineError as exc:  # e.g. a request a translation found invalid (InvalidRequest)
                 if started:
                     raise
-                await _error_response(from_engine(exc))(scope, receive, send_with_id)
+                await _error_response(from_engine(exc), endpoint)(scope, receive, send_with_id)
             except Exception:
                 log.exception("unhandled error in %s %s", scope["method"], endpoint)
                 if started:
@@ -283,7 +302,7 @@ class _RequestContext:
                 error = APIError(
                     500, f"The server had an error processing your request (request id {rid}).", type="server_error", code="internal_error"
                 )
-                await _error_response(error)(scope, receive, send_with_id)
+                await _error_response(error, endpoint)(scope, receive, send_with_id)
         # the route's template, not the raw path: ids in paths (and unknown paths) must not grow the label set without bound
         label = _CONVERTER.sub("}", getattr(scope.get("route"), "path", None) or _route_template(self.routes, scope))
         self.metrics.requests.labels(label, str(status)).inc()
@@ -309,38 +328,43 @@ def _model_card(model_id: str, created: int, owned_by: str = "loopwise") -> dict
 def _check_auth(request: Request, keys: tuple[str, ...]) -> None:
     if not keys:
         return
-    header = request.headers.get("authorization", "")
-    token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+    token = bearer_token(request)
     if not token:
         raise APIError(
-            401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.", type="authentication_error", code="invalid_api_key"
+            401,
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (or 'X-Api-Key: <key>').",
+            type="authentication_error",
+            code="invalid_api_key",
         )
     if token not in keys:
         raise APIError(401, "Incorrect API key provided.", type="authentication_error", code="invalid_api_key")
 
 
-def _error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+def _error_response(exc: APIError, path: str = "") -> JSONResponse:
+    """The error in OpenAI's envelope, or Anthropic's on ``/v1/messages`` (clients parse their own)."""
+    body = exc.anthropic_body() if path.startswith("/v1/messages") else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = tuple(x for x in err.get("loc", ()) if x != "body")
-        return _error_response(APIError(400, human_message(str(err.get("msg"))), param=".".join(map(str, loc)) or None, code="invalid_value"))
+        error = APIError(400, human_message(str(err.get("msg"))), param=".".join(map(str, loc)) or None, code="invalid_value")
+        return _error_response(error, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code in (404, 405) and exc.detail in ("Not Found", "Method Not Allowed"):
-            return _error_response(unknown_route(request, app))
+            return _error_response(unknown_route(request, app), request.url.path)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "not_found" if exc.status_code == 404 else None
-        return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=code))
+        return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=code), request.url.path)
 
 
 def unknown_route(request: Request, app: FastAPI) -> APIError:

@@ -6,7 +6,11 @@ with ``parameters`` for ``llama3``), whose ``arguments`` match the tool's JSON s
 built with xgrammar and handed to the engine as EBNF text, which the SGLang backend can forward as-is.
 JSON is generated compactly (no free whitespace), so a sampling model cannot pad it forever.
 
-Not here: ``tool_choice: auto`` (the model decides; the parser extracts calls afterwards) and
+``tool_choice: auto`` together with an output format (``response_format`` / ``text.format``) admits
+either one tool call or an answer in the format (the union of both grammars), which is what agent
+frameworks with tools and a structured result ask for.
+
+Not here: ``tool_choice: auto`` alone (the model decides; the parser extracts calls afterwards) and
 parallel forced calls (a forced choice yields exactly one call).
 """
 
@@ -42,9 +46,22 @@ def grammar_for(req: GenRequest, parser_name: str) -> Grammar | None:
     fmt = req.output_format
     if fmt is None:
         return None
+    if req.tools_on:  # tool_choice auto with a structured answer: either one tool call, or the answer in the format
+        tools = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}} for t in req.tools}
+        calls = xgr.Grammar.from_ebnf(tool_call_ebnf(tools, parser_name))
+        return Grammar("ebnf", str(xgr.Grammar.union(calls, _format_grammar(fmt.kind, fmt.schema))))
     if fmt.kind == "json_object":
         return Grammar("json_object")
     return Grammar("json_schema", json.dumps(fmt.schema or {}))
+
+
+def _format_grammar(kind: str, schema: dict[str, Any] | None) -> Any:
+    if kind == "json_object":
+        return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
+    try:
+        return xgr.Grammar.from_json_schema(json.dumps(schema or {}), any_whitespace=False)
+    except (RuntimeError, ValueError) as exc:
+        raise InvalidRequest(f"cannot build a grammar for the output schema: {exc}", param="response_format") from exc
 
 
 def tool_call_ebnf(tools: dict[str, dict[str, Any]], parser_name: str) -> str:

@@ -11,7 +11,8 @@ What lives here: the request/response value types, the protocol, and the engine 
     ├── EngineOverloaded      queue full; the HTTP layer answers 429 with Retry-After
     ├── EngineClosed          the engine is shutting down or never started
     ├── InvalidRequest        a request the engine cannot serve (bad grammar, prompt too long, ...)
-    └── AdapterError          adapter load/unload/lookup failures
+    ├── AdapterError          adapter load/unload/lookup failures
+    └── NotSupported          the backend cannot do this at all (HTTP 501)
 
 What does not: scheduling, batching or sampling code (see ``runtime/engines/``).
 
@@ -57,6 +58,10 @@ class InvalidRequest(EngineError):
 
 class AdapterError(EngineError):
     """An adapter could not be found, loaded or unloaded."""
+
+
+class NotSupported(EngineError):
+    """This backend cannot do what was asked (e.g. embeddings on an external engine): HTTP 501."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,18 @@ class Engine(Protocol):
 
     def stats(self) -> dict[str, float]:
         """Gauges for /metrics: queue depth, running requests, ..."""
+        ...
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """An engine that can also return the base model's pooled hidden states (``POST /v1/embeddings``)."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    async def embed(self, inputs: list[tuple[int, ...]], pooling: Literal["mean", "last"]) -> list[list[float]]:
+        """One vector per input: the final hidden state of the base model (no adapter), mean-pooled or the last token's."""
         ...
 
 

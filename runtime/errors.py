@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from runtime.engine import AdapterError, EngineClosed, EngineError, EngineOverloaded, InvalidRequest
+from runtime.engine import AdapterError, EngineClosed, EngineError, EngineOverloaded, InvalidRequest, NotSupported
 
 
 class APIError(Exception):
@@ -40,6 +40,23 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's envelope (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}``."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
 
 def from_engine(exc: EngineError) -> APIError:
     if isinstance(exc, EngineOverloaded):
@@ -49,6 +66,8 @@ def from_engine(exc: EngineError) -> APIError:
         return APIError(400, str(exc), param=exc.param, code=exc.code or "invalid_value")
     if isinstance(exc, AdapterError):
         return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, NotSupported):
+        return APIError(501, str(exc), type="invalid_request_error", code="not_supported")
     if isinstance(exc, EngineClosed):
         return APIError(503, "the engine is not available", type="server_error", code="engine_unavailable")
     return APIError(500, "generation failed", type="server_error", code="internal_error")
@@ -71,13 +90,18 @@ _UNION_TAGS = {
 }
 
 
+_TYPE_TAGS = {"str", "list", "dict", "int", "float", "bool"}
+
+
 def param_of(loc: tuple[int | str, ...]) -> str | None:
     """``('messages', 0, 'tool', 'tool_call_id')`` → ``messages[0].tool_call_id``."""
     out = ""
-    for prev, item in zip((None, *loc), loc, strict=False):
+    for k, (prev, item) in enumerate(zip((None, *loc), loc, strict=False)):
         if isinstance(item, int):
             out += f"[{item}]"
-        elif (item in _UNION_TAGS and isinstance(prev, int)) or "[" in item or item in {"str", "list", "dict", "int", "float", "bool"}:
+        elif item == "function" and not (k == 2 and loc[0] == "messages"):  # a field (tools[0].function), not the role tag of messages[i]
+            out += ("." if out else "") + item
+        elif (item in _UNION_TAGS and isinstance(prev, int)) or "[" in item or item in _TYPE_TAGS:
             continue  # pydantic's name for a union member, not a field
         else:
             out += ("." if out else "") + item

@@ -104,6 +104,7 @@ class GenRequest:
     prompt_ids: tuple[int, ...] | None = None
     prompt_text: str | None = None  # the raw prompt as text, for records (with prompt_ids)
     messages_param: str = "messages"
+    session_id: str | None = None  # the session to record in (else X-Session-Id, else user); e.g. a chained response's
 
     @property
     def tools_on(self) -> bool:
@@ -133,6 +134,7 @@ class ChoiceOut:
     completion_tokens: int = 0
     logprobs: list[dict[str, Any]] | None = None  # OpenAI's per-token entries, when asked for
     ids: dict[str, Any] | None = None  # this choice's trajectory and turn ids
+    matched_stop: str | int | None = None  # the stop string or token id that ended it
 
 
 @dataclass(frozen=True)
@@ -319,8 +321,9 @@ class Generation:
         choices = []
         for i, res in enumerate(results):
             self.metrics.ttft.observe(res.timings.ttft_s)
-            calls = self.parser.parse(res.text, prep.tool_names).tool_calls if prep.tool_names is not None else []
-            content = self.parser.parse(res.text, prep.tool_names).content if calls else res.text
+            parsed = self.parser.parse(res.text, prep.tool_names) if prep.tool_names is not None else None
+            calls = parsed.tool_calls if parsed is not None else []
+            content = parsed.content if parsed is not None and calls else res.text
             finish = _finish(res.finish_reason, bool(calls))
             choices.append(self._choice(prep, i, res, content, calls, finish))
         await self._record(prep, [(c, r) for c, r in zip(choices, results, strict=True)])
@@ -338,6 +341,7 @@ class Generation:
             completion_tokens=len(res.output_ids),
             logprobs=self.token_logprobs(res.logprobs, res.matched_stop) if prep.want_logprobs else None,
             ids=prep.choice_ids(i),
+            matched_stop=res.matched_stop,
         )
 
     async def _record(self, prep: Prepared, done: list[tuple[ChoiceOut, GenerateResult]]) -> None:

@@ -38,8 +38,11 @@ _CALLER: ContextVar[Caller] = ContextVar("loopwise_caller", default=PUBLIC_CALLE
 
 
 def bearer_token(request: Request) -> str:
+    """The API key: ``Authorization: Bearer <key>``, else ``X-Api-Key`` (how Anthropic's SDK sends it)."""
     header = request.headers.get("authorization", "")
-    return header[7:].strip() if header.lower().startswith("bearer ") else ""
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return request.headers.get("x-api-key", "").strip()
 
 
 def owner_of_token(token: str) -> str:

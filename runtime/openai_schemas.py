@@ -202,9 +202,6 @@ class ChatCompletionRequest(_In):
         if self.presence_penalty or self.frequency_penalty or self.logit_bias:
             field = "presence_penalty" if self.presence_penalty else "frequency_penalty" if self.frequency_penalty else "logit_bias"
             raise FieldError(field, "presence_penalty, frequency_penalty and logit_bias are not supported by this server")
-        if self.tools and self.response_format is not None and self.response_format.type != "text":
-            if self.tool_choice not in (None, "none"):
-                raise FieldError("response_format", "response_format cannot be combined with tool calls; set tool_choice to none")
         return self
 
     def _legacy_functions(self) -> None:

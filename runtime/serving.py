@@ -30,7 +30,7 @@ from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry
 from runtime.agent_api import AgentHost, UnknownModel
 from runtime.engine import EngineError
 from runtime.errors import APIError, from_engine
-from runtime.generation import ChoiceDone, ChoiceOut, Generation, GenRequest, StreamEvent, TextDelta, ToolArgsDelta, ToolCallStart
+from runtime.generation import ChoiceDone, ChoiceOut, Generation, GenRequest, NamedTool, StreamEvent, TextDelta, ToolArgsDelta, ToolCallStart
 from runtime.identity import bind_caller
 from runtime.metrics import Metrics
 from runtime.store_routes import session_of
@@ -54,6 +54,7 @@ class Outcome:
     events: AsyncIterator[StreamEvent] | None = None  # a streamed one
     loopwise: dict[str, Any] | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    session_id: str = ""  # the session the turns were recorded in
     _completion_tokens: Callable[[], int] = lambda: 0
 
     @property
@@ -82,7 +83,7 @@ class Gateway:
         """Serve ``req``; None when the client left before a non-streamed answer was ready (answer 499)."""
         if self.agents is not None and (agent := self.agents.get(req.model)) is not None:
             return await self._agent(request, req, agent, stream=stream, id_prefix=id_prefix)
-        session = session_of(request, req.user)
+        session = req.session_id or session_of(request, req.user)
         lease = self._acquire(req.model, session, req.user)
         adapter = lease.name if lease is not None else None
         svc = self._generation()
@@ -90,7 +91,7 @@ class Gateway:
         streaming = False
         try:
             prep = svc.prepare(req, request.state.request_id, session, adapter=adapter, id_prefix=id_prefix)
-            out = Outcome(prep.id, prep.created, req.model, prep.prompt_tokens, loopwise=prep.loopwise(), headers=prep.headers())
+            out = Outcome(prep.id, prep.created, req.model, prep.prompt_tokens, loopwise=prep.loopwise(), headers=prep.headers(), session_id=session)
             if stream:
                 opened = await svc.open_streams(prep)
                 streaming = True
@@ -107,6 +108,21 @@ class Gateway:
             return None
         out.choices = choices
         return out
+
+    # ---- what translations need from the model
+    def engine(self) -> Any:
+        return self._generation().engine
+
+    def tokenizer(self) -> Any:
+        return self._generation().tokenizer
+
+    def vocab_size(self) -> int:
+        return int(self._generation().engine.info.vocab_size)
+
+    def count_prompt_tokens(self, req: GenRequest) -> int:
+        """Tokens of the prompt ``req`` renders to (chat template and tools included)."""
+        svc = self._generation()
+        return len(svc.formatter.render_plain(req.messages, req.tools if req.tools_on else None).token_ids)
 
     # ---- adapters
     def _acquire(self, model: str, session: str, user: str | None) -> AdapterRef | None:
@@ -128,48 +144,66 @@ class Gateway:
 
     # ---- agents
     async def _agent(self, request: Request, req: GenRequest, agent: Any, *, stream: bool, id_prefix: str) -> Outcome:
-        """Run a served agent as the model: its final answer is the reply (``loopwise`` has its trajectory)."""
-        if req.tools:
-            raise _not_for_agent("tools", "passing tools")
-        if req.n != 1:
-            raise _not_for_agent("n", "n > 1")
+        """Run a served agent as the model: its final answer is the reply (``loopwise`` has its trajectory).
+
+        The client's tools join the agent's (a call to one ends the run with that call), ``tool_choice``
+        ``required``/named and an output format are applied to the final answer, ``n > 1`` runs n agent runs."""
+        if req.prompt_ids is not None:
+            raise APIError(400, f"{req.model!r} is an agent; agents answer chat-style APIs, not raw-prompt completions", param="model")
+        options: dict[str, Any] = {}
+        if req.tools_on:
+            options["tools"] = req.tools
+            choice = req.tool_choice
+            options["tool_choice"] = {"name": choice.name} if isinstance(choice, NamedTool) else choice
         if req.output_format is not None:
-            raise _not_for_agent("response_format", "response_format")
-        for i, m in enumerate(req.messages):
-            if m["role"] == "tool" or m.get("tool_calls"):
-                raise APIError(400, "agents keep their own tool history; send user and assistant text only", param=f"{req.messages_param}[{i}]")
-        try:
+            options["output_format"] = {"kind": req.output_format.kind, "schema": req.output_format.schema}
+        session = req.session_id or session_of(request, req.user)
+        rid = request.state.request_id
+
+        async def one(i: int) -> Any:
+            seed = None if req.seed is None else req.seed + i
             with bind_caller(request, req.user):  # who asked, for per-user agent memory
-                answer = await agent.chat(
-                    req.messages, session_id=session_of(request, req.user), request_id=request.state.request_id, options={"seed": req.seed}
-                )
+                return await agent.chat(req.messages, session_id=session, request_id=f"{rid}-{i}", options={**options, "seed": seed})
+
+        try:
+            answers = await asyncio.gather(*(one(i) for i in range(req.n)))
         except UnknownModel as exc:
             raise APIError(404, f"agent {agent.name!r}: {exc}", param="model", code="model_not_found") from exc
+        except ValueError as exc:  # e.g. a client tool named like one of the agent's
+            raise APIError(400, str(exc), param="tools") from exc
         except EngineError as exc:
             raise from_engine(exc) from exc
-        calls = [ParsedToolCall(name=c["name"], arguments=c["arguments"], id=c["id"]) for c in getattr(answer, "tool_calls", None) or []]
-        choice = ChoiceOut(
-            index=0,
-            content=answer.content if answer.content or not calls else None,
-            tool_calls=calls,
-            finish_reason="tool_calls" if calls else answer.finish_reason,
-            text=answer.content,
-            completion_tokens=answer.completion_tokens,
-            ids={"trajectory_id": answer.loopwise.get("trajectory_id"), "turn_id": answer.loopwise.get("turn_id")},
-        )
+        choices = []
+        for i, answer in enumerate(answers):
+            calls = [ParsedToolCall(name=c["name"], arguments=c["arguments"], id=c["id"]) for c in answer.tool_calls]
+            choices.append(
+                ChoiceOut(
+                    index=i,
+                    content=answer.content if answer.content or not calls else None,
+                    tool_calls=calls,
+                    finish_reason="tool_calls" if calls else answer.finish_reason,
+                    text=answer.content,
+                    completion_tokens=answer.completion_tokens,
+                    ids={"trajectory_id": answer.loopwise.get("trajectory_id"), "turn_id": answer.loopwise.get("turn_id")},
+                )
+            )
+        loopwise = dict(answers[0].loopwise)
+        if req.n > 1:
+            loopwise["choices"] = [{"index": c.index, **(c.ids or {})} for c in choices]
         out = Outcome(
             f"{id_prefix}{uuid.uuid4().hex[:24]}",
             int(time.time()),
             req.model,
-            answer.prompt_tokens,
-            loopwise=answer.loopwise,
-            headers={"X-Loopwise-Trajectory-Id": str(answer.loopwise.get("trajectory_id", ""))},
+            answers[0].prompt_tokens,
+            loopwise=loopwise,
+            headers={"X-Loopwise-Trajectory-Id": ",".join(str(a.loopwise.get("trajectory_id", "")) for a in answers)},
+            session_id=session,
         )
         if not stream:
-            out.choices = [choice]
+            out.choices = choices
             return out
-        out.events = _replay([choice])
-        out._completion_tokens = lambda: choice.completion_tokens
+        out.events = _replay(choices)
+        out._completion_tokens = lambda: sum(c.completion_tokens for c in choices)
         return out
 
 
@@ -184,10 +218,6 @@ async def _replay(choices: list[ChoiceOut]) -> AsyncIterator[StreamEvent]:
             yield ToolArgsDelta(c.index, k, call.arguments)
     for c in choices:
         yield ChoiceDone(c.index, c)
-
-
-def _not_for_agent(param: str, what: str) -> APIError:
-    return APIError(400, f"{what} is not supported for agents (agents run their own tools and sampling)", param=param, code="unsupported_for_agent")
 
 
 async def _release_after(body: AsyncIterator[T], release: Callable[[], None]) -> AsyncIterator[T]:

@@ -224,6 +224,24 @@ class EmbeddedEngine:
         if len(res.output_ids) != 1:
             raise EngineError("health generate returned no token")
 
+    async def embed(self, inputs: list[tuple[int, ...]], pooling: str) -> list[list[float]]:
+        """The base model's final hidden states (no adapter), mean-pooled or the last token's, one input at a time.
+
+        Runs on the scheduler thread between two decode steps (so no forward overlaps one that holds
+        LoRA row state); callers bound the total tokens of a request."""
+        out: list[list[float]] = []
+
+        def run() -> None:
+            assert self._lora is not None
+            for ids in inputs:
+                x = torch.tensor([ids], dtype=torch.long)
+                with self._lora.rows([None], tokens=int(x.numel())):
+                    h = self.model.get_decoder()(input_ids=x).last_hidden_state[0].float()  # (T, H), after the final norm
+                out.append((h.mean(0) if pooling == "mean" else h[-1]).tolist())
+
+        await self._run_in_scheduler(run)
+        return out
+
     async def load_adapter(self, name: str, path: str) -> None:
         """Load a PEFT LoRA folder under ``name``; it is served from the next step on, mixed with others.
 

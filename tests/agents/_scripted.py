@@ -65,6 +65,7 @@ class ScriptedEngine:
             text=self.tok.decode([i for i in ids if i != self.tok.eos_token_id]),
             finish_reason=finish,
             logprobs=tuple(self._lp(i, reply.p) for i in ids),
+            matched_stop=self.tok.eos_token_id if finish == "stop" else None,
         )
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
@@ -75,7 +76,8 @@ class ScriptedEngine:
                 last = k == len(ids) - 1
                 text = "" if tid == self.tok.eos_token_id else self.tok.decode([tid])
                 finish = ("stop" if tid == self.tok.eos_token_id else "length") if last else None
-                yield StreamChunk((tid,), text, (self._lp(tid, reply.p),), finish, timings=Timings() if last else None)
+                matched = self.tok.eos_token_id if finish == "stop" else None
+                yield StreamChunk((tid,), text, (self._lp(tid, reply.p),), finish, matched, timings=Timings() if last else None)
         finally:
             self.closed_streams += 1
 

@@ -236,9 +236,17 @@ def test_response_format_json_schema_needs_schema_object() -> None:
     assert err.param == "response_format"
 
 
-def test_response_format_with_forced_tool_calls_rejected() -> None:
-    err = invalid({"tools": TOOLS, "tool_choice": "auto", "response_format": {"type": "json_object"}})
-    assert err.param == "response_format"
+def test_auto_tools_with_an_output_format_admit_a_call_or_the_formatted_answer(compiler) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": OK_SCHEMA}}
+    g = grammar_for(to_internal(chat(tools=TOOLS, response_format=fmt)), "qwen25")
+    assert g is not None and g.kind == "ebnf"
+    assert accepts(compiler, g.spec, CALL_F)
+    assert accepts(compiler, g.spec, '{"ok": true}')
+    assert not accepts(compiler, g.spec, "plain text")
+    assert not accepts(compiler, g.spec, '{"ok": "yes"}')
+    # a forced choice still decodes exactly one call, whatever the format
+    forced = grammar_for(to_internal(chat(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})), "qwen25")
+    assert forced == Grammar("ebnf", tool_call_ebnf({"f": F_PARAMS, "g": G_PARAMS}, "qwen25"))
 
 
 def test_field_range_errors_name_the_field() -> None:

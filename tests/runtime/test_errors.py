@@ -101,11 +101,6 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("stream-options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("logit-bias", {"logit_bias": {"1": 2.0}}, "logit_bias"),
     ("presence-penalty", {"presence_penalty": 0.5}, "presence_penalty"),
-    (
-        "response-format-with-forced-tools",
-        {"tools": TOOL_F, "tool_choice": "required", "response_format": {"type": "json_object"}},
-        "response_format",
-    ),
     # the grammar for a forced call cannot be built (an unresolvable $ref)
     (
         "unresolvable-tool-ref",

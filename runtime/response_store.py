@@ -1,0 +1,75 @@
+"""Stored Responses (``store: true``): the response object and the items it was answered from, per owner.
+
+A SQLite file (``<data-dir>/responses.db``, WAL) keyed by response id. Each row keeps the owner (the
+API key's identity, ``runtime/identity.py``), the session the response was served in, the response
+object as returned, and its context items (every input item the model saw, the ``previous_response_id``
+chain's included, each with an id). ``previous_response_id`` reads the context and output back to
+continue the conversation; ``GET``, ``DELETE`` and ``input_items`` read or remove one row. Another
+owner's response is reported as not found. Calls are blocking: callers run them in a worker thread.
+
+Not here: building responses (``runtime/serving_responses.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    response TEXT NOT NULL,
+    context TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner, created_at);
+"""
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    id: str
+    owner: str
+    session_id: str
+    response: dict[str, Any]
+    context: list[dict[str, Any]]  # the input items the model saw, in order (the chain's included)
+
+
+class ResponseStore:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def put(self, stored: StoredResponse) -> None:
+        row = (stored.id, stored.owner, stored.session_id, time.time(), json.dumps(stored.response), json.dumps(stored.context))
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
+
+    def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT id, owner, session_id, response, context FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+            ).fetchone()
+        if row is None:
+            return None
+        return StoredResponse(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]))
+
+    def delete(self, response_id: str, owner: str) -> bool:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
+        return cur.rowcount > 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

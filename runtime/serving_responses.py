@@ -1,0 +1,320 @@
+"""``/v1/responses``: OpenAI's Responses API as a thin translation over the one generation path.
+
+- ``POST /v1/responses``: ``input`` (a string or items), ``instructions`` (a system message, not
+  inherited through ``previous_response_id``), flat function ``tools`` and ``tool_choice``,
+  ``text.format`` (``json_object``/``json_schema``, the same constrained decoding as chat's
+  ``response_format``), ``max_output_tokens``, ``temperature``, ``top_p``, ``top_logprobs`` with
+  ``include: ["message.output_text.logprobs"]``, ``metadata``, ``user``, ``store`` (default true),
+  ``previous_response_id`` and ``stream``. The reply's ``output`` holds a ``message`` item and one
+  ``function_call`` item per call; ``usage`` counts input and output tokens; ``loopwise`` carries
+  the recorded ids.
+- ``previous_response_id``: the stored response's context items and output come before the new
+  input, so the model sees the whole conversation, and the turn continues the same recorded
+  trajectory (the recorder's stitching rule matches the rebuilt messages); the session is the stored
+  one unless the request names another. Only the key that stored a response can read, chain or delete it.
+- ``GET /v1/responses/{id}``, ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
+- Streaming: ``response.created``, ``response.in_progress``, per item ``response.output_item.added``,
+  (``response.content_part.added``, ``response.output_text.delta``…, ``.done``, ``response.content_part.done``)
+  or ``response.function_call_arguments.delta``… (as the arguments decode) and ``.done``,
+  ``response.output_item.done``, then ``response.completed`` (its response's ``status`` is
+  ``incomplete`` when ``max_output_tokens`` cut it: the SDK's stream helpers wait for
+  ``response.completed``), or ``response.failed`` when the engine failed; each with a ``sequence_number``.
+
+Not here: the generation path (``runtime/serving.py``, ``runtime/generation.py``), item parsing
+(``runtime/responses_schemas.py``), storage (``runtime/response_store.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from runtime.errors import APIError, from_validation
+from runtime.generation import ChoiceDone, ChoiceOut, GenRequest, NamedTool, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
+from runtime.http_body import read_json
+from runtime.identity import owner_of
+from runtime.response_store import ResponseStore, StoredResponse
+from runtime.responses_schemas import ResponsesRequest, function_tools, items_to_messages, normalize_items, tool_choice_of
+from runtime.serving import Gateway, Outcome
+
+
+def _id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+class ResponsesAPI:
+    def __init__(self, gateway: Gateway, store: ResponseStore | None) -> None:
+        self.gateway = gateway
+        self.store = store
+
+    # ---- request → internal
+    async def build(self, request: Request, req: ResponsesRequest) -> tuple[GenRequest, list[dict[str, Any]], str | None]:
+        """The internal request, the context items (chain + input, each with an id) and the chained session."""
+        context: list[dict[str, Any]] = []
+        session = None
+        if req.previous_response_id is not None:
+            prev = await self._get(request, req.previous_response_id, param="previous_response_id")
+            context = [*prev.context, *prev.response.get("output", [])]
+            session = prev.session_id
+        context += normalize_items(req.input)
+        messages = items_to_messages(context, param="input")
+        if req.instructions:
+            messages.insert(0, {"role": "system", "content": req.instructions})
+        tools = function_tools(req.tools)
+        choice, tools = tool_choice_of(req.tool_choice, tools)
+        output_format = req.output_format()
+        ireq = GenRequest(
+            model=req.model,
+            messages=messages,
+            api="responses",
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            output_format=output_format,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_tokens=req.max_output_tokens,
+            max_tokens_param="max_output_tokens",
+            seed=req.seed,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs or 0,
+            user=req.user,
+            messages_param="input",
+            session_id=None if request.headers.get("x-session-id") else session,
+        )
+        return ireq, context, ireq.session_id
+
+    async def _get(self, request: Request, response_id: str, param: str | None = None) -> StoredResponse:
+        if self.store is None:
+            raise APIError(404, f"Response with id '{response_id}' not found: this server stores no responses.", param=param, code="not_found")
+        stored = await asyncio.to_thread(self.store.get, response_id, owner_of(request))
+        if stored is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", param=param, code="not_found")
+        return stored
+
+    # ---- internal → response object
+    def response(
+        self, req: ResponsesRequest, ireq: GenRequest, out: Outcome, output: list[dict[str, Any]], status: str, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        prompt, completion = out.prompt_tokens, out.completion_tokens
+        choice = ireq.tool_choice
+        fmt = (
+            req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text is not None and req.text.format is not None else {"type": "text"}
+        )
+        body: dict[str, Any] = {
+            "id": out.id,
+            "object": "response",
+            "created_at": out.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "model": req.model,
+            "output": output,
+            "parallel_tool_calls": ireq.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "store": req.store is not False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": fmt},
+            "tool_choice": {"type": "function", "name": choice.name} if isinstance(choice, NamedTool) else (choice or "auto"),
+            "tools": [{"type": "function", **t["function"]} for t in ireq.tools],
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": req.truncation or "disabled",
+            "usage": {
+                "input_tokens": prompt,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + completion,
+            },
+            "user": req.user,
+        }
+        if out.loopwise is not None:
+            body["loopwise"] = out.loopwise
+        return body
+
+    async def save(self, request: Request, req: ResponsesRequest, body: dict[str, Any], context: list[dict[str, Any]], session: str) -> None:
+        if self.store is not None and req.store is not False:
+            stored = StoredResponse(body["id"], owner_of(request), session, body, context)
+            await asyncio.to_thread(self.store.put, stored)
+
+    async def stream(
+        self, request: Request, req: ResponsesRequest, ireq: GenRequest, out: Outcome, context: list[dict[str, Any]], session: str
+    ) -> AsyncIterator[str]:
+        assert out.events is not None
+        seq = 0
+
+        def event(kind: str, **data: Any) -> str:
+            nonlocal seq
+            body = {"type": kind, "sequence_number": seq, **data}
+            seq += 1
+            return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+        output: list[dict[str, Any]] = []
+        current: dict[str, Any] | None = None
+        yield event("response.created", response=self.response(req, ireq, out, [], "in_progress"))
+        yield event("response.in_progress", response=self.response(req, ireq, out, [], "in_progress"))
+
+        def close() -> list[str]:
+            nonlocal current
+            if current is None:
+                return []
+            item, i, events = current, len(output) - 1, []
+            current = None
+            if item["type"] == "message":
+                part = item["content"][0]
+                events.append(event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0, text=part["text"], logprobs=[]))
+                events.append(event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0, part=part))
+            else:
+                events.append(
+                    event("response.function_call_arguments.done", item_id=item["id"], output_index=i, name=item["name"], arguments=item["arguments"])
+                )
+            item["status"] = "completed"
+            events.append(event("response.output_item.done", output_index=i, item=item))
+            return events
+
+        async for ev in out.events:
+            if isinstance(ev, TextDelta):
+                if not ev.text:
+                    continue
+                if current is None or current["type"] != "message":
+                    for e in close():
+                        yield e
+                    current = {"type": "message", "id": _id("msg_"), "status": "in_progress", "role": "assistant", "content": []}
+                    output.append(current)
+                    yield event("response.output_item.added", output_index=len(output) - 1, item=current)
+                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                    yield event("response.content_part.added", item_id=current["id"], output_index=len(output) - 1, content_index=0, part=part)
+                    current["content"] = [dict(part)]
+                current["content"][0]["text"] += ev.text
+                if ev.logprobs:
+                    current["content"][0]["logprobs"] += ev.logprobs
+                yield event(
+                    "response.output_text.delta",
+                    item_id=current["id"],
+                    output_index=len(output) - 1,
+                    content_index=0,
+                    delta=ev.text,
+                    logprobs=ev.logprobs or [],
+                )
+            elif isinstance(ev, ToolCallStart):
+                for e in close():
+                    yield e
+                current = {"type": "function_call", "id": _id("fc_"), "call_id": ev.id, "name": ev.name, "arguments": "", "status": "in_progress"}
+                output.append(current)
+                yield event("response.output_item.added", output_index=len(output) - 1, item=dict(current))
+            elif isinstance(ev, ToolArgsDelta):
+                if current is not None and current["type"] == "function_call":
+                    current["arguments"] += ev.delta
+                    yield event("response.function_call_arguments.delta", item_id=current["id"], output_index=len(output) - 1, delta=ev.delta)
+            elif isinstance(ev, ChoiceDone):
+                for e in close():
+                    yield e
+                status = "incomplete" if ev.choice.finish_reason == "length" else "completed"
+                for item in output:
+                    if item["type"] == "message" and not req.logprobs:
+                        item["content"][0].pop("logprobs", None)
+                body = self.response(req, ireq, out, output, status)
+                await self.save(request, req, body, context, session)
+                # the terminal event is response.completed also when the response is incomplete (its status says
+                # so): the openai SDK's stream helpers and openai-agents wait for response.completed (vLLM does the same)
+                yield event("response.completed", response=body)
+            elif isinstance(ev, StreamFailed):
+                for e in close():
+                    yield e
+                body = self.response(req, ireq, out, output, "failed", error={"code": "server_error", "message": ev.message})
+                yield event("response.failed", response=body)
+
+
+def output_items(choice: ChoiceOut, logprobs: bool) -> list[dict[str, Any]]:
+    """A finished choice as Responses output items: the message (if any text), then one item per call."""
+    items: list[dict[str, Any]] = []
+    if choice.content:
+        part: dict[str, Any] = {"type": "output_text", "text": choice.content, "annotations": []}
+        if logprobs:
+            part["logprobs"] = choice.logprobs or []
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        items.append({"type": "message", "id": _id("msg_"), "status": status, "role": "assistant", "content": [part]})
+    for call in choice.tool_calls:
+        items.append(
+            {"type": "function_call", "id": _id("fc_"), "call_id": call.id, "name": call.name, "arguments": call.arguments, "status": "completed"}
+        )
+    return items
+
+
+def install_responses_routes(app: FastAPI, gateway: Gateway, store: ResponseStore | None, max_body: int) -> None:
+    api = ResponsesAPI(gateway, store)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body = await read_json(request, max_body)
+        try:
+            req = ResponsesRequest.model_validate(body)
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+        ireq, context, session = await api.build(request, req)
+        out = await gateway.run(request, ireq, stream=req.stream, id_prefix="resp_")
+        if out is None:
+            return Response(status_code=499)
+        session = out.session_id
+        if req.stream:
+            return StreamingResponse(
+                api.stream(request, req, ireq, out, context, session),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", **out.headers},
+            )
+        assert out.choices is not None
+        choice = out.choices[0]
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        resp = api.response(req, ireq, out, output_items(choice, req.logprobs), status)
+        await api.save(request, req, resp, context, session)
+        return JSONResponse(resp, headers=out.headers)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return (await api._get(request, response_id)).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        await api._get(request, response_id)
+        assert store is not None
+        await asyncio.to_thread(store.delete, response_id, owner_of(request))
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, request: Request) -> dict[str, Any]:
+        stored = await api._get(request, response_id)
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be asc or desc", param="order")
+        try:
+            limit = int(q.get("limit", "20"))
+        except ValueError:
+            limit = -1
+        if not 1 <= limit <= 100:
+            raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
+        items = stored.context if order == "asc" else stored.context[::-1]
+        after = q.get("after")
+        if after is not None:
+            ids = [it.get("id") for it in items]
+            if after not in ids:
+                raise APIError(400, f"no input item with id {after!r} in this response", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
