@@ -43,33 +43,51 @@ class StoredResponse:
 
 
 class ResponseStore:
+    """The file is created on the first stored response, not before."""
+
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self.path = path
+        self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
+
+    def _conn(self, create: bool) -> sqlite3.Connection | None:
+        if self._db is None and (create or self.path.exists()):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            self._db = db
+        return self._db
 
     def put(self, stored: StoredResponse) -> None:
         row = (stored.id, stored.owner, stored.session_id, time.time(), json.dumps(stored.response), json.dumps(stored.context))
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
+            db = self._conn(create=True)
+            assert db is not None
+            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
 
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         with self._lock:
-            row = self._db.execute(
-                "SELECT id, owner, session_id, response, context FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
-            ).fetchone()
+            db = self._conn(create=False)
+            if db is None:
+                return None
+            sql = "SELECT id, owner, session_id, response, context FROM responses WHERE id = ? AND owner = ?"
+            row = db.execute(sql, (response_id, owner)).fetchone()
         if row is None:
             return None
         return StoredResponse(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]))
 
     def delete(self, response_id: str, owner: str) -> bool:
         with self._lock:
-            cur = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
+            db = self._conn(create=False)
+            if db is None:
+                return False
+            cur = db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
         return cur.rowcount > 0
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            if self._db is not None:
+                self._db.close()
+                self._db = None

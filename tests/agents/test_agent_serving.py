@@ -112,12 +112,14 @@ def test_bad_agent_configs_are_refused(server, cfg, status, needle):
 
 def test_agent_requests_that_cannot_apply_are_400s(server):
     c = client(server)
+    # client tools, n and response_format are served (tests/agents/test_agent_as_model.py); a client tool
+    # named like one of the agent's own tools cannot be
+    tool = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}
     with pytest.raises(BadRequestError) as e:
-        c.chat.completions.create(model="calc-agent", messages=[{"role": "user", "content": "x"}], n=2)
-    assert e.value.body["param"] == "n"
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    with pytest.raises(BadRequestError):
         c.chat.completions.create(model="calc-agent", messages=[{"role": "user", "content": "x"}], tools=[tool])
+    assert e.value.body["param"] == "tools" and "calculator" in e.value.body["message"]
+    with pytest.raises(BadRequestError):
+        c.completions.create(model="calc-agent", prompt="x", max_tokens=2)
     r = httpx.post(server.url + "/agents/calc-agent/runs", json={"input": "x", "messages": []}, timeout=30)
     assert_error(r, 400)
     r = httpx.post(server.url + "/agents/nobody/runs", json={"input": "x"}, timeout=30)
