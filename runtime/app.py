@@ -361,13 +361,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code in (404, 405) and exc.detail in ("Not Found", "Method Not Allowed"):
-            return _error_response(unknown_route(request, app), request.url.path)
+            return _error_response(unknown_route(request, app, exc.status_code), request.url.path)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "not_found" if exc.status_code == 404 else None
         return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=code), request.url.path)
 
 
-def unknown_route(request: Request, app: FastAPI) -> APIError:
+def unknown_route(request: Request, app: FastAPI, status: int = 404) -> APIError:
     """A 404 that names the route asked for and the API endpoints this server has (clients show the message)."""
     endpoints = []
     for route in app.routes:
@@ -375,5 +375,8 @@ def unknown_route(request: Request, app: FastAPI) -> APIError:
         if path.startswith("/v1/") and not path.startswith("/v1/agents/"):
             endpoints += [f"{m} {path}" for m in sorted(getattr(route, "methods", None) or ()) if m != "HEAD"]
     asked = f"{request.method} {request.url.path}"
+    if status == 405:
+        message = f"Method not allowed: {asked}. This server serves {', '.join(endpoints)}."
+        return APIError(405, message, code="method_not_allowed")
     message = f"Unknown route {asked}: this server has no such endpoint. It serves {', '.join(endpoints)}."
     return APIError(404, message, code="unknown_route")

@@ -186,7 +186,7 @@ def test_streamed_request_errors_before_the_stream(tiny_server):
     [
         ("GET", "/nope", 404),
         ("GET", "/v1/nope", 404),
-        ("POST", "/v1/completions", 404),
+        ("POST", "/v1/complete", 404),
         ("POST", "/v1/models", 405),
         ("GET", "/v1/chat/completions", 405),
     ],
@@ -194,8 +194,8 @@ def test_streamed_request_errors_before_the_stream(tiny_server):
 def test_unknown_routes_and_methods(tiny_server, method, path, status):
     r = httpx.request(method, tiny_server.base_url + path, timeout=10)
     err = assert_error(r, status)
-    if status == 404:
-        assert err["code"] == "not_found"
+    assert err["code"] == ("unknown_route" if status == 404 else "method_not_allowed")
+    assert f"{method} {path}" in err["message"] and "POST /v1/chat/completions" in err["message"]
     assert r.headers["x-request-id"]
 
 
