@@ -39,7 +39,9 @@ class BranchRequest(BaseModel):
     context_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the backbone's context ids at turn t (int32 little-endian)")
     parent_turn_id: str | None = Field(None, max_length=200, description="the backbone's turn t-1 (parent of the first sampled turn)")
     trajectory_id: str | None = Field(None, max_length=200, description="the backbone trajectory (recorded as meta branch_of)")
-    kind: Literal["rtpo", "tcpo"] = Field("rtpo", description="the learner's purpose: RTPO sibling or TCPO counterfactual")
+    kind: Literal["rtpo", "rtpo_refresh", "tcpo"] = Field(
+        "rtpo", description="the learner's purpose: RTPO sibling, RTPO refresh of a backbone's continuation, or TCPO counterfactual"
+    )
 
 
 class RunRequest(BaseModel):

@@ -16,9 +16,23 @@ What it does
     :func:`tcpo_select_turns`), LEAP's :func:`rank_wins` and RTPO's :func:`rtpo_update_order` are public
     pure functions too.
 
+The reward stream (one rule for process and outcome rewards; every estimator follows it)
+    A trajectory's rewards are its turn rewards ``r_t`` (``TurnSample.reward``: process scores, per-turn
+    feedback; a turn without one has ``r_t = 0``) and its outcome ``R`` (``TurnSample.trajectory_reward``),
+    which arrives with its last turn: the stream is ``r_0, ..., r_{T-1} + R``. Both always count:
+    * a turn's return-to-go (``turn_grpo``, GiGPO's step level, RTPO's sibling returns) is
+      ``R_t = sum_{k>=t} gamma^(turn_k - turn_t) r_k`` over the stream and the turns present;
+    * a trajectory's score (``grpo``, ``drgrpo``, ``rloo``, GiGPO's episode level, RTPO's un-branched
+      turns) is the stream's undiscounted sum ``sum_t r_t + R``: the outcome alone when there are no turn
+      rewards (outcome supervision), the turn rewards alone for live traffic rated turn by turn.
+    Which sources' rewards are in the stream is the sample builder's choice (``SampleConfig.reward_sources``):
+    to train on outcomes only, leave the process source out. Process rewards that are positive on every
+    turn favour longer trajectories in both sums; give them mean zero (or ``gamma < 1``) if that matters.
+
 Shared policy (STYLE.md 9.8.3-4)
-    * A reward that is ``None`` or NaN makes its samples *excluded*: advantage 0.0, left out of every
-      baseline, counted in ``stats.n_excluded``. ``+-inf`` rewards are an input error.
+    * A trajectory with neither a turn reward nor an outcome (``None`` or NaN), or with a NaN turn reward,
+      is *excluded*: advantage 0.0, left out of every baseline, counted in ``stats.n_excluded``.
+      ``+-inf`` rewards are an input error.
     * A normalisation group with fewer than two valid members, or whose std is at most
       ``zero_std_tol * max(1, max|value|)`` (so ``[0.1, 0.1 + 5e-13]`` counts), gives exactly 0.0 to every
       member. This deliberately differs from verl, where a singleton group gets mean 0 / std 1 (its raw
@@ -32,13 +46,16 @@ What it does not do
     similarity-based anchor clustering (difflib) is not implemented; anchors are exact keys.
 
 [RECON] readings (algorithms.md marks RTPO, TCPO and LEAP as reconstructions; these are our choices)
-    * Returns-to-go (gigpo step level, turn_grpo, rtpo): a trajectory's reward stream is its turn rewards
-      (``None`` -> 0); a trajectory with no turn reward at all gets its outcome reward at its last turn.
-      ``R_t = sum_{k>=t} gamma^(turn_k - turn_t) r_k`` over the turns present.
     * rtpo: the sibling set is ``(group_id, anchor)`` where ``anchor`` is the branch-point id (hash of the
-      exact stored context); sets of one fall back, like un-branched turns, to trajectory GRPO.
-    * tcpo: turn scores come from ``TurnSample.reward``; a trajectory with a missing score is excluded.
-    * rank: per trajectory, ``correct``/``score`` of its last turn and the sum of its turns' ``n_tokens``.
+      exact stored context); a sibling's return is the return-to-go of its whole continuation (so the
+      estimator needs the continuation's turns, not only the branch turn); sets of one fall back, like
+      un-branched turns, to trajectory GRPO.
+    * tcpo: a turn's score ``v_t`` is its turn reward (the verifier's score of that turn's candidate). A turn
+      without one takes the trajectory's outcome if it is the last turn, else ``best_{t-1}`` (no measured
+      progress: retrospective credit 0, hindsight credit from later progress), so trajectories with outcome
+      rewards only still train; a trajectory with neither is excluded.
+    * rank: per trajectory, ``correct``/``score`` of its last turn and the sum of its turns' ``n_tokens``;
+      the token tie-break applies between correct participants only.
 """
 
 from __future__ import annotations
@@ -70,6 +87,7 @@ __all__ = [
     "tcpo_counterfactual",
     "tcpo_hindsight",
     "tcpo_retrospective",
+    "tcpo_scores",
     "tcpo_select_turns",
     "turn_surprisal",
 ]
@@ -100,7 +118,8 @@ class TurnSample:
     n_tokens: int = 0  # output tokens (for rank tie-breaks / aggregation)
     correct: bool | None = None  # for rank rewards
     score: float | None = None  # for rank rewards (e.g. speedup)
-    anchor: str | None = None  # GiGPO anchor state key / RTPO branch-point id (same context), optional
+    anchor: str | None = None  # the exact context's id: RTPO's sibling key (turns that share it were sampled from one context)
+    state: str | None = None  # GiGPO's anchor state (the environment's state key, history excluded); None: use ``anchor``
 
 
 @dataclass(frozen=True)
@@ -204,6 +223,7 @@ class _Batch:
     reward_given: BoolArray  # False where reward is None
     traj_reward: FloatArray  # NaN where None or NaN
     n_tokens: IntArray
+    score: FloatArray  # the trajectory's score (sum of its reward stream), repeated on each of its turns; NaN = unscorable
 
     @property
     def n(self) -> int:
@@ -224,15 +244,37 @@ def _batch(samples: Sequence[TurnSample]) -> _Batch:
         if (s.trajectory_id, s.turn_index) in seen:
             raise AdvantageInputError(f"trajectory {s.trajectory_id!r} has turn {s.turn_index} twice")
         seen.add((s.trajectory_id, s.turn_index))
+    traj = _codes([s.trajectory_id for s in samples])
+    reward = np.array([_float(s.reward, f"reward of {s.trajectory_id!r}") for s in samples], dtype=np.float64)
+    given = np.array([s.reward is not None for s in samples], dtype=np.bool_)
+    outcome = np.array([_float(s.trajectory_reward, "trajectory_reward") for s in samples], dtype=np.float64)
     return _Batch(
         group=_codes([s.group_id for s in samples]),
-        traj=_codes([s.trajectory_id for s in samples]),
+        traj=traj,
         turn=np.array([s.turn_index for s in samples], dtype=np.int64),
-        reward=np.array([_float(s.reward, f"reward of {s.trajectory_id!r}") for s in samples], dtype=np.float64),
-        reward_given=np.array([s.reward is not None for s in samples], dtype=np.bool_),
-        traj_reward=np.array([_float(s.trajectory_reward, "trajectory_reward") for s in samples], dtype=np.float64),
+        reward=reward,
+        reward_given=given,
+        traj_reward=outcome,
         n_tokens=np.array([s.n_tokens for s in samples], dtype=np.int64),
+        score=_scores(traj, reward, given, outcome),
     )
+
+
+def _scores(traj: IntArray, reward: FloatArray, given: BoolArray, outcome: FloatArray) -> FloatArray:
+    """Per sample, its trajectory's score: the sum of its given turn rewards plus its outcome (module docstring: the stream).
+
+    NaN when the trajectory has neither a turn reward nor an outcome, or a given turn reward is NaN."""
+    if traj.shape[0] == 0:
+        return np.zeros(0, dtype=np.float64)
+    n_traj = int(traj.max()) + 1
+    turn_sum = np.bincount(traj, weights=np.where(given, reward, 0.0), minlength=n_traj)  # NaN propagates through the sum
+    n_given = np.bincount(traj, weights=given.astype(np.float64), minlength=n_traj)
+    out_t = np.full(n_traj, np.nan)
+    out_t[traj] = outcome  # one value per trajectory (checked equal across its turns)
+    has_outcome = ~np.isnan(out_t)
+    score = turn_sum + np.where(has_outcome, out_t, 0.0)
+    score = np.where((n_given > 0) | has_outcome, score, np.nan)
+    return score[traj]
 
 
 def _check(eps: float, zero_std_tol: float) -> None:
@@ -276,7 +318,7 @@ def _first_per_traj(b: _Batch) -> IntArray:
 def _trajectory_normalise(b: _Batch, *, norm_by_std: bool, eps: float, zero_std_tol: float) -> tuple[FloatArray, int, int]:
     """GRPO over trajectories (one entry per trajectory, not per turn), broadcast back to its turns."""
     first = _first_per_traj(b)
-    r = b.traj_reward[first]
+    r = b.score[first]
     adv_t, n_g, n_z = _normalise(r, b.group[first], ~np.isnan(r), norm_by_std=norm_by_std, eps=eps, zero_std_tol=zero_std_tol)
     return adv_t[b.traj], n_g, n_z
 
@@ -297,23 +339,19 @@ def _segments(b: _Batch) -> tuple[IntArray, IntArray, IntArray]:
 
 
 def _returns_to_go(b: _Batch, gamma: float) -> FloatArray:
-    """``R_t = sum_{k>=t} gamma^(turn_k - turn_t) r_k`` per sample (NaN where the trajectory's stream is unscorable).
+    """``R_t = sum_{k>=t} gamma^(turn_k - turn_t) r_k`` per sample over the reward stream (module docstring). Shape (N,).
 
-    Stream: turn rewards (None -> 0); a trajectory with no turn reward at all has its outcome reward at its
-    last turn. A NaN anywhere in a trajectory's stream makes all its returns NaN. Shape (N,).
-    """
+    NaN for every turn of an unscorable trajectory (no reward at all, or a NaN turn reward)."""
     n = b.n
     out = np.zeros(n, dtype=np.float64)
     if n == 0:
         return out
     order, rfe, nxt = _segments(b)
-    any_given = np.bincount(b.traj, weights=b.reward_given.astype(np.float64)) > 0  # (n_traj,)
     r = np.where(b.reward_given, b.reward, 0.0)
     is_last = np.zeros(n, dtype=np.bool_)
     is_last[order[rfe == 0]] = True
-    outcome_here = ~any_given[b.traj] & is_last
-    r = np.where(outcome_here, b.traj_reward, r)
-    bad = np.bincount(b.traj, weights=np.isnan(r).astype(np.float64)) > 0
+    r = r + np.where(is_last & ~np.isnan(b.traj_reward), b.traj_reward, 0.0)  # the outcome arrives with the last turn
+    bad = np.bincount(b.traj, weights=(np.isnan(r) | np.isnan(b.score)).astype(np.float64)) > 0
     # backward recursion, vectorised across trajectories: one pass per position-from-the-end
     rank_of = np.empty(n, dtype=np.int64)
     rank_of[order] = rfe
@@ -360,11 +398,11 @@ def grpo(
     adv, n_g, n_z = _trajectory_normalise(b, norm_by_std=norm_by_std and std_scope == "group", eps=eps, zero_std_tol=zero_std_tol)
     if norm_by_std and std_scope == "batch":
         first = _first_per_traj(b)
-        r = b.traj_reward[first]
+        r = b.score[first]
         r = r[~np.isnan(r)]
         std = float(np.std(r, ddof=1)) if r.size > 1 else 0.0
         adv = adv / (std + eps)
-    return adv, _stats(b, ~np.isnan(b.traj_reward), n_g, n_z)
+    return adv, _stats(b, ~np.isnan(b.score), n_g, n_z)
 
 
 @register_advantage(Estimator.DRGRPO)
@@ -386,11 +424,11 @@ def rloo(samples: Sequence[TurnSample], *, zero_std_tol: float = 1e-9) -> tuple[
     b = _batch(samples)
     centred, n_g, n_z = _trajectory_normalise(b, norm_by_std=False, eps=1.0, zero_std_tol=zero_std_tol)
     first = _first_per_traj(b)
-    ok = ~np.isnan(b.traj_reward[first])
+    ok = ~np.isnan(b.score[first])
     g_count = np.bincount(b.group[first][ok], minlength=int(b.group.max(initial=-1)) + 1).astype(np.float64)
     g = g_count[b.group] if b.n else np.zeros(0)
     adv = np.where(g > 1, centred * g / np.maximum(g - 1.0, 1.0), 0.0)
-    return adv, _stats(b, ~np.isnan(b.traj_reward), n_g, n_z)
+    return adv, _stats(b, ~np.isnan(b.score), n_g, n_z)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -416,8 +454,11 @@ def gigpo(
       (verl-agent's ``compute_mean_std_cross_steps`` default) every turn sample counts once, so long
       trajectories weigh more; ``False`` is one entry per trajectory.
     * step level: the discounted return-to-go ``R_{i,t}`` (module docstring) normalised inside the anchor
-      group ``(group_id, anchor)``. ``anchor=None`` is a singleton (verl-agent would pool all ``None``
-      anchors together; we do not), and singletons get ``A^S = 0``.
+      group ``(group_id, state)``: ``state`` is the environment's state key (the observation without the
+      history, as verl-agent hashes it), so two trajectories that reach one state, at any turn and by any
+      path, are compared there; without one the exact context id ``anchor`` is used (equal only for equal
+      histories). Neither is a singleton (verl-agent would pool all ``None`` anchors together; we do not),
+      and singletons get ``A^S = 0``.
 
     ``norm_by_std=True`` is verl-agent's ``mean_std_norm``, ``False`` its ``mean_norm``; it applies to both levels.
     ``stats`` counts episode-level groups.
@@ -425,16 +466,17 @@ def gigpo(
     _check(eps, zero_std_tol)
     b = _batch(samples)
     ret = _returns_to_go(b, gamma)
-    valid = ~np.isnan(b.traj_reward) & ~np.isnan(ret)
+    valid = ~np.isnan(b.score) & ~np.isnan(ret)
     kw: dict[str, Any] = {"norm_by_std": norm_by_std, "eps": eps, "zero_std_tol": zero_std_tol}
     if cross_steps:
-        ep, n_g, n_z = _normalise(b.traj_reward, b.group, valid, **kw)
+        ep, n_g, n_z = _normalise(b.score, b.group, valid, **kw)
     else:
         first = _first_per_traj(b)
         traj_valid = np.bincount(b.traj, weights=valid.astype(np.float64)) > 0
-        ep_t, n_g, n_z = _normalise(b.traj_reward[first], b.group[first], traj_valid, **kw)
+        ep_t, n_g, n_z = _normalise(b.score[first], b.group[first], traj_valid, **kw)
         ep = np.where(valid, ep_t[b.traj], 0.0)
-    anchors: list[Hashable] = [(s.group_id, s.anchor) if s.anchor is not None else ("", "", i) for i, s in enumerate(samples)]
+    keys = [s.state if s.state is not None else s.anchor for s in samples]
+    anchors: list[Hashable] = [(s.group_id, k) if k is not None else ("", "", i) for i, (s, k) in enumerate(zip(samples, keys, strict=True))]
     st, _, _ = _normalise(ret, _codes(anchors), valid, **kw)
     return ep + omega * st, _stats(b, valid, n_g, n_z)
 
@@ -492,7 +534,7 @@ def rtpo(
     b = _batch(samples)
     kw: dict[str, Any] = {"norm_by_std": norm_by_std, "eps": eps, "zero_std_tol": zero_std_tol}
     base, n_g, n_z = _trajectory_normalise(b, **kw)
-    valid = ~np.isnan(b.traj_reward)
+    valid = ~np.isnan(b.score)
     keys: list[Hashable] = [(s.group_id, s.anchor) if s.anchor is not None else ("", "", i) for i, s in enumerate(samples)]
     codes = _codes(keys)
     size = np.bincount(codes, minlength=int(codes.max(initial=-1)) + 1)[codes] if b.n else np.zeros(0, dtype=np.int64)
@@ -562,6 +604,21 @@ def tcpo_hindsight(scores: Sequence[float], *, lambda_h: float = 1.0, gamma: flo
     return np.where(has & (v - best_prev <= 0), hind, 0.0)
 
 
+def tcpo_scores(turn_scores: Sequence[float], outcome: float = math.nan, *, best0: float = 0.0) -> FloatArray:
+    """TCPO's ``v_t`` per turn, with the fallbacks for unscored turns (NaN): the last turn takes ``outcome`` (if
+    finite), any other turn ``best_{t-1}`` (no measured progress: retrospective credit 0). Shape (T,)."""
+    v = np.asarray(turn_scores, dtype=np.float64).copy()
+    if v.shape[0] and np.isnan(v[-1]) and math.isfinite(outcome):
+        v[-1] = outcome
+    best = best0
+    for t in range(v.shape[0]):
+        if np.isnan(v[t]):
+            v[t] = best
+        if not np.isnan(v[t]):
+            best = max(best, float(v[t]))
+    return v
+
+
 def tcpo_counterfactual(score: float, alternative_scores: Sequence[float]) -> float:
     """Fixed-history counterfactual credit: ``cf_t = v_t - mean_m v(a'_m)`` over the M re-sampled alternatives."""
     if len(alternative_scores) == 0:
@@ -610,15 +667,15 @@ def tcpo(
     Per trajectory, turns in ``turn_index`` order: ``credit_t = retro_t + hind_t``; where
     ``counterfactual_scores[(trajectory_id, turn_index)]`` holds the M alternative scores of a selected
     (high-surprisal) turn, ``credit_t = mu * cf_t + (1 - mu) * (retro_t + hind_t)``. Then
-    ``A_{i,t} = (credit - mean) / (std + eps)`` over all turns of the group. A trajectory with a missing
-    (None/NaN) score is excluded.
+    ``A_{i,t} = (credit - mean) / (std + eps)`` over all turns of the group. Missing turn scores are filled by
+    :func:`tcpo_scores` (the outcome on the last turn, no progress elsewhere); a trajectory with neither turn
+    scores nor an outcome is excluded.
     """
     _check(eps, zero_std_tol)
     b = _batch(samples)
     cf = counterfactual_scores or {}
     credit = np.zeros(b.n, dtype=np.float64)
-    bad = np.bincount(b.traj, weights=np.isnan(b.reward).astype(np.float64), minlength=int(b.traj.max(initial=-1)) + 1) > 0
-    valid = ~bad[b.traj] if b.n else np.zeros(0, dtype=np.bool_)
+    valid = ~np.isnan(b.score)  # the stream rule's exclusions: no reward at all, or a NaN turn reward
     order, rfe, _ = _segments(b)
     ends = np.flatnonzero(rfe == 0)
     starts = np.r_[0, ends[:-1] + 1] if ends.size else ends
@@ -626,7 +683,7 @@ def tcpo(
         idx = order[lo:hi]
         if not valid[idx[0]]:
             continue
-        v = b.reward[idx]
+        v = tcpo_scores(b.reward[idx], float(b.traj_reward[idx[0]]), best0=best0)
         c = tcpo_retrospective(v, best0=best0) + tcpo_hindsight(v, lambda_h=lambda_h, gamma=gamma, best0=best0)
         for pos, i in enumerate(idx.tolist()):
             alts = cf.get((samples[i].trajectory_id, samples[i].turn_index))
@@ -653,7 +710,9 @@ def rank_wins(
 
     ``beats(i,k)``: correct beats incorrect; on equal correctness (both correct, or any if
     ``score_when_incorrect``) the higher score wins when ``s_i > s_k (1 + margin)`` and not the reverse
-    (a missing score ties); then fewer tokens wins; a full tie is 0.5 each. ``beats(i,k) + beats(k,i) = 1``.
+    (a missing score ties); then, between two correct participants, fewer tokens wins (LEAP's token-efficiency
+    penalty is for easy prompts: between two failures brevity earns nothing, so an all-wrong group ties
+    everywhere and gets zero advantage); a full tie is 0.5 each. ``beats(i,k) + beats(k,i) = 1``.
     """
     c = np.asarray(correct, dtype=np.bool_)
     has = np.array([s is not None and not math.isnan(float(s)) for s in score], dtype=np.bool_)
@@ -668,8 +727,9 @@ def rank_wins(
     s_tie = ~(s_win | s_win.T)
     c_win = c[:, None] & ~c[None, :]
     c_tie = c[:, None] == c[None, :]
-    n_win = n[:, None] < n[None, :]
-    n_tie = n[:, None] == n[None, :]
+    both_correct = c[:, None] & c[None, :]  # the token tie-break: only between correct kernels (failing ones are not "efficient")
+    n_win = (n[:, None] < n[None, :]) & both_correct
+    n_tie = ~(n_win | n_win.T)
     beats = np.where(c_win, 1.0, 0.0)
     beats = np.where(c_tie & s_win, 1.0, beats)
     beats = np.where(c_tie & s_tie & n_win, 1.0, beats)

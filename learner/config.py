@@ -20,6 +20,8 @@ ESTIMATORS = ("grpo", "drgrpo", "rloo", "gigpo", "turn_grpo", "rtpo", "tcpo", "r
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+# the runtime's own evaluators first (DESIGN.md 13 reserves verifier:* and judge:* for them), then users' feedback, then the rest
+DEFAULT_REWARD_SOURCES = ("verifier:*", "judge:*", "feedback", "*")
 
 
 class LoRAConfig(BaseModel):
@@ -141,7 +143,12 @@ class SampleConfig(BaseModel):
 
     model_config = _FROZEN
     max_staleness: int = Field(
-        2, ge=0, description="skip turns produced by an adapter version older than current - max_staleness (the base model is version 0)"
+        2,
+        ge=0,
+        description=(
+            "skip trajectories with a turn produced by a version older than the one the trainer reached max_staleness updates ago "
+            "(updates counted whether published or held during an A/B experiment; the base model is version 0)"
+        ),
     )
     settle_s: float = Field(
         120.0,
@@ -158,6 +165,24 @@ class SampleConfig(BaseModel):
         ),
     )
     include_other_families: bool = Field(False, description="also train on turns another adapter family produced (off-policy; counted either way)")
+    reward_sources: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_REWARD_SOURCES),
+        min_length=1,
+        description=(
+            "which reward sources train, in precedence order (shell patterns, fnmatch): for each turn and trajectory the newest "
+            "reward of the first matching pattern counts, and within one group every member is scored by the group's best "
+            "source (members that only have a lower one lose that reward), so a verifier's rewards and a user's are never "
+            "compared; sources matching no pattern are ignored. Default: the runtime's verifiers, then its judges, then "
+            "user feedback, then any other source"
+        ),
+    )
+
+    @field_validator("reward_sources")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        if any(not isinstance(p, str) or not p.strip() for p in v) or len(set(v)) != len(v):
+            raise ValueError("reward_sources must be distinct, non-empty source patterns (e.g. 'verifier:*', 'feedback')")
+        return v
 
 
 class RerolloutConfig(BaseModel):

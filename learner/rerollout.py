@@ -14,23 +14,27 @@ it out of the live sample stream (``learner.samples``: the update that asked for
 ``BranchRunner`` reads each branch back from the interaction store, waiting out the recorder's commit
 window, so training uses the exact recorded ids, never the HTTP answer.
 
-Pure planning helpers:
-- :func:`choose_branch_turns`: RTPO's K branch turns of a backbone (uniform over turns ``1..T-1``;
-  turn 0 needs no branch: a problem's runs already share that context, so they are its siblings);
-- ``rtpo_buckets``: the reverse sweep's turn buckets, latest first (``advantages.rtpo_turn_buckets``);
-- :func:`select_counterfactual_turns`: TCPO's high-surprisal turns (``advantages.tcpo_select_turns``);
-- :func:`counterfactual_score`: the score of a one-step alternative (its process score, else the
-  verifier's reward of the one-step run).
+Planning (pure; the service executes the plan: runs, estimator, trainer, publish):
+- RTPO: :func:`plan_rtpo` picks ``K`` branch turns per backbone (:func:`choose_branch_turns`, uniform over
+  turns ``1..T-1``; turn 0 needs no branch: a problem's runs already share that context, so they are its
+  siblings) and the sweep's optimizer steps, latest turns first (:func:`rtpo_segments`); for each branch
+  point the service runs ``m`` siblings and one *refresh* of the backbone's own continuation
+  (:func:`refresh_point`), both with the policy of that moment, and :func:`rtpo_estimator_input` builds
+  the sibling sets the ``rtpo`` estimator scores (whole continuations, not the branch turn alone).
+- TCPO: :func:`tcpo_branch_points` picks the high-surprisal turns (``advantages.tcpo_select_turns``) that
+  can be replayed; :func:`counterfactual_scores` collects the verifier's scores of their one-step
+  alternatives (:func:`counterfactual_score`: the step's process score, else the run's reward).
 
-Not here: the update schedule (``learner/service.py`` runs the sweep and the trainer), advantages.
+Not here: running the sweep against the trainer (``learner/service.py``), advantages (``learner.advantages``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -112,15 +116,149 @@ def choose_branch_turns(n_turns: int, k: int, rng: random.Random) -> list[int]:
 rtpo_buckets = rtpo_turn_buckets  # the reverse sweep's turn buckets (one rule, in learner.advantages)
 
 
+# ---- RTPO: the sweep's plan and its estimator input ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RtpoPlan:
+    """One update's reverse sweep: the branch points, and the turn indices each optimizer step trains, latest first."""
+
+    points: list[BranchPoint]
+    segments: list[list[int]]
+
+
+def rtpo_segments(turn_indices: Sequence[int], branch_turns: Collection[int], bucket_size: int = 1) -> list[list[int]]:
+    """The sweep's optimizer steps: turn buckets latest first (``rtpo_turn_buckets``); a bucket with a branch point
+    starts a new step (its siblings must be sampled by the policy the steps before it made), a bucket without one
+    joins the step before it. No branch point at all: one step over every turn, i.e. trajectory GRPO."""
+    segments: list[list[int]] = []
+    for bucket in rtpo_turn_buckets(turn_indices, bucket_size):
+        if not segments or any(t in branch_turns for t in bucket):
+            segments.append(list(bucket))
+        else:
+            segments[-1] = sorted(segments[-1] + list(bucket))
+    return segments
+
+
+def plan_rtpo(backbones: Sequence[Trajectory], turn_indices: Sequence[int], *, branches: int, bucket_size: int, rng: random.Random) -> RtpoPlan:
+    """RTPO's sparse reverse trees for one update: ``branches`` turns per branchable backbone, and the step segments."""
+    points = [BranchPoint(t, k) for t in backbones if branchable(t) for k in choose_branch_turns(len(t.turns), branches, rng)]
+    return RtpoPlan(points, rtpo_segments([*turn_indices, *(p.turn for p in points)], {p.turn for p in points}, bucket_size))
+
+
+def refresh_point(point: BranchPoint) -> BranchPoint | None:
+    """The backbone's own continuation re-rolled by the current policy: a branch one turn later, replaying the backbone's
+    turn ``t`` itself (None when ``t`` is the backbone's last turn: nothing follows it)."""
+    return BranchPoint(point.trajectory, point.turn + 1) if point.turn + 1 < len(point.trajectory.turns) else None
+
+
+@dataclass
+class PointRuns:
+    """What one branch point's re-rollouts gave: the sibling branches and the backbone's refreshed continuation."""
+
+    point: BranchPoint
+    siblings: list[Trajectory] = field(default_factory=list)
+    refresh: Trajectory | None = None
+
+
+def rtpo_estimator_input(
+    backbone_samples: Sequence[Sample],
+    point_runs: Sequence[PointRuns],
+    train_turns: Collection[int],
+    to_samples: Callable[[Trajectory], list[Sample]],
+    reward_sources: Sequence[str],
+) -> tuple[list[Sample], list[int]]:
+    """The samples one sweep step gives the ``rtpo`` estimator, and the indices of those it trains.
+
+    Every backbone sample goes in (their trajectories' scores are the un-branched turns' GRPO baseline); the
+    backbone turns whose indices are in ``train_turns`` are trained. A branch point with at least one sibling
+    becomes its own group (``<group>|branch:<backbone>:<t>``, so partial trajectories never enter the backbones'
+    baseline) holding, at the same exact context: the backbone's turn ``t`` continued by its refreshed
+    continuation (the current policy's, like the siblings'; the backbone's recorded one if there is none) and
+    each sibling with its whole continuation. Those turn-``t`` samples are trained in place of the backbone's
+    own turn ``t``; their later turns only provide the returns. ``to_samples`` turns a recorded branch into
+    samples (``learner.samples.trajectory_samples``); sources are resolved within each branch group by
+    ``reward_sources`` (the learner's ``SampleConfig.reward_sources``)."""
+    from learner.samples import SkipCounts, resolve_sources
+
+    by_turn = {(s.trajectory_id, s.turn_index): s for s in backbone_samples}
+    out = list(backbone_samples)
+    replaced: set[tuple[str, int]] = set()
+    train: list[int] = []
+    for pr in point_runs:
+        bb, t = pr.point.trajectory, pr.point.turn
+        own = by_turn.get((bb.trajectory_id, t))
+        sib_samples = [[s for s in to_samples(traj) if s.turn_index >= t] for traj in pr.siblings]
+        sib_samples = [ss for ss in sib_samples if ss and ss[0].turn_index == t]
+        if own is None or not sib_samples:
+            continue  # no sibling set: the backbone turn keeps its trajectory-GRPO advantage
+        gid = f"{own.group_id}|branch:{bb.trajectory_id}:{t}"
+        group: list[Sample] = []
+        refreshed = [s for s in to_samples(pr.refresh) if s.turn_index > t] if pr.refresh is not None else []
+        if refreshed:
+            rt = refreshed[0]
+            copy = dataclasses.replace(
+                own,
+                trajectory_id=rt.trajectory_id,
+                trajectory_reward=rt.trajectory_reward,
+                trajectory_reward_source=rt.trajectory_reward_source,
+            )
+            group += [copy, *refreshed]
+        else:  # the backbone's recorded continuation (t is its last turn, or the refresh failed)
+            tid = f"{bb.trajectory_id}#from{t}"
+            group += [
+                dataclasses.replace(s, trajectory_id=tid) for s in backbone_samples if s.trajectory_id == bb.trajectory_id and s.turn_index >= t
+            ]
+        for ss in sib_samples:
+            group += ss
+        group = [dataclasses.replace(s, group_id=gid) for s in group]
+        group = resolve_sources(group, reward_sources, SkipCounts())
+        start = len(out)
+        out += group
+        train += [start + i for i, s in enumerate(group) if s.turn_index == t]
+        replaced.add((bb.trajectory_id, t))
+    train = [i for i, s in enumerate(backbone_samples) if s.turn_index in train_turns and (s.trajectory_id, s.turn_index) not in replaced] + train
+    return out, sorted(train)
+
+
+# ---- TCPO: the counterfactuals' plan and scores ----------------------------------------------------------
+
+
 def select_counterfactual_turns(samples: Sequence[Sample], *, top_q: float, threshold: float | None) -> list[Sample]:
     """TCPO's selective counterfactuals: the samples whose behaviour-policy surprisal is in the top ``top_q`` (or above ``threshold``).
 
-    Samples without recorded logprobs have no surprisal and are never selected."""
+    The surprisal is over the turn's trained tokens (loss mask 1: forced tokens are not the policy's choice). Samples
+    without recorded logprobs have no surprisal and are never selected."""
     with_lp = [s for s in samples if s.logprobs]
     if not with_lp:
         return []
-    chosen = tcpo_select_turns([turn_surprisal(s.logprobs) for s in with_lp], top_q=top_q, threshold=threshold)
+    surprisal = [turn_surprisal([lp for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m]) for s in with_lp]
+    chosen = tcpo_select_turns(surprisal, top_q=top_q, threshold=threshold)
     return [s for s, c in zip(with_lp, chosen, strict=True) if c]
+
+
+def tcpo_branch_points(samples: Sequence[Sample], store: _Store, *, top_q: float, threshold: float | None) -> tuple[list[Sample], list[BranchPoint]]:
+    """The selected high-surprisal turns and the branch points of those that can be replayed (their runs name a problem)."""
+    chosen = select_counterfactual_turns(samples, top_q=top_q, threshold=threshold)
+    trajs: dict[str, Trajectory | None] = {}
+    points: list[BranchPoint] = []
+    for s in chosen:
+        if s.trajectory_id not in trajs:
+            trajs[s.trajectory_id] = store.get_trajectory(s.trajectory_id)
+        traj = trajs[s.trajectory_id]
+        if traj is not None and branchable(traj) and s.turn_index < len(traj.turns):
+            points.append(BranchPoint(traj, s.turn_index))
+    return chosen, points
+
+
+def counterfactual_scores(runs: Sequence[BranchRun]) -> dict[tuple[str, int], list[float]]:
+    """``(backbone trajectory id, turn) → the verifier's scores of its one-step alternatives`` (what ``tcpo`` takes)."""
+    scores: dict[tuple[str, int], list[float]] = {}
+    for r in runs:
+        v = counterfactual_score(r.run) if r.error is None else None
+        if v is not None:
+            scores.setdefault((r.point.trajectory.trajectory_id, r.point.turn), []).append(v)
+    return scores
 
 
 def counterfactual_score(run: dict[str, Any]) -> float | None:

@@ -1,13 +1,23 @@
 """Per-turn training samples and groups, read from the interaction store (DESIGN.md decisions 7-8).
 
-    batch = collect_samples(store, family="tools-agent", current_version=3, cursor=Cursor(), cfg=SampleConfig())
+    batch = collect_samples(store, family="tools-agent", min_version=1, cursor=Cursor(), cfg=SampleConfig())
     groups = make_groups(batch.samples)          # one Group per task key, for the advantage estimators
     turn_samples = to_turn_samples(batch.samples)  # learner.advantages.TurnSample, same order
     ... train ...; keep batch.cursor (it goes into the trainer's checkpoint) for the next call
 
 A **sample** is one recorded turn exactly as the engine saw it: context ids, output ids, behaviour
-logprobs and loss mask (never re-tokenized), its turn index, trajectory id, group id and rewards
-(the latest turn-level and the latest trajectory-level reward, as ``SqliteStore.iter_samples``).
+logprobs and loss mask (never re-tokenized), the grammar it was decoded under (``sampling["grammar"]``,
+which the trainer re-applies), its turn index, trajectory id, group id, the environment's state key
+(meta ``state_keys``, for GiGPO) and rewards.
+
+**Rewards and their sources** (``SampleConfig.reward_sources``, patterns in precedence order; default
+``verifier:*``, ``judge:*``, ``feedback``, ``*``). For each turn and each trajectory the reward used is
+the newest one of the first pattern any of its rewards match; a source matching no pattern never
+trains. Then, within a group, every member is scored by the group's best source (separately for
+trajectory rewards and turn rewards): a member whose only reward comes from a lower-ranked source loses
+it (``other_source``), so a verifier's 0/1 and a user's thumbs are never normalised against each other.
+A sample keeps the turn reward and the trajectory (outcome) reward separately; ``learner.advantages``
+combines them by one rule (its docstring: the reward stream).
 
 Which trajectories a call takes (the **cursor**): each trajectory belongs to the time window that holds
 its *last* turn's ``created_at``. A call takes the trajectories whose last turn lies in
@@ -23,18 +33,23 @@ to ``prompt:<prefix_key>`` of the trajectory's first turn (the hash of the messa
 the same opening request forms a group), or, if that is empty, ``ctx:<sha256 of its context ids>``.
 All turns of a trajectory share its group id; estimators tell turns apart by ``turn_index``.
 
-What is skipped, and counted in ``SkipCounts`` (in turns; untrainable also in trajectories):
+What is skipped, and counted in ``SkipCounts`` (in turns unless said otherwise). A trajectory is taken
+whole or not at all, because its outcome reward is the outcome of all its turns:
 - ``untrainable``: trajectory meta ``trainable`` is false (an agent run broke the prefix invariant);
 - ``draft``: T²PO resampled drafts (meta ``resampled_draft``), which are discarded by design;
 - ``eval``: evaluation runs on held-out problems (meta ``eval``), never trained on;
 - ``rerollout``: RTPO siblings and TCPO counterfactuals (meta ``rerollout``): the update that asked for
   them trained on them (``learner/rerollout.py``), so the live stream never takes them again;
-- ``stale``: produced by ``family@N`` with ``N < current_version - max_staleness`` (the base model,
-  ``adapter=None``, counts as version 0);
-- ``other_family``: produced by another family's adapter (kept only with ``include_other_families``);
-- ``no_reward``: neither a finite turn reward nor a finite trajectory reward (NaN/None are excluded,
-  never treated as 0);
-- ``no_tokens``: no output token with loss mask 1.
+- ``stale``: a trajectory with a turn produced by ``family@N`` with ``N < min_version`` (the base model,
+  ``adapter=None``, counts as version 0); the learner service sets ``min_version`` to the version its
+  trainer had ``max_staleness`` updates ago, counting updates it held during an A/B experiment;
+- ``other_family``: a trajectory with a turn of another family's adapter (kept with ``include_other_families``);
+- ``grammar_unrecorded``: a trajectory with a constrained turn recorded without its grammar's spec (older
+  records): it cannot be scored under the distribution it was sampled from;
+- ``no_reward``: a trajectory with no reward from a training source at all (NaN/None are never 0); a
+  turn without a reward of its own in a rewarded trajectory is kept (its reward is 0 in the stream);
+- ``other_source`` (in rewards): see above;
+- ``no_tokens``: a turn with no output token with loss mask 1.
 Samples without behaviour logprobs are kept (the trainer then uses its own detached logprobs, i.e.
 ratio 1) and counted in ``missing_logprobs``.
 
@@ -45,6 +60,8 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import hashlib
 import math
 import time
@@ -103,6 +120,9 @@ class Sample:
     created_at: float
     meta: dict[str, Any] = field(default_factory=dict, compare=False)  # the trajectory's meta (agent, task_key, ...)
     grammar: dict[str, str] | None = None  # the decoding constraint {"kind", "spec"} the engine masked with; None = free
+    reward_source: str | None = None  # the source of ``reward`` (after the reward_sources precedence)
+    trajectory_reward_source: str | None = None  # the source of ``trajectory_reward``
+    state_key: str | None = None  # the environment's state when the turn was taken (GiGPO's anchor), if it reported one
 
     @property
     def n_tokens(self) -> int:
@@ -130,6 +150,9 @@ class SkipCounts:
     other_family: int = 0
     no_reward: int = 0
     no_tokens: int = 0
+    stale_trajectories: int = 0
+    other_source: int = 0  # rewards (not turns) dropped because their group is scored by a better-ranked source
+    grammar_unrecorded: int = 0  # turns of trajectories with a constrained turn whose grammar was not recorded
     missing_logprobs: int = 0  # kept, but trained with ratio 1
     deferred_trajectories: int = 0  # still within settle_s; a later call takes them
     surplus: int = 0  # beyond max_trajectories: the smallest and oldest groups left out
@@ -184,9 +207,26 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _latest(rewards: Sequence[Reward], target: str, target_id: str) -> float | None:
-    values = [r.value for r in rewards if r.target == target and r.target_id == target_id]
-    return _finite(values[-1]) if values else None
+def source_rank(source: str, patterns: Sequence[str]) -> int | None:
+    """The precedence of a reward source under ``reward_sources``: the index of the first matching pattern, None if none matches."""
+    return next((i for i, p in enumerate(patterns) if fnmatch.fnmatchcase(source, p)), None)
+
+
+def _pick(rewards: Sequence[Reward], target: str, target_id: str, patterns: Sequence[str]) -> tuple[float, str, int] | None:
+    """The newest reward on ``target_id`` from its best-ranked source: (value, source, rank); None without a matching one.
+
+    A non-finite value (never stored; see ``Reward``) would count as no reward."""
+    best: tuple[float, str, int] | None = None
+    for r in rewards:  # stored order: oldest first, so a later reward of the same rank replaces an earlier one
+        if r.target != target or r.target_id != target_id:
+            continue
+        rank = source_rank(r.source, patterns)
+        value = _finite(r.value)
+        if rank is None or value is None:
+            continue
+        if best is None or rank <= best[2]:
+            best = (value, r.source, rank)
+    return best
 
 
 def _temperature(sampling: dict[str, Any]) -> float:
@@ -194,26 +234,46 @@ def _temperature(sampling: dict[str, Any]) -> float:
     return float(t) if isinstance(t, int | float) and t > 0 else 1.0  # greedy logprobs are of the raw logits
 
 
+_UNRECORDED = {"kind": "?", "spec": ""}
+
+
+def recorded_grammar(sampling: dict[str, Any]) -> dict[str, str] | None:
+    """The decoding constraint a turn records in ``sampling["grammar"]``: ``{"kind", "spec"}``, None when it was free.
+
+    Records written before the spec was kept hold only the kind; ``json_object`` needs no spec, any other kind
+    comes back as ``{"kind": "?"}`` (unknown: such a turn cannot be scored as it was sampled)."""
+    g = sampling.get("grammar")
+    if not g:
+        return None
+    if isinstance(g, dict) and isinstance(g.get("kind"), str):
+        return {"kind": g["kind"], "spec": str(g.get("spec") or "")}
+    if g == "json_object":
+        return {"kind": "json_object", "spec": ""}
+    return dict(_UNRECORDED)
+
+
 def collect_samples(
     store: _Store,
     *,
     family: str,
-    current_version: int,
     cursor: Cursor,
     cfg: SampleConfig,
+    current_version: int | None = None,
+    min_version: int | None = None,
     now: float | None = None,
 ) -> SampleBatch:
-    """Build the samples of every settled trajectory past ``cursor`` (module docstring: window, skips, groups).
+    """Build the samples of every settled trajectory past ``cursor`` (module docstring: window, skips, groups, sources).
 
-    ``current_version`` is the family's latest version (the one the trainer continues from); 0 when
-    nothing has been published yet.
+    Staleness: give ``min_version`` (the oldest fresh version; the learner service counts it in updates), or
+    ``current_version`` (the family's latest version, 0 before the first) for ``current_version - max_staleness``.
     """
+    if min_version is None:
+        min_version = (current_version or 0) - cfg.max_staleness
     horizon = (time.time() if now is None else now) - cfg.settle_s
     counts = SkipCounts()
     seen: dict[str, None] = {}  # insertion-ordered set
     for row in store.iter_samples(since=cursor.since):  # discovery only: the trajectory is read whole below
         seen.setdefault(row["trajectory_id"], None)
-    min_version = current_version - cfg.max_staleness
     samples: list[Sample] = []
     for tid in seen:
         traj = store.get_trajectory(tid)
@@ -235,6 +295,7 @@ def collect_samples(
             counts.rerollout += len(traj.turns)
             continue
         samples += trajectory_samples(traj, family=family, min_version=min_version, cfg=cfg, counts=counts)
+    samples = resolve_sources(samples, cfg.reward_sources, counts)
     if cfg.max_trajectories is not None:
         samples = _cap_trajectories(samples, cfg.max_trajectories, counts)
     next_cursor = Cursor(since=max(cursor.since, horizon))
@@ -243,34 +304,46 @@ def collect_samples(
 
 
 def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: SampleConfig, counts: SkipCounts) -> list[Sample]:
-    """The trainable turns of one trajectory (turn-level skips counted in ``counts``); ``collect_samples``
-    calls it per settled trajectory, the re-rollout code on the branches it just ran."""
+    """The trainable turns of one trajectory, or none of them (skips counted in ``counts``); ``collect_samples``
+    calls it per settled trajectory, the re-rollout code on the branches it just ran. Pass the result (with the
+    rest of its groups) through :func:`resolve_sources` before estimating advantages."""
+    n = len(traj.turns)
     if traj.meta.get("trainable", True) is False:
-        counts.untrainable += len(traj.turns)
+        counts.untrainable += n
         counts.untrainable_trajectories += 1
+        return []
+    versions: list[int] = []
+    for turn in traj.turns:  # a trajectory is taken whole or not at all: its outcome is the outcome of all its turns
+        fam, version = parse_adapter(turn.adapter)
+        if fam is not None and fam != family and not cfg.include_other_families:
+            counts.other_family += n
+            return []
+        if (fam is None or fam == family) and version < min_version:
+            counts.stale += n
+            counts.stale_trajectories += 1
+            return []
+        versions.append(version)
+    grammars = [recorded_grammar(turn.sampling) for turn in traj.turns]
+    if any(g is not None and g["kind"] == "?" for g in grammars):
+        counts.grammar_unrecorded += n
         return []
     tid = traj.trajectory_id
     gid = group_id_of(traj)
-    traj_reward = _latest(traj.rewards, "trajectory", tid)
+    patterns = cfg.reward_sources
+    traj_pick = _pick(traj.rewards, "trajectory", tid, patterns)
+    turn_picks = [_pick(traj.rewards, "turn", turn.turn_id, patterns) for turn in traj.turns]
+    if traj_pick is None and all(p is None for p in turn_picks):
+        counts.no_reward += n
+        return []
+    state_keys = traj.meta.get("state_keys")
     out: list[Sample] = []
-    for turn in traj.turns:
-        fam, version = parse_adapter(turn.adapter)
-        if fam is not None and fam != family:
-            if not cfg.include_other_families:
-                counts.other_family += 1
-                continue
-        elif version < min_version:
-            counts.stale += 1
-            continue
-        turn_reward = _latest(traj.rewards, "turn", turn.turn_id)
-        if turn_reward is None and traj_reward is None:
-            counts.no_reward += 1
-            continue
+    for turn, version, grammar, pick in zip(traj.turns, versions, grammars, turn_picks, strict=True):
         if not any(turn.loss_mask):
             counts.no_tokens += 1
             continue
         if not turn.logprobs:
             counts.missing_logprobs += 1
+        key = state_keys[turn.index] if isinstance(state_keys, list) and 0 <= turn.index < len(state_keys) else None
         out.append(
             Sample(
                 turn_id=turn.turn_id,
@@ -283,13 +356,51 @@ def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: 
                 loss_mask=list(turn.loss_mask),
                 adapter=turn.adapter,
                 adapter_version=max(version, 0),
-                reward=turn_reward,
-                trajectory_reward=traj_reward,
+                reward=pick[0] if pick else None,
+                trajectory_reward=traj_pick[0] if traj_pick else None,
                 temperature=_temperature(turn.sampling),
                 created_at=turn.created_at,
                 meta=dict(traj.meta),
+                grammar=grammar,
+                reward_source=pick[1] if pick else None,
+                trajectory_reward_source=traj_pick[1] if traj_pick else None,
+                state_key=key if isinstance(key, str) and key else None,
             )
         )
+    return out
+
+
+def resolve_sources(samples: Sequence[Sample], patterns: Sequence[str], counts: SkipCounts) -> list[Sample]:
+    """One reward source per group and target kind: every member is scored by the group's best-ranked source.
+
+    A trajectory reward (or turn reward) from a lower-ranked source than the best one in its group is dropped
+    (``counts.other_source``, in rewards); a trajectory left with no reward at all is dropped (``no_reward``)."""
+    best_traj: dict[str, int] = {}
+    best_turn: dict[str, int] = {}
+    for s in samples:
+        if s.trajectory_reward_source is not None:
+            r = source_rank(s.trajectory_reward_source, patterns)
+            if r is not None:
+                best_traj[s.group_id] = min(best_traj.get(s.group_id, r), r)
+        if s.reward_source is not None:
+            r = source_rank(s.reward_source, patterns)
+            if r is not None:
+                best_turn[s.group_id] = min(best_turn.get(s.group_id, r), r)
+    resolved: list[Sample] = []
+    dropped_traj: set[str] = set()
+    for s in samples:
+        tr, tr_src, r, r_src = s.trajectory_reward, s.trajectory_reward_source, s.reward, s.reward_source
+        if tr_src is not None and source_rank(tr_src, patterns) != best_traj.get(s.group_id):
+            tr, tr_src = None, None
+            dropped_traj.add(s.trajectory_id)
+        if r_src is not None and source_rank(r_src, patterns) != best_turn.get(s.group_id):
+            r, r_src = None, None
+            counts.other_source += 1
+        resolved.append(dataclasses.replace(s, trajectory_reward=tr, trajectory_reward_source=tr_src, reward=r, reward_source=r_src))
+    counts.other_source += len(dropped_traj)
+    rewarded = {s.trajectory_id for s in resolved if s.trajectory_reward is not None or s.reward is not None}
+    out = [s for s in resolved if s.trajectory_id in rewarded]
+    counts.no_reward += len(resolved) - len(out)
     return out
 
 
@@ -322,8 +433,9 @@ def to_turn_samples(samples: Sequence[Sample]) -> list[TurnSample]:
 
     ``correct`` and ``score`` come from the trajectory meta when an agent recorded them (bool / number);
     ``anchor`` is the exact context's id (:func:`learner.records.context_sha256`): turns with byte-identical
-    contexts (the first turns of one problem's runs, RTPO siblings and their backbone turn) share it, which
-    is both RTPO's sibling key and GiGPO's (exact) state anchor.
+    contexts (the first turns of one problem's runs, RTPO siblings and their backbone turn) share it (RTPO's
+    sibling key). ``state`` is GiGPO's anchor state: the environment's state key when the run recorded one
+    (meta ``state_keys``, the observation without the history), else the exact context id.
     """
     from learner.advantages import TurnSample  # numpy-only; imported here so this module stays importable on its own
 
@@ -337,7 +449,8 @@ def to_turn_samples(samples: Sequence[Sample]) -> list[TurnSample]:
             n_tokens=s.n_tokens,
             correct=_opt_bool(s.meta.get("correct")),
             score=_finite(s.meta.get("score")) if isinstance(s.meta.get("score"), int | float) else None,
-            anchor=context_sha256(s.context_ids),
+            anchor=(anchor := context_sha256(s.context_ids)),
+            state=f"state:{s.state_key}" if s.state_key else anchor,
         )
         for s in samples
     ]

@@ -47,26 +47,20 @@ import httpx
 import structlog
 
 from learner._files import sha256_file
+from learner.advantages import Advantages
 from learner.config import LearnerSettings
 from learner.publish import MANIFEST_FILE, AdminError, RuntimeAdmin, adapter_path, clean_staging, publish_adapter
 from learner.records import Trajectory
-from learner.rerollout import (
-    BranchPoint,
-    BranchRunner,
-    branchable,
-    choose_branch_turns,
-    counterfactual_score,
-    rtpo_buckets,
-    select_counterfactual_turns,
-)
+from learner.rerollout import BranchRunner, PointRuns, counterfactual_scores, plan_rtpo, refresh_point, rtpo_estimator_input, tcpo_branch_points
 from learner.samples import Cursor, Sample, SkipCounts, collect_samples, trajectory_samples
 from learner.store import SqliteStore, db_path
-from learner.update import estimate
+from learner.update import checkpoint_and_publish, estimate
 
 log = structlog.get_logger(__name__)
 
 REQUEST_FILE = "update.request"
 INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only for an RTPO sweep's siblings
+UPDATE_VERSIONS = "update_versions"  # trainer.cursor key: the final version of each recent update (the staleness bound)
 
 
 def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:
@@ -214,11 +208,10 @@ class LearnerService:
         published; ``tick`` publishes the newest held version once the experiment has decided."""
         trainer = self._get_trainer()
         self._set("training", f"version {trainer.version + 1}")
-        # staleness is counted in published versions: a skipped step changes no weights the runtime serves
         batch = collect_samples(
             self.store,
             family=self.family,
-            current_version=self._staleness_floor() + self.cfg.settings.samples.max_staleness,
+            min_version=self._staleness_floor(trainer),
             cursor=Cursor.from_dict(trainer.cursor),
             cfg=self.cfg.settings.samples,
         )
@@ -228,7 +221,8 @@ class LearnerService:
             self._set("waiting", f"no settled samples yet ({batch.counts.deferred_trajectories} trajectories still settling)")
             return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
         metrics, rerollouts = self._train(trainer, samples, skipped)
-        trainer.cursor = batch.cursor.to_dict()
+        keep = self.cfg.settings.samples.max_staleness + 1
+        trainer.cursor = {**batch.cursor.to_dict(), UPDATE_VERSIONS: [*_update_versions(trainer), trainer.version][-keep:]}
         self._seen_since = batch.cursor.since
         trainer.save_checkpoint(self.dir / "checkpoints")
         record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict()}
@@ -261,87 +255,83 @@ class LearnerService:
             f.write(json.dumps(record) + "\n")
         self._plot()
 
-    # ---- training, with re-rollouts for rtpo / tcpo ---------------------------------------------
+    # ---- training: samples → advantages (estimator) → trainer step, with re-rollouts for rtpo / tcpo ---
     def _train(self, trainer: Any, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any] | None]:
-        """One update's optimizer work: a plain step, RTPO's reverse sweep, or a TCPO step with counterfactuals."""
+        """One update's optimizer work: advantages from the configured estimator, then the trainer's step; RTPO
+        sweeps its turns in reverse with siblings, TCPO first scores counterfactuals (``learner/rerollout.py`` plans both)."""
         rr = self.cfg.settings.rerollouts
-        estimator = self.cfg.settings.trainer.estimator
-        if not samples or not rr.enabled or self.cfg.agent is None or estimator not in ("rtpo", "tcpo"):
-            return trainer.step(samples, estimate(samples, estimator, self.cfg.settings.trainer.estimator_params), skipped=skipped), None
-        runner = BranchRunner(self.cfg.admin_url, self._v1_key, agent=self.cfg.agent, store=self.store, concurrency=rr.concurrency)
-        if estimator == "rtpo":
-            return self._rtpo_sweep(trainer, runner, samples, skipped)
-        return self._tcpo_step(trainer, runner, samples, skipped)
+        tcfg = self.cfg.settings.trainer
+        if samples and rr.enabled and self.cfg.agent is not None and tcfg.estimator in ("rtpo", "tcpo"):
+            runner = BranchRunner(self.cfg.admin_url, self._v1_key, agent=self.cfg.agent, store=self.store, concurrency=rr.concurrency)
+            if tcfg.estimator == "rtpo":
+                return self._rtpo_sweep(trainer, runner, samples, skipped)
+            return self._tcpo_step(trainer, runner, samples, skipped)
+        advantages = estimate(samples, tcfg.estimator, tcfg.estimator_params)
+        return trainer.step(samples, advantages, skipped=skipped), None
 
     def _rtpo_sweep(self, trainer: Any, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any]]:
-        """RTPO (algorithms.md 2): K branch turns per backbone, m siblings each, turn buckets updated latest first.
+        """RTPO (algorithms.md 2): K branch turns per backbone, m siblings each, optimizer steps latest turns first.
 
-        Each bucket's siblings are sampled from the backbone's exact stored context by the newest policy the
-        runtime serves; with ``refresh`` every bucket's update is published (``family@N``, no gate) before
-        the next bucket's siblings, so each turn is judged by the continuation policy that follows it. A
-        bucket trains on the backbone turns of its turn indices plus its siblings' branch turns; the
-        siblings' later turns only provide their returns."""
+        Before each step, the siblings of its branch points and a refresh of each backbone's own continuation
+        are sampled from the exact stored contexts by the newest policy (``refresh``: each step is checkpointed,
+        then published as an intermediate ``family@N`` before the next step's re-rollouts). A sibling, and the
+        backbone turn it is compared with, are scored by their whole continuation's return; every other turn
+        gets trajectory GRPO. Without a branch point the sweep is one step: trajectory GRPO."""
         rr = self.cfg.settings.rerollouts
+        params = self.cfg.settings.trainer.estimator_params
         rng = random.Random(f"{trainer.cfg.seed}:{trainer.version}")
-        backbones: dict[str, Trajectory] = {}
-        for tid in dict.fromkeys(s.trajectory_id for s in samples):
-            traj = self.store.get_trajectory(tid)
-            if traj is not None and branchable(traj):
-                backbones[tid] = traj
-        plan = [BranchPoint(traj, t) for traj in backbones.values() for t in choose_branch_turns(len(traj.turns), rr.branches, rng)]
+        backbones = [t for tid in dict.fromkeys(s.trajectory_id for s in samples) if (t := self.store.get_trajectory(tid)) is not None]
+        plan = plan_rtpo(backbones, [s.turn_index for s in samples], branches=rr.branches, bucket_size=rr.bucket_size, rng=rng)
         model = self._rollout_model()
-        info: dict[str, Any] = {"estimator": "rtpo", "backbones": len(backbones), "branch_points": len(plan), "sibling_runs": 0, "failed": 0}
-        info.update(siblings=0, sampled_tokens=0, buckets=[], refreshed=[])
-        min_version = self._staleness_floor()
+        info: dict[str, Any] = {"estimator": "rtpo", "backbones": len(backbones), "branch_points": len(plan.points), "sibling_runs": 0}
+        info.update(refresh_runs=0, failed=0, siblings=0, sampled_tokens=0, steps=[], refreshed=[])
+
+        def to_samples(traj: Trajectory) -> list[Sample]:  # branches are fresh by construction: no staleness floor
+            return trajectory_samples(traj, family=self.family, min_version=0, cfg=self.cfg.settings.samples, counts=SkipCounts())
+
         merged: Any = None
-        buckets = rtpo_buckets([s.turn_index for s in samples] + [p.turn for p in plan], rr.bucket_size)
         published_here: list[str] = []
-        for k, bucket in enumerate(buckets):
-            points = [p for p in plan if p.turn in bucket]
-            siblings: list[Sample] = []
+        for k, turns in enumerate(plan.segments):
+            points = [p for p in plan.points if p.turn in turns]
+            point_runs = [PointRuns(p) for p in points]
             if points:
-                runs = runner.run(points, n=rr.siblings, model=model, kind="rtpo", seed=trainer.version * 131 + k)
-                info["sibling_runs"] += len(runs)
+                refresh = [(i, q) for i, p in enumerate(points) if (q := refresh_point(p)) is not None]
+                sib = runner.run(points, n=rr.siblings, model=model, kind="rtpo", seed=trainer.version * 131 + k)
+                seed = trainer.version * 131 + k
+                ref = runner.run([q for _, q in refresh], n=1, model=model, kind="rtpo_refresh", seed=seed + 7) if refresh else []
+                for r in sib:
+                    if r.trajectory is not None:
+                        point_runs[points.index(r.point)].siblings.append(r.trajectory)
+                for (i, _), r in zip(refresh, ref, strict=True):
+                    point_runs[i].refresh = r.trajectory
+                runs = [*sib, *ref]
+                info["sibling_runs"] += len(sib)
+                info["refresh_runs"] += len(ref)
                 info["failed"] += sum(1 for r in runs if r.error)
-                for r in runs:
-                    if r.trajectory is None:
-                        continue
-                    info["sampled_tokens"] += sum(len(t.output_ids) for t in r.trajectory.turns)
-                    counts = SkipCounts()
-                    got = trajectory_samples(r.trajectory, family=self.family, min_version=min_version, cfg=self.cfg.settings.samples, counts=counts)
-                    siblings += [s for s in got if s.turn_index == r.point.turn]
-            chosen = [s for s in samples if s.turn_index in bucket] + siblings
-            info["siblings"] += len(siblings)
-            m = trainer.step(chosen, estimate(chosen, "rtpo", self.cfg.settings.trainer.estimator_params), skipped=skipped if k == 0 else {})
-            info["buckets"].append({"turns": bucket, "samples": len(chosen), "siblings": len(siblings), "optimizer_step": m.optimizer_step})
+                info["sampled_tokens"] += sum(len(t.output_ids) for r in runs if r.trajectory is not None for t in r.trajectory.turns)
+            est_in, train_idx = rtpo_estimator_input(samples, point_runs, set(turns), to_samples, self.cfg.settings.samples.reward_sources)
+            advantages = estimate(est_in, "rtpo", params)
+            chosen = [est_in[i] for i in train_idx]
+            m = trainer.step(chosen, Advantages([advantages[i] for i in train_idx], advantages.stats), skipped=skipped if k == 0 else {})
+            n_sib = sum(len(pr.siblings) for pr in point_runs)
+            info["siblings"] += n_sib
+            info["steps"].append({"turns": turns, "samples": len(chosen), "siblings": n_sib, "optimizer_step": m.optimizer_step})
             merged = _merge_metrics(merged, m)
-            if rr.refresh and m.optimizer_step and points and k + 1 < len(buckets) and any(p.turn in b for b in buckets[k + 1 :] for p in plan):
-                model = self._publish_intermediate(trainer)
+            if rr.refresh and m.optimizer_step and k + 1 < len(plan.segments):
+                model = self._publish_intermediate(trainer)  # the next step's re-rollouts continue with this policy
                 published_here.append(model)
                 info["refreshed"].append(model)
         for name in published_here:
-            self._unload(name)  # intermediate versions served only this sweep's siblings; the final one is published and gated next
-        log.info("rtpo sweep", **{k: v for k, v in info.items() if k != "buckets"})
+            self._unload(name)  # intermediate versions served only this sweep's re-rollouts; the final one is published and gated next
+        log.info("rtpo sweep", **{k: v for k, v in info.items() if k != "steps"})
         return merged, info
 
     def _tcpo_step(self, trainer: Any, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any]]:
         """TCPO (algorithms.md 4): M one-step alternatives from the exact history of each high-surprisal turn, scored by the verifier."""
         rr = self.cfg.settings.rerollouts
-        chosen = select_counterfactual_turns(samples, top_q=rr.cf_top_q, threshold=rr.cf_threshold)
-        trajs: dict[str, Trajectory | None] = {}
-        points: list[BranchPoint] = []
-        for s in chosen:
-            if s.trajectory_id not in trajs:
-                trajs[s.trajectory_id] = self.store.get_trajectory(s.trajectory_id)
-            traj = trajs[s.trajectory_id]
-            if traj is not None and branchable(traj) and s.turn_index < len(traj.turns):
-                points.append(BranchPoint(traj, s.turn_index))
+        chosen, points = tcpo_branch_points(samples, self.store, top_q=rr.cf_top_q, threshold=rr.cf_threshold)
         runs = runner.run(points, n=rr.cf_samples, model=self._rollout_model(), kind="tcpo", one_step=True, seed=trainer.version) if points else []
-        scores: dict[tuple[str, int], list[float]] = {}
-        for r in runs:
-            v = counterfactual_score(r.run) if r.error is None else None
-            if v is not None:
-                scores.setdefault((r.point.trajectory.trajectory_id, r.point.turn), []).append(v)
+        scores = counterfactual_scores(runs)
         info = {
             "estimator": "tcpo",
             "selected_turns": len(chosen),
@@ -352,8 +342,8 @@ class LearnerService:
             "sampled_tokens": sum(len(t.output_ids) for r in runs if r.trajectory is not None for t in r.trajectory.turns),
         }
         log.info("tcpo counterfactuals", **info)
-        params = {**self.cfg.settings.trainer.estimator_params, "counterfactual_scores": scores}
-        return trainer.step(samples, estimate(samples, "tcpo", params), skipped=skipped), info
+        advantages = estimate(samples, "tcpo", {**self.cfg.settings.trainer.estimator_params, "counterfactual_scores": scores})
+        return trainer.step(samples, advantages, skipped=skipped), info
 
     def _rollout_model(self) -> str:
         """The newest policy the runtime can serve: the family's newest published version (loaded if it is not), else the base model."""
@@ -368,9 +358,12 @@ class LearnerService:
         return name
 
     def _publish_intermediate(self, trainer: Any) -> str:
-        """Publish and load the trainer's current weights for the next bucket's siblings (no gate, no alias)."""
-        published = publish_adapter(trainer.model, self.adapter_root, self.family, trainer.version, meta={INTERMEDIATE: True})
-        self.admin.load(published.path, self.family, trainer.version, sha256=published.manifest_sha256)
+        """Checkpoint, publish and load the trainer's current weights for the next step's re-rollouts (no gate, no alias).
+
+        The checkpoint comes first and keeps the update's old data cursor: a learner killed after this publish
+        resumes at this version (never publishing it a second time with other weights) and redoes the update."""
+        ckpt = self.dir / "checkpoints"
+        published = checkpoint_and_publish(trainer, ckpt, self.adapter_root, self.family, meta={INTERMEDIATE: True}, admin=self.admin)
         return published.name
 
     def _publish_and_gate(self, trainer: Any) -> dict[str, Any]:
@@ -481,16 +474,18 @@ class LearnerService:
             and (r["last_turn_at"] or 0) < settled
         )
 
-    def _staleness_floor(self) -> int:
-        """The oldest version still fresh: ``max_staleness`` gated versions back (RTPO's intermediate versions do not count)."""
-        versions = []
-        for p in (self.adapter_root / self.family).glob("v*"):
-            if p.name[1:].isdigit() and (p / MANIFEST_FILE).is_file():
-                if not json.loads((p / MANIFEST_FILE).read_text()).get(INTERMEDIATE):
-                    versions.append(int(p.name[1:]))
-        versions.sort(reverse=True)
+    def _staleness_floor(self, trainer: Any) -> int:
+        """The oldest fresh version: the one the trainer reached ``max_staleness`` updates ago.
+
+        Updates are counted whether their version was published or held during an A/B experiment (the policy
+        moved either way), and an RTPO sweep's intermediate versions count as one update. The final versions of
+        the last updates ride in the checkpoint (``trainer.cursor["update_versions"]``); a checkpoint without
+        them (older learners) falls back to one version per update."""
         k = self.cfg.settings.samples.max_staleness
-        return versions[k] if len(versions) > k else 0
+        versions = _update_versions(trainer)
+        if len(versions) > k:
+            return versions[-1 - k]
+        return max(0, trainer.version - k) if not versions else 0
 
     def _published_version(self) -> int:
         """The family's newest published version (0 before the first): what the runtime may be serving."""
@@ -568,6 +563,12 @@ class LearnerService:
         fig.tight_layout()
         fig.savefig(self.dir / "reward.png", dpi=90)
         plt.close(fig)
+
+
+def _update_versions(trainer: Any) -> list[int]:
+    """The trainer's version at the end of each of the last updates (oldest first), as its checkpoint keeps them."""
+    v = trainer.cursor.get(UPDATE_VERSIONS)
+    return [int(x) for x in v] if isinstance(v, list) else []
 
 
 def _merge_metrics(acc: Any, m: Any) -> Any:

@@ -74,6 +74,16 @@ def ref_norm(values: dict[object, list[tuple[int, float]]], n: int, norm_by_std:
     return out
 
 
+def ref_score(samples: Sequence[TurnSample], tid: str) -> float:
+    """The trajectory's score: the sum of its given turn rewards plus its outcome; NaN if it has neither (or a NaN turn reward)."""
+    mine = [s for s in samples if s.trajectory_id == tid]
+    given = [s.reward for s in mine if s.reward is not None]
+    outcome = mine[0].trajectory_reward
+    if not given and is_missing(outcome):
+        return NAN
+    return sum(given) + (0.0 if is_missing(outcome) else outcome)  # type: ignore[operator]
+
+
 def ref_grpo(samples: Sequence[TurnSample], norm_by_std: bool = True) -> list[float]:
     per_group: dict[object, list[tuple[int, float]]] = defaultdict(list)
     traj_pos: dict[str, int] = {}
@@ -82,8 +92,9 @@ def ref_grpo(samples: Sequence[TurnSample], norm_by_std: bool = True) -> list[fl
         if s.trajectory_id not in traj_pos:
             traj_pos[s.trajectory_id] = len(trajs)
             trajs.append(s.trajectory_id)
-            if not is_missing(s.trajectory_reward):
-                per_group[s.group_id].append((traj_pos[s.trajectory_id], float(s.trajectory_reward)))  # type: ignore[arg-type]
+            score = ref_score(samples, s.trajectory_id)
+            if not math.isnan(score):
+                per_group[s.group_id].append((traj_pos[s.trajectory_id], score))
     adv_t = ref_norm(per_group, len(trajs), norm_by_std)
     return [adv_t[traj_pos[s.trajectory_id]] for s in samples]
 
@@ -91,13 +102,14 @@ def ref_grpo(samples: Sequence[TurnSample], norm_by_std: bool = True) -> list[fl
 def ref_rloo(samples: Sequence[TurnSample]) -> list[float]:
     rewards: dict[str, dict[str, float]] = defaultdict(dict)
     for s in samples:
-        if not is_missing(s.trajectory_reward):
-            rewards[s.group_id][s.trajectory_id] = float(s.trajectory_reward)  # type: ignore[arg-type]
+        score = ref_score(samples, s.trajectory_id)
+        if not math.isnan(score):
+            rewards[s.group_id][s.trajectory_id] = score
     out = []
     for s in samples:
         grp = rewards[s.group_id]
         xs = list(grp.values())
-        if is_missing(s.trajectory_reward) or len(xs) < 2 or statistics.stdev(xs) <= 1e-9 * max(1.0, max(map(abs, xs))):
+        if s.trajectory_id not in grp or len(xs) < 2 or statistics.stdev(xs) <= 1e-9 * max(1.0, max(map(abs, xs))):
             out.append(0.0)
             continue
         others = [x for t, x in grp.items() if t != s.trajectory_id]
@@ -113,12 +125,11 @@ def ref_returns(samples: Sequence[TurnSample], gamma: float) -> list[float]:
     for idxs in by_traj.values():
         idxs.sort(key=lambda i: samples[i].turn_index)
         given = [samples[i].reward for i in idxs]
-        if all(x is None for x in given):  # outcome-only: the outcome is paid at the last turn
-            outcome = samples[idxs[-1]].trajectory_reward
-            stream = [0.0] * (len(idxs) - 1) + [NAN if outcome is None else outcome]
-        else:
-            stream = [0.0 if x is None else x for x in given]
-        if any(is_missing(x) for x in stream):
+        outcome = samples[idxs[-1]].trajectory_reward
+        # the stream: turn rewards (None -> 0) and the outcome added on the last turn; nothing at all -> unscorable
+        stream = [0.0 if x is None else x for x in given]
+        stream[-1] += 0.0 if is_missing(outcome) else outcome  # type: ignore[operator]
+        if any(x is not None and math.isnan(x) for x in given) or (all(x is None for x in given) and is_missing(outcome)):
             for i in idxs:
                 out[i] = NAN
             continue
@@ -133,12 +144,13 @@ def ref_returns(samples: Sequence[TurnSample], gamma: float) -> list[float]:
 def ref_gigpo(samples: Sequence[TurnSample], omega: float, gamma: float, norm_by_std: bool, cross_steps: bool) -> list[float]:
     n = len(samples)
     ret = ref_returns(samples, gamma)
-    valid = [not is_missing(s.trajectory_reward) and not math.isnan(ret[i]) for i, s in enumerate(samples)]
+    score = [ref_score(samples, s.trajectory_id) for s in samples]
+    valid = [not math.isnan(score[i]) and not math.isnan(ret[i]) for i, s in enumerate(samples)]
     if cross_steps:
         ep_groups: dict[object, list[tuple[int, float]]] = defaultdict(list)
         for i, s in enumerate(samples):
             if valid[i]:
-                ep_groups[s.group_id].append((i, float(s.trajectory_reward)))  # type: ignore[arg-type]
+                ep_groups[s.group_id].append((i, score[i]))
         ep = ref_norm(ep_groups, n, norm_by_std)
     else:
         traj_groups: dict[object, list[tuple[int, float]]] = defaultdict(list)
@@ -146,13 +158,14 @@ def ref_gigpo(samples: Sequence[TurnSample], omega: float, gamma: float, norm_by
         for i, s in enumerate(samples):
             if valid[i] and s.trajectory_id not in first:
                 first[s.trajectory_id] = i
-                traj_groups[s.group_id].append((i, float(s.trajectory_reward)))  # type: ignore[arg-type]
+                traj_groups[s.group_id].append((i, score[i]))
         ep_first = ref_norm(traj_groups, n, norm_by_std)
         ep = [ep_first[first[s.trajectory_id]] if valid[i] else 0.0 for i, s in enumerate(samples)]
     step_groups: dict[object, list[tuple[int, float]]] = defaultdict(list)
     for i, s in enumerate(samples):
-        if valid[i] and s.anchor is not None:
-            step_groups[(s.group_id, s.anchor)].append((i, ret[i]))
+        key = s.state if s.state is not None else s.anchor
+        if valid[i] and key is not None:
+            step_groups[(s.group_id, key)].append((i, ret[i]))
     st = ref_norm(step_groups, n, norm_by_std)
     return [ep[i] + omega * st[i] for i in range(n)]
 
@@ -207,8 +220,15 @@ def ref_tcpo(samples: Sequence[TurnSample], cf: dict[tuple[str, int], list[float
     for idxs in by_traj.values():
         idxs.sort(key=lambda i: samples[i].turn_index)
         v = [samples[i].reward for i in idxs]
-        if any(is_missing(x) for x in v):
+        outcome = samples[idxs[-1]].trajectory_reward
+        if any(x is not None and math.isnan(x) for x in v) or (all(x is None for x in v) and is_missing(outcome)):
             continue
+        if v[-1] is None and not is_missing(outcome):
+            v[-1] = outcome  # the last turn's missing score: the outcome
+        best = 0.0
+        for k, x in enumerate(v):  # another missing score: no progress (v = the best so far)
+            v[k] = best if x is None else x
+            best = max(best, v[k])  # type: ignore[type-var]
         credit = ref_tcpo_credit(v, lambda_h, gamma, 0.0)  # type: ignore[arg-type]
         for pos, i in enumerate(idxs):
             key = (samples[i].trajectory_id, samples[i].turn_index)
@@ -229,7 +249,7 @@ def ref_beats(a: tuple[bool, float | None, float], b: tuple[bool, float | None, 
             return 1.0
         if b_gt and not a_gt:
             return 0.0
-    if na != nb:
+    if ca and na != nb:  # tokens break ties between correct kernels only
         return 1.0 if na < nb else 0.0
     return 0.5
 
@@ -437,11 +457,43 @@ def test_gigpo_cross_steps_weights_long_trajectories() -> None:
     approx(compute_advantages("gigpo", samples, norm_by_std=False, cross_steps=False), [0.5, 0.5, 0.5, -0.5])
 
 
-def test_gigpo_uses_turn_rewards_when_given() -> None:
-    # verl-agent style step rewards: the env pays per step (the outcome is already in the stream)
+def test_gigpo_counts_turn_rewards_and_the_outcome() -> None:
+    # process rewards on the turns and an outcome on the trajectory: both count (the outcome arrives with the last turn)
     samples = [S("a", 0, 1.0, r=0.0, anchor="x"), S("a", 1, 1.0, r=1.0), S("b", 0, 0.0, r=0.5, anchor="x"), S("b", 1, 0.0, r=0.0)]
-    # returns gamma=1: a0 = 1, b0 = 0.5 -> step group x: +-0.25 ; episode +-0.5
-    approx(compute_advantages("gigpo", samples, gamma=1.0, norm_by_std=False), [0.75, 0.5, -0.75, -0.5])
+    # streams a [0, 1 + 1], b [0.5, 0 + 0]; returns (gamma 1) a [2, 2], b [0.5, 0]; scores a 2, b 0.5
+    # episode (cross steps, mean_norm): [2, 2, 0.5, 0.5] mean 1.25 -> a +0.75, b -0.75
+    # step: anchor x = {a0: 2, b0: 0.5} -> +-0.75; the turn-1 anchors are singletons -> 0
+    approx(compute_advantages("gigpo", samples, gamma=1.0, norm_by_std=False), [1.5, 0.75, -1.5, -0.75])
+    # with the old rule (outcome dropped once a turn reward exists) a0 and b0 would get returns 1 and 0.5 and the
+    # episode level the outcomes 1 / 0: [0.75, 0.5, -0.75, -0.5]
+    assert list(compute_advantages("gigpo", samples, gamma=1.0, norm_by_std=False)) != pytest.approx([0.75, 0.5, -0.75, -0.5])
+
+
+def test_turn_level_returns_add_the_outcome_to_process_rewards() -> None:
+    # a two-turn task where the process score of turn 0 is the same (1) for both, and only the outcome differs:
+    # the first turn's return must carry the outcome, or turn 0 gets no credit at all
+    samples = [S("a", 0, 1.0, r=1.0), S("a", 1, 1.0, r=0.0), S("b", 0, 0.0, r=1.0), S("b", 1, 0.0, r=0.0)]
+    # returns gamma 1: a [1 + 0 + 1, 0 + 1] = [2, 1], b [1, 0]; per turn index: turn 0 {2, 1}, turn 1 {1, 0}
+    # std of two values d apart is d / sqrt(2): A = +-0.5 / (sqrt(0.5) + eps)
+    x = 0.5 / (math.sqrt(0.5) + EPS)
+    approx(compute_advantages("turn_grpo", samples), [x, x, -x, -x])
+    # gamma 0.5: a [1 + 0.5 * 1, 1], b [1, 0] -> turn 0 {1.5, 1}: +-0.25 / (sqrt(0.125) + eps)
+    y = 0.25 / (math.sqrt(0.125) + EPS)
+    approx(compute_advantages("turn_grpo", samples, gamma=0.5), [y, x, -y, -x])
+    # RTPO siblings (one anchor at turn 0) score their continuations the same way
+    sib = [S("a", 0, 1.0, r=1.0, anchor="c"), S("a", 1, 1.0, r=0.0), S("b", 0, 0.0, r=1.0, anchor="c"), S("b", 1, 0.0, r=0.0)]
+    out = compute_advantages("rtpo", sib)
+    assert out[0] == pytest.approx(x) and out[2] == pytest.approx(-x)
+    # and trajectory-level GRPO scores each trajectory by its stream's sum (a 2, b 1): the turn rewards do not erase R
+    approx(compute_advantages("grpo", samples), [x, x, -x, -x])
+
+
+def test_turn_rewards_alone_score_a_trajectory() -> None:
+    # live chat rated turn by turn (feedback on completions, no outcome): GRPO trains on it instead of excluding it
+    samples = [S("a", 0, None, r=1.0), S("b", 0, None, r=0.0), S("c", 0, None)]
+    out = compute_advantages("grpo", samples, norm_by_std=False)
+    approx(out, [0.5, -0.5, 0.0])
+    assert out.n_excluded == 1  # c has no reward at all
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -605,11 +657,27 @@ def test_tcpo_counterfactual_and_selection() -> None:
         approx(compute_advantages("tcpo", samples, counterfactual_scores=cf, mu=mu), [(c - mean) / (sd + EPS) for c in credit])
 
 
-def test_tcpo_excludes_trajectories_with_missing_scores() -> None:
+def test_tcpo_fills_missing_scores_and_excludes_only_unscorable_trajectories() -> None:
+    # a [0.2, 0.9]; b [0.5, None] with outcome 0 -> the last turn takes the outcome: [0.5, 0.0]; c has a NaN score: excluded
     samples = [S("a", 0, 0.0, r=0.2), S("a", 1, 0.0, r=0.9), S("b", 0, 0.0, r=0.5), S("b", 1, 0.0, r=None), S("c", 0, 0.0, r=NAN)]
     out = compute_advantages("tcpo", samples)
-    assert out.n_excluded == 3 and out[2] == out[3] == out[4] == 0.0
-    assert list(out[:2]) == list(compute_advantages("tcpo", samples[:2]))
+    # credits (lambda 1, gamma 0.9, best0 0): a retro [0.2, 0.7], no hindsight; b retro [0.5, -0.5], nothing later
+    credit = [0.2, 0.7, 0.5, -0.5]
+    mean, sd = statistics.mean(credit), statistics.stdev(credit)
+    approx(out, [(c - mean) / (sd + EPS) for c in credit] + [0.0])
+    assert out.n_excluded == 1
+
+
+def test_tcpo_falls_back_to_the_outcome_when_turns_have_no_score() -> None:
+    # a task without per-turn verifier scores: TCPO still trains (it used to exclude every trajectory)
+    samples = [S("d", 0, 1.0), S("d", 1, 1.0), S("e", 0, 0.0), S("e", 1, 0.0)]
+    # d: v = [best0 = 0, outcome 1] -> retro [0, 1]; turn 0 did not improve, turn 1 beat best_0 = 0 by 1:
+    #    hind_0 = lambda * gamma^1 * (1 - 0) = 0.9 -> credit [0.9, 1.0]; e: v = [0, 0] -> credit [0, 0]
+    credit = [0.9, 1.0, 0.0, 0.0]
+    mean, sd = statistics.mean(credit), statistics.stdev(credit)
+    out = compute_advantages("tcpo", samples)
+    approx(out, [(c - mean) / (sd + EPS) for c in credit])
+    assert out.n_excluded == 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -643,8 +711,8 @@ def test_rank_ties_margin_and_multi_turn() -> None:
     # within the 10 % margin the speeds tie, so the shorter one wins
     assert rank_wins([True, True], [1.0, 1.05], [5, 9], margin=0.1).tolist() == [1.0, 0.0]
     assert rank_wins([True, True], [1.0, 1.05], [5, 9]).tolist() == [0.0, 1.0]
-    # both incorrect: scores ignored by default, tokens decide
-    assert rank_wins([False, False], [9.0, 1.0], [20, 10]).tolist() == [0.0, 1.0]
+    # both incorrect: scores ignored by default, and tokens do not break the tie (brevity of a failure earns nothing)
+    assert rank_wins([False, False], [9.0, 1.0], [20, 10]).tolist() == [0.5, 0.5]
     assert rank_wins([False, False], [9.0, 1.0], [20, 10], score_when_incorrect=True).tolist() == [1.0, 0.0]
     # per trajectory: the last turn decides correctness, tokens are summed over turns (a: 30, b: 25)
     samples = [
@@ -658,6 +726,15 @@ def test_rank_ties_margin_and_multi_turn() -> None:
     assert out.n_excluded == 1
     # per turn: turn 0 is {a0 incorrect, b0 correct, x excluded}, turn 1 is {a1} alone -> 0
     approx(compute_advantages("rank", samples, per="turn"), [-0.5, 0.0, 0.5, 0.0])
+
+
+def test_rank_all_wrong_group_has_zero_advantage() -> None:
+    # four failing kernels of different lengths: nobody beats anybody, so nothing is learned from this group
+    # (with the token tie-break between failures, the shortest failure would get +0.5 and the longest -0.5)
+    samples = [S(f"k{i}", 0, 0.0, correct=False, n_tokens=n) for i, n in enumerate([10, 40, 80, 200])]
+    out = compute_advantages("rank", samples)
+    assert list(out) == [0.0, 0.0, 0.0, 0.0]
+    assert list(compute_advantages("rank", samples, normalize="std")) == [0.0, 0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("seed", range(20))

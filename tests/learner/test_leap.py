@@ -162,7 +162,7 @@ def test_cli_prints_the_report(tmp_path):
 
 
 def test_rank_rewards_on_a_kernel_group():
-    # group of 5: two correct (2.0x beats 1.2x), two incorrect (fewer tokens wins their tie), one unmeasured (excluded)
+    # group of 5: two correct (2.0x beats 1.2x), two incorrect (a tie: brevity of a failure earns nothing), one unmeasured (excluded)
     eps = [
         KernelEpisode("relu", "a", correct=True, speedup=2.0, n_tokens=300),
         KernelEpisode("relu", "b", correct=True, speedup=1.2, n_tokens=100),
@@ -171,8 +171,8 @@ def test_rank_rewards_on_a_kernel_group():
         KernelEpisode("relu", "e", correct=None, n_tokens=50),
     ]
     adv = kernel_rank_advantages(eps)
-    # wins among the 4 measured: a 3, b 2, c 1, d 0 -> r = wins / 3, A = r - 0.5
-    assert adv == pytest.approx([0.5, 1 / 6, -1 / 6, -0.5, 0.0])
+    # wins among the 4 measured: a 3, b 2, c 0.5, d 0.5 -> r = wins / 3, A = r - 0.5
+    assert adv == pytest.approx([0.5, 1 / 6, -1 / 3, -1 / 3, 0.0])
     assert adv.stats.n_excluded == 1
     samples = kernel_rank_samples(eps)
     assert [s.score for s in samples] == [2.0, 1.2, None, None, None]

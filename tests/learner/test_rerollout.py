@@ -1,23 +1,31 @@
-"""The re-rollout planning helpers on tables (the HTTP path runs end to end in ``test_service.py``)."""
+"""The re-rollout planning helpers on tables: branch bodies and turns, RTPO's sweep steps and sibling sets scored by
+their continuations, TCPO's selection (the HTTP path runs end to end in ``test_service.py``)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from learner.advantages import TurnSample, rtpo_update_order
-from learner.records import Trajectory, Turn, context_sha256
+from learner.config import SampleConfig
+from learner.records import Reward, Trajectory, Turn, context_sha256
 from learner.rerollout import (
     BranchPoint,
+    PointRuns,
     branch_body,
     branchable,
     choose_branch_turns,
     counterfactual_score,
+    plan_rtpo,
     rtpo_buckets,
+    rtpo_estimator_input,
+    rtpo_segments,
     select_counterfactual_turns,
 )
-from learner.samples import Sample
+from learner.samples import Sample, SkipCounts, trajectory_samples
+from learner.update import estimate
 
 
 def turn(i: int, ctx: list[int], out: list[int]) -> Turn:
@@ -109,3 +117,75 @@ def test_counterfactual_score_prefers_the_sampled_turns_process_score():
     assert counterfactual_score(run) == 0.25
     assert counterfactual_score({"steps": [{"replayed": False, "process_score": None}], "reward": 1.0}) == 1.0
     assert counterfactual_score({"steps": [], "reward": None}) is None
+
+
+# ---- RTPO's sweep plan and estimator input ------------------------------------------------------------
+
+
+def test_sweep_steps_start_at_branch_points_latest_first():
+    # a bucket without a branch point joins the step before it, so the next branch bucket's siblings always see
+    # every earlier update (the refresh used to be skipped after a bucket without branch points)
+    assert rtpo_segments([0, 1, 2, 3], {3, 1}) == [[2, 3], [0, 1]]
+    assert rtpo_segments([0, 1, 2], {1, 2}) == [[2], [0, 1]]
+    assert rtpo_segments([0, 1, 2, 3, 4], {4, 1}, bucket_size=2) == [[3, 4], [0, 1, 2]]
+    # no branch point: one step over every turn, i.e. trajectory GRPO (it used to take one step per turn)
+    assert rtpo_segments([0, 1, 2, 2, 0], set()) == [[0, 1, 2]]
+
+
+def run_traj(tid: str, turns: list[tuple[int, list[int], float | None]], outcome: float | None, meta: dict | None = None) -> Trajectory:
+    """A recorded run: (index, context ids, process score) per turn, the verifier's outcome on the trajectory."""
+    ts, rewards = [], []
+    for i, ctx, r in turns:
+        ts.append(
+            Turn(
+                turn_id=f"{tid}-{i}", trajectory_id=tid, session_id="s", index=i, model="m", context_ids=ctx, output_ids=[7, 8],
+                logprobs=[-0.5, -0.5], loss_mask=[1, 1], completion_id="c", finish_reason="stop", adapter=None,
+            )
+        )  # fmt: skip
+        if r is not None:
+            rewards.append(Reward(target="turn", target_id=f"{tid}-{i}", value=r, source="verifier:x:process"))
+    if outcome is not None:
+        rewards.append(Reward(target="trajectory", target_id=tid, value=outcome, source="verifier:x"))
+    m = {"task": "x", "task_key": "p1", "agent": "a", "problem_index": 1, "problem_seed": 0, **(meta or {})}
+    return Trajectory(trajectory_id=tid, session_id="s", turns=ts, meta=m, rewards=rewards)
+
+
+CFG = SampleConfig(settle_s=0)
+
+
+def to_samples(traj: Trajectory) -> list[Sample]:
+    return trajectory_samples(traj, family="fam", min_version=0, cfg=CFG, counts=SkipCounts())
+
+
+def test_rtpo_scores_siblings_by_their_continuations_return():
+    c0, c1, c2 = [1, 2], [1, 2, 7, 8, 3], [1, 2, 7, 8, 3, 7, 8, 4]
+    backbone = run_traj("B", [(0, c0, 0.5), (1, c1, 0.0), (2, c2, 0.0)], outcome=0.0)
+    # the backbone's turn 1 continued by the current policy (a refresh: branch at 2 replaying B's turn 1) succeeds
+    refresh = run_traj("R", [(2, c2, 1.0)], outcome=1.0, meta={"rerollout": "rtpo_refresh"})
+    s1 = run_traj("S1", [(1, c1, 0.0), (2, [9, 9, 1], 1.0)], outcome=1.0, meta={"rerollout": "rtpo"})  # poor turn, good continuation
+    s2 = run_traj("S2", [(1, c1, 0.5), (2, [9, 9, 2], 0.0)], outcome=0.0, meta={"rerollout": "rtpo"})  # good turn score, fails
+    bb = to_samples(backbone)
+    point = BranchPoint(backbone, 1)
+    est_in, train = rtpo_estimator_input(bb, [PointRuns(point, [s1, s2], refresh)], {1}, to_samples, ["verifier:*"])
+    adv = estimate(est_in, "rtpo")
+    trained = {(est_in[i].trajectory_id, est_in[i].turn_index): adv[i] for i in train}
+    # the sibling set at context c1, scored by whole-continuation returns (gamma 1; the outcome arrives with the last turn):
+    # B (its turn 1, then R's turn 2): 0 + 1 + 1 = 2;  S1: 0 + 1 + 1 = 2;  S2: 0.5 + 0 + 0 = 0.5
+    # mean 1.5, sample std sqrt(0.75)
+    sd = math.sqrt(0.75) + 1e-6
+    assert trained == pytest.approx({("R", 1): 0.5 / sd, ("S1", 1): 0.5 / sd, ("S2", 1): -1.0 / sd})
+    # scored on their own turn (the old sweep passed only the branch turns), S2 (0.5) would have beaten S1 (0) and B (0)
+    assert est_in[train[0]].turn_id == "B-1" and est_in[train[0]].output_ids == bb[1].output_ids  # B's own turn is trained
+    assert not any(s.trajectory_id == "B" and s.turn_index == 1 for s in (est_in[i] for i in train))
+
+
+def test_rtpo_without_branches_is_trajectory_grpo():
+    # four runs of one problem: the same first context, then their own histories; outcome rewards only
+    turns = [[(0, [1, 2], None), (1, [1, 2, 7, 8, k], None), (2, [1, 2, 7, 8, k, 7, 8], None)] for k in range(4)]
+    runs = [run_traj(f"T{k}", t, outcome=float(k % 2)) for k, t in enumerate(turns)]
+    samples = [s for r in runs for s in to_samples(r)]
+    plan = plan_rtpo(runs, [s.turn_index for s in samples], branches=0, bucket_size=1, rng=random.Random(0))
+    assert plan.points == [] and plan.segments == [[0, 1, 2]]  # one step over every turn
+    est_in, train = rtpo_estimator_input(samples, [], set(plan.segments[0]), to_samples, ["verifier:*"])
+    assert est_in == samples and train == list(range(len(samples)))
+    assert list(estimate(est_in, "rtpo")) == pytest.approx(list(estimate(samples, "grpo")))

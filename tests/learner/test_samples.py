@@ -1,5 +1,6 @@
 """Turn samples from a real SqliteStore: exact tokens, group ids (task key and chat fallbacks), the staleness
-bound, untrainable/draft/unrewarded/NaN turns skipped and counted, the settle window and cursor."""
+bound (whole trajectories), reward sources and their precedence, recorded grammars and state keys,
+untrainable/draft/unrewarded/NaN turns skipped and counted, the settle window and cursor."""
 
 from __future__ import annotations
 
@@ -51,13 +52,14 @@ def add_trajectory(
     adapter: str | None = "fam@3",
     t0: float = 1_000.0,
     prefix_key: str = "",
+    source: str = "verifier:x",
 ) -> list[Turn]:
     ts = [make_turn(f"{traj}-t{i}", traj, index=i, adapter=adapter, created_at=t0 + i, prefix_key=prefix_key) for i in range(turns)]
     store.append_turns(ts)
     if meta is not None:
         store.set_trajectory_meta(traj, meta)
     if reward is not None:
-        store.add_reward(Reward(target="trajectory", target_id=traj, value=reward, source="verifier:x"))
+        store.add_reward(Reward(target="trajectory", target_id=traj, value=reward, source=source))
     return ts
 
 
@@ -222,3 +224,63 @@ def test_cursor_takes_each_settled_trajectory_once_and_whole(store: SqliteStore)
 def test_sample_value_prefers_the_turn_reward() -> None:
     s = Sample("t", "tr", "g", 0, [1], [2], [-1.0], [1], None, 0, reward=0.2, trajectory_reward=1.0, temperature=1.0, created_at=0.0)
     assert s.value == 0.2 and s.n_tokens == 1
+
+
+def test_a_stale_turn_drops_its_whole_trajectory(store: SqliteStore) -> None:
+    # a chat trajectory whose first turn an old version served and whose second turn a fresh one did: its outcome
+    # is the outcome of both turns, so it is taken whole or not at all (dropping the stale turn alone left a
+    # partial trajectory that was trained on the full outcome)
+    ts = add_trajectory(store, "tr-mixed", turns=2)
+    store.append_turns([make_turn("tr-mixed-t2", "tr-mixed", index=2, adapter="fam@1", created_at=1_002.0)])
+    old = ts[0].model_copy(update={"turn_id": "tr-mixed-old", "index": 3, "adapter": None, "created_at": 1_003.0})
+    store.append_turns([old])
+    batch = collect_samples(store, family="fam", min_version=1, cursor=Cursor(), cfg=CFG, now=NOW)
+    assert batch.samples == [] and (batch.counts.stale, batch.counts.stale_trajectories) == (4, 1)
+
+
+def test_reward_sources_precedence_and_one_source_per_group(store: SqliteStore) -> None:
+    meta = {"agent": "calc", "task_key": "k"}
+    # a and b: a verifier outcome, and b also got a user's thumbs-down; c only a user's feedback; d a self-verdict
+    add_trajectory(store, "tr-a", meta=meta, reward=1.0)
+    add_trajectory(store, "tr-b", meta=meta, reward=0.0)
+    store.add_reward(Reward(target="trajectory", target_id="tr-b", value=1.0, source="feedback", created_at=3e9))  # newer, lower rank
+    add_trajectory(store, "tr-c", meta=meta, reward=1.0, source="feedback")
+    add_trajectory(store, "tr-d", meta={"agent": "calc", "task_key": "other"}, reward=0.7, source="self-verdict")
+    batch = collect(store)
+    got = {s.trajectory_id: (s.trajectory_reward, s.trajectory_reward_source) for s in batch.samples}
+    # b is scored by the verifier (higher precedence), not by the newer feedback; c's feedback is not normalised
+    # against the verifier's 0/1 in group k (it loses it, and with it its only reward); d trains under "*"
+    assert got == {"tr-a": (1.0, "verifier:x"), "tr-b": (0.0, "verifier:x"), "tr-d": (0.7, "self-verdict")}
+    assert batch.counts.other_source == 1 and batch.counts.no_reward == 1
+    # a learner configured to train on user feedback only sees b's thumbs and c's, and nothing else
+    only_feedback = collect(store, cfg=SampleConfig(max_staleness=2, settle_s=100.0, reward_sources=["feedback"]))
+    got = {s.trajectory_id: s.trajectory_reward for s in only_feedback.samples}
+    assert got == {"tr-b": 1.0, "tr-c": 1.0}
+    with pytest.raises(ValueError, match="reward_sources"):
+        SampleConfig(reward_sources=["feedback", ""])
+
+
+def test_turns_of_a_rewarded_trajectory_are_kept_without_their_own_reward(store: SqliteStore) -> None:
+    # feedback on the second completion of a chat only: the first turn stays (its return carries that reward)
+    ts = add_trajectory(store, "tr-chat", turns=2, reward=None)
+    store.add_reward(Reward(target="turn", target_id=ts[1].turn_id, value=1.0, source="feedback"))
+    batch = collect(store)
+    assert [(s.turn_index, s.reward, s.trajectory_reward) for s in batch.samples] == [(0, None, None), (1, 1.0, None)]
+
+
+def test_grammar_and_state_keys_come_with_the_samples(store: SqliteStore) -> None:
+    spec = '{"type": "object"}'
+    t = make_turn("g0", "tr-g").model_copy(update={"sampling": {"temperature": 1.0, "grammar": {"kind": "json_schema", "spec": spec}}})
+    store.append_turns([t])
+    store.set_trajectory_meta("tr-g", {"state_keys": ["cell:0,0"]})
+    store.add_reward(Reward(target="trajectory", target_id="tr-g", value=1.0))
+    # an old record that kept only the grammar's kind cannot be scored as sampled: its trajectory is left out
+    old = make_turn("o0", "tr-old").model_copy(update={"sampling": {"temperature": 1.0, "grammar": "json_schema"}})
+    store.append_turns([old])
+    store.add_reward(Reward(target="trajectory", target_id="tr-old", value=1.0))
+    batch = collect(store)
+    [s] = batch.samples
+    assert s.grammar == {"kind": "json_schema", "spec": spec} and s.state_key == "cell:0,0"
+    assert batch.counts.grammar_unrecorded == 1
+    [ts] = to_turn_samples([s])
+    assert ts.state == "state:cell:0,0" and ts.anchor is not None and ts.anchor != ts.state

@@ -52,7 +52,8 @@ def settings() -> LearnerSettings:
             "family": "fam",
             "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
             "trainer": {"lr": 1e-3, "progress": False},
-            "samples": {"settle_s": 0},
+            # the tiny model is random: its verifier rewards are all 0, so these tests reward through /v1/feedback
+            "samples": {"settle_s": 0, "reward_sources": ["feedback"]},
         }
     )
 
@@ -216,6 +217,7 @@ def multi_traffic(server, problems: range, samples: int) -> list[str]:
 def rr_service(server, tiny_model_path, family: str, estimator: str, rerollouts: dict) -> LearnerService:
     s = settings().model_dump()
     s.update(family=family, rerollouts=rerollouts)
+    s["samples"]["reward_sources"] = ["feedback", "verifier:*"]  # backbones: feedback; the branches: the verifier only
     s["trainer"]["estimator"] = estimator
     cfg = ServiceConfig(
         data_dir=server.log_path.parent,
@@ -237,12 +239,17 @@ def test_rtpo_sweeps_turns_in_reverse_with_siblings_from_the_exact_stored_contex
     record = svc.update()
     rr = record["rerollouts"]
     assert rr["backbones"] == 8 and rr["branch_points"] == 8 and rr["sibling_runs"] == 16 and rr["failed"] == 0
-    assert [b["turns"] for b in rr["buckets"]] == [[2], [1], [0]]  # latest turn first
-    assert rr["siblings"] == 16 and sum(b["siblings"] for b in rr["buckets"]) == 16
+    # buckets latest first; the turn-0 bucket has no branch point, so it trains in turn 1's step
+    assert [b["turns"] for b in rr["steps"]] == [[2], [0, 1]]
+    assert rr["siblings"] == 16 and sum(b["siblings"] for b in rr["steps"]) == 16
     store = SqliteStore(server.log_path.parent / "interactions.db")
-    branches = [t for t in store.list_trajectories(limit=1000) if t["meta"].get("rerollout") == "rtpo"]
+    rows = store.list_trajectories(limit=1000)
+    branches = [t for t in rows if t["meta"].get("rerollout") == "rtpo"]
+    refreshes = [t for t in rows if t["meta"].get("rerollout") == "rtpo_refresh"]
     assert len(branches) == 16
-    for row in branches:
+    n_turn1 = sum(1 for r in branches if r["meta"]["branch_turn"] == 1) // 2
+    assert len(refreshes) == rr["refresh_runs"] == n_turn1  # turn-1 branch points: the backbone's own turns 2.. re-rolled
+    for row in branches + refreshes:
         branch = store.get_trajectory(row["trajectory_id"])
         backbone = store.get_trajectory(branch.meta["branch_of"])
         t = branch.meta["branch_turn"]
@@ -250,21 +257,45 @@ def test_rtpo_sweeps_turns_in_reverse_with_siblings_from_the_exact_stored_contex
         assert branch.turns[0].index == t and branch.turns[0].context_ids == backbone.turns[t].context_ids  # byte-identical
         assert branch.turns[0].parent_turn_id == backbone.turns[t - 1].turn_id
         assert len(branch.turns) == 3 - t  # rolled to the end of the run
-    # the sweep's intermediate versions served only its siblings: unloaded again; later siblings used them
+    # the sweep's intermediate versions served only its re-rollouts: unloaded again; later siblings used them
     loaded = {a["name"] for a in admin(server, "GET", "/admin/adapters").json()["data"]}
     assert not loaded & set(rr["refreshed"])
-    # turn 2's sibling sets have reward variance (backbones got feedback 0/1, siblings the verifier's 0), so its
-    # bucket stepped and turn 1's siblings were sampled by the just-updated policy
-    assert rr["buckets"][0]["optimizer_step"] and len(rr["refreshed"]) >= 1
-    later = {store.get_trajectory(r["trajectory_id"]).turns[0].adapter for r in branches if r["meta"]["branch_turn"] == 1}
-    assert later == {rr["refreshed"][0]}
+    # turn 2's step trains (the un-branched backbones' turn 2 has feedback variance), so turn 1's siblings and the
+    # refreshed continuations were sampled by the just-updated policy
+    assert rr["steps"][0]["optimizer_step"] and len(rr["refreshed"]) == 1
+    later = {store.get_trajectory(r["trajectory_id"]).turns[0].adapter for r in branches + refreshes if r["meta"]["branch_turn"] in (1, 2)}
+    later_sibs = {store.get_trajectory(r["trajectory_id"]).turns[0].adapter for r in branches if r["meta"]["branch_turn"] == 1}
+    assert later_sibs == {rr["refreshed"][0]} and rr["refreshed"][0] in later
     assert record["gate"]["decision"] in ("passed", "skipped")
     # the live stream never takes the branches again
     from learner.samples import Cursor, collect_samples
 
     batch = collect_samples(store, family="rt", current_version=9, cursor=Cursor(), cfg=svc.cfg.settings.samples)
-    assert batch.counts.rerollout >= sum(3 - r["meta"]["branch_turn"] for r in branches)
+    assert batch.counts.rerollout >= sum(3 - r["meta"]["branch_turn"] for r in branches + refreshes)
     assert not any(s.meta.get("rerollout") for s in batch.samples)
+
+
+def test_a_learner_killed_after_an_intermediate_publish_resumes(server, tiny_model_path):
+    # an RTPO sweep publishes family@N for its next step's siblings; killed right after, the resumed learner must
+    # not try to publish another, different family@N (it crashed on the existing version before the checkpoint
+    # was written first)
+    multi_traffic(server, range(20, 22), 4)
+    svc = rr_service(server, tiny_model_path, "rk", "rtpo", {"branches": 1, "siblings": 2, "refresh": True})
+    real = svc._publish_intermediate
+
+    def publish_then_die(trainer):
+        real(trainer)
+        raise SystemExit("killed")
+
+    svc._publish_intermediate = publish_then_die  # type: ignore[method-assign]
+    with pytest.raises(SystemExit):
+        svc.update()
+    data = server.log_path.parent
+    assert (data / "adapters" / "rk" / "v1").is_dir()
+    resumed = rr_service(server, tiny_model_path, "rk", "rtpo", {"branches": 1, "siblings": 2, "refresh": True})
+    record = resumed.update()  # resumes at version 1 (checkpointed before its publish) and redoes the update
+    assert record["version"] > 1 and record["rerollouts"]["refreshed"][0] == "rk@2"
+    assert (data / "adapters" / "rk" / f"v{record['version']}").is_dir()
 
 
 def test_tcpo_scores_one_step_counterfactuals_of_high_surprisal_turns(server, tiny_model_path):
@@ -305,3 +336,24 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "State:\tZ" not in state  # a zombie has exited; only its parent (now init) has not reaped it yet
+
+
+def test_staleness_counts_updates_held_during_an_experiment(tmp_path, tiny_model_path):
+    # versions 3..6 were trained while an A/B experiment ran (held, not published): the policy moved four updates
+    # past fam@2 all the same, so with max_staleness 2 the freshest allowed data is from version 4 on (counting only
+    # published versions, the bound never moved while the experiment ran)
+    from types import SimpleNamespace
+
+    for v in (1, 2):
+        (tmp_path / "adapters" / "fam" / f"v{v}").mkdir(parents=True)
+        (tmp_path / "adapters" / "fam" / f"v{v}" / "manifest.json").write_text("{}")
+    cfg = ServiceConfig(data_dir=tmp_path, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=settings())
+    svc = LearnerService(cfg)
+    trainer = SimpleNamespace(version=6, cursor={"since": 1.0, "update_versions": [3, 4, 5, 6]})
+    assert svc._staleness_floor(trainer) == 4
+    # an RTPO sweep's intermediate versions are not updates: 10 and 13 ended updates, 11 and 12 were mid-sweep
+    trainer = SimpleNamespace(version=13, cursor={"update_versions": [7, 10, 13]})
+    assert svc._staleness_floor(trainer) == 7
+    # a checkpoint from before update_versions: one version per update
+    assert svc._staleness_floor(SimpleNamespace(version=6, cursor={"since": 1.0})) == 4
+    svc.store.close()
