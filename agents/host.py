@@ -61,6 +61,11 @@ class RunRequest(BaseModel):
     user: str | None = Field(None, description="the end user (the session key when no X-Session-Id header is sent)")
     eval: bool = Field(False, description="an evaluation run on held-out problems: recorded, rewarded, never trained on")
     branch: BranchRequest | None = Field(None, description="re-roll a recorded run of the same task problem from one of its turns (learner)")
+    group: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$",
+        description="a learner group tag: runs of one problem with different tags are never compared (e.g. LEAP's single-turn probes)",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> RunRequest:
@@ -192,6 +197,7 @@ class ServedAgentImpl:
             eval_run=req.eval,
             branch=_branch(req.branch),
             problem_ref=(req.problem_index, req.seed or 0) if problem is not None and req.problem_index is not None else None,
+            group=req.group,
         )
         if ticket is not None and self.copilot is not None:
             self.copilot.after(ticket, messages, result)

@@ -20,9 +20,14 @@ context window also stop a run; then the policy picks the answer from the histor
 
 **T²PO** (both off by default): with ``thinking_intervention`` the turn is streamed and, when the
 thinking uncertainty plateaus inside an open ``<think>`` span, generation is cut and resumed after a
-forced ``</think>`` (two recorded turns); with ``turn_resample`` a turn whose uncertainty barely moved
-from the previous turn is regenerated at most ``max_try`` times (discarded drafts are recorded as
-branches, ``meta.resampled_draft = true``).
+forced ``</think>`` within the same turn (one recorded turn: thinking, the forced tokens with loss mask
+0, the answer; it does not use up a turn of ``max_turns``); with ``turn_resample`` a turn whose
+uncertainty barely moved from the previous turn is regenerated at most ``max_try`` times from the same
+context and sampling (grammar included; discarded drafts are recorded as branches,
+``meta.resampled_draft = true``).
+
+**Constraints.** A turn decoded under a grammar (the svr / svr_r1 format) records it in
+``sampling["grammar"]`` (kind and spec), so the learner scores it under the same mask the engine used.
 
 **Re-rollouts (branches).** A run may start as a *branch* of a recorded trajectory (:class:`Branch`): the
 backbone's outputs of turns ``0..t-1`` are replayed instead of sampled (tools and environments run
@@ -38,8 +43,11 @@ the reward is attached to the trajectory (source ``verifier:<task>``); per-turn 
 the turns (``verifier:<task>:process``). Environment tasks (FrozenLake) answer each action turn with
 the environment's observation and end when the episode does; the episode's reward is its summed step
 rewards clipped to [0, 1] and "correct" means reward 1, unless the last step's ``info`` reports its own
-``correct`` (bool) and uncapped ``score`` (the kernel task: a right-but-slow kernel is correct, and
-Kevin's ``0.3 + speedup`` is recorded as the reward and the meta ``score`` LEAP's rank estimator reads).
+``correct`` (True/False; None = not measured, recorded as such, never as incorrect), the ``reward`` to
+record and a ``score`` (the kernel task: a right-but-slow kernel is correct; Kevin's uncapped
+``0.3 + speedup`` or LEAP's 1/0 is recorded as the reward, and the meta ``score`` is what LEAP's rank
+estimator orders correct kernels by). Environments with a ``state_key()`` have it recorded per turn (meta
+``state_keys``, GiGPO's anchor states); a run's ``group`` tag goes to meta ``group``.
 
 Not here: HTTP (``agents/host.py``), tool execution (``tools/``), parsing the self-check formats
 (``agents/stop.py``).
@@ -52,7 +60,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -162,6 +170,7 @@ class RunResult:
     task_key: str | None = None
     problem_id: str | None = None
     t2po: dict[str, int] = field(default_factory=dict)
+    state_keys: list[str | None] = field(default_factory=list)  # the env's state before each turn (GiGPO's anchors); [] without
     last_turn_id: str | None = None
     eval: bool = False  # an evaluation run (held-out problems): the learner never trains on it
     finish_reason: str = "stop"  # OpenAI's finish reason for the final answer: "length" when a budget ended the run
@@ -172,6 +181,8 @@ class RunResult:
     anchor: str | None = None
     rerollout: str | None = None
     tool_calls: list[dict[str, str]] = field(default_factory=list)  # calls to the client's tools that ended the run (id, name, arguments)
+    group: str | None = None  # a learner group tag (runs of one problem with different tags are never compared)
+    score: float | None = None  # an environment's own uncapped score (LEAP's rank key), when it reports one
 
     @property
     def turns(self) -> int:
@@ -265,11 +276,13 @@ class AgentLoop:
         eval_run: bool = False,
         branch: Branch | None = None,
         problem_ref: tuple[int, int] | None = None,
+        group: str | None = None,
     ) -> RunResult:
         """Run to a stop. ``messages``: the conversation so far (system messages are merged after the agent's).
 
         ``branch``: replay a recorded trajectory's first turns and sample from there (module docstring).
-        ``problem_ref``: ``(problem_index, problem_seed)`` of ``problem``, recorded so the learner can branch the run."""
+        ``problem_ref``: ``(problem_index, problem_seed)`` of ``problem``, recorded so the learner can branch the run.
+        ``group``: a learner group tag (meta ``group``): runs of one problem with different tags are never compared."""
         cfg = self.config
         policy = self.policy()
         request_id = request_id or uuid.uuid4().hex
@@ -277,7 +290,7 @@ class AgentLoop:
         lease = self._lease(model, session_id if session_id != ANONYMOUS else f"run-{request_id}")
         try:
             result = await self._run(
-                policy, lease, messages, session_id, request_id, problem, seed, max_turns or cfg.max_turns, eval_run, branch, problem_ref
+                policy, lease, messages, session_id, request_id, problem, seed, max_turns or cfg.max_turns, eval_run, branch, problem_ref, group
             )
         finally:
             self.client.release(lease)
@@ -308,6 +321,7 @@ class AgentLoop:
         eval_run: bool = False,
         branch: Branch | None = None,
         problem_ref: tuple[int, int] | None = None,
+        group: str | None = None,
     ) -> RunResult:
         cfg = self.config
         if branch is not None:
@@ -331,6 +345,7 @@ class AgentLoop:
         history: list[TurnView] = []
         steps: list[StepRecord] = []
         counters = T2POCounters()
+        state_keys: list[str | None] = []
         completion_tokens = 0
         parent: str | None = None
         drift_turns = 0
@@ -341,7 +356,6 @@ class AgentLoop:
         env_done = False
         env_info: dict[str, Any] = {}
         finish = "stop"
-        pending_text = ""  # text of an intervened turn that the next call continues (same assistant message)
         spec = format_grammar(policy.fmt) if cfg.constrain_format and not self.tool_names and not cfg.t2po.thinking_intervention else None
         grammar = Grammar("ebnf", spec) if spec else None
         turn = 0
@@ -366,8 +380,9 @@ class AgentLoop:
                 seed=None if seed is None else seed * 1000 + turn,
                 logprobs=True,
                 top_logprobs=cfg.t2po.top_logprobs if (cfg.t2po.thinking_intervention or cfg.t2po.turn_resample) else 0,
-                grammar=grammar if not pending_text else None,
+                grammar=grammar,
             )
+            state_keys.append(_state_key(env))  # the state this turn acts in (replayed turns too: indices are absolute)
             forced = branch is not None and turn < branch.turn
             if branch is not None and turn == branch.turn:
                 if context_sha256(ctx.ids) != branch.context_sha256:
@@ -376,46 +391,36 @@ class AgentLoop:
                 branched, parent = True, branch.parent_turn_id
             if forced:
                 assert branch is not None
-                res, intervened = self._replayed(ctx.ids, branch.prefix_outputs[turn], f"{request_id}-t{turn}"), False
+                res, intervened, mask = self._replayed(ctx.ids, branch.prefix_outputs[turn], f"{request_id}-t{turn}"), False, None
             else:
-                res, intervened = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}", pending_text)
-            u = _turn_uncertainty(res.logprobs)
+                res, intervened, mask = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}", policy)
+            u = _turn_uncertainty(res.logprobs, mask)
             drafts = 0
             while cfg.t2po.turn_resample and not forced and not intervened and u is not None and cfg.t2po.resample(prev_u, u, drafts):
-                await self._record_draft(res, ctx.ids, lease, session_id, run_id, parent, turn, msgs)
+                await self._record_draft(res, ctx.ids, lease, session_id, run_id, parent, turn, msgs, grammar)
                 drafts += 1
                 counters.resamples += 1
                 completion_tokens += len(res.output_ids)
-                sampling = SamplingParams(**{**asdict(sampling), "seed": (sampling.seed or 0) + 7919 * drafts})
-                res, intervened = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}-r{drafts}", pending_text)
-                u = _turn_uncertainty(res.logprobs)
+                sampling = replace(sampling, seed=(sampling.seed or 0) + 7919 * drafts)  # keeps the grammar as it is
+                res, intervened, mask = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}-r{drafts}", policy)
+                u = _turn_uncertainty(res.logprobs, mask)
             prev_u = u if u is not None else prev_u
             completion_tokens += len(res.output_ids)  # replayed turns count against the budget, as in the backbone
             replayed_tokens += len(res.output_ids) if forced else 0
+            counters.interventions += int(intervened)
             turn_id = new_id("turn")
-            text = pending_text + res.text
+            text = res.text
             step = StepRecord(
                 turn, turn_id, res.text, len(res.output_ids), res.finish_reason, uncertainty=u, intervened=intervened, drafts_discarded=drafts,
                 replayed=forced,
             )  # fmt: skip
             steps.append(step)
 
-            if intervened:
-                counters.interventions += 1
-                forced = intervention_text(_action_tag(policy))
-                forced_ids = self.client.tokenizer.encode(forced, add_special_tokens=False)
-                await self._record(res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, [], "intervened", trajectory_id)
-                parent = turn_id
-                ctx.advance(turn, res.output_ids, [*ctx.ids, *res.output_ids, *forced_ids])
-                pending_text = text + forced
-                step.observation = forced
-                turn += 1
-                continue
-            pending_text = ""
-
             calls = self.client.parse_tool_calls(text, self.tool_names).tool_calls if self.tool_names else []
             if not forced:
-                await self._record(res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, calls, res.finish_reason, trajectory_id)
+                await self._record(
+                    res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, calls, res.finish_reason, trajectory_id, grammar, mask
+                )
                 parent = turn_id
             client_calls = [c for c in calls if c.name in self.client_tool_names]
             if client_calls:  # the client runs these tools: the run ends here, the call is the answer
@@ -519,11 +524,13 @@ class AgentLoop:
             format_failures=sum(s.format_failure for s in steps),
             p_correct=decision.p_correct if decision is not None else None,
             t2po=counters.as_dict(),
+            state_keys=state_keys if any(k is not None for k in state_keys) else [],
             last_turn_id=parent,
             finish_reason=finish,
             eval=eval_run,
             tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in client_calls],
         )
+        result.group = group
         if problem_ref is not None:
             result.problem_index, result.problem_seed = problem_ref
         if branch is not None:
@@ -532,14 +539,17 @@ class AgentLoop:
             result.task, result.task_key, result.problem_id = self.task.name, self.task.task_key(problem), problem.id
             if env is not None:
                 reward = min(1.0, max(0.0, env_reward))
-                correct = env_done and reward >= 1.0
-                # an environment may report its own outcome in the last step's info: "correct" (e.g. a kernel that is
-                # right but slow) and an uncapped "score" (e.g. Kevin's 0.3 + speedup), which is what gets recorded
-                if isinstance(env_info.get("correct"), bool):
-                    correct = env_info["correct"]
-                score = env_info.get("score")
-                if isinstance(score, int | float) and not isinstance(score, bool) and math.isfinite(score):
-                    reward = float(score)
+                correct: bool | None = env_done and reward >= 1.0
+                # an environment may report its own outcome in the last step's info: "correct" (True/False, or None when
+                # it could not be measured, e.g. a kernel on a machine without a GPU), the "reward" to record (e.g.
+                # Kevin's uncapped 0.3 + speedup, or LEAP's 1/0) and a "score" ranking runs of one problem (meta score)
+                if "correct" in env_info:
+                    correct = env_info["correct"] if isinstance(env_info["correct"], bool) else None
+                recorded = env_info.get("reward", env_info.get("score"))
+                if _finite_number(recorded):
+                    reward = float(recorded)
+                if _finite_number(env_info.get("score")):
+                    result.score = float(env_info["score"])
                 result.reward, result.correct, result.verdict_detail = reward, correct, "episode reward"
             else:
                 verdict = self.task.verify(problem, answer)
@@ -595,11 +605,18 @@ class AgentLoop:
         text = self.client.tokenizer.decode(list(out), skip_special_tokens=True)
         return GenerateResult(request_id=rid, prompt_ids=tuple(ids), output_ids=out, text=text, finish_reason=finish)
 
-    async def _generate(self, ids: Sequence[int], sampling: SamplingParams, lease: Lease, rid: str, prefix_text: str) -> tuple[GenerateResult, bool]:
-        """One model call; streamed under the thinking monitor when T²PO intervention is on."""
+    async def _generate(
+        self, ids: Sequence[int], sampling: SamplingParams, lease: Lease, rid: str, policy: StopPolicy
+    ) -> tuple[GenerateResult, bool, list[int] | None]:
+        """One turn's model output: (result, whether T²PO intervened, loss mask or None for all-ones).
+
+        With the thinking intervention on, the call is streamed under the monitor; when it fires, the thinking is
+        cut, the intervention text is appended as forced tokens and decoding continues in the same turn (a second
+        engine call on context + thinking + forced tokens). The turn's output is thinking + forced + answer, the
+        forced tokens masked out of training (loss mask 0, logprob 0): an intervention does not use up a turn."""
         t2 = self.config.t2po
         if not t2.thinking_intervention:
-            return await self.client.generate(ids, sampling, lease.adapter, rid), False
+            return await self.client.generate(ids, sampling, lease.adapter, rid), False, None
         monitor = t2.new_monitor()
         out_ids: list[int] = []
         lps: list[TokenLogprob] = []
@@ -614,13 +631,12 @@ class AgentLoop:
                 text += chunk.text
                 timings = chunk.timings or timings
                 finish = chunk.finish_reason
-                if finish is None and thinking_open(prefix_text + text):
+                if finish is None and thinking_open(text):
                     if any(monitor.update_entropy(token_uncertainty(lp.logprob, lp.top)) for lp in chunk.logprobs):
                         break
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
-        intervened = finish is None
-        res = GenerateResult(
+        first = GenerateResult(
             request_id=rid,
             prompt_ids=tuple(ids),
             output_ids=tuple(out_ids),
@@ -629,7 +645,27 @@ class AgentLoop:
             logprobs=tuple(lps),
             timings=timings,
         )
-        return res, intervened
+        if finish is not None:
+            return first, False, None
+        forced_text = intervention_text(_action_tag(policy))
+        forced_ids = list(self.client.tokenizer.encode(forced_text, add_special_tokens=False))
+        left = sampling.max_new_tokens - len(out_ids) - len(forced_ids)
+        room = self.client.max_model_len - len(ids) - len(out_ids) - len(forced_ids)
+        if left < 1 or room < 2:  # no room for an answer after the cut: the turn ends at the cut thinking
+            return first, True, None
+        cont_sampling = replace(sampling, max_new_tokens=min(left, room - 1), grammar=None)
+        rest = await self.client.generate([*ids, *out_ids, *forced_ids], cont_sampling, lease.adapter, f"{rid}-answer")
+        merged = GenerateResult(
+            request_id=rid,
+            prompt_ids=tuple(ids),
+            output_ids=(*out_ids, *forced_ids, *rest.output_ids),
+            text=text + forced_text + rest.text,
+            finish_reason=rest.finish_reason,
+            logprobs=(*lps, *(TokenLogprob(t, 0.0) for t in forced_ids), *rest.logprobs),
+            timings=Timings(timings.queued_s, timings.ttft_s, timings.total_s + rest.timings.total_s),
+        )
+        mask = [1] * len(out_ids) + [0] * len(forced_ids) + [1] * len(rest.output_ids)
+        return merged, True, mask
 
     def _observation_ids(self, msgs: list[dict[str, Any]], res: GenerateResult, observations: list[dict[str, Any]]) -> list[int]:
         """The template's tokens between the end of the model's output and the next generation prompt."""
@@ -647,8 +683,12 @@ class AgentLoop:
 
     def _turn(
         self, res: GenerateResult, ctx_ids: Sequence[int], turn_id: str, lease: Lease, session_id: str, run_id: str, parent: str | None,
-        index: int, msgs: list[dict[str, Any]], calls: Sequence[Any], finish: str, trajectory_id: str,
+        index: int, msgs: list[dict[str, Any]], calls: Sequence[Any], finish: str, trajectory_id: str, grammar: Grammar | None = None,
+        mask: list[int] | None = None,
     ) -> Turn:  # fmt: skip
+        sampling: dict[str, Any] = {"temperature": self.config.temperature, "top_p": self.config.top_p, "agent": self.config.name}
+        if grammar is not None:  # the learner re-applies it, so its logprobs are of the distribution that was sampled
+            sampling["grammar"] = {"kind": grammar.kind, "spec": grammar.spec}
         return Turn(
             turn_id=turn_id,
             trajectory_id=trajectory_id,
@@ -661,8 +701,8 @@ class AgentLoop:
             context_ids=list(ctx_ids),
             output_ids=list(res.output_ids),
             logprobs=[lp.logprob for lp in res.logprobs],
-            loss_mask=[1] * len(res.output_ids),
-            sampling={"temperature": self.config.temperature, "top_p": self.config.top_p, "agent": self.config.name},
+            loss_mask=list(mask) if mask is not None else [1] * len(res.output_ids),
+            sampling=sampling,
             tool_calls=[ToolCallRecord(id=c.id, name=c.name, arguments=c.arguments) for c in calls],
             finish_reason=finish,
             timings=TurnTimings(queued_s=res.timings.queued_s, ttft_s=res.timings.ttft_s, total_s=res.timings.total_s),
@@ -672,14 +712,15 @@ class AgentLoop:
 
     async def _record(self, res: GenerateResult, ctx_ids: Sequence[int], turn_id: str, lease: Lease, session_id: str, run_id: str,
                       parent: str | None, index: int, msgs: list[dict[str, Any]], calls: Sequence[Any], finish: str,
-                      trajectory_id: str) -> None:  # fmt: skip
-        await self.client.record([self._turn(res, ctx_ids, turn_id, lease, session_id, run_id, parent, index, msgs, calls, finish, trajectory_id)])
+                      trajectory_id: str, grammar: Grammar | None = None, mask: list[int] | None = None) -> None:  # fmt: skip
+        turn = self._turn(res, ctx_ids, turn_id, lease, session_id, run_id, parent, index, msgs, calls, finish, trajectory_id, grammar, mask)
+        await self.client.record([turn])
 
     async def _record_draft(self, res: GenerateResult, ctx_ids: Sequence[int], lease: Lease, session_id: str, run_id: str, parent: str | None,
-                            index: int, msgs: list[dict[str, Any]]) -> None:  # fmt: skip
+                            index: int, msgs: list[dict[str, Any]], grammar: Grammar | None = None) -> None:  # fmt: skip
         """A discarded T²PO draft: its own branch trajectory off the previous turn, marked as a draft."""
         draft_traj = new_id("traj")
-        turn = self._turn(res, ctx_ids, new_id("turn"), lease, session_id, run_id, parent, index, msgs, [], res.finish_reason, draft_traj)
+        turn = self._turn(res, ctx_ids, new_id("turn"), lease, session_id, run_id, parent, index, msgs, [], res.finish_reason, draft_traj, grammar)
         await self.client.record([turn])
         await self.client.annotate(draft_traj, {"agent": self.config.name, "resampled_draft": True, "run_id": run_id, "trainable": True})
 
@@ -701,11 +742,15 @@ class AgentLoop:
             "problem_id": result.problem_id,
             "p_correct": result.p_correct,
             "correct": result.correct,
-            "score": result.reward,
+            "score": result.score if result.score is not None else result.reward,
             "eval": result.eval,
             "problem_index": result.problem_index,
             "problem_seed": result.problem_seed,
         }
+        if result.state_keys:
+            meta["state_keys"] = result.state_keys
+        if result.group is not None:
+            meta["group"] = result.group
         if result.branch_of is not None or result.rerollout is not None:
             meta.update(branch_of=result.branch_of, branch_turn=result.branch_turn, anchor=result.anchor, rerollout=result.rerollout)
         await self.client.annotate(result.trajectory_id, meta)
@@ -721,10 +766,23 @@ class AgentLoop:
             )
 
 
-def _turn_uncertainty(lps: Sequence[TokenLogprob]) -> float | None:
-    if not lps:
+def _turn_uncertainty(lps: Sequence[TokenLogprob], mask: Sequence[int] | None = None) -> float | None:
+    """The turn's mean token uncertainty over its sampled tokens (forced tokens, mask 0, are not the model's)."""
+    sampled = [lp for k, lp in enumerate(lps) if mask is None or mask[k]]
+    if not sampled:
         return None
-    return turn_uncertainty([token_uncertainty(lp.logprob, lp.top) for lp in lps])
+    return turn_uncertainty([token_uncertainty(lp.logprob, lp.top) for lp in sampled])
+
+
+def _finite_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _state_key(env: Env | None) -> str | None:
+    """The environment's state key (``agents.tasks.base.Env``), if it has one."""
+    fn = getattr(env, "state_key", None)
+    key = fn() if callable(fn) else None
+    return key if isinstance(key, str) and key else None
 
 
 def _action_tag(policy: StopPolicy) -> str | None:

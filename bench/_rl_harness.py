@@ -88,9 +88,15 @@ def rollouts(url: str, agent: str, task: str, problems: list[int], group: int, s
 
 def heldout(url: str, agent: str, task: str, n: int, model: str, seed: int = 4242, concurrency: int = 16) -> float:
     """Success rate on ``n`` held-out problems (a problem seed no training run uses), as eval runs."""
+    results = heldout_results(url, agent, task, n, model, seed, concurrency)
+    return sum(results) / n
+
+
+def heldout_results(url: str, agent: str, task: str, n: int, model: str, seed: int = 4242, concurrency: int = 16) -> list[bool]:
+    """Per held-out problem ``0..n-1`` (same problems and sampling seeds for every model): did the eval run succeed."""
     bodies = [{"task": task, "problem_index": i, "seed": seed, "sample_seed": i, "model": model, "eval": True} for i in range(n)]
     runs = asyncio.run(_runs(url, agent, bodies, concurrency))
-    return sum(bool(r.get("correct")) for r in runs) / n
+    return [bool(r.get("correct")) for r in runs]
 
 
 def bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:

@@ -1,5 +1,7 @@
 """RTPO vs trajectory-level GRPO vs turn-level GRPO on a multi-turn task, at equal sampled-token budget.
 
+    .venv/bin/python bench/rtpo_compare.py --task feedback:calc_arith --task-options '{"n_ops": 1, "use_tools": false}' \
+        --max-turns 3 --max-tokens 64 --seeds 0,1,2 --budget 8000          # SmolLM2, TCPO's verifier-feedback mode
     .venv/bin/python bench/rtpo_compare.py --seeds 0,1,2 --budget 6000          # SmolLM2, FrozenLake
     .venv/bin/python bench/rtpo_compare.py --model tiny --seeds 0 --budget 300  # smoke run
 
@@ -16,9 +18,15 @@ siblings each, from the exact stored contexts, and sweeps the turn buckets lates
 (``learner/rerollout.py``); its siblings' tokens count against its budget, so it gets fewer
 iterations. An arm stops when its sampled tokens (episodes + siblings) reach ``--budget``.
 
+``feedback:calc_arith`` (TCPO's verifier-feedback mode, ``agents/tasks/feedback.py``) is a multi-turn task
+on which SmolLM2 succeeds sometimes: one-step arithmetic, answered until the verifier says it is right, the
+verifier's score shown between turns and recorded per turn (process rewards), the best turn's score as the
+outcome. Arms run interleaved (seed by seed, every estimator), so other load on the machine hits them alike.
+
 Reported: per arm the success curve (success of its training episodes per iteration against the
 sampled tokens spent), and the held-out success of its final version on ``--n-eval`` problems of a
-seed no arm trains on (same sampling seeds for every arm). One PNG with all curves (thin: seeds,
+seed no arm trains on (same problems and sampling seeds for every arm); per estimator the mean with a
+95% bootstrap CI over seeds and problems, and RTPO minus each baseline, paired by seed and problem. One PNG with all curves (thin: seeds,
 thick: mean per estimator) and ``rtpo_compare.json`` under ``bench/results/rtpo_compare/``.
 """
 
@@ -39,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agents.eval import spawned_server  # noqa: E402
-from bench._rl_harness import add_agent, heldout, rollouts, service, write_json  # noqa: E402
+from bench._rl_harness import add_agent, heldout_results, rollouts, service, write_json  # noqa: E402
 
 PROMPTS = {
     "frozenlake": "You are an agent walking on a frozen lake. Reach the goal without falling into a hole.",
@@ -148,31 +156,62 @@ def main() -> int:
         model_path = data / "models" / ("SmolLM2-135M-Instruct" if args.model == "default" else args.model)
         base = httpx.get(url + "/ready", timeout=30).json()["model"]
         add_agent(url, key, agent("fl-eval", None, args))
-        base_success = heldout(url, "fl-eval", args.task, args.n_eval, base)
+        base_runs = heldout_results(url, "fl-eval", args.task, args.n_eval, base)
+        base_success = sum(base_runs) / len(base_runs)
         print(f"base held-out success {base_success:.3f} (n={args.n_eval})", flush=True)
-        for est in args.estimators.split(","):
-            for seed in (int(s) for s in args.seeds.split(",")):
+        seeds = [int(s) for s in args.seeds.split(",")]
+        # interleaved: seed by seed, every estimator, so the machine's load (other users) hits all arms alike
+        for seed in seeds:
+            for est in args.estimators.split(","):
                 print(f"arm {est} seed {seed}", flush=True)
                 arm = run_arm(url, key, data, model_path, est, seed, args)
-                arm["heldout"] = heldout(url, "fl-eval", args.task, args.n_eval, arm["final"] or base)
+                arm["heldout_runs"] = heldout_results(url, "fl-eval", args.task, args.n_eval, arm["final"] or base)
+                arm["heldout"] = sum(arm["heldout_runs"]) / len(arm["heldout_runs"])
                 print(f"  held-out success {arm['heldout']:.3f} ({arm['final'] or base}), {arm['wall_s']:.0f} s", flush=True)
                 arms.append(arm)
                 write_json(args.out / "rtpo_compare.json", {"args": {k: str(v) for k, v in vars(args).items()}, "base": base_success, "arms": arms})
     plot(arms, args.out / "rtpo_compare.png", args.task)
-    print("\n| estimator | seeds | iterations (mean) | final train success (mean) | held-out success (mean) |\n|---|---|---|---|---|")
-    means: dict[str, float] = {}
-    for est in dict.fromkeys(a["estimator"] for a in arms):
-        mine = [a for a in arms if a["estimator"] == est]
-        means[est] = sum(a["heldout"] for a in mine) / len(mine)
-        it = sum(a["iterations"] for a in mine) / len(mine)
-        tr = sum(a["curve"][-1]["train_success"] for a in mine) / len(mine)
-        print(f"| {est} | {len(mine)} | {it:.1f} | {tr:.3f} | {means[est]:.3f} |")
-    print(f"base model held-out success: {base_success:.3f} (n={args.n_eval} per arm)")
-    for other in ("grpo", "turn_grpo"):
-        if "rtpo" in means and other in means and means[other] > 0:
-            print(f"rtpo vs {other}: {100 * (means['rtpo'] / means[other] - 1):+.1f}% relative held-out success")
+    report(arms, base_runs, args)
     print(f"plot: {args.out / 'rtpo_compare.png'}")
     return 0
+
+
+def report(arms: list[dict[str, Any]], base_runs: list[bool], args: argparse.Namespace) -> None:
+    """Held-out success per estimator with 95% CIs, and RTPO against each baseline as a paired difference.
+
+    The CI resamples seeds and held-out problems together (a two-level bootstrap: seeds with replacement, then
+    problems with replacement within the resampled seeds), so it covers both training noise and evaluation
+    noise; the differences pair the arms of one seed on the same held-out problems and sampling seeds."""
+    import random
+
+    ests = list(dict.fromkeys(a["estimator"] for a in arms))
+    by = {e: {a["seed"]: a["heldout_runs"] for a in arms if a["estimator"] == e} for e in ests}
+    seeds = sorted(set.intersection(*(set(v) for v in by.values())))
+    n = len(base_runs)
+    rng = random.Random(0)
+
+    def boot(stat: Any, reps: int = 4000) -> tuple[float, float, float]:
+        point = stat(seeds, list(range(n)))
+        draws = sorted(stat([rng.choice(seeds) for _ in seeds], [rng.randrange(n) for _ in range(n)]) for _ in range(reps))
+        return point, draws[int(0.025 * reps)], draws[int(0.975 * reps) - 1]
+
+    def mean_of(e: str) -> Any:
+        return lambda ss, ps: sum(by[e][s][p] for s in ss for p in ps) / (len(ss) * len(ps))
+
+    print("\n| estimator | seeds | iterations (mean) | tokens (mean) | held-out success, mean [95% CI] |\n|---|---|---|---|---|")
+    for e in ests:
+        mine = [a for a in arms if a["estimator"] == e]
+        pt, lo, hi = boot(mean_of(e))
+        it = sum(a["iterations"] for a in mine) / len(mine)
+        tok = sum(a["tokens"] for a in mine) / len(mine)
+        print(f"| {e} | {len(mine)} | {it:.1f} | {tok:.0f} | {pt:.3f} [{lo:.3f}, {hi:.3f}] |")
+    print(f"base model held-out success: {sum(base_runs) / n:.3f} (n={n} problems; every arm is evaluated on the same {n})")
+    for other in ("grpo", "turn_grpo"):
+        if "rtpo" in by and other in by:
+            pt, lo, hi = boot(lambda ss, ps, o=other: mean_of("rtpo")(ss, ps) - mean_of(o)(ss, ps))
+            base_o = mean_of(other)(seeds, list(range(n)))
+            rel = f", {100 * pt / base_o:+.1f}% relative" if base_o > 0 else ""
+            print(f"rtpo - {other}: {pt:+.3f} [{lo:+.3f}, {hi:+.3f}] absolute held-out success{rel} (seed rtpo ran against the {other} of its seed)")
 
 
 if __name__ == "__main__":

@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--family", default="calc-lora", help="adapter family to train (published as family@N)")
     run.add_argument("--agent", default="calc-agent", help="train on this agent's runs and gate with it ('' = all traffic, no gate)")
     run.add_argument("--task", default=None, help="the gate's task (default: the agent's)")
-    run.add_argument("--config", type=Path, default=None, help="TOML/JSON with [lora], [trainer], [samples], [rerollouts] tables (learner.config)")
+    run.add_argument(
+        "--config", type=Path, default=None, help="TOML/JSON with [lora], [trainer], [samples], [rerollouts], [leap] tables (learner.config)"
+    )
     run.add_argument("--min-new-trajectories", type=int, default=32, help="start an update after this many new rewarded trajectories")
     run.add_argument("--poll-s", type=float, default=10.0, help="seconds between scheduling rounds")
     run.add_argument("--gate-n", type=int, default=32, help="held-out problems per side in the eval gate (0 = no gate)")
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from learner.config import LearnerSettings
     from learner.logs import configure_logging
-    from learner.service import LearnerService, ServiceConfig
+    from learner.service import LearnerConfigError, LearnerService, ServiceConfig
 
     chosen = configure_logging(args.log_level, args.log_format, process="learner")  # logs on stderr; stdout is for results
     if not args.admin_key:
@@ -134,6 +136,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: learner config: {exc}", file=sys.stderr)
         return 2
+    rr, est = settings.rerollouts, settings.trainer.estimator
+    if not args.agent and ((rr.enabled and est in ("rtpo", "tcpo")) or settings.leap.enabled):
+        what = f"estimator {est!r} with re-rollouts" if rr.enabled and est in ("rtpo", "tcpo") else "[leap] enabled"
+        print(
+            f"error: learner config: {what} needs --agent (its task runs are replayed or expanded); or set [rerollouts] enabled = false",
+            file=sys.stderr,
+        )
+        return 2
     service = LearnerService(
         ServiceConfig(
             data_dir=args.data_dir,
@@ -151,11 +161,15 @@ def run(args: argparse.Namespace) -> int:
             ab_max_samples=args.ab_max_samples or None,
         )
     )
-    if args.once:
-        record = service.update()
-        print(json.dumps(record["gate"]), flush=True)
-        return 0
-    service.run_forever()
+    try:
+        if args.once:
+            record = service.update()
+            print(json.dumps(record["gate"]), flush=True)
+            return 0
+        service.run_forever()
+    except LearnerConfigError as exc:
+        print(f"error: learner config: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

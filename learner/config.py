@@ -1,6 +1,6 @@
 """The learner's configuration: LoRA shape, trainer knobs and sample selection (frozen pydantic models).
 
-``LearnerSettings`` bundles them (plus ``RerolloutConfig``); each component gets only its own part (``LoRAConfig`` and
+``LearnerSettings`` bundles them (plus ``RerolloutConfig`` and ``LeapConfig``); each component gets only its own part (``LoRAConfig`` and
 ``TrainerConfig`` go to ``learner.trainer.LoRATrainer``, ``SampleConfig`` to
 ``learner.samples.collect_samples``). Every field has a description and a default meant for a
 small model on a shared CPU; validation fails at construction, before any model is loaded, and says
@@ -205,6 +205,22 @@ class RerolloutConfig(BaseModel):
     concurrency: int = Field(8, ge=1, le=64, description="branch runs in flight at once")
 
 
+class LeapConfig(BaseModel):
+    """LEAP's data engine inside the learner (``learner/leap_expand.py``): before each update, probe the next problems of
+    the agent's kernel task with one-turn runs, prune them with DCP (``learner/leap.py``) and expand the useful ones
+    into multi-turn episodes; the update trains on the episodes once they settle (``settle_s``). Pair with
+    ``estimator = "rank"`` and the task's ``reward = "rank"``."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(False, description="probe, prune and expand kernel problems before every update (needs the learner's agent)")
+    problems_per_update: int = Field(4, ge=1, le=256, description="problems probed per update (problem indices advance over updates)")
+    group: int = Field(4, ge=2, le=32, description="G: probes and expansion episodes per problem")
+    max_turns: int = Field(4, ge=1, le=16, description="turns of an expansion episode")
+    p_hi: float = Field(1.0, gt=0, le=1, description="DCP: share correct for 'simple'")
+    s_hi: float = Field(1.0, gt=0, description="DCP: median speedup among the correct for 'simple'")
+    seed: int = Field(0, ge=0, description="problem seed of the probed problems")
+
+
 class LearnerSettings(BaseModel):
     """Everything one learner process for one adapter family needs."""
 
@@ -214,3 +230,4 @@ class LearnerSettings(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     samples: SampleConfig = Field(default_factory=SampleConfig)
     rerollouts: RerolloutConfig = Field(default_factory=RerolloutConfig)
+    leap: LeapConfig = Field(default_factory=LeapConfig)

@@ -13,9 +13,11 @@ cheap first-turn samples (the *probe*). :func:`classify_probe` labels the task f
 
 * ``simple``: the share correct ``p >= p_hi`` (default 1.0: all correct) and the median speedup among the
   correct ones ``>= s_hi`` (default 1.0x): refinement turns have nothing to fix;
-* ``catastrophic``: nothing correct and every sample failed *the same way*: the same failure class
-  (no code, compile timeout, runtime error, incorrect output) and, for compile errors, the same first
-  error message (line numbers ignored): refinement would spend its compile calls on one wall;
+* ``catastrophic``: nothing correct and every sample failed *the same way* at compile or run time: the
+  same failure class (no code, compile timeout, compile error, runtime error) and, for compile errors,
+  the same first error message (line numbers ignored): refinement would spend its compile calls on one
+  wall. Kernels that compiled and ran but gave wrong output are never catastrophic (the checker's
+  feedback is exactly what refinement turns work from);
 * ``useful`` otherwise: expanded into ``max_turns``-turn refinement trajectories.
 
 Compile-only mode. On a machine that cannot run kernels (no GPU) no probe sample has correctness or speed
@@ -160,9 +162,15 @@ def explain_probe(results: Sequence[ProbeSample], *, p_hi: float = 1.0, s_hi: fl
             return ProbeClass.SIMPLE, f"{len(correct)}/{g} correct, median speedup {s_med:.2f}x >= {s_hi:g}x"
         shown = "unmeasured" if s_med is None else f"{s_med:.2f}x"
         return ProbeClass.USEFUL, f"{len(correct)}/{g} correct but median speedup {shown} < {s_hi:g}x: room to speed up"
-    if not correct and len(keys) == 1:
+    if not correct and len(keys) == 1 and _hard_failure(next(iter(keys))):
         return ProbeClass.CATASTROPHIC, f"all {g} failed the same way: {next(iter(keys))}"
     return ProbeClass.USEFUL, f"{len(correct)}/{g} correct, {len(keys - {None})} distinct failure kinds"
+
+
+def _hard_failure(key: str | None) -> bool:
+    """A failure refinement turns cannot get past by feedback alone: no code, a compile timeout or error, a runtime error.
+    Kernels that compiled and ran but were wrong are not catastrophic: the checker's feedback is what the turns use."""
+    return key is not None and (key in ("format", "compile_timeout", "runtime_error") or key.startswith("compile_error"))
 
 
 def classify_probe(results: Sequence[ProbeSample], *, p_hi: float = 1.0, s_hi: float = 1.0) -> ProbeClass:

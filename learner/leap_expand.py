@@ -21,7 +21,10 @@ name such as ``level1/relu`` resolved to that index here), :func:`expand`:
    fresh sampling seeds ``sample_seed + G + k`` (so they do not replay the probes' first turns).
 
 Probe runs and episodes are ordinary, non-eval agent runs: the server records them with the Env's ``correct``
-and uncapped score, and the learner trains on them like live traffic. The report counts compile calls
+and score, and the learner trains on them like live traffic. Probes are tagged ``group: "leap-probe"``, so the
+learner compares them only with each other (a one-turn probe is not a member of the G multi-turn episodes'
+group). The learner process runs this engine itself before each update when ``[leap] enabled``
+(``learner.config.LeapConfig``). The report counts compile calls
 actually spent (one per step whose observation shows a compile was attempted, i.e. a code block was found)
 against the unpruned bound ``n_problems * G * max_turns`` (every problem expanded, one compile per turn), and
 logs ``leap.expand``.
@@ -54,6 +57,7 @@ __all__ = ["ExpandReport", "ProbeParseError", "RunFailed", "compile_calls", "exp
 log = structlog.get_logger(__name__)
 
 TASK = "kernels"
+PROBE_GROUP = "leap-probe"  # the probes' group tag: one-turn probes never join the multi-turn episodes' learner group
 
 # the kernel Env's observation texts (agents/tasks/kernels/task.py: evaluate_candidate)
 _FORMAT = "I could not find a CUDA source"
@@ -283,8 +287,10 @@ async def _expand(
     limits = httpx.Limits(max_connections=max(1, concurrency), max_keepalive_connections=max(1, concurrency))
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits, transport=transport) as client:
 
-        async def run(i: int, k: int, turns: int) -> dict[str, Any]:
-            body = {"task": TASK, "problem_index": i, "seed": seed, "sample_seed": k, "max_turns": turns}
+        async def run(i: int, k: int, turns: int, group: str | None = None) -> dict[str, Any]:
+            body: dict[str, Any] = {"task": TASK, "problem_index": i, "seed": seed, "sample_seed": k, "max_turns": turns}
+            if group is not None:
+                body["group"] = group
             async with sem:
                 r = await client.post(f"/v1/agents/{agent}/runs", json=body)
             if r.status_code != 200:
@@ -292,7 +298,7 @@ async def _expand(
             out: dict[str, Any] = r.json()
             return out
 
-        probe = await asyncio.gather(*(run(i, sample_seed + k, 1) for i in indices for k in range(G)))
+        probe = await asyncio.gather(*(run(i, sample_seed + k, 1, PROBE_GROUP) for i in indices for k in range(G)))
         problems: dict[str, int] = {}
         probe_runs: dict[str, list[dict[str, Any]]] = {}
         for n, i in enumerate(indices):

@@ -28,7 +28,8 @@ provided its turns and rewards arrive within ``settle_s`` of its last turn; a re
 is not trained on (raise ``settle_s`` for slow feedback).
 
 **Group ids** (which samples an estimator compares): ``task:<agent>:<task_key>`` when the trajectory's
-meta has a task key (agent runs; ``-`` for a missing agent). Live chat traffic without one falls back
+meta has a task key (agent runs; ``-`` for a missing agent), with ``#<group>`` when the run was tagged
+(meta ``group``, e.g. LEAP's single-turn probes, so they never join the multi-turn episodes' group). Live chat traffic without one falls back
 to ``prompt:<prefix_key>`` of the trajectory's first turn (the hash of the messages it answered, so
 the same opening request forms a group), or, if that is empty, ``ctx:<sha256 of its context ids>``.
 All turns of a trajectory share its group id; estimators tell turns apart by ``turn_index``.
@@ -194,7 +195,8 @@ def group_id_of(trajectory: Trajectory) -> str:
     """The group id of a trajectory (see the module docstring for the rule and its fallbacks)."""
     task_key = trajectory.meta.get("task_key")
     if task_key:
-        return f"task:{trajectory.meta.get('agent') or '-'}:{task_key}"
+        tag = trajectory.meta.get("group")  # a run's group tag (e.g. LEAP's single-turn probes): never mixed with the untagged runs
+        return f"task:{trajectory.meta.get('agent') or '-'}:{task_key}" + (f"#{tag}" if isinstance(tag, str) and tag else "")
     if not trajectory.turns:
         return f"trajectory:{trajectory.trajectory_id}"
     first = trajectory.turns[0]

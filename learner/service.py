@@ -61,6 +61,11 @@ log = structlog.get_logger(__name__)
 REQUEST_FILE = "update.request"
 INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only for an RTPO sweep's siblings
 UPDATE_VERSIONS = "update_versions"  # trainer.cursor key: the final version of each recent update (the staleness bound)
+LEAP_NEXT = "leap_next_problem"  # trainer.cursor key: the next problem index LEAP's data engine probes
+
+
+class LearnerConfigError(ValueError):
+    """The learner's settings cannot work with this runtime (e.g. re-rollouts for an agent without a task)."""
 
 
 def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:
@@ -106,7 +111,7 @@ class ServiceConfig:
 @dataclass
 class Status:
     family: str
-    state: str = "idle"  # idle | waiting | training | publishing | gating | ab | stopped | error
+    state: str = "idle"  # idle | waiting | expanding | training | publishing | gating | ab | stopped | error
     detail: str = ""
     version: int = 0  # the latest version trained
     champion: str | None = None
@@ -135,6 +140,7 @@ class LearnerService:
         self._stop = False
         self._busy = False  # inside a scheduling round (an update, a publish, a gate)
         self._seen_since = time.time()
+        self._checked = False
         # set by serve.py: the learner stops when its server does (uvicorn re-raises SIGTERM, so the server cannot always stop it)
         parent = os.environ.get("LOOPWISE_LEARNER_PARENT")
         self._parent = int(parent) if parent and parent.isdigit() and int(parent) == os.getppid() else None
@@ -148,6 +154,13 @@ class LearnerService:
         if removed:
             log.info("removed half-published adapters", paths=[str(p) for p in removed])
         self._restore_cursor()
+        try:
+            self.check_setup()
+        except LearnerConfigError as exc:
+            self._set("error", str(exc))
+            raise
+        except (AdminError, httpx.HTTPError):  # the runtime is not up yet: checked again before the first update
+            pass
         while not self._stop:
             try:
                 self._busy = True
@@ -201,12 +214,34 @@ class LearnerService:
         return bool(record["metrics"])
 
     # ---- one update ----------------------------------------------------------------------------
+    def check_setup(self) -> None:
+        """Refuse a configuration that cannot work, before any model is loaded (raises :class:`LearnerConfigError`).
+
+        RTPO's and TCPO's re-rollouts replay task runs through the agent's runs endpoint and need its verifier:
+        they need the learner's agent and that agent's task. LEAP's data engine needs the agent. (TCPO itself
+        trains wherever rewards exist: without per-turn scores it falls back to the outcome.)"""
+        if self._checked:
+            return
+        s = self.cfg.settings
+        needs_task = s.rerollouts.enabled and s.trainer.estimator in ("rtpo", "tcpo")
+        if (needs_task or s.leap.enabled) and self.cfg.agent is None:
+            what = f"estimator {s.trainer.estimator!r} with re-rollouts" if needs_task else "[leap] enabled"
+            raise LearnerConfigError(f"{what} needs the learner's agent (--agent): its runs are what is replayed or expanded")
+        if needs_task and self._task() is None:
+            raise LearnerConfigError(
+                f"estimator {s.trainer.estimator!r} re-rolls task runs scored by a verifier, but agent {self.cfg.agent!r} has no task: "
+                "give the agent a task, or set [rerollouts] enabled = false"
+            )
+        self._checked = True
+
     def update(self, force: bool = True, publish: bool = True) -> dict[str, Any]:
         """One update; with ``force=False`` nothing happens (no version) when no sample is ready.
 
         With ``publish=False`` (an experiment is running) a trained version is held: checkpointed, not
         published; ``tick`` publishes the newest held version once the experiment has decided."""
+        self.check_setup()
         trainer = self._get_trainer()
+        leap = self._leap_expand(trainer) if self.cfg.settings.leap.enabled else None
         self._set("training", f"version {trainer.version + 1}")
         batch = collect_samples(
             self.store,
@@ -222,12 +257,15 @@ class LearnerService:
             return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
         metrics, rerollouts = self._train(trainer, samples, skipped)
         keep = self.cfg.settings.samples.max_staleness + 1
-        trainer.cursor = {**batch.cursor.to_dict(), UPDATE_VERSIONS: [*_update_versions(trainer), trainer.version][-keep:]}
+        leap_next = int(trainer.cursor.get(LEAP_NEXT, 0)) + (self.cfg.settings.leap.problems_per_update if leap is not None else 0)
+        trainer.cursor = {**batch.cursor.to_dict(), UPDATE_VERSIONS: [*_update_versions(trainer), trainer.version][-keep:], LEAP_NEXT: leap_next}
         self._seen_since = batch.cursor.since
         trainer.save_checkpoint(self.dir / "checkpoints")
         record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict()}
         if rerollouts is not None:
             record["rerollouts"] = rerollouts
+        if leap is not None:
+            record["leap"] = leap
         self.status.version, self.status.updates, self.status.last_update_at = trainer.version, self.status.updates + 1, time.time()
         self.status.last_metrics = metrics.as_dict()
         if metrics.optimizer_step and publish:
@@ -344,6 +382,33 @@ class LearnerService:
         log.info("tcpo counterfactuals", **info)
         advantages = estimate(samples, "tcpo", {**self.cfg.settings.trainer.estimator_params, "counterfactual_scores": scores})
         return trainer.step(samples, advantages, skipped=skipped), info
+
+    def _leap_expand(self, trainer: Any) -> dict[str, Any]:
+        """LEAP's data engine (``learner.leap_expand``): probe the next problems, prune them with DCP, expand the useful ones.
+
+        The probes and episodes are recorded as the agent's runs (the probes with their own group tag); this update
+        trains on those that have settled, later ones on the rest."""
+        from learner.leap_expand import expand
+
+        lc = self.cfg.settings.leap
+        first = int(trainer.cursor.get(LEAP_NEXT, 0))
+        self._set("expanding", f"LEAP: probing problems {first}..{first + lc.problems_per_update - 1}")
+        assert self.cfg.agent is not None
+        report = expand(
+            self.cfg.admin_url,
+            self._v1_key,
+            self.cfg.agent,
+            list(range(first, first + lc.problems_per_update)),
+            lc.group,
+            lc.max_turns,
+            seed=lc.seed,
+            sample_seed=trainer.version * 1000,
+            p_hi=lc.p_hi,
+            s_hi=lc.s_hi,
+            concurrency=self.cfg.settings.rerollouts.concurrency,
+        )
+        out = report.to_dict()
+        return {k: out[k] for k in ("n_probed", "fraction_pruned", "expanded", "compile_calls", "elapsed_s")} | {"pruned": out["dcp"]["pruned"]}
 
     def _rollout_model(self) -> str:
         """The newest policy the runtime can serve: the family's newest published version (loaded if it is not), else the base model."""

@@ -101,7 +101,7 @@ def turn_advantages(turns: Sequence[CopilotTurn]) -> list[float]:
 
 def fetch_samples(client: httpx.Client, turns: Sequence[CopilotTurn], testbed: str) -> list[Any]:
     """``learner.samples.Sample`` for each copilot turn, read back from the server's store (exact tokens)."""
-    from learner.samples import Sample, parse_adapter
+    from learner.samples import Sample, parse_adapter, recorded_grammar
 
     out = []
     for t in turns:
@@ -133,6 +133,7 @@ def fetch_samples(client: httpx.Client, turns: Sequence[CopilotTurn], testbed: s
                 temperature=float(temp) if isinstance(temp, int | float) and temp > 0 else 1.0,
                 created_at=float(turn["created_at"]),
                 meta={"testbed": testbed},
+                grammar=recorded_grammar(turn["sampling"]),  # the JSON rewrite's schema: the trainer masks as the engine did
             )
         )
     return out

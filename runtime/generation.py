@@ -377,7 +377,8 @@ class Generation:
                 "seed": sp.seed,
                 "max_new_tokens": sp.max_new_tokens,
                 "stop": list(sp.stop),
-                "grammar": sp.grammar.kind if sp.grammar else None,
+                # kind and spec: the learner re-applies the mask, so its logprobs are of the distribution that was sampled
+                "grammar": {"kind": sp.grammar.kind, "spec": sp.grammar.spec} if sp.grammar else None,
                 "api": prep.api,
             },
             tool_calls=[ToolCallRecord(id=c.id, name=c.name, arguments=c.arguments) for c in choice.tool_calls],

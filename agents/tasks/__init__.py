@@ -11,7 +11,9 @@ Built-in names (``task_names()``): the reasoning-gym generators ``basic_arithmet
 gymnasium environment; ``agents.tasks.frozenlake``); ``humaneval`` (code, run in ``tools.sandbox``;
 ``agents.tasks.humaneval``); ``kernels`` (CUDA kernels for PyTorch reference modules, compiled, checked
 and timed by ``tools.cuda``; multi-turn; ``agents.tasks.kernels.task``). Any other reasoning-gym
-generator is available as ``rg:<name>``. ``register_task`` adds more.
+generator is available as ``rg:<name>``, and any single-answer task in TCPO's verifier-feedback mode
+as ``feedback:<name>`` (``agents.tasks.feedback``: the verifier's score is shown between turns).
+``register_task`` adds more.
 
 Task modules are imported when a task is first built, so importing this package is cheap and pulls in
 neither reasoning-gym nor gymnasium. Unknown names raise ``UnknownTask`` (a ``KeyError`` and a
@@ -29,6 +31,7 @@ __all__ = ["Env", "EnvStep", "Problem", "Task", "TaskBase", "UnknownTask", "Verd
 
 TaskFactory = Callable[..., Task]
 RG_PREFIX = "rg:"
+FEEDBACK_PREFIX = "feedback:"
 
 
 class UnknownTask(KeyError, ValueError):
@@ -95,7 +98,7 @@ def task_names() -> list[str]:
 
 def register_task(name: str, factory: TaskFactory, *, replace: bool = False) -> None:
     """Register ``factory(**options) -> Task`` under ``name``."""
-    if not name or name.startswith(RG_PREFIX):
+    if not name or name.startswith((RG_PREFIX, FEEDBACK_PREFIX)):
         raise ValueError(f"invalid task name {name!r}")
     if name in _REGISTRY and not replace:
         raise ValueError(f"task {name!r} is already registered (pass replace=True to override)")
@@ -104,6 +107,13 @@ def register_task(name: str, factory: TaskFactory, *, replace: bool = False) -> 
 
 def get_task(name: str, **options: Any) -> Task:
     """Build the task registered as ``name`` with ``options``; raises ``UnknownTask`` or ``ValueError``."""
+    if name.startswith(FEEDBACK_PREFIX) and len(name) > len(FEEDBACK_PREFIX):
+        from .feedback import VerifierFeedbackTask
+
+        inner = name[len(FEEDBACK_PREFIX) :]
+        if inner.startswith(FEEDBACK_PREFIX):
+            raise ValueError(f"{name!r}: verifier feedback cannot be nested")
+        return VerifierFeedbackTask(get_task(inner, **options))
     factory = _REGISTRY.get(name)
     if factory is not None:
         return factory(**options)

@@ -51,7 +51,13 @@ class EnvStep:
 
 @runtime_checkable
 class Env(Protocol):
-    """A multi-turn text environment (e.g. FrozenLake)."""
+    """A multi-turn text environment (e.g. FrozenLake).
+
+    Optionally an environment also has ``state_key() -> str | None``: its current state without the history
+    (e.g. FrozenLake's cell), recorded before each turn as the trajectory's meta ``state_keys`` so the learner's
+    GiGPO compares the actions taken in one state across trajectories, whatever path led there (GiGPO's anchor
+    state; the exact context would differ after the first turn). ``None``, or no such method: no state key.
+    """
 
     def reset(self) -> str:
         """Start (or restart) the episode; returns the first observation text."""

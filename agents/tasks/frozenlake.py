@@ -234,6 +234,10 @@ class FrozenLakeTextEnv:
         self.done, self.episode_reward, self.outcome = False, 0.0, None
         return f"{self.render()}\n{self._ASK}"
 
+    def state_key(self) -> str | None:
+        """GiGPO's anchor state: the cell the agent stands on (the map is the problem's; moves made so far are history)."""
+        return None if self.done else f"cell:{self.row},{self.col}"
+
     def _info(self, **extra: Any) -> dict[str, Any]:
         return {
             "moves": self.moves,

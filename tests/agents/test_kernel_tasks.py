@@ -366,3 +366,73 @@ def test_a_wrong_kernel_fails_cuda_check():
     assert wrong != spec.solution
     result = cuda_check(wrong, spec.module)
     assert result.measured and result.correct is False and result.max_abs_err == pytest.approx(0.1, abs=1e-3)
+
+
+# ---- what a kernel run records for the learner (LEAP) ------------------------------------------------------
+
+
+def _record_run(tok, tmp_path, task):
+    import asyncio
+
+    from agents.config import AgentConfig
+    from agents.loop import AgentLoop
+    from tests.agents._scripted import ScriptedEngine, make_client
+    from tools.builtins import default_registry
+
+    problem = task.problems(1)[0]
+    engine = ScriptedEngine(tok, [f"```cuda\n{problem.answer}```"] * 4)
+    client, recorder, store = make_client(tok, engine, tmp_path)
+    loop = AgentLoop(AgentConfig(name="k-agent", max_turns=2), client, default_registry(), task=task)
+
+    async def go():
+        try:
+            return await loop.run([{"role": "user", "content": problem.prompt}], session_id="s", problem=problem, seed=1)
+        finally:
+            await recorder.flush()
+
+    result = asyncio.run(go())
+    recorder.close()
+    from learner.store import SqliteStore
+
+    view = SqliteStore(tmp_path / "interactions.db")
+    try:
+        return result, view.get_trajectory(result.trajectory_id)
+    finally:
+        view.close()
+
+
+def test_rank_mode_records_correctness_as_the_reward_and_speed_as_the_score(tiny_model_path, tmp_path):
+    # reward="rank" used to be invisible to the trajectory: the loop recorded Kevin's uncapped score as the reward
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_path))
+    task = KernelTask(level=1, reward="rank", max_turns=2, toolset=Recorded(compiled_ok, correct=True, speedup=2.5).toolset)
+    result, traj = _record_run(tok, tmp_path, task)
+    assert result.correct is True and result.reward == 1.0
+    [outcome] = [r for r in traj.rewards if r.target == "trajectory"]
+    assert outcome.value == 1.0 and outcome.source == "verifier:kernels"
+    assert traj.meta["correct"] is True and traj.meta["score"] == pytest.approx(2.8)  # the rank estimator orders by it
+
+
+def test_unmeasured_kernels_are_recorded_as_unknown_not_incorrect(tiny_model_path, tmp_path):
+    # no GPU: the kernel compiled but could not be checked; recorded as incorrect, a compile-only group was ranked by length alone
+    from transformers import AutoTokenizer
+
+    from tools.cuda import CheckResult
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_path))
+
+    def check(source, reference, **kw):
+        return CheckResult(
+            measured=False, reason="no GPU", compiled=True, correct=None, max_abs_err=None, diagnostics=[], elapsed_s=0.1, timed_out=False
+        )
+
+    tools = KernelToolset(compile=compiled_ok, check=check, bench=lambda *a, **k: None, device=lambda: (False, "no GPU"))
+    result, traj = _record_run(tok, tmp_path, KernelTask(level=1, reward="rank", max_turns=2, toolset=tools))
+    assert result.correct is None and traj.meta["correct"] is None and result.reward == 0.0
+    from learner.advantages import compute_advantages
+    from learner.config import SampleConfig
+    from learner.samples import SkipCounts, to_turn_samples, trajectory_samples
+
+    ts = to_turn_samples(trajectory_samples(traj, family="f", min_version=0, cfg=SampleConfig(), counts=SkipCounts()))
+    assert ts[0].correct is None and compute_advantages("rank", ts).n_excluded == len(ts)

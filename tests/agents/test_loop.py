@@ -160,6 +160,24 @@ def test_frozenlake_runs_as_a_multi_turn_environment(tok, tmp_path):
     assert result.stop_reason == "env_done" and result.reward == 1.0 and result.correct
 
 
+def test_environment_state_keys_are_recorded_for_gigpo(tok, tmp_path):
+    # a move into the edge leaves the agent where it was: turns 0 and 1 act in one state, with different histories
+    task = get_task("frozenlake")
+    problem = task.problems(1, seed=0)[0]
+    moves = problem.metadata.get("solution") or problem.answer
+    script = ["<action>left</action>"] + [f"<action>{m}</action>" for m in _move_words(moves)]
+    result, _, view = run(tok, tmp_path, script, task=task, problem=problem, max_turns=30, messages=[{"role": "user", "content": problem.prompt}])
+    assert result.correct and len(result.state_keys) == result.turns
+    assert result.state_keys[0] == result.state_keys[1] == "cell:0,0" and len(set(result.state_keys)) == result.turns - 1
+    traj = view.trajectory(result.trajectory_id)
+    assert traj.meta["state_keys"] == result.state_keys
+    from learner.config import SampleConfig
+    from learner.samples import SkipCounts, to_turn_samples, trajectory_samples
+
+    ts = to_turn_samples(trajectory_samples(traj, family="f", min_version=0, cfg=SampleConfig(), counts=SkipCounts()))
+    assert ts[0].state == ts[1].state and ts[0].anchor != ts[1].anchor  # same state, different exact contexts
+
+
 def _move_words(moves) -> list[str]:
     names = {"L": "left", "D": "down", "R": "right", "U": "up"}
     if isinstance(moves, str):
@@ -178,17 +196,40 @@ def test_t2po_turn_resampling_regenerates_flat_turns(tok, tmp_path):
     assert len(drafts) == 1
 
 
-def test_t2po_thinking_intervention_cuts_a_plateaued_think_span(tok, tmp_path):
+def test_t2po_thinking_intervention_cuts_a_plateaued_think_span_within_the_turn(tok, tmp_path):
     thinking = "<think>" + " hmm" * 200
-    script = [Reply(thinking, p=0.5, eos=False), Reply("</think> ignored", p=0.9), Reply("<answer>5</answer>", p=0.9)]
+    script = [Reply(thinking, p=0.5, eos=False), Reply("<answer>5</answer>", p=0.9)]
     t2 = {"thinking_intervention": True, "window": 4, "threshold": 0.05, "min_tokens": 8, "think_budget": None, "top_logprobs": 2}
-    result, engine, view = run(tok, tmp_path, script, t2po=t2, max_tokens_per_turn=512)
+    # max_turns 1: the intervention must not use up the turn (it used to end the run with an empty answer, and the
+    # cut thinking was trained as a turn of its own with reward 0)
+    result, engine, view = run(tok, tmp_path, script, t2po=t2, max_tokens_per_turn=512, max_turns=1)
     assert result.t2po["interventions"] == 1 and result.steps[0].intervened
-    assert result.steps[0].output_tokens < 200  # cut early, not at the end of the span
+    assert result.turns == 1 and result.answer == "5" and result.stop_reason == "final_answer"
     second = tok.decode(engine.calls[1].input_ids[len(engine.calls[0].input_ids) :])
-    assert second.endswith("</think>\n")  # the forced close is context, not output
+    assert second.endswith("</think>\n")  # the answer is decoded after the forced close
+    [turn] = view.trajectory(result.trajectory_id).turns
+    forced = tok.encode("\n</think>\n", add_special_tokens=False)
+    n_think = len(turn.output_ids) - len(forced) - len(tok.encode("<answer>5</answer>", add_special_tokens=False)) - 1  # - eos
+    assert n_think < 200  # cut early, not at the end of the span
+    assert turn.output_ids[n_think : n_think + len(forced)] == forced
+    assert turn.loss_mask == [1] * n_think + [0] * len(forced) + [1] * (len(turn.output_ids) - n_think - len(forced))
+    assert turn.logprobs[n_think : n_think + len(forced)] == [0.0] * len(forced)  # not sampled: masked out of training
+    assert turn.finish_reason == "stop" and view.trajectory(result.trajectory_id).meta["t2po"]["interventions"] == 1
+
+
+def test_t2po_turn_resampling_keeps_the_grammar_of_a_constrained_agent(tok, tmp_path):
+    # an svr agent decodes under its format grammar; a regenerated turn must get the same Grammar (rebuilding the
+    # sampling params through asdict turned it into a dict, which the engines cannot compile)
+    fmt = "<think>x</think><solution>\\boxed{{{a}}}</solution><verdict>Incorrect</verdict><confidence>0.5</confidence>"
+    script = [Reply(fmt.format(a=1), p=0.7), Reply(fmt.format(a=2), p=0.71), Reply(fmt.format(a=3), p=0.72), Reply(fmt.format(a=4), p=0.99)]
+    t2 = {"turn_resample": True, "eta": 0.3, "max_try": 1, "top_logprobs": 2}
+    result, engine, view = run(tok, tmp_path, script, stop_policy="svr", max_turns=3, t2po=t2)
+    assert result.t2po["resamples"] == 1 and result.steps[1].drafts_discarded == 1
+    grammars = [c.sampling.grammar for c in engine.calls]
+    assert grammars[0] is not None and all(g == grammars[0] for g in grammars)  # same Grammar, drafts included
+    # and the recorded turns carry it, so the learner scores them under the same mask
     traj = view.trajectory(result.trajectory_id)
-    assert traj.turns[0].finish_reason == "intervened" and traj.meta["t2po"]["interventions"] == 1
+    assert traj.turns[0].sampling["grammar"] == {"kind": grammars[0].kind, "spec": grammars[0].spec}
 
 
 def test_context_tracker_detects_a_broken_prefix():
@@ -296,3 +337,21 @@ def test_an_environment_can_report_its_own_outcome(tok, tmp_path, info, reward, 
     assert result.stop_reason == "env_done" and result.reward == reward and result.correct is correct
     meta = view.trajectory(result.trajectory_id).meta
     assert meta["score"] == reward and meta["correct"] is correct  # what LEAP's rank estimator reads
+
+
+def test_tcpo_verifier_feedback_mode_shows_the_score_between_turns(tok, tmp_path):
+    task = get_task("feedback:calc_arith", n_ops=1, use_tools=False)
+    problem = task.problems(1, seed=0)[0]
+    assert task.name == "feedback:calc_arith" and task.task_key(problem) == get_task("calc_arith", n_ops=1).task_key(problem)
+    right = int(problem.answer)
+    script = [f"<answer>{right + 1}</answer>", f"<answer>{right}</answer>", "unused"]
+    result, engine, view = run(tok, tmp_path, script, task=task, problem=problem, max_turns=3, messages=[{"role": "user", "content": problem.prompt}])
+    assert result.turns == 2 and result.correct and result.reward == 1.0 and result.stop_reason == "env_done"
+    assert "score 0.00" in result.steps[0].observation and "Try again" in result.steps[0].observation
+    shown = tok.decode(engine.calls[1].input_ids[len(engine.calls[0].input_ids) :])
+    assert "The verifier checked your answer" in shown  # the score is in the next turn's context
+    traj = view.trajectory(result.trajectory_id)
+    turn_scores = {r.target_id: r.value for r in traj.rewards if r.target == "turn"}
+    assert [turn_scores[t.turn_id] for t in traj.turns] == [0.0, 1.0]  # TCPO's v_t, per turn
+    with pytest.raises(ValueError, match="nested"):
+        get_task("feedback:feedback:calc_arith")

@@ -469,6 +469,26 @@ def test_gigpo_counts_turn_rewards_and_the_outcome() -> None:
     assert list(compute_advantages("gigpo", samples, gamma=1.0, norm_by_std=False)) != pytest.approx([0.75, 0.5, -0.75, -0.5])
 
 
+def test_gigpo_compares_trajectories_that_reach_one_state_by_different_paths() -> None:
+    # A: S -> Y -> W (success), B: S -> X -> Y (failure). Both act in state Y, A at turn 1 and B at turn 2, with
+    # different histories, so their exact contexts differ there; GiGPO's anchor is the state, not the context
+    def samples(with_states: bool) -> list[TurnSample]:
+        states = {"A": ["S", "Y", "W"], "B": ["S", "X", "Y"]}
+        return [
+            S(t, k, 1.0 if t == "A" else 0.0, anchor=f"ctx-{t}-{k}" if k else "ctx-0", state=states[t][k] if with_states else None)
+            for t in ("A", "B")
+            for k in range(3)
+        ]
+
+    # returns (gamma 1, outcome only): A [1, 1, 1], B [0, 0, 0]; episode (cross steps): six entries, mean 0.5,
+    # std sqrt(6 * 0.25 / 5) = sqrt(0.3); step groups: S = {A0, B0} and Y = {A1, B2}: +-0.5 / (sqrt(0.5) + eps)
+    ep = 0.5 / (math.sqrt(0.3) + EPS)
+    st = 0.5 / (math.sqrt(0.5) + EPS)
+    approx(compute_advantages("gigpo", samples(True), gamma=1.0), [ep + st, ep + st, ep, -ep - st, -ep, -ep - st])
+    # on exact contexts (the old anchor) only the shared first turn matches; the revisited state is never compared
+    approx(compute_advantages("gigpo", samples(False), gamma=1.0), [ep + st, ep, ep, -ep - st, -ep, -ep])
+
+
 def test_turn_level_returns_add_the_outcome_to_process_rewards() -> None:
     # a two-turn task where the process score of turn 0 is the same (1) for both, and only the outcome differs:
     # the first turn's return must carry the outcome, or turn 0 gets no credit at all

@@ -41,7 +41,8 @@ def built(task: str = "t") -> ProbeSample:  # compiled on a machine without a GP
         ([ok(), ok(), ok(speedup=1.1), ok(speedup=3.0)], "simple"),  # all correct, median 1.5x
         ([ok(speedup=0.4), ok(speedup=0.5), ok(speedup=0.6), ok(speedup=2.0)], "useful"),  # correct but slow: room to speed up
         ([ok(), ok(), ok(), wrong()], "useful"),  # p = 0.75 < p_hi = 1
-        ([wrong(), wrong(), wrong(), wrong()], "catastrophic"),  # all incorrect
+        # all compiled, ran and were wrong: not a compile/runtime wall; the checker's feedback is what refinement uses
+        ([wrong(), wrong(), wrong(), wrong()], "useful"),
         ([cerr('identifier "foo" is undefined', line=n) for n in (3, 9, 12, 40)], "catastrophic"),  # one first error, lines differ
         ([cerr('identifier "foo" is undefined'), cerr('expected a ";"'), wrong(), wrong()], "useful"),
         ([cerr('identifier "foo" is undefined')] * 3 + [ok()], "useful"),  # one success is enough to learn from

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -356,4 +357,87 @@ def test_staleness_counts_updates_held_during_an_experiment(tmp_path, tiny_model
     assert svc._staleness_floor(trainer) == 7
     # a checkpoint from before update_versions: one version per update
     assert svc._staleness_floor(SimpleNamespace(version=6, cursor={"since": 1.0})) == 4
+    svc.store.close()
+
+
+def test_reroll_estimators_are_refused_where_they_cannot_work(server, tiny_model_path, tmp_path):
+    from learner.service import LearnerConfigError
+
+    # an agent without a task: nothing to replay, no verifier to score counterfactuals with
+    if "no-task-agent" not in {a["name"] for a in admin(server, "GET", "/admin/agents").json()["data"]}:
+        assert admin(server, "POST", "/admin/agents", json={"name": "no-task-agent", "adapter_family": "nt"}).status_code == 201
+    for estimator in ("tcpo", "rtpo"):
+        s = settings().model_dump()
+        s.update(family="nt")
+        s["trainer"]["estimator"] = estimator
+        cfg = ServiceConfig(
+            data_dir=server.log_path.parent,
+            admin_url=server.base_url,
+            admin_key=ADMIN,
+            base_model=tiny_model_path,
+            settings=LearnerSettings.model_validate(s),
+            agent="no-task-agent",
+            gate_n=0,
+        )
+        svc = LearnerService(cfg)
+        with pytest.raises(LearnerConfigError, match="has no task"):
+            svc.update()
+        assert svc._trainer is None  # refused before any model was loaded
+        # without re-rollouts TCPO trains on whatever rewards exist (outcome fallback): accepted
+        s["rerollouts"] = {"enabled": False}
+        LearnerService(replace(cfg, settings=LearnerSettings.model_validate(s))).check_setup()
+    # on the command line, before anything is loaded: re-rollouts without an agent
+    conf = tmp_path / "tcpo.toml"
+    conf.write_text('[trainer]\nestimator = "tcpo"\n')
+    cmd = [
+        sys.executable,
+        "-m",
+        "learner",
+        "run",
+        "--base-model",
+        str(tiny_model_path),
+        "--data-dir",
+        str(tmp_path),
+        "--agent",
+        "",
+        "--config",
+        str(conf),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "LOOPWISE_ADMIN_KEY": "k"}
+    )
+    assert proc.returncode == 2 and "needs --agent" in proc.stderr
+
+
+def test_leap_runs_its_data_engine_before_each_update(tmp_path, tiny_model_path, monkeypatch):
+    # [leap] enabled: each update first probes the next problems, prunes them with DCP and expands the rest
+    # (learner.leap_expand, tested against a scripted server in test_leap_expand.py); the problem cursor advances
+    from types import SimpleNamespace
+
+    import learner.leap_expand as le
+
+    calls = []
+
+    def fake_expand(url, key, agent, problems, G, max_turns, **kw):
+        calls.append((agent, problems, G, max_turns, kw["sample_seed"]))
+        report = {"n_probed": len(problems), "fraction_pruned": 0.5, "expanded": ["p1"], "compile_calls": {}, "elapsed_s": 0.1}
+        return SimpleNamespace(to_dict=lambda: {**report, "dcp": {"pruned": {"p0": {"class": "catastrophic"}}}})
+
+    monkeypatch.setattr(le, "expand", fake_expand)
+    s = settings().model_dump()
+    s["leap"] = {"enabled": True, "problems_per_update": 3, "group": 2, "max_turns": 4}
+    cfg = ServiceConfig(
+        data_dir=tmp_path,
+        admin_url="http://127.0.0.1:9",
+        admin_key="k",
+        base_model=tiny_model_path,
+        settings=LearnerSettings.model_validate(s),
+        agent="kernel-agent",
+    )
+    svc = LearnerService(cfg)
+    trainer = SimpleNamespace(version=2, cursor={"leap_next_problem": 6})
+    out = svc._leap_expand(trainer)
+    assert calls == [("kernel-agent", [6, 7, 8], 2, 4, 2000)] and out["pruned"] == {"p0": {"class": "catastrophic"}}
+    with pytest.raises(Exception, match="needs the learner's agent"):
+        LearnerService(replace(cfg, agent=None)).check_setup()
     svc.store.close()

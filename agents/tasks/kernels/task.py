@@ -25,11 +25,15 @@ so the loop's sum is the episode reward):
   and speedup come from ``cuda_check`` / ``cuda_bench``. Compile success alone earns nothing: on a
   machine without a GPU every episode's reward is 0. ``Verdict`` and the agent loop take rewards in
   [0, 1], so the reward returned is capped at 1.0; the uncapped value is ``info["kevin_reward"]`` (and in
-  the verdict detail).
-* ``reward="rank"`` (LEAP, [RECON] algorithms.md 3): the episode reward is 1.0 when correct, else 0.0;
-  the tournament inside a group (correct beats incorrect, faster beats slower, fewer tokens breaks ties)
-  is computed by the learner from ``info["correct"]``, ``info["speedup"]`` and the token counts
-  (``learner.leap.kernel_rank_samples`` feeds ``learner.advantages.rank``).
+  the verdict detail), and ``info["reward"]``, which the agent loop records as the trajectory's reward.
+* ``reward="rank"`` (LEAP, [RECON] algorithms.md 3): the episode reward, and ``info["reward"]`` the loop
+  records, is 1.0 when correct, else 0.0; the tournament inside a group (correct beats incorrect, faster
+  beats slower, fewer tokens breaks ties between correct kernels) is computed by the learner's ``rank``
+  estimator from the recorded meta ``correct``, ``score`` (``info["score"]``: Kevin's value, monotone in
+  speedup) and the token counts.
+
+``info["correct"]`` is None when correctness was not measured (no GPU): the loop records it as unknown,
+not as incorrect, so the rank estimator leaves such runs out instead of ranking them by length.
 
 ``verify(problem, answer)`` runs the same pipeline once on the final answer text.
 
@@ -256,6 +260,10 @@ class KernelEnv:
             # what the agent loop records (agents/loop.py): correctness and the uncapped score, whose order within a
             # group is LEAP's "correct beats incorrect, then faster" (kevin_reward is monotone in speedup when correct)
             "score": kevin_reward(outcome.correct, outcome.speedup) if outcome is not None else 0.0,
+            # what the trajectory's reward is: Kevin's uncapped value, or LEAP's 1 correct / 0 (reward="rank"; the
+            # learner's rank estimator makes the group-relative reward from correct, score and tokens)
+            "reward": self.task.recorded_reward(outcome) if outcome is not None else 0.0,
+            "reward_mode": self.task.reward_mode,
             "episode_reward": reward,
             "format_error": outcome is not None and not outcome.found_code,
         }
@@ -329,6 +337,12 @@ class KernelTask(TaskBase):
         return evaluate_candidate(
             spec, source, self.toolset, arch=self.arch, compile_timeout_s=self.compile_timeout_s, check_timeout_s=self.check_timeout_s
         )
+
+    def recorded_reward(self, outcome: KernelOutcome) -> float:
+        """The trajectory reward the agent loop records: uncapped Kevin (``kevin``), or 1.0 correct / 0.0 (``rank``)."""
+        if self.reward_mode == "rank":
+            return 1.0 if outcome.correct is True else 0.0
+        return kevin_reward(outcome.correct, outcome.speedup)
 
     def reward_of(self, outcome: KernelOutcome) -> float:
         """The episode reward in [0, 1] from what was measured (see the module docstring)."""
