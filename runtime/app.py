@@ -58,7 +58,7 @@ from runtime.generation import Generation
 from runtime.identity import bearer_token
 from runtime.learner_routes import LearnerCollector, install_learner_routes
 from runtime.memory_routes import MemoryBackend, install_memory_routes
-from runtime.metrics import Metrics
+from runtime.metrics import Metrics, ReplicaCollector
 from runtime.recorder import ANONYMOUS, Recorder
 from runtime.response_store import ResponseStore
 from runtime.serving import Gateway
@@ -160,6 +160,8 @@ def create_app(
     install_agent_routes(app, agents, server.admin_key, server.max_body_bytes, _name_taken)
     install_learner_routes(app, server.data_dir, server.admin_key, learner_enabled)
     metrics.registry.register(LearnerCollector(server.data_dir / "learner"))
+    if callable(replica_status := getattr(engine, "status", None)):  # replicas of an external engine
+        metrics.registry.register(ReplicaCollector(replica_status))
     install_memory_routes(app, memory, server.admin_key)
     traffic = TrafficHistory(metrics)
     app.state.traffic = traffic

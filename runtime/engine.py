@@ -92,6 +92,7 @@ class GenerateRequest:
     input_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     adapter: str | None = None  # None serves the base model
+    session: str | None = None  # the conversation's routing key: replicas of an external engine keep a session on one server
 
 
 @dataclass(frozen=True)

@@ -278,6 +278,7 @@ class Generation:
         grammar = grammar_for(req, self.formatter.parser_name)
         temperature = 1.0 if req.temperature is None else req.temperature
         engine_reqs = []
+        session = None if session_id == ANONYMOUS else session_id  # keeps a conversation on one replica of an external engine
         for i in range(req.n):
             sampling = SamplingParams(
                 max_new_tokens=max_new,
@@ -291,7 +292,7 @@ class Generation:
                 top_logprobs=req.top_logprobs,
                 grammar=grammar,
             )
-            engine_reqs.append(GenerateRequest(request_id=f"{request_id}-{i}", input_ids=prompt_ids, sampling=sampling, adapter=adapter))
+            engine_reqs.append(GenerateRequest(f"{request_id}-{i}", prompt_ids, sampling, adapter=adapter, session=session))
         self.metrics.prompt_tokens.inc(prompt_len * req.n)
         return Prepared(
             id=f"{id_prefix}{uuid.uuid4().hex[:24]}",

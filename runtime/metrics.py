@@ -9,6 +9,10 @@ Per served adapter (``base`` = the base model): model requests, their latency an
 counted for chat completions and for agent model calls alike. ``runtime/traffic.py`` turns these
 counters into rates over the last hour.
 
+``ReplicaCollector`` adds, for the replicas of an external engine (``runtime/engines/replicas.py``),
+``loopwise_engine_replica_up``, ``_in_flight``, ``_adapters`` and ``_requests_total`` per replica
+(labels ``replica``, ``url``), read at scrape time.
+
 Not here: per-experiment statistics (``runtime/experiments.py``).
 """
 
@@ -17,9 +21,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -74,3 +80,24 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ReplicaCollector:
+    """Per-replica state of an external engine (``status()`` rows: url, up, in_flight, adapters, requests) at scrape time."""
+
+    def __init__(self, status: Callable[[], list[dict[str, Any]]]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["replica", "url"]
+        up = GaugeMetricFamily("loopwise_engine_replica_up", "1 while the engine replica is routed to", labels=labels)
+        running = GaugeMetricFamily("loopwise_engine_replica_in_flight", "requests in flight to the replica", labels=labels)
+        adapters = GaugeMetricFamily("loopwise_engine_replica_adapters", "adapters loaded on the replica", labels=labels)
+        requests = CounterMetricFamily("loopwise_engine_replica_requests", "requests routed to the replica", labels=labels)
+        for i, row in enumerate(self.status()):
+            key = [str(i), str(row["url"])]
+            up.add_metric(key, 1.0 if row["up"] else 0.0)
+            running.add_metric(key, float(row["in_flight"]))
+            adapters.add_metric(key, float(len(row["adapters"])))
+            requests.add_metric(key, float(row["requests"]))
+        yield from (up, running, adapters, requests)

@@ -191,8 +191,12 @@ def _tiny_tokenizer(seed: int, vocab_size: int = 2000):
     return tok
 
 
-def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
-    """Write a random tiny Llama + byte-level BPE tokenizer (ChatML template) to ``out_dir``."""
+def build_tiny_model(out_dir: Path, *, seed: int = 0, heads: tuple[int, int] = (4, 2)) -> Path:
+    """Write a random tiny Llama + byte-level BPE tokenizer (ChatML template) to ``out_dir``.
+
+    ``heads`` = (attention heads, key/value heads) of the 64-wide model: (4, 2) gives head_dim 16; (2, 1)
+    gives head_dim 32 with the same module shapes, which vLLM's CPU attention needs (head sizes 32, 64, ...).
+    """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -203,8 +207,8 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=None,
@@ -216,13 +220,18 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=2, pad_token_id=2)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    _write_marker(out_dir, source="tiny", seed=seed, vocab_size=len(tok))
+    _write_marker(out_dir, source="tiny", seed=seed, vocab_size=len(tok), heads=list(heads))
     return out_dir
 
 
-def ensure_tiny(cache_dir: Path) -> Path:
-    """Build the tiny model into ``cache_dir/"tiny"`` once; reuse it afterwards."""
-    return _build_once(Path(cache_dir), TINY_NAME, lambda tmp: build_tiny_model(tmp, seed=0))
+def ensure_tiny(cache_dir: Path, *, head_dim: int = 16) -> Path:
+    """Build the tiny model into ``cache_dir/"tiny"`` once; reuse it afterwards. ``head_dim=32`` is the same model
+    shape-for-shape with 2 wider heads, in ``cache_dir/"tiny-h32"`` (for vLLM on CPU, whose attention needs it)."""
+    if head_dim == 16:
+        return _build_once(Path(cache_dir), TINY_NAME, lambda tmp: build_tiny_model(tmp, seed=0))
+    if head_dim == 32:
+        return _build_once(Path(cache_dir), TINY_NAME + "-h32", lambda tmp: build_tiny_model(tmp, seed=0, heads=(2, 1)))
+    raise ModelStoreError(f"the tiny model comes with head_dim 16 or 32, not {head_dim}")
 
 
 # ---------------------------------------------------------------- SmolLM2

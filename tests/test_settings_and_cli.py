@@ -159,13 +159,25 @@ def test_config_from_env_variable(config_file: Path, monkeypatch: pytest.MonkeyP
         (["--dtype", "fp8"], ("engine", "dtype")),
         (["--max-batch-size", "0"], ("engine", "max_batch_size")),
         (["--max-queue", "-1"], ("engine", "max_queue")),
-        (["--backend", "vllm"], ("server", "backend")),
+        (["--backend", "tgi"], ("server", "backend")),
     ],
 )
 def test_invalid_values_raise(argv: list[str], loc: tuple[str, str]) -> None:
     with pytest.raises(ValidationError) as ei:
         serve.settings_from_args(argv)
     assert tuple(ei.value.errors()[0]["loc"]) == loc
+
+
+def test_engine_urls_from_flags_and_a_toml_list(tmp_path: Path) -> None:
+    s = serve.settings_from_args(["--backend", "vllm", "--engine-url", "http://a:1", "--engine-url", "http://b:2"])
+    assert s.engine.urls == ("http://a:1", "http://b:2")
+    path = tmp_path / "replicas.toml"
+    path.write_text('[server]\nbackend = "vllm"\n[engine]\nurls = ["http://a:1", "http://b:2", "http://c:3"]\n')
+    assert serve.settings_from_args(["--config", str(path)]).engine.urls == ("http://a:1", "http://b:2", "http://c:3")
+    with pytest.raises(ValidationError, match="--backend sglang or --backend vllm"):
+        serve.settings_from_args(["--engine-url", "http://a:1"])  # the embedded engine has no URL
+    with pytest.raises(ValidationError, match="one server per URL"):
+        serve.settings_from_args(["--backend", "vllm", "--vllm-launch", "--vllm-replicas", "3", "--engine-url", "http://a:1"])
 
 
 def test_invalid_config_file_key_raises(tmp_path: Path) -> None:

@@ -11,6 +11,11 @@ first use. Tests of engine-specific behaviour (batching metrics, queue overload,
 Tests marked ``sglang`` (``tests/runtime/test_sglang_real.py``) need a real SGLang server instead; they
 are deselected by default (``-m 'not gpu and not sglang'`` in pyproject) and run with ``-m sglang``
 when ``LOOPWISE_SGLANG_URL`` is set.
+
+Real engines on this machine (vLLM's CPU build): ``make test-engines`` sets ``LOOPWISE_TEST_ENGINES=1``;
+then ``backend`` is ``vllm`` only (one real vLLM server for the session, ``vllm_server``) and only the
+backend-parametrized tests and those marked ``engines`` run. In the default suite the ``engines`` tests
+are skipped with the reason (vLLM not installed, or left to ``make test-engines``).
 """
 
 from __future__ import annotations
@@ -22,8 +27,45 @@ from typing import Any
 import pytest
 
 from tests.fakes.sglang_process import FakeSGLang
+from tests.runtime._vllm import ENGINES, VLLMServer, skip_reason
 
-BACKENDS = ("embedded", "sglang")
+BACKENDS = ("vllm",) if ENGINES else ("embedded", "sglang")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if ENGINES:  # `make test-engines`: only what runs on real engines
+        keep = [i for i in items if i.get_closest_marker("engines") or _backend_of(i) == "vllm"]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+        return
+    reason = skip_reason()
+    for item in items:
+        if item.get_closest_marker("engines") and reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _backend_of(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("backend") if callspec is not None else None
+
+
+@pytest.fixture(scope="session")
+def tiny_h32_path(model_cache: Path) -> Path:
+    """The tiny model with head_dim 32 (vLLM's CPU attention needs it); same module shapes as ``tiny``."""
+    from runtime.model_store import ensure_tiny
+
+    return ensure_tiny(model_cache, head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_h32_path: Path) -> Iterator[VLLMServer]:
+    """One real vLLM server for the session (skipped when real engines do not run here)."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    server = VLLMServer(tiny_h32_path)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -41,12 +83,17 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def start_backend_server(backend: str, start_server: Callable[..., Any], request: pytest.FixtureRequest) -> Callable[..., Any]:
-    """Like ``start_server``, on this session's ``backend`` (``--backend sglang --sglang-url <fake>`` for sglang)."""
+    """Like ``start_server``, on this session's ``backend`` (``--backend sglang --sglang-url <fake>`` for sglang,
+    ``--backend vllm --engine-url <real vLLM>`` on the head_dim-32 tiny model for vllm)."""
     fake: FakeSGLang | None = request.getfixturevalue("fake_sglang") if backend == "sglang" else None
+    vllm: VLLMServer | None = request.getfixturevalue("vllm_server") if backend == "vllm" else None
 
     def start(*extra: str, **kw: Any) -> Any:
         if fake is not None:
             extra = ("--backend", "sglang", "--sglang-url", fake.url, *extra)
+        if vllm is not None:
+            extra = ("--backend", "vllm", "--engine-url", vllm.url, *extra)
+            kw.setdefault("model", vllm.launcher.model_path)
         return start_server(*extra, **kw)
 
     return start
