@@ -162,6 +162,8 @@ class ReplicaSet:
         cands = [r for r in live if r.has(req.adapter)]
         if not cands:
             if live and req.adapter is not None:
+                if req.adapter in self._wanted:  # every live replica lost it: being reloaded (503, retry), not unknown (404)
+                    raise EngineClosed(f"adapter {req.adapter!r} is being loaded again on the {self.backend} replicas")
                 raise AdapterError(f"adapter {req.adapter!r} is not loaded on any live {self.backend} replica")
             n_down = sum(not r.up for r in self.replicas)
             raise EngineClosed(f"no {self.backend} replica can serve this request ({n_down} of {len(self.replicas)} down)")
