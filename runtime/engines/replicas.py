@@ -18,7 +18,10 @@ server gets the same failure handling.
   stays unchanged; replicas that are down get the adapter when they return. Aliases are resolved by the
   registry above (``runtime/adapters.py``) before a request gets here, so a flip reaches every replica.
 - **Monitor**: one task per replica probes it every ``health_interval_s`` (``HTTPEngine.probe``: cheap,
-  and for vLLM it lists the server's adapters). A replica that comes back is re-read (``connect``), its
+  and for vLLM it lists the server's adapters). A refused connection takes a replica out; probes that
+  time out or fail do after three in a row, unless the replica handed out tokens within the last probe
+  window: a server too busy to answer its probe (SGLang's ``/health`` is a generate queued behind the
+  batch) is serving, not dead. A replica that comes back is re-read (``connect``), its
   adapters are re-synced (names it still lists are kept; the rest are loaded again under fresh names;
   ones no longer wanted are unloaded) and only then is it routed to. An up replica that lists fewer of
   our adapters than we loaded (it restarted between two probes) is re-synced the same way.
@@ -58,6 +61,7 @@ class Replica:
     needs_sync: bool = False  # its adapters must be re-synced before the next request that needs them
     failures: int = 0
     requests: int = 0  # requests routed here
+    last_progress: float = 0.0  # time.monotonic() when it last handed out tokens (a busy replica is not a dead one)
     retry_at: dict[str, float] = field(default_factory=dict)  # adapter -> when to try loading it here again
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises adapter operations on this server
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -217,10 +221,12 @@ class ReplicaSet:
                 self._failed_before_output(r, req, exc)
                 if not self._has_candidate(req, tried):
                     raise
+        r.last_progress = time.monotonic()
         try:
             yield first
             if first.finish_reason is None:
                 async for chunk in it:
+                    r.last_progress = time.monotonic()
                     yield chunk
         except ServerLost:
             r.wake.set()
@@ -233,7 +239,9 @@ class ReplicaSet:
         while True:
             r = self._pick(req, tried)
             try:
-                return await r.engine.generate(req)
+                result = await r.engine.generate(req)
+                r.last_progress = time.monotonic()
+                return result
             except (ServerDown, AdapterGone) as exc:
                 tried.add(r.index)
                 self._failed_before_output(r, req, exc)
@@ -323,8 +331,11 @@ class ReplicaSet:
             except (EngineError, TimeoutError) as exc:
                 r.failures += 1
                 refused = isinstance(exc.__cause__, httpx.ConnectError) or "ConnectError" in str(exc)
-                if r.up and (refused or r.failures >= _PROBE_FAILURES_TO_DOWN):
-                    self._mark_down(r, f"health probe failed: {exc or type(exc).__name__}")
+                serving = time.monotonic() - r.last_progress <= self.probe_timeout_s + self.health_interval_s
+                if r.up and (refused or (r.failures >= _PROBE_FAILURES_TO_DOWN and not serving)):
+                    self._mark_down(r, f"health probe failed: {str(exc) or type(exc).__name__}")
+                elif r.up:
+                    log.info("replica_probe_failed", url=r.url, failures=r.failures, serving=serving, error=str(exc) or type(exc).__name__)
                 continue
             except Exception:
                 log.exception("replica_probe_crashed", url=r.url)

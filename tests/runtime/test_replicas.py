@@ -36,6 +36,8 @@ class Scripted(HTTPEngine):
         self.loads: list[str] = []
         self.unloads: list[str] = []
         self.gate: asyncio.Event | None = None  # when set, the next stream waits on it after its first token
+        self.probe_stall: asyncio.Event | None = None  # when set, probes wait on it (a server too busy to answer /health)
+        self.token_delay = 0.0  # seconds between two tokens of a stream
 
     async def open(self) -> None:
         self._client = object()  # type: ignore[assignment]
@@ -66,6 +68,8 @@ class Scripted(HTTPEngine):
                 yield StreamChunk((self.index + 1,), "x", finish_reason="length" if last else None, timings=Timings() if last else None)
                 if k == 0 and gate is not None:
                     await gate.wait()
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
         finally:
             self._in_flight -= 1
 
@@ -77,6 +81,8 @@ class Scripted(HTTPEngine):
 
     async def probe(self) -> set[str] | None:
         self._check_up()
+        if self.probe_stall is not None:
+            await self.probe_stall.wait()
         return set(self.server_side) if self.listing else None
 
     async def _load(self, client: Any, server_name: str, path: str) -> None:
@@ -280,6 +286,29 @@ def test_a_lost_adapter_found_by_a_request_fails_over_and_is_reloaded():
             r.wake.set()
         await until(lambda: all(r.has("fam@1") for r in rs.replicas))
         assert {await served_by(rs, req(adapter="fam@1")) for _ in range(6)} == {0, 1}
+        await rs.close()
+
+    run(main())
+
+
+def test_a_replica_too_busy_to_answer_its_probe_but_still_streaming_stays_in():
+    """A server whose health probe times out while it keeps handing out tokens is busy, not dead (SGLang's /health is a
+    generate that queues behind the batch): taking it out would fail every new request while it serves fine."""
+
+    async def main() -> None:
+        a = Scripted(0)
+        rs = ReplicaSet([a], health_interval_s=0.01, probe_timeout_s=0.05)
+        await rs.start()
+        a.probe_stall = asyncio.Event()
+        a.token_delay = 0.01
+        got = [c async for c in rs.stream(req(n=60))]  # ~0.6 s of tokens: about ten probes time out meanwhile
+        assert len(got) == 60 and rs.replicas[0].failures >= 3
+        assert rs.replicas[0].up
+        assert await served_by(rs, req()) == 0
+        # no tokens for longer than a probe timeout and the probes still time out: now it is taken out
+        await until(lambda: not rs.replicas[0].up)
+        a.probe_stall.set()
+        await until(lambda: rs.replicas[0].up)
         await rs.close()
 
     run(main())
