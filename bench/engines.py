@@ -45,6 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TOPICS = ["the sea", "a lighthouse", "winter", "a robot", "bread", "trains", "maps", "the moon", "ghosts", "pirates", "libraries", "rivers"]
 ADMIN = "bench-admin"
+MAX_ADAPTERS = 4  # LoRA slots of each vLLM server (--max-loras, --max-cpu-loras) and loopwise's --max-loaded-adapters
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -61,7 +62,7 @@ def start_loopwise(args: argparse.Namespace, model: Path, work: Path, name: str,
     data.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "serve.py", "--model", str(model), "--served-model-name", "m", "--port", "0", "--data-dir", str(data)]
     cmd += ["--no-learner", "--no-builtin-agents", "--log-level", "warning", "--admin-key", ADMIN, "--adapter-root", str(work / "adapters")]
-    cmd += ["--dtype", args.dtype, *extra]
+    cmd += ["--dtype", args.dtype, "--max-loaded-adapters", str(MAX_ADAPTERS), *extra]  # as many as each vLLM server holds
     with open(data / "loopwise.log", "w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
@@ -207,7 +208,7 @@ def main() -> None:
     ids = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)) for c in convs]
     adapters = make_adapters(model, work / "adapters", args.swaps) if args.swaps else []
     settings = VLLMSettings(kv_cache=args.kv_cache, replicas=2)  # as --vllm-launch --vllm-replicas 2: one core each on 2 cores
-    launchers = vllm_launchers(settings, model, served_name="m", max_lora_rank=8, max_loaded_adapters=4, dtype=args.dtype)
+    launchers = vllm_launchers(settings, model, served_name="m", max_lora_rank=8, max_loaded_adapters=MAX_ADAPTERS, dtype=args.dtype)
     print(f"starting 2 vLLM servers ({args.dtype}, KV cache {args.kv_cache} each), log in {work}", flush=True)
     v1, v2 = start_all(launchers)
     procs: list[subprocess.Popen[str]] = []
