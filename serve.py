@@ -29,8 +29,10 @@ import uvicorn
 
 from runtime.settings import (
     AdapterSettings,
+    AdmissionSettings,
     AgentSettings,
     EngineSettings,
+    FeedbackSettings,
     LearnerProcessSettings,
     MemorySettings,
     RecorderSettings,
@@ -46,6 +48,8 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
     ("server", ServerSettings),
     ("engine", EngineSettings),
     ("recorder", RecorderSettings),
+    ("feedback", FeedbackSettings),
+    ("admission", AdmissionSettings),
     ("adapters", AdapterSettings),
     ("sglang", SGLangSettings),
     ("vllm", VLLMSettings),
@@ -175,13 +179,31 @@ def demo_args(argv: list[str]) -> tuple[list[str], bool]:
     return pre + rest, True
 
 
+def secure_data_dir(data_dir: Path) -> None:
+    """The data folder and what the server writes there are the server's alone: folders 0700, files 0600.
+
+    Sets the process umask (so every file and folder created later, by this process and the learner it
+    starts, is private) and tightens what an older version left world-readable at the top of the folder
+    (the databases and their WAL files)."""
+    os.umask(0o077)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data_dir.chmod(0o700)
+    for path in data_dir.iterdir():
+        if path.is_file() and not path.is_symlink() and path.stat().st_uid == os.geteuid():
+            path.chmod(0o600)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv, demo = demo_args(list(sys.argv[1:] if argv is None else argv))
-    settings = settings_from_args(argv)
+    try:
+        settings = settings_from_args(argv)
+    except ValueError as exc:  # pydantic's ValidationError too: a bad flag, environment variable or key file
+        sys.exit(f"error: {exc}")
     server = settings.server
     from learner.logs import configure_logging
 
     log_format = configure_logging(server.log_level, server.log_format, process="server")
+    secure_data_dir(server.data_dir)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from runtime.app import create_app  # heavy imports after argument parsing, so --help is instant
@@ -214,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
             max_model_len=settings.engine.max_model_len,
             threads=settings.engine.threads,
             on_step=lambda rows: holder["m"].on_step(rows),
+            grammar_cache_mb=settings.admission.grammar_cache_mb,
         )
     holder["m"] = Metrics(engine.stats)
     recorder = None
@@ -242,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics=holder["m"],
         recorder=recorder,
         recorder_settings=settings.recorder,
+        feedback_settings=settings.feedback,
+        admission_settings=settings.admission,
         adapter_settings=adapter_settings,
         agents=agents,
         learner_enabled=settings.learner.enabled,

@@ -16,29 +16,36 @@ Not here: HTTP details (``runtime/app.py``), the loop itself.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agents.config import AgentConfig
-from agents.loop import AgentLoop, Branch, RunResult
+from agents.loop import AgentLoop, Branch, BranchMismatch, RunResult
 from agents.tasks import Problem, Task, get_task
 from memory.copilot import Copilot
 from memory.store import MemoryStore
-from runtime.agent_api import AgentAnswer, RuntimeClient
+from runtime.agent_api import AgentAnswer, RunNotFound, RuntimeClient
 from tools.registry import ToolRegistry
 
 
 class BranchRequest(BaseModel):
-    """``branch`` of a run: re-roll a recorded task run from turn ``len(prefix_outputs)`` (``agents.loop.Branch``)."""
+    """``branch`` of a run (admin API only): re-roll a recorded task run from its turn ``turn`` (``agents.loop.Branch``).
+
+    The backbone is read from the interaction store: its outputs and observations are replayed as recorded,
+    so a caller names what to replay but never supplies it."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prefix_outputs: list[list[int]] = Field(max_length=63, description="the backbone's output ids of turns 0..t-1, replayed")
-    context_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the backbone's context ids at turn t (int32 little-endian)")
-    parent_turn_id: str | None = Field(None, max_length=200, description="the backbone's turn t-1 (parent of the first sampled turn)")
-    trajectory_id: str | None = Field(None, max_length=200, description="the backbone trajectory (recorded as meta branch_of)")
+    trajectory_id: str = Field(max_length=200, description="the backbone: a recorded run of this agent on a task problem")
+    turn: int = Field(ge=0, le=63, description="the branch turn t: turns 0..t-1 are replayed, sampling starts at t")
+    context_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$", description="optional check: sha256 of the backbone's context ids at turn t (int32 little-endian)"
+    )
     kind: Literal["rtpo", "rtpo_refresh", "tcpo"] = Field(
         "rtpo", description="the learner's purpose: RTPO sibling, RTPO refresh of a backbone's continuation, or TCPO counterfactual"
     )
@@ -73,7 +80,7 @@ class RunRequest(BaseModel):
         if len(given) != 1:
             raise ValueError("give exactly one of input, messages, or (task and) problem_index")
         if self.branch is not None and (self.problem_index is None or self.eval):
-            raise ValueError("branch: re-rollouts need a task problem (problem_index) and are never eval runs")
+            raise ValueError("branch: re-rollouts need the backbone's task problem (problem_index) and are never eval runs")
         if self.messages is not None:
             for i, m in enumerate(self.messages):
                 if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
@@ -86,25 +93,46 @@ class ProblemCache:
 
     Problems are generated in growing blocks; a block is reused only if it agrees with the previous one
     on their common prefix (the tasks here are prefix-stable: ``problems(n)[i] == problems(m)[i]``);
-    otherwise problem ``i`` is taken from ``problems(i + 1)`` exactly as the task defines it.
+    otherwise problem ``i`` is taken from ``problems(i + 1)`` exactly as the task defines it. The cache is
+    bounded: at most ``max_lists`` (task, seed) lists, least recently used first out, and a list longer than
+    ``max_problems`` is never kept (a run asking for problem 100 000 of a fresh seed costs that run, once).
+    Thread-safe (runs look problems up in worker threads).
     """
 
-    def __init__(self) -> None:
-        self._lists: dict[tuple[int, int], list[Problem]] = {}
+    def __init__(self, max_lists: int = 16, max_problems: int = 4096) -> None:
+        self.max_lists, self.max_problems = max_lists, max_problems
+        self._lists: OrderedDict[tuple[int, int], list[Problem]] = OrderedDict()
+        self._tasks: dict[int, Task] = {}  # holds each cached list's task, so its id() is not reused meanwhile
         self._stable: dict[tuple[int, int], bool] = {}
+        self._lock = threading.Lock()
 
     def get(self, task: Task, index: int, seed: int) -> Problem:
         key = (id(task), seed)
-        have = self._lists.get(key, [])
-        if index < len(have) and self._stable.get(key, True):
+        with self._lock:
+            have = self._lists.get(key, [])
+            stable = self._stable.get(key, True)
+            if key in self._lists:
+                self._lists.move_to_end(key)
+        if index < len(have) and stable:
             return have[index]
-        if not self._stable.get(key, True):
+        if not stable or index + 1 > self.max_problems:
             return task.problems(index + 1, seed=seed)[index]
-        fresh = task.problems(max(index + 1, 2 * len(have), 64), seed=seed)
-        stable = [p.id for p in fresh[: len(have)]] == [p.id for p in have] and all(a.prompt == b.prompt for a, b in zip(fresh, have, strict=False))
-        self._stable[key] = stable
-        self._lists[key] = fresh
-        return fresh[index] if stable or not have else task.problems(index + 1, seed=seed)[index]
+        fresh = task.problems(min(self.max_problems, max(index + 1, 2 * len(have), 64)), seed=seed)
+        ok = [p.id for p in fresh[: len(have)]] == [p.id for p in have] and all(a.prompt == b.prompt for a, b in zip(fresh, have, strict=False))
+        with self._lock:
+            self._stable[key] = ok
+            self._lists[key] = fresh
+            self._tasks[id(task)] = task
+            self._lists.move_to_end(key)
+            while len(self._lists) > self.max_lists:
+                old, _ = self._lists.popitem(last=False)
+                self._stable.pop(old, None)
+                if not any(k[0] == old[0] for k in self._lists):
+                    self._tasks.pop(old[0], None)
+        return fresh[index] if ok or not have else task.problems(index + 1, seed=seed)[index]
+
+    def __len__(self) -> int:
+        return len(self._lists)
 
 
 class ServedAgentImpl:
@@ -161,13 +189,19 @@ class ServedAgentImpl:
             tool_calls=list(result.tool_calls),
         )
 
-    async def run(self, body: dict[str, Any], *, session_id: str, request_id: str) -> dict[str, Any]:
+    async def run(self, body: dict[str, Any], *, session_id: str, request_id: str, admin: bool = False) -> dict[str, Any]:
         try:
             req = RunRequest.model_validate(body)
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(x) for x in err.get("loc", ()))
             raise ValueError(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}") from None
+        if req.branch is not None and not admin:
+            raise PermissionError("branch: re-rollouts are for the learner and admins (POST /admin/agents/{name}/runs)")
+        if req.task_options and not admin:
+            # options set resources (a sandbox's time and memory, turn caps, problem sizes): the agent's own apply
+            raise PermissionError("task_options are for admins (POST /admin/agents/{name}/runs); runs use the agent's configured options")
+        branch = await self._branch(req) if req.branch is not None else None
         problem: Problem | None = None
         loop = self.loop
         if req.problem_index is not None:
@@ -175,7 +209,7 @@ class ServedAgentImpl:
             if name is None:
                 raise ValueError("problem_index needs a task (the agent has none configured)")
             task = self._tasks(name, req.task_options or dict(self.config.task_options))
-            problem = self._problems.get(task, req.problem_index, req.seed or 0)
+            problem = await asyncio.to_thread(self._problems.get, task, req.problem_index, req.seed or 0)  # generating can take a while
             if task is not loop.task:
                 loop = AgentLoop(self.config, loop.client, loop.tools, task=task, rewrite=loop.rewrite)
             messages = [{"role": "user", "content": problem.prompt}]
@@ -195,7 +229,7 @@ class ServedAgentImpl:
             model=req.model,
             max_turns=req.max_turns,
             eval_run=req.eval,
-            branch=_branch(req.branch),
+            branch=branch,
             problem_ref=(req.problem_index, req.seed or 0) if problem is not None and req.problem_index is not None else None,
             group=req.group,
         )
@@ -206,6 +240,27 @@ class ServedAgentImpl:
         if problem is not None:
             out["problem"] = {"id": problem.id, "prompt": problem.prompt, "answer": _jsonable(problem.answer)}
         return out
+
+    async def _branch(self, req: RunRequest) -> Branch:
+        """The recorded backbone of ``req.branch``, checked: this agent's trainable run of the same task problem."""
+        b = req.branch
+        assert b is not None
+        traj = await self.loop.client.trajectory(b.trajectory_id)
+        if traj is None:
+            raise RunNotFound(f"branch: no recorded trajectory {b.trajectory_id!r}")
+        m = traj.meta
+        where = f"branch of {b.trajectory_id}"
+        if m.get("agent") != self.name or m.get("rerollout") or m.get("eval") or m.get("trainable", True) is False:
+            raise BranchMismatch(f"{where}: not a trainable run of agent {self.name!r} (branches, eval runs and broken runs are not replayed)")
+        task = req.task or self.config.task
+        if (m.get("task"), m.get("problem_index"), m.get("problem_seed") or 0) != (task, req.problem_index, req.seed or 0):
+            raise BranchMismatch(f"{where}: it ran task {m.get('task')!r} problem {m.get('problem_index')} (seed {m.get('problem_seed') or 0})")
+        if not b.turn < len(traj.turns):
+            raise BranchMismatch(f"{where}: turn {b.turn} is past its {len(traj.turns)} turns")
+        branch = Branch(backbone=tuple(traj.turns[: b.turn + 1]), turn=b.turn, of=traj.trajectory_id, kind=b.kind)
+        if b.context_sha256 is not None and b.context_sha256 != branch.context_sha256:
+            raise BranchMismatch(f"{where}: context_sha256 differs from the recorded context at turn {b.turn}")
+        return branch
 
 
 class Host:
@@ -284,6 +339,8 @@ class Host:
         key = (name, repr(sorted(options.items())))
         if key not in self._task_cache:
             self._task_cache[key] = get_task(name, **options)
+            while len(self._task_cache) > 32:  # bounded: distinct (task, options) come from admins, but never without end
+                self._task_cache.pop(next(iter(self._task_cache)))
         return self._task_cache[key]
 
     def _build(self, cfg: AgentConfig) -> ServedAgentImpl:
@@ -291,13 +348,6 @@ class Host:
         task = self._task(cfg.task, dict(cfg.task_options)) if cfg.task else None
         copilot = Copilot(cfg.memory, self.memory, self._client, cfg.name) if cfg.memory is not None and self.memory is not None else None
         return ServedAgentImpl(cfg, AgentLoop(cfg, self._client, self.tools, task=task), self._task, copilot)
-
-
-def _branch(b: BranchRequest | None) -> Branch | None:
-    if b is None:
-        return None
-    prefix = tuple(tuple(ids) for ids in b.prefix_outputs)
-    return Branch(prefix_outputs=prefix, context_sha256=b.context_sha256, parent_turn_id=b.parent_turn_id, of=b.trajectory_id, kind=b.kind)
 
 
 def _ids(result: RunResult) -> dict[str, Any]:

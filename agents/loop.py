@@ -29,10 +29,13 @@ context and sampling (grammar included; discarded drafts are recorded as branche
 **Constraints.** A turn decoded under a grammar (the svr / svr_r1 format) records it in
 ``sampling["grammar"]`` (kind and spec), so the learner scores it under the same mask the engine used.
 
-**Re-rollouts (branches).** A run may start as a *branch* of a recorded trajectory (:class:`Branch`): the
-backbone's outputs of turns ``0..t-1`` are replayed instead of sampled (tools and environments run
-again, so they must be deterministic), the rebuilt context at turn ``t`` must hash to the backbone's
-recorded one (else :class:`BranchMismatch`, and nothing is recorded), and sampling starts at turn ``t``.
+**Re-rollouts (branches).** A run may start as a *branch* of a recorded trajectory (:class:`Branch`, built
+from the store by the host, never from a caller's data): turns ``0..t-1`` are replayed as recorded, their
+outputs and the observations that followed them (tool results are not computed again, so no tool runs
+twice; an environment is stepped with the recorded outputs to reach its state at turn ``t``, and its
+observations must match the recorded ones), each next context is the recorded one, and sampling starts
+at turn ``t`` from the backbone's exact recorded context. The agent's first context must equal the
+backbone's (else :class:`BranchMismatch`, and nothing is recorded: its configuration or the problem changed).
 Only the sampled turns are recorded, in a new trajectory whose first turn's parent is the backbone's
 turn ``t-1`` and whose meta names the backbone (``branch_of``, ``branch_turn``, ``anchor`` = the
 context's sha256, ``rerollout`` = the learner's purpose). The learner uses this for RTPO siblings and
@@ -88,21 +91,26 @@ SENTINEL = "\u2063LOOPWISE\u2063SENTINEL\u2063"  # never produced by a tokenizer
 
 @dataclass(frozen=True)
 class Branch:
-    """Start a run at turn ``len(prefix_outputs)`` of a recorded trajectory (module docstring: re-rollouts)."""
+    """Start a run at turn ``turn`` of a recorded trajectory (module docstring: re-rollouts)."""
 
-    prefix_outputs: tuple[tuple[int, ...], ...]  # the backbone's output ids of turns 0..t-1, replayed in order
-    context_sha256: str  # context_sha256 of the backbone's context at turn t: the replay must rebuild it exactly
-    parent_turn_id: str | None = None  # the backbone's turn t-1 (the first sampled turn's parent)
+    backbone: tuple[Turn, ...]  # the recorded turns 0..turn (at least), as the store holds them
+    turn: int  # the branch turn: turns 0..turn-1 are replayed from ``backbone``, sampling starts here
     of: str | None = None  # the backbone's trajectory id
     kind: str = "rtpo"  # why the learner branched (recorded as meta ``rerollout``)
 
     @property
-    def turn(self) -> int:
-        return len(self.prefix_outputs)
+    def parent_turn_id(self) -> str | None:
+        """The backbone's turn ``turn - 1`` (the first sampled turn's parent)."""
+        return self.backbone[self.turn - 1].turn_id if self.turn else None
+
+    @property
+    def context_sha256(self) -> str:
+        """The id of the backbone's context at the branch turn (recorded as meta ``anchor``)."""
+        return context_sha256(self.backbone[self.turn].context_ids)
 
 
 class BranchMismatch(RunConflict):
-    """The replayed prefix did not rebuild the backbone's context (non-deterministic tools or env, changed agent)."""
+    """The backbone cannot be replayed here (the agent's first context or the environment's replay differs from the record)."""
 
     code = "branch_mismatch"
     param = "branch"
@@ -341,6 +349,11 @@ class AgentLoop:
             else:
                 msgs.append({"role": "user", "content": first})
         ctx = ContextTracker(self.client.render(msgs, self.tool_schemas).token_ids)
+        if branch is not None and list(ctx.ids) != list(branch.backbone[0].context_ids):
+            raise BranchMismatch(
+                f"branch of {branch.of or 'a trajectory'}: the run's first context differs from the recorded one (the agent's configuration "
+                "or the problem changed)"
+            )
         prompt_tokens = len(ctx.ids)
         history: list[TurnView] = []
         steps: list[StepRecord] = []
@@ -391,7 +404,7 @@ class AgentLoop:
                 branched, parent = True, branch.parent_turn_id
             if forced:
                 assert branch is not None
-                res, intervened, mask = self._replayed(ctx.ids, branch.prefix_outputs[turn], f"{request_id}-t{turn}"), False, None
+                res, intervened, mask = self._replayed(ctx.ids, branch.backbone[turn], f"{request_id}-t{turn}"), False, None
             else:
                 res, intervened, mask = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}", policy)
             u = _turn_uncertainty(res.logprobs, mask)
@@ -436,6 +449,19 @@ class AgentLoop:
                         Reward(target="turn", target_id=turn_id, value=float(step.process_score), source=f"verifier:{self.task.name}:process")
                     )
             assistant: dict[str, Any] = {"role": "assistant", "content": text}
+            if forced:
+                assert branch is not None
+                ended, reward = self._replay_step(branch, turn, text, calls, env, policy, history, max_turns, step)
+                env_reward += reward
+                if ended is not None:  # the backbone cannot have stopped before the branch turn: refused below
+                    stop_reason = ended
+                    msgs += [assistant]
+                    break
+                nxt = branch.backbone[turn + 1]
+                msgs = [dict(m) for m in nxt.messages]
+                ctx.advance(turn, res.output_ids, list(nxt.context_ids))
+                turn += 1
+                continue
             observations: list[dict[str, Any]] = []
             if calls:
                 for call in calls:
@@ -593,17 +619,42 @@ class AgentLoop:
             raise ValueError("branch: runs of agents with T²PO cannot be replayed exactly")
         if branch.turn >= max_turns:
             raise ValueError(f"branch: turn {branch.turn} is not below max_turns {max_turns}")
-        vocab = len(self.client.tokenizer)
-        for k, ids in enumerate(branch.prefix_outputs):
-            if not ids or any(not 0 <= i < vocab for i in ids):
-                raise ValueError(f"branch.prefix_outputs[{k}]: needs 1+ token ids in [0, {vocab})")
+        if not 0 <= branch.turn < len(branch.backbone) or [t.index for t in branch.backbone] != list(range(len(branch.backbone))):
+            raise ValueError(f"branch: turn {branch.turn} is not one of the backbone's {len(branch.backbone)} turns")
 
-    def _replayed(self, ids: Sequence[int], output_ids: Sequence[int], rid: str) -> GenerateResult:
-        """A recorded turn played back as if generated (text decoded as the engines decode it)."""
-        out = tuple(output_ids)
-        finish = "stop" if out[-1] in self.client.eos_token_ids else "length"
-        text = self.client.tokenizer.decode(list(out), skip_special_tokens=True)
-        return GenerateResult(request_id=rid, prompt_ids=tuple(ids), output_ids=out, text=text, finish_reason=finish)
+    def _replayed(self, ids: Sequence[int], turn: Turn, rid: str) -> GenerateResult:
+        """A recorded turn played back as the store holds it (output ids, text and logprobs as generated)."""
+        out = tuple(turn.output_ids)
+        lps = tuple(TokenLogprob(t, lp) for t, lp in zip(out, turn.logprobs, strict=True)) if len(turn.logprobs) == len(out) else ()
+        finish = "length" if turn.finish_reason == "length" else "stop"
+        return GenerateResult(request_id=rid, prompt_ids=tuple(ids), output_ids=out, text=turn.output_text, finish_reason=finish, logprobs=lps)
+
+    def _replay_step(
+        self, branch: Branch, turn: int, text: str, calls: Sequence[Any], env: Env | None, policy: StopPolicy,
+        history: list[TurnView], max_turns: int, step: StepRecord,
+    ) -> tuple[str | None, float]:  # fmt: skip
+        """What follows a replayed turn, from the record: no tool runs again; an environment is stepped with the
+        recorded output (its state must follow the backbone) and must answer what was recorded. Returns the stop
+        reason if the run would end here (a backbone never ends before its branch turn, so the caller refuses it)
+        and the environment's reward for the turn."""
+        nxt = branch.backbone[turn + 1]
+        recorded = nxt.messages[len(branch.backbone[turn].messages) + 1 :]  # what came after this turn's reply
+        step.observation = "\n\n".join(str(m.get("content") or "") for m in recorded) or None
+        history.append(TurnView(text=text, tool_calls=len(calls)))
+        if env is not None and not calls:
+            env_step = env.step(text)
+            if env_step.done:
+                return "env_done", env_step.reward
+            if recorded[-1:] != [{"role": "user", "content": env_step.observation}]:
+                raise BranchMismatch(
+                    f"branch of {branch.of or 'a trajectory'} at turn {turn}: the environment's replay differs from the recorded one"
+                )
+            return None, env_step.reward
+        if calls:
+            return None, 0.0
+        decision = policy.decide(history, max_turns)
+        step.decision = decision.reason
+        return (decision.reason if decision.stop else None), 0.0
 
     async def _generate(
         self, ids: Sequence[int], sampling: SamplingParams, lease: Lease, rid: str, policy: StopPolicy

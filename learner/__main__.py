@@ -16,6 +16,7 @@ reward on them or on their trajectory.
 Each line::
 
     {"turn_id", "trajectory_id", "session_id", "index",            # where the turn sits
+     "owner": str,           # the identity of the API key that made it (key-<hash>, or public)
      "context_ids": [int],   # the exact prompt token ids the engine was given (all earlier turns included)
      "output_ids": [int],    # the sampled response token ids (a final eos included)
      "logprobs": [float],    # behaviour-policy logprob of each output token (float32 precision); may be []
@@ -23,7 +24,7 @@ Each line::
      "adapter", "finish_reason", "created_at",
      "reward": float|null,             # the latest turn-level reward
      "trajectory_reward": float|null,  # the latest trajectory-level reward
-     "rewards": [{reward_id, target, target_id, value, source, created_at, comment, idempotency_key}],
+     "rewards": [{reward_id, target, target_id, value, source, created_at, comment, idempotency_key, owner}],
      "trainable": bool,      # False when an agent run broke the prefix invariant (train on it at your own risk)
      "task_key": str|null}   # the agent run's task key (same problem → same key), for grouping
 

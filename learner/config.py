@@ -176,6 +176,13 @@ class SampleConfig(BaseModel):
             "user feedback, then any other source"
         ),
     )
+    owners: tuple[str, ...] | None = Field(
+        None,
+        description=(
+            "train only on trajectories these owners made (key-<hash> of an API key, 'public' on an open server, 'admin' for "
+            "runs through the admin API); None = every owner"
+        ),
+    )
 
     @field_validator("reward_sources")
     @classmethod

@@ -10,6 +10,9 @@ A **trajectory** is a chain of turns of one conversation (see ``runtime/recorder
 ``parent_turn_id`` links a turn to the turn it continues, also across branches.
 A **reward** targets a turn or a trajectory and says where it came from (``feedback``,
 ``verifier:<name>``, ``self-verdict``, ...).
+Every record has an **owner**: the identity of the API key that made it (``key-<hash>``, see
+``runtime/identity.py``), or ``public`` on a server without keys. Sessions are named per owner, and a
+reward's owner is the owner of what it rewards.
 
 Not here: storage (``learner/store.py``) or how samples are built for training.
 """
@@ -25,6 +28,12 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PUBLIC_OWNER = "public"  # the owner of everything on a server without API keys
+
+
+class UnknownTarget(LookupError):
+    """A reward names a turn or trajectory that is not in the store (or is another owner's: the same answer)."""
 
 
 def new_id(prefix: str) -> str:
@@ -81,6 +90,7 @@ class Turn(_Record):
     output_text: str = ""
     continuation_key: str = ""  # hash of messages + this turn's reply, for stitching the next request
     prefix_key: str = ""  # hash of the messages this turn answered
+    owner: str = PUBLIC_OWNER  # the identity of the key that made it
 
     @model_validator(mode="after")
     def _aligned(self) -> Turn:
@@ -93,6 +103,7 @@ class Turn(_Record):
 class Trajectory(_Record):
     trajectory_id: str
     session_id: str
+    owner: str = PUBLIC_OWNER
     created_at: float = Field(default_factory=time.time)
     # set by agent runs: agent, task, task_key, stop_reason, trainable (False when the prefix invariant broke), ...
     meta: dict[str, Any] = Field(default_factory=dict)
@@ -102,6 +113,7 @@ class Trajectory(_Record):
 
 class Session(_Record):
     session_id: str  # the client's session key (``user`` field or ``X-Session-Id``), or a generated ``anon-…``
+    owner: str = PUBLIC_OWNER  # sessions are named per owner
     created_at: float = Field(default_factory=time.time)
 
 
@@ -113,7 +125,8 @@ class Reward(_Record):
     source: str = "feedback"
     created_at: float = Field(default_factory=time.time)
     comment: str | None = None
-    idempotency_key: str | None = None
+    idempotency_key: str | None = None  # unique per owner
+    owner: str = PUBLIC_OWNER  # who gave it: always the owner of its target (the store checks)
 
     @field_validator("value")
     @classmethod

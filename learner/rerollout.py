@@ -1,14 +1,15 @@
 """Re-rollouts from stored contexts: RTPO's sparse reverse trees and TCPO's fixed-history counterfactuals.
 
-    runner = BranchRunner("http://127.0.0.1:8000", api_key, agent="calc-agent", store=store)
+    runner = BranchRunner("http://127.0.0.1:8000", admin_key, agent="calc-agent", store=store)
     runs = runner.run([BranchPoint(traj, 2)], n=2, model="calc-lora@3", kind="rtpo")   # list[BranchRun]
 
 A **branch point** is turn ``t`` of a recorded task run (its meta names ``task``, ``problem_index`` and
-``problem_seed``). A branch run asks the runtime's runs endpoint for the same agent and task problem
-with ``branch`` = the trajectory's output ids of turns ``0..t-1`` and the sha256 of its recorded
-context at turn ``t``: the runtime replays those turns (tools and environment run again), refuses with
-409 unless the rebuilt context is byte-identical, and samples from turn ``t`` with the given model to
-the end of the run (``agents/loop.py``, "Re-rollouts"). The verifier rewards the branch like any run;
+``problem_seed``). A branch run asks the runtime's admin runs endpoint for the same agent and task
+problem with ``branch`` = the trajectory id, ``t`` and the sha256 of its recorded context at turn ``t``:
+the runtime reads the backbone from its store, replays turns ``0..t-1`` as recorded (no tool runs
+again), refuses with 409 if the backbone does not fit (another problem, a changed agent, a context
+that differs from the learner's copy), and samples from turn ``t`` with the given model to the end of
+the run (``agents/loop.py``, "Re-rollouts"). The verifier rewards the branch like any run;
 its trajectory is recorded with meta ``branch_of``/``branch_turn``/``anchor``/``rerollout``, which keeps
 it out of the live sample stream (``learner.samples``: the update that asked for it trains on it).
 ``BranchRunner`` reads each branch back from the interaction store, waiting out the recorder's commit
@@ -80,7 +81,7 @@ def branchable(traj: Trajectory) -> bool:
 
 
 def branch_body(point: BranchPoint, *, sample_seed: int, model: str | None, kind: str, max_turns: int | None = None) -> dict[str, Any]:
-    """The ``POST /v1/agents/{agent}/runs`` body of one branch run."""
+    """The ``POST /admin/agents/{agent}/runs`` body of one branch run (the runtime reads the backbone from its store)."""
     traj, t = point.trajectory, point.turn
     if not 0 <= t < len(traj.turns):
         raise ValueError(f"branch turn {t} outside the trajectory's {len(traj.turns)} turns")
@@ -90,13 +91,7 @@ def branch_body(point: BranchPoint, *, sample_seed: int, model: str | None, kind
         "problem_index": m["problem_index"],
         "seed": m.get("problem_seed") or 0,
         "sample_seed": sample_seed,
-        "branch": {
-            "prefix_outputs": [list(x.output_ids) for x in traj.turns[:t]],
-            "context_sha256": context_sha256(traj.turns[t].context_ids),
-            "parent_turn_id": traj.turns[t - 1].turn_id if t else None,
-            "trajectory_id": traj.trajectory_id,
-            "kind": kind,
-        },
+        "branch": {"trajectory_id": traj.trajectory_id, "turn": t, "context_sha256": context_sha256(traj.turns[t].context_ids), "kind": kind},
     }
     if model is not None:
         body["model"] = model
@@ -276,7 +271,7 @@ class BranchRunner:
     def __init__(
         self,
         base_url: str,
-        api_key: str | None,
+        admin_key: str | None,
         *,
         agent: str,
         store: _Store,
@@ -285,7 +280,7 @@ class BranchRunner:
         record_wait_s: float = 30.0,
     ) -> None:
         self.base_url, self.agent, self.store = base_url.rstrip("/"), agent, store
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.concurrency, self.timeout_s, self.record_wait_s = concurrency, timeout_s, record_wait_s
 
     def run(self, points: Sequence[BranchPoint], *, n: int, model: str | None, kind: str, one_step: bool = False, seed: int = 0) -> list[BranchRun]:
@@ -300,7 +295,7 @@ class BranchRunner:
                 body = branch_body(point, sample_seed=seed * 10007 + k, model=model, kind=kind, max_turns=point.turn + 1 if one_step else None)
                 async with sem:
                     try:
-                        r = await client.post(f"/v1/agents/{self.agent}/runs", json=body)
+                        r = await client.post(f"/admin/agents/{self.agent}/runs", json=body)  # branches are admin-only
                     except httpx.HTTPError as exc:
                         return BranchRun(point, error=f"{type(exc).__name__}: {exc}")
                 if r.status_code != 200:

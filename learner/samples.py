@@ -45,6 +45,7 @@ whole or not at all, because its outcome reward is the outcome of all its turns:
   ``adapter=None``, counts as version 0); the learner service sets ``min_version`` to the version its
   trainer had ``max_staleness`` updates ago, counting updates it held during an A/B experiment;
 - ``other_family``: a trajectory with a turn of another family's adapter (kept with ``include_other_families``);
+- ``other_owner``: a trajectory made by an API key outside ``owners`` (when set: train only on the keys you trust);
 - ``grammar_unrecorded``: a trajectory with a constrained turn recorded without its grammar's spec (older
   records): it cannot be scored under the distribution it was sampled from;
 - ``no_reward``: a trajectory with no reward from a training source at all (NaN/None are never 0); a
@@ -149,6 +150,7 @@ class SkipCounts:
     rerollout: int = 0
     stale: int = 0
     other_family: int = 0
+    other_owner: int = 0  # made by an owner outside ``SampleConfig.owners``
     no_reward: int = 0
     no_tokens: int = 0
     stale_trajectories: int = 0
@@ -295,6 +297,9 @@ def collect_samples(
             continue
         if traj.meta.get("rerollout"):
             counts.rerollout += len(traj.turns)
+            continue
+        if cfg.owners is not None and traj.owner not in cfg.owners:
+            counts.other_owner += len(traj.turns)
             continue
         samples += trajectory_samples(traj, family=family, min_version=min_version, cfg=cfg, counts=counts)
     samples = resolve_sources(samples, cfg.reward_sources, counts)

@@ -105,7 +105,6 @@ class ServiceConfig:
     gate_tolerance: float = 0.05
     ab_min_samples: int = 64
     ab_max_samples: int | None = 256  # an undecided experiment ends here (the champion stays), so training goes on being published
-    api_key: str | None = None
 
 
 @dataclass
@@ -300,7 +299,7 @@ class LearnerService:
         rr = self.cfg.settings.rerollouts
         tcfg = self.cfg.settings.trainer
         if samples and rr.enabled and self.cfg.agent is not None and tcfg.estimator in ("rtpo", "tcpo"):
-            runner = BranchRunner(self.cfg.admin_url, self._v1_key, agent=self.cfg.agent, store=self.store, concurrency=rr.concurrency)
+            runner = BranchRunner(self.cfg.admin_url, self.cfg.admin_key, agent=self.cfg.agent, store=self.store, concurrency=rr.concurrency)
             if tcfg.estimator == "rtpo":
                 return self._rtpo_sweep(trainer, runner, samples, skipped)
             return self._tcpo_step(trainer, runner, samples, skipped)
@@ -487,7 +486,7 @@ class LearnerService:
         }
 
     async def _success(self, model: str) -> float:
-        headers = {"Authorization": f"Bearer {self._v1_key}"} if self._v1_key else {}
+        headers = {"Authorization": f"Bearer {self.cfg.admin_key}"}
         task = self._task()
         sem = asyncio.Semaphore(8)
         async with httpx.AsyncClient(base_url=self.cfg.admin_url, headers=headers, timeout=900) as client:
@@ -497,7 +496,7 @@ class LearnerService:
                 if task:
                     body["task"] = task
                 async with sem:
-                    r = await client.post(f"/v1/agents/{self.cfg.agent}/runs", json=body)
+                    r = await client.post(f"/admin/agents/{self.cfg.agent}/runs", json=body)  # the admin API's runs: owned by "admin"
                 r.raise_for_status()
                 return bool(r.json().get("correct"))
 
@@ -593,11 +592,6 @@ class LearnerService:
             self.admin._call("DELETE", f"/admin/adapters/{name}", idempotent=True)
         except AdminError as exc:
             log.warning("could not unload a refused version", adapter=name, error=str(exc))
-
-    @property
-    def _v1_key(self) -> str | None:
-        """The key for the runs endpoint: the API key if one is configured, else the admin key (the runtime accepts it on /v1)."""
-        return self.cfg.api_key or self.cfg.admin_key
 
     def _set(self, state: str, detail: str) -> None:
         self.status.state, self.status.detail, self.status.updated_at = state, detail, time.time()

@@ -20,7 +20,11 @@ What it does:
   ``conn.execute`` only (``executescript`` would commit mid-migration).
 - Thread-safety: one sqlite connection per thread (``threading.local``); the recorder's writer
   thread and the event-loop thread each get their own, and WAL lets readers run during a write.
-- Deletion (``delete_session``, ``prune``) is complete and secure: rows are removed from every
+- Owners (version 5): every session, trajectory, turn and reward carries the identity of the API key
+  that made it (``owner``; ``public`` for rows of older files and open servers). Sessions are keyed by
+  (owner, session_id); continuation lookups, deletion of a session and idempotency keys are per owner,
+  and ``add_reward`` accepts a reward only for a target of the reward's own owner.
+- Deletion (``delete_session``, ``delete_trajectories``, ``prune``) is complete and secure: rows are removed from every
   table, ``secure_delete`` overwrites the freed content, and ``delete_session`` truncates the WAL
   (``wal_checkpoint(TRUNCATE)``) so no copy of the deleted pages is left in the ``-wal`` file.
 
@@ -44,7 +48,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from learner.records import Reward, ToolCallRecord, Trajectory, Turn, TurnRef, TurnTimings
+from learner.records import Reward, ToolCallRecord, Trajectory, Turn, TurnRef, TurnTimings, UnknownTarget
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +61,7 @@ def db_path(data_dir: Path) -> Path:
     return Path(data_dir) / DEFAULT_DB_NAME
 
 
-class UnknownTarget(LookupError):
-    """A reward names a turn or trajectory that is not in the store."""
+__all__ = ["SchemaTooNew", "SqliteStore", "UnknownTarget", "db_path", "migrate"]
 
 
 class SchemaTooNew(RuntimeError):
@@ -176,8 +179,37 @@ def _v4_trajectory_meta(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE trajectories ADD COLUMN meta TEXT NOT NULL DEFAULT '{}'")
 
 
+def _v5_owners(conn: sqlite3.Connection) -> None:
+    # Every record has an owner: the identity of the API key that made it (``runtime/identity.py``;
+    # ``public`` on an open server, which is also what rows written before version 5 get). A session name
+    # is the client's word, so sessions are keyed by (owner, session_id): two keys' "alice" are two
+    # sessions. Stitching looks up continuations within one owner's session, idempotency keys are unique
+    # per owner (one key's claim can no longer make another's feedback a "duplicate"), and a reward
+    # records who gave it.
+    conn.execute(
+        "CREATE TABLE sessions_v5 (owner TEXT NOT NULL, session_id TEXT NOT NULL, created_at REAL NOT NULL, PRIMARY KEY (owner, session_id))"
+    )
+    conn.execute("INSERT INTO sessions_v5 (owner, session_id, created_at) SELECT 'public', session_id, created_at FROM sessions")
+    conn.execute("DROP TABLE sessions")
+    conn.execute("ALTER TABLE sessions_v5 RENAME TO sessions")
+    for table in ("trajectories", "turns", "rewards"):
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT 'public'")
+    conn.execute("DROP INDEX trajectories_session")
+    conn.execute("CREATE INDEX trajectories_session ON trajectories (owner, session_id)")
+    conn.execute("DROP INDEX turns_continuation")
+    conn.execute("CREATE INDEX turns_continuation ON turns (owner, session_id, continuation_key)")
+    conn.execute("DROP INDEX rewards_idempotency")
+    conn.execute("CREATE UNIQUE INDEX rewards_idempotency ON rewards (owner, idempotency_key) WHERE idempotency_key IS NOT NULL")
+
+
 # MIGRATIONS[i] takes a database from version i to version i + 1 (version 0 = an empty file).
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1_initial, _v2_unique_idempotency_key, _v3_experiments, _v4_trajectory_meta]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
+    _v1_initial,
+    _v2_unique_idempotency_key,
+    _v3_experiments,
+    _v4_trajectory_meta,
+    _v5_owners,
+]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -214,14 +246,14 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Con
 TURN_COLUMNS = (
     "turn_id, trajectory_id, session_id, idx, parent_turn_id, completion_id, choice_index, created_at, model, adapter, "
     "context_ids, output_ids, logprobs, loss_mask, sampling, tool_calls, finish_reason, timings, messages, output_text, "
-    "continuation_key, prefix_key"
+    "continuation_key, prefix_key, owner"
 )
-_INSERT_TURN = f"INSERT OR IGNORE INTO turns ({TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})"
-REWARD_COLUMNS = "reward_id, target, target_id, value, source, created_at, comment, idempotency_key"
+_INSERT_TURN = f"INSERT OR IGNORE INTO turns ({TURN_COLUMNS}) VALUES ({', '.join('?' * 23)})"
+REWARD_COLUMNS = "reward_id, target, target_id, value, source, created_at, comment, idempotency_key, owner"
 
 
 def turn_row(t: Turn) -> tuple:
-    """A turn as the 22 values of ``TURN_COLUMNS``."""
+    """A turn as the 23 values of ``TURN_COLUMNS``."""
     return (
         t.turn_id,
         t.trajectory_id,
@@ -245,6 +277,7 @@ def turn_row(t: Turn) -> tuple:
         t.output_text,
         t.continuation_key,
         t.prefix_key,
+        t.owner,
     )
 
 
@@ -272,11 +305,14 @@ def _turn_from_row(r: tuple) -> Turn:
         output_text=r[19],
         continuation_key=r[20],
         prefix_key=r[21],
+        owner=r[22],
     )
 
 
 def _reward_from_row(r: tuple) -> Reward:
-    return Reward(reward_id=r[0], target=r[1], target_id=r[2], value=r[3], source=r[4], created_at=r[5], comment=r[6], idempotency_key=r[7])
+    return Reward(
+        reward_id=r[0], target=r[1], target_id=r[2], value=r[3], source=r[4], created_at=r[5], comment=r[6], idempotency_key=r[7], owner=r[8]
+    )
 
 
 # rewards on a trajectory or on any of its turns (parameters: trajectory_id, trajectory_id)
@@ -370,34 +406,43 @@ class SqliteStore:
         """Store a batch of turns (and their sessions/trajectories) in one transaction."""
         if not turns:
             return
-        sessions: dict[str, float] = {}
-        trajectories: dict[str, tuple[str, float]] = {}
+        sessions: dict[tuple[str, str], float] = {}
+        trajectories: dict[str, tuple[str, str, float]] = {}
         for t in turns:
-            if t.created_at < sessions.get(t.session_id, float("inf")):
-                sessions[t.session_id] = t.created_at
-            if t.trajectory_id not in trajectories or t.created_at < trajectories[t.trajectory_id][1]:
-                trajectories[t.trajectory_id] = (t.session_id, t.created_at)
+            if t.created_at < sessions.get((t.owner, t.session_id), float("inf")):
+                sessions[(t.owner, t.session_id)] = t.created_at
+            if t.trajectory_id not in trajectories or t.created_at < trajectories[t.trajectory_id][2]:
+                trajectories[t.trajectory_id] = (t.owner, t.session_id, t.created_at)
         with self._write() as conn:
-            conn.executemany("INSERT OR IGNORE INTO sessions (session_id, created_at) VALUES (?, ?)", sessions.items())
             conn.executemany(
-                "INSERT OR IGNORE INTO trajectories (trajectory_id, session_id, created_at) VALUES (?, ?, ?)",
-                ((tid, sid, ts) for tid, (sid, ts) in trajectories.items()),
+                "INSERT OR IGNORE INTO sessions (owner, session_id, created_at) VALUES (?, ?, ?)", ((o, s, ts) for (o, s), ts in sessions.items())
+            )
+            conn.executemany(
+                "INSERT OR IGNORE INTO trajectories (trajectory_id, owner, session_id, created_at) VALUES (?, ?, ?, ?)",
+                ((tid, o, sid, ts) for tid, (o, sid, ts) in trajectories.items()),
             )
             # encoded lazily inside the transaction: a turn that cannot be encoded rolls back the batch
             conn.executemany(_INSERT_TURN, (self._turn_row(t) for t in turns))
 
     def add_reward(self, reward: Reward) -> tuple[Reward, bool]:
-        """Store ``reward``; returns (the stored reward, created). A repeated idempotency key returns the first one."""
+        """Store ``reward``; returns (the stored reward, created).
+
+        The target must exist and belong to ``reward.owner`` (else :class:`UnknownTarget`: another owner's
+        turn is indistinguishable from a missing one). A repeated idempotency key of the same owner returns
+        the first reward stored under it; idempotency keys of different owners never meet."""
         with self._write() as conn:
             if reward.idempotency_key is not None:
-                row = conn.execute(f"SELECT {REWARD_COLUMNS} FROM rewards WHERE idempotency_key = ?", (reward.idempotency_key,)).fetchone()
+                row = conn.execute(
+                    f"SELECT {REWARD_COLUMNS} FROM rewards WHERE owner = ? AND idempotency_key = ?", (reward.owner, reward.idempotency_key)
+                ).fetchone()
                 if row is not None:
                     return _reward_from_row(row), False
             table, column = ("turns", "turn_id") if reward.target == "turn" else ("trajectories", "trajectory_id")
-            if conn.execute(f"SELECT 1 FROM {table} WHERE {column} = ?", (reward.target_id,)).fetchone() is None:
+            found = conn.execute(f"SELECT owner FROM {table} WHERE {column} = ?", (reward.target_id,)).fetchone()
+            if found is None or found[0] != reward.owner:
                 raise UnknownTarget(f"no {reward.target} with id {reward.target_id!r}")
             conn.execute(
-                f"INSERT INTO rewards ({REWARD_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO rewards ({REWARD_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     reward.reward_id,
                     reward.target,
@@ -407,6 +452,7 @@ class SqliteStore:
                     reward.created_at,
                     reward.comment,
                     reward.idempotency_key,
+                    reward.owner,
                 ),
             )
         return reward, True
@@ -420,20 +466,58 @@ class SqliteStore:
             merged = {**json.loads(row[0]), **meta}
             conn.execute("UPDATE trajectories SET meta = ? WHERE trajectory_id = ?", (_json(merged), trajectory_id))
 
-    def delete_session(self, session_id: str) -> int:
-        """Delete a session with its trajectories, turns and their rewards; returns the number of turns deleted."""
+    def delete_session(self, owner: str, session_id: str) -> int:
+        """Delete one owner's session with its trajectories, turns and their rewards; returns the number of turns deleted.
+
+        Another owner's session of the same name is untouched."""
         with self._write() as conn:
             conn.execute(
                 """DELETE FROM rewards WHERE
-                     (target = 'turn' AND target_id IN (SELECT turn_id FROM turns WHERE session_id = ?))
-                  OR (target = 'trajectory' AND target_id IN (SELECT trajectory_id FROM trajectories WHERE session_id = ?))""",
-                (session_id, session_id),
+                     (target = 'turn' AND target_id IN (SELECT turn_id FROM turns WHERE owner = ? AND session_id = ?))
+                  OR (target = 'trajectory' AND target_id IN (SELECT trajectory_id FROM trajectories WHERE owner = ? AND session_id = ?))""",
+                (owner, session_id, owner, session_id),
             )
-            n = conn.execute("DELETE FROM turns WHERE session_id = ?", (session_id,)).rowcount
-            conn.execute("DELETE FROM trajectories WHERE session_id = ?", (session_id,))
-            conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+            n = conn.execute("DELETE FROM turns WHERE owner = ? AND session_id = ?", (owner, session_id)).rowcount
+            conn.execute("DELETE FROM trajectories WHERE owner = ? AND session_id = ?", (owner, session_id))
+            conn.execute("DELETE FROM sessions WHERE owner = ? AND session_id = ?", (owner, session_id))
         self._checkpoint_truncate()
         return n
+
+    def delete_trajectories(self, trajectory_ids: Sequence[str]) -> int:
+        """Delete trajectories with their turns and the rewards on them (e.g. the ones that read a deleted memory);
+        returns the number of turns deleted. Securely, like :meth:`delete_session`."""
+        ids = list(dict.fromkeys(trajectory_ids))
+        if not ids:
+            return 0
+        n = 0
+        with self._write() as conn:
+            for k in range(0, len(ids), 500):
+                chunk = ids[k : k + 500]
+                marks = ", ".join("?" * len(chunk))
+                conn.execute(
+                    f"""DELETE FROM rewards WHERE
+                          (target = 'turn' AND target_id IN (SELECT turn_id FROM turns WHERE trajectory_id IN ({marks})))
+                       OR (target = 'trajectory' AND target_id IN ({marks}))""",
+                    (*chunk, *chunk),
+                )
+                n += conn.execute(f"DELETE FROM turns WHERE trajectory_id IN ({marks})", chunk).rowcount
+                conn.execute(f"DELETE FROM trajectories WHERE trajectory_id IN ({marks})", chunk)
+        self._checkpoint_truncate()
+        return n
+
+    def trajectories_with_meta(self, owner: str, key: str, value: str) -> list[str]:
+        """Ids of ``owner``'s trajectories whose meta ``key`` equals ``value`` (e.g. the runs that held a memory)."""
+        rows = (
+            self._conn()
+            .execute("SELECT trajectory_id FROM trajectories WHERE owner = ? AND json_extract(meta, '$.' || ?) = ?", (owner, key, value))
+            .fetchall()
+        )
+        return [r[0] for r in rows]
+
+    def session_owners(self, session_id: str) -> list[str]:
+        """The owners that have a session named ``session_id`` (the admin API names one when several do)."""
+        rows = self._conn().execute("SELECT owner FROM sessions WHERE session_id = ? ORDER BY owner", (session_id,)).fetchall()
+        return [r[0] for r in rows]
 
     def _checkpoint_truncate(self) -> None:
         # Copies the (securely overwritten) pages into the main file and truncates the WAL, so the
@@ -467,28 +551,32 @@ class SqliteStore:
             conn.execute(
                 """DELETE FROM sessions
                    WHERE created_at < ?
-                     AND NOT EXISTS (SELECT 1 FROM trajectories t WHERE t.session_id = sessions.session_id)""",
+                     AND NOT EXISTS (SELECT 1 FROM trajectories t WHERE t.owner = sessions.owner AND t.session_id = sessions.session_id)""",
                 (older_than,),
             )
         return n
 
     # -- reads ---------------------------------------------------------------------------------------
 
-    def turns_for_completion(self, completion_id: str) -> list[str]:
-        rows = self._conn().execute("SELECT turn_id FROM turns WHERE completion_id = ? ORDER BY choice_index, rowid", (completion_id,))
+    def turns_for_completion(self, completion_id: str, owner: str | None = None) -> list[str]:
+        """The turn ids of a completion's choices (only ``owner``'s, when given)."""
+        rows = self._conn().execute(
+            "SELECT turn_id FROM turns WHERE completion_id = ? AND (? IS NULL OR owner = ?) ORDER BY choice_index, rowid",
+            (completion_id, owner, owner),
+        )
         return [r[0] for r in rows]
 
-    def find_continuation(self, session_id: str, continuation_key: str) -> TurnRef | None:
-        """The newest turn of ``session_id`` whose continuation key matches, or None."""
+    def find_continuation(self, session_id: str, continuation_key: str, owner: str = "public") -> TurnRef | None:
+        """The newest turn of ``owner``'s session ``session_id`` whose continuation key matches, or None."""
         row = (
             self._conn()
             .execute(
                 """SELECT turn_id, trajectory_id, session_id, idx,
                           EXISTS (SELECT 1 FROM turns c WHERE c.parent_turn_id = t.turn_id AND c.trajectory_id = t.trajectory_id)
                      FROM turns t
-                    WHERE session_id = ? AND continuation_key = ?
+                    WHERE owner = ? AND session_id = ? AND continuation_key = ?
                     ORDER BY created_at DESC, rowid DESC LIMIT 1""",
-                (session_id, continuation_key),
+                (owner, session_id, continuation_key),
             )
             .fetchone()
         )
@@ -496,11 +584,15 @@ class SqliteStore:
             return None
         return TurnRef(turn_id=row[0], trajectory_id=row[1], session_id=row[2], index=row[3], has_successor=bool(row[4]))
 
-    def turn_exists(self, turn_id: str) -> bool:
-        return self._conn().execute("SELECT 1 FROM turns WHERE turn_id = ?", (turn_id,)).fetchone() is not None
+    def turn_exists(self, turn_id: str, owner: str | None = None) -> bool:
+        """Whether the turn is stored (and, when ``owner`` is given, belongs to it)."""
+        sql = "SELECT 1 FROM turns WHERE turn_id = ? AND (? IS NULL OR owner = ?)"
+        return self._conn().execute(sql, (turn_id, owner, owner)).fetchone() is not None
 
-    def trajectory_exists(self, trajectory_id: str) -> bool:
-        return self._conn().execute("SELECT 1 FROM trajectories WHERE trajectory_id = ?", (trajectory_id,)).fetchone() is not None
+    def trajectory_exists(self, trajectory_id: str, owner: str | None = None) -> bool:
+        """Whether the trajectory is stored (and, when ``owner`` is given, belongs to it)."""
+        sql = "SELECT 1 FROM trajectories WHERE trajectory_id = ? AND (? IS NULL OR owner = ?)"
+        return self._conn().execute(sql, (trajectory_id, owner, owner)).fetchone() is not None
 
     def stats(self) -> dict[str, int]:
         conn = self._conn()
@@ -510,16 +602,20 @@ class SqliteStore:
         finally:
             conn.execute("COMMIT")
 
-    def list_trajectories(self, limit: int = 50, since: float | None = None, rewarded: bool | None = None) -> list[dict]:
-        """Newest first (by creation); ``since`` keeps trajectories created at or after it (Unix time)."""
-        where, params = [], []
+    def list_trajectories(self, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None) -> list[dict]:
+        """Newest first (by creation); ``since`` keeps trajectories created at or after it (Unix time), ``owner`` one owner's."""
+        where: list[str] = []
+        params: list[Any] = []
+        if owner is not None:
+            where.append("t.owner = ?")
+            params.append(owner)
         if since is not None:
             where.append("t.created_at >= ?")
             params.append(since)
         if rewarded is not None:
             where.append(f"t.trajectory_id {'IN' if rewarded else 'NOT IN'} ({_REWARDED_TRAJECTORIES})")
         sql = f"""
-            SELECT t.trajectory_id, t.session_id, t.created_at, t.meta,
+            SELECT t.trajectory_id, t.session_id, t.created_at, t.meta, t.owner,
                    (SELECT COUNT(*) FROM turns u WHERE u.trajectory_id = t.trajectory_id),
                    (SELECT COUNT(*) FROM rewards r WHERE r.target = 'trajectory' AND r.target_id = t.trajectory_id)
                  + (SELECT COUNT(*) FROM rewards r JOIN turns u ON u.turn_id = r.target_id
@@ -536,9 +632,10 @@ class SqliteStore:
                 "session_id": r[1],
                 "created_at": r[2],
                 "meta": json.loads(r[3]),
-                "turns": r[4],
-                "rewards": r[5],
-                "last_turn_at": r[6],
+                "owner": r[4],
+                "turns": r[5],
+                "rewards": r[6],
+                "last_turn_at": r[7],
             }
             for r in rows
         ]
@@ -553,7 +650,7 @@ class SqliteStore:
         conn.execute("BEGIN")  # one consistent snapshot
         try:
             row = conn.execute(
-                "SELECT trajectory_id, session_id, created_at, meta FROM trajectories WHERE trajectory_id = ?", (trajectory_id,)
+                "SELECT trajectory_id, session_id, created_at, meta, owner FROM trajectories WHERE trajectory_id = ?", (trajectory_id,)
             ).fetchone()
             if row is None:
                 return None
@@ -568,6 +665,7 @@ class SqliteStore:
             session_id=row[1],
             created_at=row[2],
             meta=json.loads(row[3]),
+            owner=row[4],
             turns=[_turn_from_row(r) for r in turns],
             rewards=[_reward_from_row(r) for r in rewards],
         )
@@ -591,7 +689,7 @@ class SqliteStore:
             where.append(cond if rewarded else f"NOT {cond}")
         sql = f"""SELECT t.rowid, t.turn_id, t.trajectory_id, t.session_id, t.idx, t.context_ids, t.output_ids, t.logprobs,
                          t.loss_mask, t.adapter, t.finish_reason, t.created_at,
-                         (SELECT j.meta FROM trajectories j WHERE j.trajectory_id = t.trajectory_id)
+                         (SELECT j.meta FROM trajectories j WHERE j.trajectory_id = t.trajectory_id), t.owner
                     FROM turns t WHERE {" AND ".join(where)} ORDER BY t.rowid LIMIT ?"""
         last = 0
         while True:
@@ -616,6 +714,7 @@ class SqliteStore:
                     "turn_id": r[1],
                     "trajectory_id": r[2],
                     "session_id": r[3],
+                    "owner": r[13],
                     "index": r[4],
                     "context_ids": _unpack("i", r[5]),
                     "output_ids": _unpack("i", r[6]),
@@ -648,12 +747,18 @@ class SqliteStore:
         rows = self._conn().execute("SELECT name, config, state FROM experiments ORDER BY created_at").fetchall()
         return [(r[0], json.loads(r[1]), json.loads(r[2])) for r in rows]
 
-    def arm_observations(self, adapter: str, since: float, source: str | None = None) -> dict[str, list[float]]:
+    def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[float]]:
         """For one adapter version since ``since``: the rewards on its turns and on the trajectories it served (a
-        verifier's outcome reward is on the trajectory), optionally of one source, in the order they came; and per
-        turn its total latency and output tokens/s."""
+        verifier's outcome reward is on the trajectory), of one ``source``, or with ``source=None`` of the trusted
+        sources (the runtime's own ``verifier:*`` and ``judge:*``; every source with ``trusted_only=False``), in
+        the order they came; and per turn its total latency and output tokens/s."""
         conn = self._conn()
-        where_source = " AND r.source = ?" if source is not None else ""
+        if source is not None:
+            where_source, source_args = " AND r.source = ?", [source]
+        elif trusted_only:
+            where_source, source_args = " AND (r.source LIKE 'verifier:%' OR r.source LIKE 'judge:%')", []
+        else:
+            where_source, source_args = "", []
         query = f"""SELECT r.value, r.created_at FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
                     WHERE t.adapter IS ? AND t.created_at >= ?{where_source}
                     UNION ALL
@@ -661,7 +766,7 @@ class SqliteStore:
                     WHERE r.target = 'trajectory' AND r.target_id IN
                           (SELECT DISTINCT trajectory_id FROM turns WHERE adapter IS ? AND created_at >= ?){where_source}
                     ORDER BY 2"""
-        one: list[Any] = [adapter, since] + ([source] if source is not None else [])
+        one: list[Any] = [adapter, since, *source_args]
         rewards = [row[0] for row in conn.execute(query, one + one)]
         latency, tps = [], []
         for n_bytes, timings in conn.execute(

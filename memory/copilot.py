@@ -165,7 +165,14 @@ class Copilot:
         return MemoryTicket(caller.owner, scope, session_id, memory, snapshot, out)
 
     def after(self, ticket: MemoryTicket, messages: Sequence[dict[str, Any]], result: RunOutcome) -> asyncio.Task[None] | None:
-        """Schedule the rewrite for a finished run (returns at once); the task, or None when none is scheduled."""
+        """Schedule the rewrite for a finished run (returns at once); the task, or None when none is scheduled.
+
+        A run whose prompt held the memory is tagged ``memory_scope`` (in the background), as the copilot's own
+        trajectories are: deleting the memory deletes them too, so no copy of it is left in the store."""
+        if ticket.memory.strip() and self.client.recording:
+            tag = asyncio.create_task(self._tag(result.trajectory_id, ticket.scope))
+            self._tasks.add(tag)
+            tag.add_done_callback(self._tasks.discard)
         interaction = Interaction(transcript_of(messages, result), outcome_of(result))
         key = (ticket.owner, ticket.scope)
         if self.config.when == "episode":
@@ -186,6 +193,12 @@ class Copilot:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def _tag(self, trajectory_id: str, scope: str) -> None:
+        try:
+            await self.client.annotate(trajectory_id, {"memory_scope": scope})
+        except Exception:  # an untagged run survives a later memory deletion: say so
+            log.exception("could not tag a run as holding memory", agent=self.agent, scope=scope, trajectory=trajectory_id)
 
     async def drain(self) -> None:
         """Wait for every scheduled rewrite (tests, shutdown)."""

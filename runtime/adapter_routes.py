@@ -36,6 +36,7 @@ from runtime.adapters import (
     AdapterNotFound,
     AdapterRef,
     AdapterRegistry,
+    resolve_adapter_path,
     validate_adapter,
 )
 from runtime.engine import AdapterError as EngineAdapterError
@@ -130,15 +131,17 @@ def install_adapter_routes(
         body: LoadAdapter = _parse(LoadAdapter, await read_json(request))
         try:
             version = body.version or registry.next_version(body.family)
-            ref = AdapterRef(family=body.family, version=version, path=body.path, pinned=body.pinned, sha256=body.sha256)
+            resolved = resolve_adapter_path(Path(body.path), adapter_root)
             await asyncio.to_thread(
                 validate_adapter,
-                Path(body.path),
+                resolved,
                 base_shapes=base_shapes(),
                 max_rank=max_rank,
                 adapter_root=adapter_root,
                 expected_sha256=body.sha256,
             )
+            # the engine loads the folder that was validated, never the path as given (a swapped symlink would choose)
+            ref = AdapterRef(family=body.family, version=version, path=str(resolved), pinned=body.pinned, sha256=body.sha256)
             ref = await registry.register(ref, make_alias=body.alias)
         except AdapterError as exc:
             raise adapter_api_error(exc) from exc

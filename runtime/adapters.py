@@ -33,6 +33,7 @@ import builtins
 import contextlib
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -120,11 +121,27 @@ def base_shapes_of(model: Any) -> dict[str, tuple[int, int]]:
     }
 
 
+MAX_PATH_CHARS = 4096
+MAX_PATTERN_CHARS = 256  # a target_modules regex or a rank/alpha pattern key
+MAX_ALPHA = 65536.0
+
+
 def _inside(path: Path, root: Path | None, what: str) -> Path:
-    resolved = path.resolve()
+    text = str(path)
+    if "\x00" in text or len(text) > MAX_PATH_CHARS:
+        raise AdapterInvalid(f"{what} must be at most {MAX_PATH_CHARS} characters without NUL bytes")
+    try:
+        resolved = path.resolve()
+    except (OSError, ValueError, RuntimeError) as exc:  # too long, a symlink loop, ...
+        raise AdapterInvalid(f"{what} {text[:200]!r} cannot be resolved: {exc}") from None
     if root is not None and not resolved.is_relative_to(root.resolve()):
         raise AdapterInvalid(f"{what} {path} resolves to {resolved}, outside the adapter root {root}")
     return resolved
+
+
+def resolve_adapter_path(path: Path, adapter_root: Path | None) -> Path:
+    """The absolute, symlink-free folder ``path`` names (inside ``adapter_root`` when given); ``AdapterInvalid`` if unusable."""
+    return _inside(Path(path), adapter_root, "adapter path")
 
 
 def _base_module(name: str, base_shapes: Mapping[str, tuple[int, int]]) -> str | None:
@@ -183,6 +200,10 @@ def validate_adapter(
     """
     path = Path(path)
     root = _inside(path, adapter_root, "adapter path")
+    try:
+        root.exists()
+    except OSError as exc:
+        raise AdapterInvalid(f"adapter path {str(path)[:200]!r} is unusable: {exc.strerror}") from None
     if not root.exists():
         raise AdapterInvalid(f"adapter path {path} does not exist")
     if not root.is_dir():
@@ -205,11 +226,13 @@ def validate_adapter(
         raise AdapterInvalid(f"LoRA rank {config.get('r')!r} (rank_pattern {config.get('rank_pattern')}) is not a positive integer")
     if max(ranks) > max_rank:
         raise AdapterInvalid(f"LoRA rank {max(ranks)} exceeds the server's max rank {max_rank}")
+    _check_scales(config)
     declared = config.get("base_model_name_or_path")
     if base_name_or_path and declared and declared != base_name_or_path:
         logger.warning("adapter %s was trained on %r; serving it on %r", path, declared, base_name_or_path)
     targets = config.get("target_modules")
     if isinstance(targets, str):
+        _check_pattern(targets, "target_modules")
         if not any(re.fullmatch(targets, m) for m in base_shapes):
             raise AdapterInvalid(f"target_modules regex {targets!r} matches no module of the base model")
     elif not targets or not isinstance(targets, list):
@@ -223,6 +246,32 @@ def validate_adapter(
     _check_tensors(weights, base_shapes)
     _check_hashes(root, weights, adapter_root, expected_sha256)
     return config
+
+
+def _check_pattern(pattern: str, what: str) -> None:
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise AdapterInvalid(f"{what} pattern is longer than {MAX_PATTERN_CHARS} characters")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise AdapterInvalid(f"{what} pattern {pattern!r} is not a valid regular expression: {exc}") from None
+
+
+def _check_scales(config: Mapping[str, Any]) -> None:
+    """``lora_alpha`` and ``alpha_pattern`` values are finite numbers within ``MAX_ALPHA`` (the scale is alpha / r:
+    NaN or 1e30 would make every output of the adapter NaN); pattern keys are valid, short regular expressions."""
+    alphas = [("lora_alpha", config.get("lora_alpha", 8))]
+    for field in ("alpha_pattern", "rank_pattern"):
+        patterns = config.get(field) or {}
+        if not isinstance(patterns, dict):
+            raise AdapterInvalid(f"{field} must be an object of pattern: value")
+        for key in patterns:
+            _check_pattern(str(key), field)
+        if field == "alpha_pattern":
+            alphas += [(field, v) for v in patterns.values()]
+    for field, alpha in alphas:
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or abs(alpha) > MAX_ALPHA:
+            raise AdapterInvalid(f"{field} must be a finite number of at most {MAX_ALPHA:g} in magnitude, got {alpha!r}")
 
 
 def _check_tensors(weights: Path, base_shapes: Mapping[str, tuple[int, int]]) -> None:

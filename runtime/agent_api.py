@@ -16,16 +16,16 @@ Not here: the agent loop, stop policies or tools (``agents/``, ``tools/``).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from learner.records import Reward, Turn
+from learner.records import Reward, Trajectory, Turn
 from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, parse_model_name
 from runtime.chat_format import ChatFormatter, RenderedPrompt
 from runtime.engine import Engine, GenerateRequest, GenerateResult, Grammar, SamplingParams, StreamChunk
+from runtime.identity import current_caller
 from runtime.metrics import Metrics
 from runtime.recorder import ANONYMOUS, Recorder
 from runtime.tool_parsers import ParseResult, get_parser
@@ -39,6 +39,13 @@ class RunConflict(Exception):
     """An agent run's request conflicts with recorded state (e.g. a re-rollout whose replay does not match): HTTP 409."""
 
     code = "conflict"
+    param: str | None = None
+
+
+class RunNotFound(LookupError):
+    """An agent run names a recorded record that does not exist (e.g. a branch's backbone): HTTP 404."""
+
+    code = "not_found"
     param: str | None = None
 
 
@@ -79,6 +86,7 @@ class RuntimeClient(Protocol):
     async def reward(self, reward: Reward) -> None: ...
     async def annotate(self, trajectory_id: str, meta: dict[str, Any]) -> None: ...
     def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, output_format: dict[str, Any] | None) -> Grammar | None: ...
+    async def trajectory(self, trajectory_id: str) -> Trajectory | None: ...
 
 
 class ServedAgent(Protocol):
@@ -86,7 +94,9 @@ class ServedAgent(Protocol):
 
     def card(self) -> dict[str, Any]: ...
     async def chat(self, messages: list[dict[str, Any]], *, session_id: str, request_id: str, options: dict[str, Any]) -> AgentAnswer: ...
-    async def run(self, body: dict[str, Any], *, session_id: str, request_id: str) -> dict[str, Any]: ...
+    async def run(self, body: dict[str, Any], *, session_id: str, request_id: str, admin: bool = False) -> dict[str, Any]:
+        """One run; ``admin``: the request came through the admin API (branches and unbounded task options allowed)."""
+        ...
 
 
 class AgentHost(Protocol):
@@ -178,15 +188,19 @@ class LocalRuntimeClient:
             self.metrics.adapter_latency.labels(label).observe(time.perf_counter() - t0)
 
     async def record(self, turns: list[Turn]) -> None:
+        """Record ``turns`` as the current caller's (``runtime/identity.py``): an agent's turns belong to whoever ran it."""
         if self.recorder is not None and turns:
-            await self.recorder.record(turns)
+            owner = current_caller().owner
+            await self.recorder.record([t if t.owner == owner else t.model_copy(update={"owner": owner}) for t in turns])
 
     async def reward(self, reward: Reward) -> None:
-        """Attach ``reward`` once its target is committed (the recorder writes in the background)."""
+        """Attach ``reward`` (the runtime's own: a verifier, a self-check) to the current caller's turn or trajectory,
+        once its target is committed (the recorder writes in the background)."""
         if self.recorder is None:
             return
         await self.recorder.flush()
-        await asyncio.to_thread(self.recorder.store.add_reward, reward)
+        owner = current_caller().owner
+        await self.recorder.call(self.recorder.store.add_reward, reward if reward.owner == owner else reward.model_copy(update={"owner": owner}))
 
     def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, output_format: dict[str, Any] | None) -> Grammar | None:
         """The decoding constraint of a request's ``tool_choice`` (``"required"`` or ``{"name": ...}``: exactly one call to
@@ -203,7 +217,15 @@ class LocalRuntimeClient:
         if self.recorder is None:
             return
         await self.recorder.flush()
-        await asyncio.to_thread(self.recorder.store.set_trajectory_meta, trajectory_id, meta)
+        await self.recorder.call(self.recorder.store.set_trajectory_meta, trajectory_id, meta)
+
+    async def trajectory(self, trajectory_id: str) -> Trajectory | None:
+        """A recorded trajectory as the store holds it (a branch's backbone); None when unknown or not recording."""
+        if self.recorder is None:
+            return None
+        if self.recorder.is_pending(trajectory_id):
+            await self.recorder.flush()
+        return await self.recorder.call(self.recorder.store.get_trajectory, trajectory_id)
 
 
 __all__ = ["ANONYMOUS", "AgentAnswer", "AgentHost", "Lease", "LocalRuntimeClient", "RuntimeClient", "ServedAgent", "StreamChunk", "UnknownModel"]

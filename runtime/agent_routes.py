@@ -4,7 +4,9 @@
   agent server-side through the shared request path (``runtime/serving.py``); the ``loopwise`` field
   carries the trajectory id, the last turn id, turns used and the stop reason.
 - ``POST /v1/agents/{name}/runs`` (API key): the whole trajectory (turns, tool calls, observations,
-  verdicts, verifier reward).
+  verdicts, verifier reward), owned by the caller's key.
+- ``POST /admin/agents/{name}/runs`` (admin key; what the learner uses): the same, owned by ``admin``,
+  and the only place a ``branch`` (a replay of a recorded trajectory) is accepted.
 - Admin: ``GET /admin/agents``, ``POST /admin/agents`` (an agent config), ``DELETE /admin/agents/{name}``.
 
 Not here: the agent loop (``agents/``), which the runtime never imports.
@@ -17,36 +19,64 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from runtime.agent_api import AgentHost, RunConflict, ServedAgent, UnknownModel
+from runtime.admission import Admission
+from runtime.agent_api import AgentHost, RunConflict, RunNotFound, ServedAgent, UnknownModel
 from runtime.engine import EngineError
 from runtime.errors import APIError, from_engine
 from runtime.http_body import read_json
-from runtime.identity import bind_caller
+from runtime.identity import ADMIN_OWNER, bind_caller, owner_of
 from runtime.store_routes import check_admin_key, session_of
 
 
-def install_agent_routes(app: FastAPI, host: AgentHost | None, admin_key: str | None, max_body: int, reserved: Callable[[str], bool]) -> None:
+def install_agent_routes(
+    app: FastAPI, host: AgentHost | None, admin_key: str | None, max_body: int, reserved: Callable[[str], bool], admission: Admission | None = None
+) -> None:
     def agent_or_404(name: str) -> ServedAgent:
         agent = host.get(name) if host is not None else None
         if agent is None:
             raise APIError(404, f"no agent named {name!r}", param="name", code="agent_not_found")
         return agent
 
-    @app.post("/v1/agents/{name}/runs")
-    async def run_agent(name: str, request: Request) -> dict[str, Any]:
+    async def run(name: str, request: Request, *, admin: bool) -> dict[str, Any]:
         agent = agent_or_404(name)
         body = await read_json(request, max_body)
+        if not admin and body.get("branch") is not None:
+            raise APIError(
+                403,
+                "branch runs replay recorded trajectories and are for the learner and admins: POST /admin/agents/{name}/runs with the admin key",
+                param="branch",
+                type="permission_error",
+                code="permission_denied",
+            )
+        session = session_of(request, body.get("user"))
+        owner = ADMIN_OWNER if admin else owner_of(request)
+        leave = await admission.enter(owner) if admission is not None else (lambda: None)  # one run, one slot
         try:
-            with bind_caller(request, body.get("user")):
-                return await agent.run(body, session_id=session_of(request, body.get("user")), request_id=request.state.request_id)
+            with bind_caller(request, body.get("user"), owner=owner):
+                return await agent.run(body, session_id=session, request_id=request.state.request_id, admin=admin)
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from exc
+        except RunNotFound as exc:
+            raise APIError(404, str(exc), param=exc.param, code=exc.code) from exc
+        except PermissionError as exc:
+            raise APIError(403, str(exc), type="permission_error", code="permission_denied") from exc
         except RunConflict as exc:
             raise APIError(409, str(exc), param=exc.param, code=exc.code) from exc
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
         except EngineError as exc:
             raise from_engine(exc) from exc
+        finally:
+            leave()
+
+    @app.post("/v1/agents/{name}/runs")
+    async def run_agent(name: str, request: Request) -> dict[str, Any]:
+        return await run(name, request, admin=False)
+
+    @app.post("/admin/agents/{name}/runs")
+    async def admin_run_agent(name: str, request: Request) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        return await run(name, request, admin=True)
 
     @app.get("/admin/agents")
     async def list_agents(request: Request) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.adapter_routes import evaluate_forever, install_adapter_routes
 from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, base_shapes_of, parse_model_name
+from runtime.admission import Admission
 from runtime.agent_api import AgentHost, LocalRuntimeClient
 from runtime.agent_routes import install_agent_routes
 from runtime.chat_format import ChatFormatter
@@ -55,7 +56,7 @@ from runtime.engine import Engine, EngineError
 from runtime.errors import APIError, from_engine, human_message
 from runtime.experiments import Experiments
 from runtime.generation import Generation
-from runtime.identity import bearer_token
+from runtime.identity import ADMIN_OWNER, PUBLIC_OWNER, KeyRing, bearer_token, owner_of_token, set_owner
 from runtime.learner_routes import LearnerCollector, install_learner_routes
 from runtime.memory_routes import MemoryBackend, install_memory_routes
 from runtime.metrics import Metrics, ReplicaCollector
@@ -67,11 +68,12 @@ from runtime.serving_completions import install_completions_routes
 from runtime.serving_embeddings import install_embeddings_routes
 from runtime.serving_messages import install_messages_routes
 from runtime.serving_responses import install_responses_routes
-from runtime.settings import AdapterSettings, EngineSettings, RecorderSettings, ServerSettings
+from runtime.settings import AdapterSettings, AdmissionSettings, EngineSettings, FeedbackSettings, RecorderSettings, ServerSettings
 from runtime.store_routes import install_store_routes, prune_forever
 from runtime.traffic import TrafficHistory, install_traffic_routes
 
 log = logging.getLogger(__name__)
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 def create_app(
@@ -83,12 +85,15 @@ def create_app(
     metrics: Metrics | None = None,
     recorder: Recorder | None = None,
     recorder_settings: RecorderSettings | None = None,
+    feedback_settings: FeedbackSettings | None = None,
+    admission_settings: AdmissionSettings | None = None,
     adapter_settings: AdapterSettings | None = None,
     agents: AgentHost | None = None,
     learner_enabled: bool = False,
     memory: MemoryBackend | None = None,
 ) -> FastAPI:
     metrics = metrics or Metrics(engine.stats)
+    admission = Admission(admission_settings or AdmissionSettings(), unlimited_owners=(PUBLIC_OWNER, ADMIN_OWNER))
     recorder_settings = recorder_settings or RecorderSettings(record=recorder is not None)
     adapter_settings = adapter_settings or AdapterSettings()
     registry = AdapterRegistry(
@@ -130,6 +135,7 @@ def create_app(
                 task.cancel()
             await engine.close()
             responses.close()
+            admission.close()
             if recorder is not None:
                 await asyncio.to_thread(recorder.close)  # writes everything still queued
 
@@ -140,7 +146,7 @@ def create_app(
     app.state.ready = False
     app.state.created = int(time.time())
     _install_error_handlers(app)
-    install_store_routes(app, recorder, server.admin_key)
+    install_store_routes(app, recorder, server.admin_key, feedback_settings)
     install_adapter_routes(
         app,
         registry=registry,
@@ -157,17 +163,19 @@ def create_app(
     def _name_taken(name: str) -> bool:
         return name == model_id or name in registry.aliases() or any(a["name"] == name for a in registry.list())
 
-    install_agent_routes(app, agents, server.admin_key, server.max_body_bytes, _name_taken)
+    install_agent_routes(app, agents, server.admin_key, server.max_body_bytes, _name_taken, admission)
     install_learner_routes(app, server.data_dir, server.admin_key, learner_enabled)
     metrics.registry.register(LearnerCollector(server.data_dir / "learner"))
     if callable(replica_status := getattr(engine, "status", None)):  # replicas of an external engine
         metrics.registry.register(ReplicaCollector(replica_status))
-    install_memory_routes(app, memory, server.admin_key)
+    install_memory_routes(app, memory, server.admin_key, recorder)
     traffic = TrafficHistory(metrics)
     app.state.traffic = traffic
     install_traffic_routes(app, traffic, server.admin_key)
     install_console_routes(app)
-    gateway = Gateway(lambda: app.state.generation, lambda model, session, user: _route(model, session, user), registry, metrics, agents)
+    gateway = Gateway(
+        lambda: app.state.generation, lambda model, session, user: _route(model, session, user), registry, metrics, agents, admission=admission
+    )
     app.state.gateway = gateway
     install_chat_routes(app, gateway, server.max_body_bytes)
     responses = ResponseStore(server.data_dir / "responses.db")
@@ -176,9 +184,8 @@ def create_app(
     install_completions_routes(app, gateway, server.max_body_bytes)
     install_embeddings_routes(app, gateway, model_id, server.max_body_bytes)
 
-    # the admin key is a superuser: where /v1 needs an API key, it is one too (memory: "admin sees all")
-    v1_keys = (*server.api_keys, server.admin_key) if server.api_keys and server.admin_key else server.api_keys
-    app.add_middleware(_RequestContext, api_keys=v1_keys, metrics=metrics, routes=app.router.routes)
+    # /v1 takes API keys only: the admin key opens /admin and is not an API key (runtime/identity.py)
+    app.add_middleware(_RequestContext, keys=KeyRing(server.api_keys, server.admin_key), metrics=metrics, routes=app.router.routes)
     if server.cors_origins:  # outermost: a browser's preflight is answered before authentication
         app.add_middleware(
             CORSMiddleware,
@@ -246,6 +253,8 @@ def create_app(
     async def ready() -> dict[str, Any]:
         if not app.state.ready:
             raise APIError(503, "not ready", type="server_error", code="not_ready")
+        if recorder is not None and not recorder.healthy:  # answered turns go to the journal until the store takes writes
+            raise APIError(503, "the interaction store is not taking writes", type="server_error", code="recorder_unavailable")
         return {"status": "ready", "model": model_id}
 
     @app.get("/metrics")
@@ -262,15 +271,17 @@ class _RequestContext:
     request and response body in extra tasks and streams, which cost measurable latency per request.
     """
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], metrics: Metrics, routes: list[BaseRoute]) -> None:
-        self.app, self.api_keys, self.metrics, self.routes = app, api_keys, metrics, routes
+    def __init__(self, app: ASGIApp, keys: KeyRing, metrics: Metrics, routes: list[BaseRoute]) -> None:
+        self.app, self.keys, self.metrics, self.routes = app, keys, metrics, routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request = Request(scope)
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = request.headers.get("x-request-id") or ""
+        if not _REQUEST_ID.fullmatch(rid):  # a client's id is kept for log correlation only when it is a plain short id
+            rid = uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         endpoint = scope["path"]
         t0 = time.perf_counter()
@@ -287,7 +298,7 @@ class _RequestContext:
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
                 if endpoint.startswith("/v1/"):
-                    _check_auth(request, self.api_keys)
+                    set_owner(scope, _check_auth(request, self.keys))
                 await self.app(scope, receive, send_with_id)
             except APIError as exc:
                 if started:
@@ -327,9 +338,10 @@ def _model_card(model_id: str, created: int, owned_by: str = "loopwise") -> dict
     return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by}
 
 
-def _check_auth(request: Request, keys: tuple[str, ...]) -> None:
-    if not keys:
-        return
+def _check_auth(request: Request, keys: KeyRing) -> str:
+    """The owner of a ``/v1`` request, or a 401 (constant-time key checks; the admin key is not an API key)."""
+    if keys.open:
+        return PUBLIC_OWNER
     token = bearer_token(request)
     if not token:
         raise APIError(
@@ -338,8 +350,16 @@ def _check_auth(request: Request, keys: tuple[str, ...]) -> None:
             type="authentication_error",
             code="invalid_api_key",
         )
-    if token not in keys:
+    if not keys.is_api_key(token):
+        if keys.is_admin_key(token):
+            raise APIError(
+                401,
+                "The admin key is not an API key: use it on /admin only, and an API key on /v1.",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
         raise APIError(401, "Incorrect API key provided.", type="authentication_error", code="invalid_api_key")
+    return owner_of_token(token)
 
 
 def _error_response(exc: APIError, path: str = "") -> JSONResponse:

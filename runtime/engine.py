@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -70,6 +70,9 @@ class Grammar:
 
     kind: Literal["json_schema", "json_object", "ebnf"]
     spec: str = ""  # the JSON schema text, or the EBNF grammar text; empty for json_object
+    # an engine's compiled form, made off the event loop at admission (runtime/admission.py); engines that
+    # compile it themselves (SGLang) ignore it
+    compiled: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,15 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: Grammar | None = None
+
+    def __post_init__(self) -> None:
+        # below MIN_TEMPERATURE a request is greedy: logits / 1e-50 overflow float32, and a recorded 1e-50 would
+        # make a learner recomputing logprobs divide by it (runtime/engines/sampling.py uses the same floor)
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+
+
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """A/B experiments between adapter versions of one family: routing, status, and automatic decisions.
 
 An experiment holds arms (``family@N`` with weights), a sticky key (``session`` or ``user``), the reward
-source it judges by (``metric``; None = any source), ``min_samples``, ``alpha`` and whether to
+source it judges by (``metric``; None = every *trusted* source, i.e. the runtime's own evaluators
+``verifier:*`` and ``judge:*``, unless ``sources: "any"``: a client's feedback can then sway the
+decision), ``min_samples``, ``alpha`` and whether to
 ``auto_promote`` / ``auto_rollback``. The champion is the family alias's target when the experiment
 starts (it must be an arm). While it runs, requests naming the family alias are assigned an arm by
 ``routing.assign_arm`` over the sticky key (a pure hash: a session never flips arms).
@@ -47,7 +49,8 @@ class ExperimentConfig(BaseModel):
     family: str
     arms: list[ArmConfig] = Field(min_length=2)
     sticky: Literal["session", "user"] = "session"
-    metric: str | None = None
+    metric: str | None = None  # one reward source (exact); None = the sources below
+    sources: Literal["trusted", "any"] = "trusted"  # with metric None: trusted = verifier:* and judge:* only
     min_samples: int = Field(100, ge=2)
     max_samples: int | None = Field(None, ge=2)  # undecided with this many per arm: ends "inconclusive", the champion stays
     alpha: float = Field(0.05, gt=0, lt=0.5)
@@ -71,7 +74,7 @@ class ExperimentConfig(BaseModel):
 class _Store(Protocol):
     def save_experiment(self, name: str, config: dict[str, Any], state: dict[str, Any]) -> None: ...
     def load_experiments(self) -> list[tuple[str, dict[str, Any], dict[str, Any]]]: ...
-    def arm_observations(self, adapter: str, since: float, source: str | None = None) -> dict[str, list[float]]: ...
+    def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[float]]: ...
 
 
 class _Registry(Protocol):
@@ -145,12 +148,15 @@ class Experiments:
         self.store.save_experiment(name, cfg.model_dump(), state)
         return self.status(name)
 
+    def _observations(self, cfg: ExperimentConfig, adapter: str, since: float) -> dict[str, list[float]]:
+        return self.store.arm_observations(adapter, since, cfg.metric, trusted_only=cfg.sources == "trusted")
+
     def evaluate(self, name: str) -> dict[str, Any]:
         """Recompute statistics and, for a running experiment with auto actions, apply the decision."""
         cfg, state = self.configs[name], self._state(name)
         if state["status"] != "running":
             return self.status(name)
-        obs = {a.adapter: self.store.arm_observations(a.adapter, state["started_at"], cfg.metric) for a in cfg.arms}
+        obs = {a.adapter: self._observations(cfg, a.adapter, state["started_at"]) for a in cfg.arms}
         champion = state["champion"]
         changed = False
         for arm in cfg.arms:
@@ -196,7 +202,7 @@ class Experiments:
     def status(self, name: str, obs: dict[str, dict[str, list[float]]] | None = None) -> dict[str, Any]:
         cfg, state = self.configs[name], self._state(name)
         if obs is None:
-            obs = {a.adapter: self.store.arm_observations(a.adapter, state["started_at"], cfg.metric) for a in cfg.arms}
+            obs = {a.adapter: self._observations(cfg, a.adapter, state["started_at"]) for a in cfg.arms}
         champion = state["champion"]
         arms = []
         for a in cfg.arms:

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from learner.records import ToolCallRecord, Turn, TurnTimings
+from learner.records import PUBLIC_OWNER, ToolCallRecord, Turn, TurnTimings
 from runtime.chat_format import ChatFormatter
 from runtime.constraints import grammar_for
 from runtime.engine import (
@@ -247,7 +247,13 @@ class Generation:
 
     # ---- preparation -----------------------------------------------------------------------
     def prepare(
-        self, req: GenRequest, request_id: str, session_id: str = ANONYMOUS, adapter: str | None = None, id_prefix: str = "chatcmpl-"
+        self,
+        req: GenRequest,
+        request_id: str,
+        session_id: str = ANONYMOUS,
+        adapter: str | None = None,
+        id_prefix: str = "chatcmpl-",
+        owner: str = PUBLIC_OWNER,
     ) -> Prepared:
         """Render, check lengths, build the constraint and one engine request per choice, assign turn ids."""
         if req.prompt_ids is not None:
@@ -304,7 +310,7 @@ class Generation:
             forced_tool=req.forced_tool,
             messages=messages,
             adapter=adapter,
-            slots=self.recorder.assign(session_id, messages, req.n) if self.recorder is not None else None,
+            slots=self.recorder.assign(session_id, messages, req.n, owner) if self.recorder is not None else None,
             want_logprobs=req.logprobs,
             api=req.api,
         )
@@ -389,6 +395,7 @@ class Generation:
             output_text=res.text,
             prefix_key=messages_key(prep.messages),
             continuation_key=messages_key([*prep.messages, reply]),
+            owner=slot.owner,
         )
 
     # ---- streamed --------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """Reading a JSON request body at the HTTP edge, with OpenAI-style errors.
 
 One function for every route: a body over ``limit`` is a 413 (checked while reading, so chunked
-bodies are bounded too); an empty body, invalid JSON, a non-object, or JSON carrying unpaired
-surrogate escapes is a 400 ``invalid_json``. Not here: validating the object's fields (pydantic).
+bodies are bounded too); an empty body, invalid JSON, a non-object, JSON nested deeper than
+``MAX_DEPTH`` (deep nesting makes recursive validators raise ``RecursionError``), or JSON carrying
+unpaired surrogate escapes is a 400 ``invalid_json``. Not here: validating the object's fields (pydantic).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
@@ -15,6 +19,24 @@ from fastapi import Request
 from runtime.errors import APIError
 
 DEFAULT_LIMIT = 4 * 1024 * 1024
+OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are parsed on a worker thread
+_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F][0-9a-fA-F]{2}")  # a \uD800-\uDFFF escape: the costly check runs only then
+_parser_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loopwise-parse")
+MAX_DEPTH = 64  # arrays and objects inside each other; real requests (tool schemas included) stay far below
+
+
+def _too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` nests more than ``limit`` containers deep (iterative: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
 
 
 async def read_json(request: Request, limit: int = DEFAULT_LIMIT) -> Any:
@@ -30,15 +52,27 @@ async def read_json(request: Request, limit: int = DEFAULT_LIMIT) -> Any:
     raw = b"".join(chunks)
     if not raw:
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    if len(raw) <= OFFLOAD_BYTES:
+        return _parse(raw)
+    # a large body is parsed and checked off the event loop: a client sending 4 MB bodies in a loop stalls only itself
+    return await asyncio.get_running_loop().run_in_executor(_parser_pool, _parse, raw)
+
+
+def _parse(raw: bytes) -> Any:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
+    except RecursionError:
+        body = None  # nested deeper than the parser's own stack allows
+    if body is None or _too_deep(body):
+        raise APIError(400, f"the JSON body is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    try:  # JSON may escape lone surrogates (\ud800), which are not text: the tokenizer would fail on them
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        msg = "We could not parse the JSON body of your request: it contains an unpaired surrogate escape"
-        raise APIError(400, msg, code="invalid_json") from exc
+    if _SURROGATE.search(raw):  # JSON may escape lone surrogates (\ud800), which are not text: the tokenizer would fail on them
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            msg = "We could not parse the JSON body of your request: it contains an unpaired surrogate escape"
+            raise APIError(400, msg, code="invalid_json") from exc
     return body

@@ -1,22 +1,31 @@
-"""Who is calling: the owner identity derived from the request's API key, and the caller of an agent run.
+"""Who is calling: API-key checks, the owner identity of a request, and the caller of an agent run.
 
-The runtime has no user accounts. A caller is identified by its Bearer token: the *owner* is
-``key-`` + the first 24 hex digits of the token's SHA-256 (the token itself is never stored or logged),
-or ``public`` when the request carries none (an open server without ``--api-key``: everyone shares
-that owner, so nothing is private there). Within an owner, the request's ``user`` field names the end
-user; it is the client's word, trusted only inside its own key.
+The runtime has no user accounts. A caller is identified by its Bearer token:
+
+- :class:`KeyRing` holds the server's API keys and its admin key and checks a token against them in
+  constant time (``hmac.compare_digest`` over SHA-256 digests, every key compared, so neither the
+  position of a mismatch nor which key matched shows in the timing). API keys open ``/v1``; the admin
+  key opens ``/admin`` and is *not* an API key (a leaked client config never carries admin rights, and
+  the admin's own traffic never mixes with a tenant's).
+- The *owner* of a ``/v1`` request is ``key-`` + the first 24 hex digits of its key's SHA-256 (the key
+  itself is never stored or logged). On a server without API keys every caller is ``public``: tokens
+  are not checked there, so they are no identity and nothing is private. The app's middleware puts the
+  owner on the request (:func:`set_owner`) after checking the key; routes read it with :func:`owner_of`.
+  Work done through the admin API (e.g. the learner's runs) is owned by :data:`ADMIN_OWNER`.
+- Within an owner, the request's ``user`` field names the end user; it is the client's word, trusted
+  only inside its own key.
 
 Agent routes bind the :class:`Caller` of a run (owner + user) in a context variable for the run's
-duration (:func:`bind_caller`), so served agents (e.g. the memory copilot) see who asked without
-the ``ServedAgent`` protocol changing; code running outside a request sees :data:`PUBLIC_CALLER`.
-
-Not here: checking keys (``runtime/app.py`` does, before any ``/v1/`` route runs).
+duration (:func:`bind_caller`), so served agents (e.g. the memory copilot) and the records they write
+see who asked without the ``ServedAgent`` protocol changing; code running outside a request sees
+:data:`PUBLIC_CALLER`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import hmac
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -24,17 +33,48 @@ from typing import Any
 
 from fastapi import Request
 
-PUBLIC_OWNER = "public"
+from learner.records import PUBLIC_OWNER
+
+__all__ = ["ADMIN_OWNER", "PUBLIC_OWNER", "Caller", "KeyRing", "bearer_token", "bind_caller", "current_caller", "owner_of", "owner_of_token"]
+
+ADMIN_OWNER = "admin"  # owner of what the admin API does itself (the learner's runs); never a key's hash
 
 
 @dataclass(frozen=True)
 class Caller:
-    owner: str  # "key-<hash>" or "public"
+    owner: str  # "key-<hash>", "public" or "admin"
     user: str | None = None  # the request's ``user`` field
 
 
 PUBLIC_CALLER = Caller(PUBLIC_OWNER)
 _CALLER: ContextVar[Caller] = ContextVar("loopwise_caller", default=PUBLIC_CALLER)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+class KeyRing:
+    """The server's API keys and admin key; every comparison is constant-time."""
+
+    def __init__(self, api_keys: Iterable[str], admin_key: str | None) -> None:
+        self._api = [_digest(k) for k in api_keys if k]
+        self._admin = _digest(admin_key) if admin_key else None
+
+    @property
+    def open(self) -> bool:
+        """No API keys: ``/v1`` is open to everyone (all as owner ``public``)."""
+        return not self._api
+
+    def is_api_key(self, token: str) -> bool:
+        d = _digest(token)
+        ok = False
+        for k in self._api:  # no early exit: the time does not depend on which key matches
+            ok |= hmac.compare_digest(d, k)
+        return ok
+
+    def is_admin_key(self, token: str) -> bool:
+        return self._admin is not None and hmac.compare_digest(_digest(token), self._admin)
 
 
 def bearer_token(request: Request) -> str:
@@ -46,12 +86,19 @@ def bearer_token(request: Request) -> str:
 
 
 def owner_of_token(token: str) -> str:
-    return f"key-{hashlib.sha256(token.encode()).hexdigest()[:24]}" if token else PUBLIC_OWNER
+    return f"key-{hashlib.sha256(token.encode('utf-8', 'surrogatepass')).hexdigest()[:24]}" if token else PUBLIC_OWNER
+
+
+def set_owner(scope: Any, owner: str) -> None:
+    """Record the checked owner of a request in its ASGI scope (the app's middleware does this)."""
+    scope.setdefault("state", {})["owner"] = owner
 
 
 def owner_of(request: Request) -> str:
-    """The owner identity of ``request`` (see the module docstring)."""
-    return owner_of_token(bearer_token(request))
+    """The owner identity of ``request``, as the middleware checked it; ``public`` when nothing was checked."""
+    state = request.scope.get("state") or {}
+    owner = state.get("owner")
+    return owner if isinstance(owner, str) and owner else PUBLIC_OWNER
 
 
 def current_caller() -> Caller:
@@ -69,6 +116,6 @@ def use_caller(caller: Caller) -> Iterator[Caller]:
         _CALLER.reset(token)
 
 
-def bind_caller(request: Request, user: Any) -> AbstractContextManager[Caller]:
-    """The caller of ``request`` (its key's owner and the ``user`` field, when a non-empty string) for the block."""
-    return use_caller(Caller(owner_of(request), user if isinstance(user, str) and user else None))
+def bind_caller(request: Request, user: Any, owner: str | None = None) -> AbstractContextManager[Caller]:
+    """The caller of ``request`` (its owner, or ``owner`` when given, and the ``user`` field when a non-empty string) for the block."""
+    return use_caller(Caller(owner or owner_of(request), user if isinstance(user, str) and user else None))

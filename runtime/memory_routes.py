@@ -6,12 +6,12 @@ The runtime never imports ``memory/``: ``serve.py`` hands ``create_app`` a :clas
 - ``GET /v1/memory`` (API key): the caller's documents (owner, scope, version, chars, updated_at).
 - ``GET /v1/memory/{scope}``: the caller's document: current ``text``, ``version`` and every kept
   version's metadata (provenance: method, copilot adapter, player and copilot trajectory/turn ids).
-- ``DELETE /v1/memory/{scope}``: deletes every version; a later GET is 404.
+- ``DELETE /v1/memory/{scope}``: deletes every version, and every recorded run whose prompt held the
+  memory (player runs tagged ``memory_scope`` and the copilot's own rewrites), so no copy is left in
+  ``interactions.db`` either; a later GET is 404.
 - Admin (``Authorization: Bearer <admin key>``): ``GET /admin/memory?owner=`` lists everyone's (or one
   owner's) documents; ``GET`` / ``DELETE /admin/memory/{owner}/{scope}`` reach any document. The admin
-  key also works on the ``/v1/memory`` routes (the app accepts it wherever ``/v1`` needs an API key):
-  ``GET /v1/memory`` lists everyone's documents, ``/v1/memory/{scope}`` reaches the owner that has the
-  scope (409 ``ambiguous_owner`` when several do and none is the admin's own), ``?owner=`` names one.
+  key is not an API key, so the ``/v1/memory`` routes only ever reach the caller's own documents.
 
 The caller's owner identity comes from its key (``runtime/identity.py``); every lookup is by (owner,
 scope), so a scope that is unknown and one that belongs to someone else answer the same 404 (existence
@@ -24,15 +24,15 @@ Not here: storage (``memory/store.py``), writing memory (``memory/copilot.py``).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 
 from runtime.errors import APIError
-from runtime.identity import bearer_token, owner_of
-from runtime.store_routes import InternalKey, check_admin_key
+from runtime.identity import owner_of
+from runtime.recorder import Recorder
+from runtime.store_routes import check_admin_key
 
 OWNER = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
@@ -51,19 +51,16 @@ def _valid(scope: str) -> bool:
     return not any(c.isspace() or c == "/" or ord(c) < 32 or ord(c) == 127 for c in ident)
 
 
-def install_memory_routes(app: FastAPI, memory: MemoryBackend | None, admin_key: str | None) -> None:
-    def is_admin(request: Request) -> bool:
-        if not admin_key or isinstance(admin_key, InternalKey):
-            return False
-        return hmac.compare_digest(bearer_token(request).encode(), admin_key.encode())
-
+def install_memory_routes(app: FastAPI, memory: MemoryBackend | None, admin_key: str | None, recorder: Recorder | None = None) -> None:
     def owner_for(request: Request, owner: str | None) -> str:
-        """The owner whose documents this request reaches: its own, or (admin only) the one it names."""
-        if owner is None:
-            return owner_of(request)
-        if not is_admin(request):
-            raise APIError(403, "only the admin key may name another owner", param="owner", code="permission_denied", type="permission_error")
-        return owner
+        """The owner whose documents a ``/v1`` request reaches: always its own (the admin uses ``/admin/memory``)."""
+        own = owner_of(request)
+        if owner is not None and owner != own:
+            raise APIError(
+                403, "a key reaches only its own memory; the admin API (/admin/memory) reaches others'", param="owner", code="permission_denied",
+                type="permission_error",
+            )  # fmt: skip
+        return own
 
     def check_scope(scope: str) -> None:
         if not _valid(scope):
@@ -95,7 +92,12 @@ def install_memory_routes(app: FastAPI, memory: MemoryBackend | None, admin_key:
         n = await asyncio.to_thread(memory.delete, owner, scope) if memory is not None else 0
         if n == 0:
             raise not_found(scope)
-        return {"object": "memory.deleted", "scope": scope, "owner": owner, "deleted_versions": n}
+        runs = 0
+        if recorder is not None:  # the recorded prompts that held it (and the copilot's rewrites of it) go too
+            await recorder.flush()
+            ids = await recorder.call(recorder.store.trajectories_with_meta, owner, "memory_scope", scope)
+            runs = await recorder.call(recorder.store.delete_trajectories, ids) if ids else 0
+        return {"object": "memory.deleted", "scope": scope, "owner": owner, "deleted_versions": n, "deleted_turns": runs}
 
     async def list_docs(owner: str | None) -> dict[str, Any]:
         if owner is not None:
@@ -105,32 +107,15 @@ def install_memory_routes(app: FastAPI, memory: MemoryBackend | None, admin_key:
 
     @app.get("/v1/memory")
     async def list_memory(request: Request, owner: str | None = None) -> dict[str, Any]:
-        if owner is None and is_admin(request):
-            return await list_docs(None)
         return await list_docs(owner_for(request, owner))
-
-    async def scope_owner(request: Request, owner: str | None, scope: str) -> str:
-        """The owner a ``/v1/memory/{scope}`` request reaches. The admin key without ``?owner=`` reaches the one
-        owner that has the scope (admin sees all); when several do, it must name one."""
-        if owner is not None or not is_admin(request):
-            return owner_for(request, owner)
-        check_scope(scope)
-        own = owner_of(request)
-        docs = await asyncio.to_thread(memory.documents, None) if memory is not None else []
-        owners = sorted({d["owner"] for d in docs if d["scope"] == scope})
-        if len(owners) > 1 and own not in owners:
-            raise APIError(
-                409, f"{len(owners)} owners have {scope!r}: name one with ?owner= ({', '.join(owners[:10])})", param="owner", code="ambiguous_owner"
-            )
-        return own if own in owners or not owners else owners[0]
 
     @app.get("/v1/memory/{scope}")
     async def get_memory(scope: str, request: Request, owner: str | None = None) -> dict[str, Any]:
-        return await get_doc(await scope_owner(request, owner, scope), scope)
+        return await get_doc(owner_for(request, owner), scope)
 
     @app.delete("/v1/memory/{scope}")
     async def delete_memory(scope: str, request: Request, owner: str | None = None) -> dict[str, Any]:
-        return await delete_doc(await scope_owner(request, owner, scope), scope)
+        return await delete_doc(owner_for(request, owner), scope)
 
     @app.get("/admin/memory")
     async def admin_list_memory(request: Request, owner: str | None = None) -> dict[str, Any]:

@@ -3,11 +3,21 @@
 **Recording.** ``await recorder.record(turns)`` puts the turns on a bounded queue; one writer thread
 takes everything queued within ``commit_window_s`` (50 ms) and writes it in one transaction (group
 commit). Durability modes: ``async`` returns at once (a crash can lose at most the last commit window);
-``sync`` returns only after the turns are committed, so a response is never sent for an unrecorded
-turn. When the queue is full, requests wait for room (backpressure, counted in
-``loopwise_record_backpressure_total``); a turn is never dropped. A failed write is retried; after the
-last try the turns are logged with their ids and counted in ``loopwise_record_failures_total``, and in
-``sync`` mode the request fails with a 500.
+``sync`` returns only after the turns are durable, so a response is never sent for an unrecorded turn.
+When the queue is full, requests wait for room (backpressure, counted in
+``loopwise_record_backpressure_total``), polling on the event loop: no thread of the default pool is
+held by a waiting request. Store calls of the HTTP routes run on the recorder's own small reader pool
+(:meth:`Recorder.call`), so a locked database never starves unrelated endpoints of threads.
+
+**A turn is never dropped.** A failed write is retried briefly; if the store still refuses it (a full
+disk, a database locked for long), the turns are appended to a local journal (``<db>.journal``, JSON
+lines, fsync'd) and count as durable; ``healthy`` turns false (the app's ``/ready`` answers 503) and
+the writer replays the journal into the store every ``retry_s`` until it works again, then deletes it.
+A journal left by an earlier process is replayed at :meth:`Recorder.start` (re-inserting a stored turn
+is a no-op, so a replay interrupted half-way is safe); a torn last line (a crash mid-append) is skipped.
+Only if the journal cannot be written either does the writer keep the turns and retry both without end,
+and requests wait (backpressure) rather than lose them. :meth:`Recorder.close` drains the queue the same
+way before it returns. Turns counted in ``loopwise_record_failures_total`` went to the journal.
 
 **Stitching.** The session is the ``X-Session-Id`` header, else the request's ``user`` field, else the
 shared ``anonymous`` session. Each turn stores ``prefix_key`` (a hash of the messages it answered) and
@@ -28,18 +38,22 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypeVar
 
-from learner.records import Reward, Trajectory, Turn, TurnRef, new_id
+from learner.records import PUBLIC_OWNER, Reward, Trajectory, Turn, TurnRef, new_id
 from runtime._futures import settle
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ANONYMOUS = "anonymous"
 
@@ -49,15 +63,20 @@ class InteractionStore(Protocol):
 
     def append_turns(self, turns: Sequence[Turn]) -> None: ...
     def add_reward(self, reward: Reward) -> tuple[Reward, bool]: ...
-    def turns_for_completion(self, completion_id: str) -> list[str]: ...
-    def find_continuation(self, session_id: str, continuation_key: str) -> TurnRef | None: ...
-    def turn_exists(self, turn_id: str) -> bool: ...
-    def trajectory_exists(self, trajectory_id: str) -> bool: ...
+    def turns_for_completion(self, completion_id: str, owner: str | None = None) -> list[str]: ...
+    def find_continuation(self, session_id: str, continuation_key: str, owner: str = ...) -> TurnRef | None: ...
+    def turn_exists(self, turn_id: str, owner: str | None = None) -> bool: ...
+    def trajectory_exists(self, trajectory_id: str, owner: str | None = None) -> bool: ...
     def set_trajectory_meta(self, trajectory_id: str, meta: dict[str, Any]) -> None: ...
     def stats(self) -> dict[str, int]: ...
-    def list_trajectories(self, limit: int = 50, since: float | None = None, rewarded: bool | None = None) -> list[dict[str, Any]]: ...
+    def list_trajectories(
+        self, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None
+    ) -> list[dict[str, Any]]: ...
     def get_trajectory(self, trajectory_id: str) -> Trajectory | None: ...
-    def delete_session(self, session_id: str) -> int: ...
+    def delete_session(self, owner: str, session_id: str) -> int: ...
+    def delete_trajectories(self, trajectory_ids: Sequence[str]) -> int: ...
+    def session_owners(self, session_id: str) -> list[str]: ...
+    def trajectories_with_meta(self, owner: str, key: str, value: str) -> list[str]: ...
     def prune(self, older_than: float) -> int: ...
     def close(self) -> None: ...
 
@@ -103,6 +122,7 @@ class TurnSlot:
     session_id: str
     index: int
     parent_turn_id: str | None
+    owner: str = PUBLIC_OWNER
 
 
 # ---- the recorder ---------------------------------------------------------------------------------
@@ -127,8 +147,16 @@ class Recorder:
         max_batch: int = 512,
         metrics: Any = None,
         index_size: int = 100_000,
+        journal: Path | None = None,
+        retry_s: float = 2.0,
     ) -> None:
         self.store = store
+        path = getattr(store, "path", None)
+        self.journal_path: Path | None = journal or (Path(path).with_suffix(".journal") if path is not None else None)
+        self.retry_s = retry_s
+        self.healthy = True  # false while the store refuses writes (turns go to the journal meanwhile)
+        self._journaled = False  # the journal holds turns not yet in the store
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="loopwise-store")
         self.durability = durability
         self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=queue_size)
         self._window = commit_window_s
@@ -136,7 +164,7 @@ class Recorder:
         self._metrics = metrics
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the recent-turn index below
-        self._recent: OrderedDict[tuple[str, str], TurnRef] = OrderedDict()  # (session, continuation_key) → turn
+        self._recent: OrderedDict[tuple[str, str, str], TurnRef] = OrderedDict()  # (owner, session, continuation_key) → turn
         self._successors: set[str] = set()  # turn ids already continued (recent ones)
         self._pending: dict[str, int] = {}  # ids (turn, trajectory, completion) not yet committed → count
         self._index_size = index_size
@@ -144,38 +172,48 @@ class Recorder:
 
     # ---- lifecycle
     def start(self) -> None:
+        """Replay a journal left by an earlier process, then start the writer."""
+        if self.journal_path is not None and self.journal_path.exists():
+            self._journaled = True
+            self._replay()
         self._thread = threading.Thread(target=self._writer, name="loopwise-recorder", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
-        """Write everything queued, then stop the writer."""
+        """Write everything queued (to the store, else to the journal), then stop the writer and close the store."""
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=120)
+            if self._thread.is_alive():  # neither the store nor the journal takes writes: say what is still held
+                log.error("the recorder is still retrying turns it could neither store nor journal; closing without them")
             self._thread = None
+        self._readers.shutdown(wait=True)
         self.store.close()
 
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (a store read or a small write) on the recorder's reader pool, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
+
     # ---- stitching
-    def assign(self, session_id: str, messages: Sequence[dict[str, Any]], n: int) -> list[TurnSlot]:
-        """Turn and trajectory ids for the ``n`` choices of a request (see the module docstring)."""
+    def assign(self, session_id: str, messages: Sequence[dict[str, Any]], n: int, owner: str = PUBLIC_OWNER) -> list[TurnSlot]:
+        """Turn and trajectory ids for the ``n`` choices of ``owner``'s request (see the module docstring)."""
         parent: TurnRef | None = None
         key = lookup_key(messages)
         if key is not None:
             with self._lock:
-                parent = self._recent.get((session_id, key))
+                parent = self._recent.get((owner, session_id, key))
             if parent is None:
-                parent = self.store.find_continuation(session_id, key)
+                parent = self.store.find_continuation(session_id, key, owner)
         slots = []
         with self._lock:
             continues = parent is not None and not parent.has_successor and parent.turn_id not in self._successors
             for i in range(n):
                 turn_id = new_id("turn")
                 if i == 0 and continues and parent is not None:
-                    slots.append(TurnSlot(turn_id, parent.trajectory_id, session_id, parent.index + 1, parent.turn_id))
+                    slots.append(TurnSlot(turn_id, parent.trajectory_id, session_id, parent.index + 1, parent.turn_id, owner))
                 else:
-                    slots.append(
-                        TurnSlot(turn_id, new_id("traj"), session_id, 0 if parent is None else parent.index + 1, parent.turn_id if parent else None)
-                    )
+                    index = 0 if parent is None else parent.index + 1
+                    slots.append(TurnSlot(turn_id, new_id("traj"), session_id, index, parent.turn_id if parent else None, owner))
             if continues and parent is not None:
                 self._successors.add(parent.turn_id)
         return slots
@@ -184,7 +222,7 @@ class Recorder:
         with self._lock:
             for t in turns:
                 if t.continuation_key:
-                    self._recent[(t.session_id, t.continuation_key)] = TurnRef(
+                    self._recent[(t.owner, t.session_id, t.continuation_key)] = TurnRef(
                         turn_id=t.turn_id, trajectory_id=t.trajectory_id, session_id=t.session_id, index=t.index, has_successor=False
                     )
                 for k in (t.turn_id, t.trajectory_id, t.completion_id):
@@ -198,9 +236,9 @@ class Recorder:
         with self._lock:
             return some_id in self._pending
 
-    def forget_session(self, session_id: str) -> None:
+    def forget_session(self, owner: str, session_id: str) -> None:
         with self._lock:
-            for key in [k for k in self._recent if k[0] == session_id]:
+            for key in [k for k in self._recent if k[0] == owner and k[1] == session_id]:
                 ref = self._recent.pop(key)
                 self._successors.discard(ref.turn_id)
 
@@ -210,20 +248,30 @@ class Recorder:
         self._remember(turns)
         loop = asyncio.get_running_loop()
         batch = _Batch(turns, loop.create_future() if self.durability == "sync" else None, loop)
-        try:
-            self._queue.put_nowait(batch)
-        except queue.Full:
-            if self._metrics is not None:
-                self._metrics.record_backpressure.inc()
-            await asyncio.to_thread(self._queue.put, batch)  # wait for room; never drop
+        await self._put(batch)
         if batch.done is not None:
             await batch.done
 
+    async def _put(self, batch: _Batch) -> None:
+        """Queue ``batch``, waiting for room on the event loop (never in a thread of the default pool); never drop."""
+        delay = 0.002
+        counted = False
+        while True:
+            try:
+                self._queue.put_nowait(batch)
+                return
+            except queue.Full:
+                if not counted and self._metrics is not None and batch.turns:
+                    self._metrics.record_backpressure.inc()
+                counted = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
     async def flush(self) -> None:
-        """Return once everything queued before this call is committed."""
+        """Return once everything queued before this call is durable (in the store, or in the journal)."""
         loop = asyncio.get_running_loop()
         marker = _Batch([], loop.create_future(), loop)
-        await asyncio.to_thread(self._queue.put, marker)
+        await self._put(marker)
         assert marker.done is not None
         await marker.done
 
@@ -233,7 +281,11 @@ class Recorder:
     def _writer(self) -> None:
         stop = False
         while not stop:
-            first = self._queue.get()
+            try:
+                first = self._queue.get(timeout=self.retry_s if self._journaled else None)
+            except queue.Empty:
+                self._replay()  # the journal holds turns: try the store again
+                continue
             if first is None:
                 break
             batches = [first]
@@ -265,27 +317,39 @@ class Recorder:
         if rest:
             self._commit(rest)
 
-    def _commit(self, batches: list[_Batch]) -> None:
-        turns = [t for b in batches for t in b.turns]
+    def _store_write(self, turns: list[Turn]) -> BaseException | None:
+        """Write to the store, retrying briefly; the last error, or None once written."""
         error: BaseException | None = None
-        for attempt in range(5):
+        for attempt in range(3):
             try:
-                if turns:
-                    self.store.append_turns(turns)
-                error = None
-                break
-            except Exception as exc:  # retried below; never dropped silently
+                self.store.append_turns(turns)
+                return None
+            except Exception as exc:  # retried, then journaled: never dropped
                 error = exc
                 log.warning("recording %d turns failed (attempt %d): %r", len(turns), attempt + 1, exc)
-                time.sleep(0.05 * 2**attempt)
-        if error is not None:
-            log.error("could not record turns %s", [t.turn_id for t in turns], exc_info=error)
-            if self._metrics is not None:
-                self._metrics.record_failures.inc(len(turns))
-        else:
-            self._written += len(turns)
-            if self._metrics is not None and turns:
-                self._metrics.recorded_turns.inc(len(turns))
+                time.sleep(0.05 * 4**attempt)
+        return error
+
+    def _commit(self, batches: list[_Batch]) -> None:
+        turns = [t for b in batches for t in b.turns]
+        if turns:
+            error = self._store_write(turns)
+            delay = 0.5
+            while error is not None:
+                try:
+                    self._spill(turns)
+                    break
+                except OSError as exc:  # the journal cannot be written either: keep the turns and retry both
+                    log.error("cannot journal %d turns either (%r); retrying in %.1f s", len(turns), exc, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+                    error = self._store_write(turns)
+            if error is None:
+                self._written += len(turns)
+                if self._metrics is not None:
+                    self._metrics.recorded_turns.inc(len(turns))
+                if self._journaled:
+                    self._replay()
         with self._lock:
             for t in turns:
                 for k in (t.turn_id, t.trajectory_id, t.completion_id):
@@ -296,4 +360,42 @@ class Recorder:
                         self._pending.pop(k, None)
         for b in batches:
             if b.done is not None and b.loop is not None:
-                b.loop.call_soon_threadsafe(settle, b.done, error)
+                b.loop.call_soon_threadsafe(settle, b.done, None)
+
+    def _spill(self, turns: list[Turn]) -> None:
+        """Append ``turns`` to the journal and fsync it: durable until the store takes them."""
+        if self.journal_path is None:
+            raise OSError("no journal path (the store has no path and none was given)")
+        with open(self.journal_path, "a", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write("".join(t.model_dump_json() + "\n" for t in turns))
+            f.flush()
+            os.fsync(f.fileno())
+        self._journaled, self.healthy = True, False
+        log.error("the store refused %d turns: journaled in %s until it takes writes again", len(turns), self.journal_path)
+        if self._metrics is not None:
+            self._metrics.record_failures.inc(len(turns))
+
+    def _replay(self) -> None:
+        """Move the journal's turns into the store (idempotent); delete it once they are all in."""
+        path = self.journal_path
+        if path is None or not path.exists():
+            self._journaled, self.healthy = False, True
+            return
+        turns: list[Turn] = []
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for k, line in enumerate(lines):
+            try:
+                turns.append(Turn.model_validate_json(line))
+            except ValueError:
+                log.warning("journal %s line %d of %d is unreadable (torn by a crash?); skipped", path, k + 1, len(lines))
+        try:
+            for k in range(0, len(turns), self._max_batch):
+                self.store.append_turns(turns[k : k + self._max_batch])
+        except Exception as exc:  # still refusing: the journal stays, the next retry comes
+            log.warning("replaying %d journaled turns failed: %r", len(turns), exc)
+            self.healthy = False
+            return
+        path.unlink()
+        self._journaled, self.healthy = False, True
+        log.info("replayed %d journaled turns into the store", len(turns))

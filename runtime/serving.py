@@ -17,6 +17,7 @@ Not here: wire formats, authentication (``runtime/app.py``'s middleware), the ge
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -27,12 +28,14 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry
+from runtime.admission import Admission
 from runtime.agent_api import AgentHost, UnknownModel
 from runtime.engine import EngineError
 from runtime.errors import APIError, from_engine
 from runtime.generation import ChoiceDone, ChoiceOut, Generation, GenRequest, NamedTool, StreamEvent, TextDelta, ToolArgsDelta, ToolCallStart
-from runtime.identity import bind_caller
+from runtime.identity import ADMIN_OWNER, PUBLIC_OWNER, bind_caller, owner_of
 from runtime.metrics import Metrics
+from runtime.settings import AdmissionSettings
 from runtime.store_routes import session_of
 from runtime.tool_parsers import ParsedToolCall
 
@@ -72,30 +75,50 @@ class Gateway:
         registry: AdapterRegistry,
         metrics: Metrics,
         agents: AgentHost | None,
+        *,
+        admission: Admission | None = None,
     ) -> None:
         self._generation = generation
+        self.admission = admission or Admission(AdmissionSettings(), unlimited_owners=(PUBLIC_OWNER, ADMIN_OWNER))
         self.route = route
         self.registry = registry
         self.metrics = metrics
         self.agents = agents
 
     async def run(self, request: Request, req: GenRequest, *, stream: bool, id_prefix: str) -> Outcome | None:
-        """Serve ``req``; None when the client left before a non-streamed answer was ready (answer 499)."""
+        """Serve ``req``; None when the client left before a non-streamed answer was ready (answer 499).
+
+        Admission first (``runtime/admission.py``): a prompt that cannot fit is refused before templating, the
+        caller's key takes ``n`` of its slots until the answer ends, and templating, tokenizing and the grammar
+        run off the event loop within their deadlines."""
+        owner = owner_of(request)
+        svc = self._generation()
+        if req.prompt_ids is None:
+            self.admission.check_size(req.messages, req.tools, svc.engine.info.max_model_len)
         if self.agents is not None and (agent := self.agents.get(req.model)) is not None:
             return await self._agent(request, req, agent, stream=stream, id_prefix=id_prefix)
         session = req.session_id or session_of(request, req.user)
-        lease = self._acquire(req.model, session, req.user)
-        adapter = lease.name if lease is not None else None
-        svc = self._generation()
+        leave = await self.admission.enter(owner, req.n)
+        lease: AdapterRef | None = None
+        adapter: str | None = None
         t0 = time.perf_counter()
-        streaming = False
+        streaming = acquired = False
         try:
-            prep = svc.prepare(req, request.state.request_id, session, adapter=adapter, id_prefix=id_prefix)
+            lease = self._acquire(req.model, session, req.user)
+            adapter, acquired = (lease.name if lease is not None else None), True
+            rid = request.state.request_id
+            prep = await self.admission.prepare(svc.prepare, req, rid, session, adapter=adapter, id_prefix=id_prefix, owner=owner)
+            await self._compile_grammar(prep, owner, svc)
             out = Outcome(prep.id, prep.created, req.model, prep.prompt_tokens, loopwise=prep.loopwise(), headers=prep.headers(), session_id=session)
             if stream:
                 opened = await svc.open_streams(prep)
                 streaming = True
-                out.events = _release_after(svc.events(prep, opened), lambda: self._release(lease, adapter, t0, prep.completion_tokens))
+
+                def done() -> None:
+                    self._release(lease, adapter, t0, prep.completion_tokens)
+                    leave()
+
+                out.events = _release_after(svc.events(prep, opened), done)
                 out._completion_tokens = lambda: prep.completion_tokens
                 return out
             choices = await _unless_disconnected(request, svc.complete(prep))
@@ -103,11 +126,22 @@ class Gateway:
             raise from_engine(exc) from exc
         finally:
             if not streaming:
-                self._release(lease, adapter, t0, prep.completion_tokens if "prep" in locals() else 0)
+                if acquired:
+                    self._release(lease, adapter, t0, prep.completion_tokens if "prep" in locals() else 0)
+                leave()
         if choices is None:
             return None
         out.choices = choices
         return out
+
+    async def _compile_grammar(self, prep: Any, owner: str, svc: Generation) -> None:
+        """An embedded engine's grammar, compiled in its killable worker within the admission deadline, for every choice."""
+        grammar = prep.engine_reqs[0].sampling.grammar if prep.engine_reqs else None
+        compile_fn = getattr(svc.engine, "compile_grammar", None)
+        if grammar is None or compile_fn is None or grammar.compiled is not None:
+            return
+        compiled = dataclasses.replace(grammar, compiled=await self.admission.compile_grammar(compile_fn, grammar, owner))
+        prep.engine_reqs = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, grammar=compiled)) for r in prep.engine_reqs]
 
     # ---- what translations need from the model
     def engine(self) -> Any:
@@ -165,6 +199,7 @@ class Gateway:
             with bind_caller(request, req.user):  # who asked, for per-user agent memory
                 return await agent.chat(req.messages, session_id=session, request_id=f"{rid}-{i}", options={**options, "seed": seed})
 
+        leave = await self.admission.enter(owner_of(request), req.n)  # each agent run takes one of the key's slots
         try:
             answers = await asyncio.gather(*(one(i) for i in range(req.n)))
         except UnknownModel as exc:
@@ -173,6 +208,8 @@ class Gateway:
             raise APIError(400, str(exc), param="tools") from exc
         except EngineError as exc:
             raise from_engine(exc) from exc
+        finally:
+            leave()
         choices = []
         for i, answer in enumerate(answers):
             calls = [ParsedToolCall(name=c["name"], arguments=c["arguments"], id=c["id"]) for c in answer.tool_calls]

@@ -44,7 +44,11 @@ class ServerSettings(_Frozen):
     api_keys: tuple[str, ...] = Field(
         (), description="API key clients must send as a Bearer token (repeatable; none = open)", json_schema_extra={"flag": "--api-key"}
     )
-    admin_key: str | None = Field(None, description="key for the admin API")
+    admin_key: str | None = Field(None, description="key for the admin API (/admin); it is not an API key")
+    api_key_file: Path | None = Field(
+        None, description="file of API keys, one per line ('#' comments and blank lines ignored), added to --api-key; keeps keys off the command line"
+    )
+    admin_key_file: Path | None = Field(None, description="file whose first non-comment line is the admin key (instead of --admin-key)")
     cors_origins: tuple[str, ...] = Field(
         (),
         description="allow browser pages from this origin to call the API (CORS; repeatable; '*' allows any origin)",
@@ -63,6 +67,34 @@ class ServerSettings(_Frozen):
         if isinstance(v, str):
             return tuple(k for k in v.split(",") if k)
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_from_files(cls, data: Any) -> Any:
+        """``api_key_file`` adds its keys to ``api_keys``; ``admin_key_file`` gives ``admin_key`` (not both)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("api_key_file"):
+            keys = cls._split_keys(data.get("api_keys") or ())
+            data["api_keys"] = (*keys, *_key_lines(Path(data["api_key_file"])))
+        if data.get("admin_key_file"):
+            if data.get("admin_key"):
+                raise ValueError("give the admin key once: --admin-key or --admin-key-file, not both")
+            lines = _key_lines(Path(data["admin_key_file"]))
+            if not lines:
+                raise ValueError(f"admin key file {data['admin_key_file']} holds no key")
+            data["admin_key"] = lines[0]
+        return data
+
+
+def _key_lines(path: Path) -> list[str]:
+    """The keys in a key file: one per line, surrounding spaces stripped, blank lines and ``#`` comments skipped."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read key file {path}: {exc.strerror}") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
 class EngineSettings(_Frozen):
@@ -104,6 +136,46 @@ class RecorderSettings(_Frozen):
     )
     queue_size: int = Field(1024, ge=1, description="turns waiting to be written before requests wait (backpressure)")
     retention_days: float | None = Field(None, gt=0, description="prune unrewarded turns older than this many days")
+
+
+class AdmissionSettings(_Frozen):
+    """What one API key may ask of the server at once, and how long a request's preparation may take."""
+
+    max_running_per_key: int = Field(
+        16, ge=1, description="choices (n counts) one API key may have generating at once", json_schema_extra={"flag": "--max-running-per-key"}
+    )
+    max_queued_per_key: int = Field(
+        32, ge=0, description="choices one API key may have waiting beyond that; more is a 429", json_schema_extra={"flag": "--max-queued-per-key"}
+    )
+    prepare_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="longest a request's templating and tokenizing may take (off the event loop)",
+        json_schema_extra={"flag": "--prepare-timeout"},
+    )
+    grammar_timeout_s: float = Field(
+        5.0, gt=0, description="longest a response_format / tool_choice grammar may take to compile (off the event loop)",
+        json_schema_extra={"flag": "--grammar-timeout"},
+    )  # fmt: skip
+    grammar_penalty_s: float = Field(
+        60.0, ge=0, description="after a grammar passed its deadline, its key waits this long before compiling another (429)",
+        json_schema_extra={"flag": "--grammar-penalty"},
+    )  # fmt: skip
+    grammar_cache_mb: int = Field(
+        256, ge=0, description="memory the compiled-grammar cache may hold", json_schema_extra={"flag": "--grammar-cache-mb"}
+    )
+
+
+class FeedbackSettings(_Frozen):
+    """``POST /v1/feedback``: how much say one key has over what the learner trains on."""
+
+    max_abs_reward: float = Field(
+        100.0, gt=0, description="largest |reward| feedback may carry (finite values only)", json_schema_extra={"flag": "--feedback-max-reward"}
+    )
+    per_minute: int = Field(
+        600, ge=0, description="feedback requests one API key may send per minute (a burst of that many; 0 = no limit)",
+        json_schema_extra={"flag": "--feedback-per-minute"},
+    )  # fmt: skip
 
 
 class AdapterSettings(_Frozen):
@@ -279,6 +351,8 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     recorder: RecorderSettings = Field(default_factory=RecorderSettings)
+    feedback: FeedbackSettings = Field(default_factory=FeedbackSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     vllm: VLLMSettings = Field(default_factory=VLLMSettings)

@@ -2,11 +2,17 @@
 
 - ``POST /v1/feedback`` (API key): ``{"trajectory_id" | "turn_id" | "completion_id", "reward",
   "turn_rewards"?: {turn_id: reward}, "source"?, "comment"?, "idempotency_key"?}``. Rewards may come
-  at any later time; unknown ids are 404, non-finite rewards 400; a repeated idempotency key is
-  stored once (the answer says ``"duplicate": true``). A ``completion_id`` rewards each of its turns.
+  at any later time, only for the caller's own records: unknown ids and other keys' ids are both 404;
+  rewards outside ``[-max_abs_reward, max_abs_reward]`` (or not finite) are 400; ``source`` is a plain
+  name, and ``verifier:*`` / ``judge:*`` are reserved for the runtime's own evaluators (403); each key
+  may send ``per_minute`` feedback requests a minute (429 with ``Retry-After`` beyond); a repeated
+  idempotency key (per key) is stored once (the answer says ``"duplicate": true``). A ``completion_id``
+  rewards each of its turns.
+- ``DELETE /v1/sessions/{key}`` (API key): deletes the caller's own session completely.
 - Admin (``Authorization: Bearer <admin key>``; disabled without ``--admin-key``):
-  ``GET /admin/stats``, ``GET /admin/trajectories?limit=&since=&rewarded=``,
-  ``GET /admin/trajectories/{id}``, ``DELETE /admin/sessions/{key}`` (complete deletion).
+  ``GET /admin/stats``, ``GET /admin/trajectories?limit=&since=&rewarded=&owner=``,
+  ``GET /admin/trajectories/{id}``, ``DELETE /admin/sessions/{key}?owner=`` (complete deletion of one
+  owner's session; 409 ``ambiguous_owner`` when several owners have that session name and none is named).
 
 Store calls run in worker threads (SQLite is blocking). Ids that are still in the recorder's queue are
 flushed first, so feedback sent right after a response never sees a spurious 404.
@@ -17,33 +23,47 @@ Not here: how turns are written (``runtime/recorder.py``).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
+import math
+import re
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
-from learner.records import Reward
+from learner.records import PUBLIC_OWNER, Reward, UnknownTarget
+from runtime.admission import RateLimiter
 from runtime.errors import APIError, from_validation
 from runtime.http_body import read_json
+from runtime.identity import KeyRing, bearer_token, owner_of
 from runtime.openai_schemas import FeedbackRequest
 from runtime.recorder import ANONYMOUS, Recorder
+from runtime.settings import FeedbackSettings
 
 log = logging.getLogger(__name__)
 
 
-def session_of(request: Request, user: str | None) -> str:
-    """The session key: ``X-Session-Id`` header, else the ``user`` field, else the shared anonymous session."""
-    return request.headers.get("x-session-id") or user or ANONYMOUS
+MAX_NAME = 256  # longest session name (``X-Session-Id``) or ``user`` field
+
+
+def session_of(request: Request, user: Any) -> str:
+    """The session key: ``X-Session-Id`` header, else the ``user`` field, else the caller's anonymous session.
+
+    Both are the client's names, bounded to ``MAX_NAME`` characters (400 beyond: they are stored with every turn)."""
+    header = request.headers.get("x-session-id")
+    if header is not None and len(header) > MAX_NAME:
+        raise APIError(400, f"the X-Session-Id header is longer than {MAX_NAME} characters", code="invalid_value")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_NAME):
+        raise APIError(400, f"user must be a string of at most {MAX_NAME} characters", param="user", code="invalid_value")
+    return header or user or ANONYMOUS
 
 
 async def prune_forever(recorder: Recorder, days: float, every_s: float = 3600) -> None:
     while True:
         cutoff = time.time() - days * 86400
         try:
-            removed = await asyncio.to_thread(recorder.store.prune, cutoff)
+            removed = await recorder.call(recorder.store.prune, cutoff)
             log.info("retention: pruned %d unrewarded turns older than %.1f days", removed, days)
         except Exception:  # a failed prune is retried next round; serving goes on
             log.exception("retention prune failed")
@@ -59,9 +79,7 @@ def check_admin_key(request: Request, admin_key: str | None) -> None:
     disabled = APIError(403, "the admin API is disabled; start the server with --admin-key", type="permission_error", code="admin_disabled")
     if not admin_key:
         raise disabled
-    header = request.headers.get("authorization", "")
-    token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-    ok = hmac.compare_digest(token.encode(), admin_key.encode())
+    ok = KeyRing((), admin_key).is_admin_key(bearer_token(request))  # constant time, whatever the token's length
     if not ok and isinstance(admin_key, InternalKey):
         raise disabled
     if not ok:
@@ -70,7 +88,38 @@ def check_admin_key(request: Request, admin_key: str | None) -> None:
         )
 
 
-def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str | None) -> None:
+RESERVED_SOURCES = ("verifier:", "judge:")  # the runtime's own evaluators; never a client's word
+SOURCE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+
+
+def check_source(source: str) -> None:
+    """A feedback ``source`` is a plain name, and not one the runtime's evaluators own (case-insensitively)."""
+    if not SOURCE.match(source):
+        raise APIError(400, "source must be 1-200 characters of letters, digits and _ . : -", param="source", code="invalid_value")
+    if source.lower().startswith(RESERVED_SOURCES):
+        raise APIError(
+            403,
+            f"reward sources starting with {' or '.join(RESERVED_SOURCES)} are reserved for the runtime's own evaluators",
+            type="permission_error",
+            param="source",
+            code="reserved_source",
+        )
+
+
+def check_rewards(fb: FeedbackRequest, max_abs: float) -> None:
+    if fb.reward is not None and not abs(fb.reward) <= max_abs:
+        raise APIError(400, f"reward must be a finite number in [-{max_abs:g}, {max_abs:g}]", param="reward", code="invalid_value")
+    for tid, value in (fb.turn_rewards or {}).items():
+        if not abs(value) <= max_abs:
+            raise APIError(
+                400, f"turn_rewards[{tid!r}] must be a finite number in [-{max_abs:g}, {max_abs:g}]", param="turn_rewards", code="invalid_value"
+            )
+
+
+def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str | None, settings: FeedbackSettings | None = None) -> None:
+    settings = settings or FeedbackSettings()
+    limiter = RateLimiter(settings.per_minute)
+
     def need_recorder() -> Recorder:
         if recorder is None:
             raise APIError(409, "recording is off on this server (started with --no-record)", code="recording_disabled")
@@ -80,64 +129,105 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
         check_admin_key(request, admin_key)
         return need_recorder()
 
-    async def exists(rec: Recorder, kind: str, some_id: str) -> bool:
+    async def exists(rec: Recorder, kind: str, some_id: str, owner: str) -> bool:
         if rec.is_pending(some_id):
             await rec.flush()
         if kind == "turn":
-            return await asyncio.to_thread(rec.store.turn_exists, some_id)
-        return await asyncio.to_thread(rec.store.trajectory_exists, some_id)
+            return await rec.call(rec.store.turn_exists, some_id, owner)
+        return await rec.call(rec.store.trajectory_exists, some_id, owner)
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> dict[str, Any]:
         rec = need_recorder()
+        owner = owner_of(request)
+        wait = limiter.take(owner)
+        if wait is not None:
+            raise APIError(
+                429,
+                f"too much feedback from this key: at most {settings.per_minute} requests a minute",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
         body = await read_json(request)
         try:
             fb = FeedbackRequest.model_validate(body)
         except ValidationError as exc:
             raise from_validation(exc) from None
+        check_source(fb.source)
+        check_rewards(fb, settings.max_abs_reward)
         targets: list[tuple[str, str, float, str | None]] = []  # (kind, id, value, idempotency key)
+        # another owner's id answers exactly like an unknown one: existence never leaks across keys
         if fb.trajectory_id is not None:
-            if not await exists(rec, "trajectory", fb.trajectory_id):
+            if not await exists(rec, "trajectory", fb.trajectory_id, owner):
                 raise APIError(404, f"unknown trajectory_id {fb.trajectory_id!r}", param="trajectory_id", code="not_found")
             targets.append(("trajectory", fb.trajectory_id, fb.reward, fb.idempotency_key))  # type: ignore[arg-type]
         elif fb.turn_id is not None:
-            if not await exists(rec, "turn", fb.turn_id):
+            if not await exists(rec, "turn", fb.turn_id, owner):
                 raise APIError(404, f"unknown turn_id {fb.turn_id!r}", param="turn_id", code="not_found")
             targets.append(("turn", fb.turn_id, fb.reward, fb.idempotency_key))  # type: ignore[arg-type]
         elif fb.completion_id is not None:
             if rec.is_pending(fb.completion_id):
                 await rec.flush()
-            turn_ids = await asyncio.to_thread(rec.store.turns_for_completion, fb.completion_id)
+            turn_ids = await rec.call(rec.store.turns_for_completion, fb.completion_id, owner)
             if not turn_ids:
                 raise APIError(404, f"unknown completion_id {fb.completion_id!r}", param="completion_id", code="not_found")
             for tid in turn_ids:
                 key = f"{fb.idempotency_key}:{tid}" if fb.idempotency_key and len(turn_ids) > 1 else fb.idempotency_key
                 targets.append(("turn", tid, fb.reward, key))  # type: ignore[arg-type]
         for tid, value in (fb.turn_rewards or {}).items():
-            if not await exists(rec, "turn", tid):
+            if not await exists(rec, "turn", tid, owner):
                 raise APIError(404, f"unknown turn_id {tid!r} in turn_rewards", param="turn_rewards", code="not_found")
             targets.append(("turn", tid, value, f"{fb.idempotency_key}:turn:{tid}" if fb.idempotency_key else None))
         stored, duplicate = [], False
         for kind, target_id, value, key in targets:
-            reward = Reward(target=kind, target_id=target_id, value=value, source=fb.source, comment=fb.comment, idempotency_key=key)  # type: ignore[arg-type]
-            saved, created = await asyncio.to_thread(rec.store.add_reward, reward)
+            reward = Reward(
+                target=kind,  # type: ignore[arg-type]
+                target_id=target_id,
+                value=value,
+                source=fb.source,
+                comment=fb.comment,
+                idempotency_key=key,
+                owner=owner,
+            )
+            try:
+                saved, created = await rec.call(rec.store.add_reward, reward)
+            except UnknownTarget as exc:  # deleted meanwhile
+                raise APIError(404, f"unknown {kind} id {target_id!r}", code="not_found") from exc
             duplicate = duplicate or not created
             stored.append({"reward_id": saved.reward_id, "target": saved.target, "target_id": saved.target_id, "value": saved.value})
         return {"object": "feedback", "rewards": stored, "duplicate": duplicate}
 
+    @app.delete("/v1/sessions/{key}")
+    async def delete_own_session(request: Request, key: str) -> dict[str, Any]:
+        """The caller deletes one of its own sessions completely (another key's session of that name is not reachable)."""
+        rec = need_recorder()
+        owner = owner_of(request)
+        deleted = await _delete_session(rec, owner, key)
+        if deleted == 0:
+            raise APIError(404, f"no session {key!r}", param="key", code="not_found")
+        return {"object": "session.deleted", "session": key, "deleted_turns": deleted}
+
+    async def _delete_session(rec: Recorder, owner: str, key: str) -> int:
+        await rec.flush()  # nothing of this session may land after the deletion
+        rec.forget_session(owner, key)
+        return await rec.call(rec.store.delete_session, owner, key)
+
     @app.get("/admin/stats")
     async def admin_stats(request: Request) -> dict[str, Any]:
         rec = check_admin(request)
-        counts = await asyncio.to_thread(rec.store.stats)
+        counts = await rec.call(rec.store.stats)
         return {**counts, "queued": rec.queued(), "durability": rec.durability}
 
     @app.get("/admin/trajectories")
-    async def admin_trajectories(request: Request, limit: int = 50, since: float | None = None, rewarded: bool | None = None) -> dict[str, Any]:
+    async def admin_trajectories(
+        request: Request, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None
+    ) -> dict[str, Any]:
         rec = check_admin(request)
         if not 1 <= limit <= 1000:
             raise APIError(400, "limit must be between 1 and 1000", param="limit", code="invalid_value")
         await rec.flush()
-        rows = await asyncio.to_thread(rec.store.list_trajectories, limit, since, rewarded)
+        rows = await rec.call(rec.store.list_trajectories, limit, since, rewarded, owner)
         return {"object": "list", "data": rows}
 
     @app.get("/admin/trajectories/{trajectory_id}")
@@ -145,15 +235,25 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
         rec = check_admin(request)
         if rec.is_pending(trajectory_id):
             await rec.flush()
-        traj = await asyncio.to_thread(rec.store.get_trajectory, trajectory_id)
+        traj = await rec.call(rec.store.get_trajectory, trajectory_id)
         if traj is None:
             raise APIError(404, f"unknown trajectory_id {trajectory_id!r}", param="trajectory_id", code="not_found")
         return traj.model_dump()
 
     @app.delete("/admin/sessions/{key}")
-    async def admin_delete_session(request: Request, key: str) -> dict[str, Any]:
+    async def admin_delete_session(request: Request, key: str, owner: str | None = None) -> dict[str, Any]:
+        """Delete one owner's session ``key``; ``?owner=`` names the owner, needed when several owners have a session of that name."""
         rec = check_admin(request)
-        await rec.flush()  # nothing of this session may land after the deletion
-        rec.forget_session(key)
-        deleted = await asyncio.to_thread(rec.store.delete_session, key)
-        return {"object": "session.deleted", "session": key, "deleted_turns": deleted}
+        if owner is None:
+            await rec.flush()
+            owners = await rec.call(rec.store.session_owners, key)
+            if len(owners) > 1:
+                raise APIError(
+                    409,
+                    f"{len(owners)} owners have a session named {key!r} ({', '.join(owners)}); name one with ?owner=",
+                    param="owner",
+                    code="ambiguous_owner",
+                )
+            owner = owners[0] if owners else PUBLIC_OWNER
+        deleted = await _delete_session(rec, owner, key)
+        return {"object": "session.deleted", "session": key, "owner": owner, "deleted_turns": deleted}

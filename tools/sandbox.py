@@ -14,13 +14,27 @@ The program's failures never raise: they come back as flags on ``SandboxResult``
 How the process is confined (an exec chain of util-linux tools, so the server never runs Python code
 between fork and exec, and forks stay cheap even when the server holds gigabytes):
 
-    setpriv --pdeathsig KILL [--reuid/--regid nobody] ─ unshare --user --map-root-user --net --pid --fork
-        --kill-child ─ prlimit (cpu, as, nproc, fsize, nofile, core) ─ python -I -S -B
+    setpriv --pdeathsig KILL [--reuid/--regid <run uid>] ─ unshare --user --map-root-user --mount --net
+        --pid --fork --kill-child ─ sh (mounts the run's root, pivot_root) ─ setpriv (no capabilities)
+        ─ prlimit (cpu, as, nproc, fsize, nofile, core) ─ python -I -S -B
 
 (``--pdeathsig``: if the server dies, the run dies with it. ``unshare`` re-raises its child's fatal
 signal on itself; it runs under the server's own ``RLIMIT_CORE``, so where the server allows core
 dumps, a segfaulting program also leaves a small core of ``unshare``, in the working folder by default.)
 
+- **File system**: a fresh mount namespace whose root is an empty read-only tmpfs holding read-only
+  binds of the system folders (``/usr``, ``/bin``, ``/lib*``, ``/etc``, and the interpreter's prefix
+  when it lives elsewhere), ``/dev/{null,zero,full,random,urandom}``, a private ``/proc`` (only the run's
+  own PID namespace), a private size-limited ``/tmp`` and ``/dev/shm``, and the run's working folder,
+  bound read-write at its host path: the only host folder the code can write, and the only one of the
+  server's it can see. The server's data folder, other runs' folders, the host's ``/tmp``, ``/proc``,
+  ``/home`` and ``/root`` are not there at all. The old root is detached (``pivot_root``), and the
+  program runs with an empty capability bounding set, so it cannot mount, unmount or ``chroot`` its
+  way back.
+- **Users**: when the server is root, each concurrent run drops to its own uid from a pool of unused
+  uids (``UID_BASE`` onwards, no passwd entry), so runs cannot signal, trace or read each other even
+  through a shared path; the working folder belongs to that uid. A server that is not root has only
+  its own uid: runs are then kept apart by their namespaces alone.
 - **Network**: a fresh network namespace (only a loopback interface, which is down): ``connect`` fails
   with "Network is unreachable", for every program, not only Python. Abstract unix sockets are per
   namespace too. Where user namespaces are not allowed, the fallback is a Python audit hook that refuses
@@ -30,42 +44,46 @@ dumps, a segfaulting program also leaves a small core of ``unshare``, in the wor
   counts only this run's processes (a fork bomb stops at ``max_processes``). A fresh PID namespace means
   that killing its first process kills every descendant, even ones that called ``setsid``; the wall
   timeout kills the process group with SIGKILL. Linux never enforces ``RLIMIT_NPROC`` for real uid 0,
-  so a server running as root drops the sandbox to ``nobody`` first (``setpriv``), using an interpreter
-  that behaves the same for that user (probed once; on this kind of machine, where the server's Python
-  lives under a 0700 ``/root``, the system ``/usr/bin/python3`` is chosen). Without user namespaces the
-  limit counts all processes of the uid, so it is raised by the number the uid already runs.
+  so a server running as root drops the sandbox to an unprivileged uid first (``setpriv``), using an
+  interpreter that behaves the same for that user (probed once; on this kind of machine, where the
+  server's Python lives under a 0700 ``/root``, the system ``/usr/bin/python3`` is chosen). Without user
+  namespaces the limit counts all processes of the uid, so it is raised by the number the uid already runs.
 - **CPU / memory / files**: ``RLIMIT_CPU`` (per process, whole seconds: ceil(cpu_s); soft = hard, so the
   kernel sends SIGKILL, which also reaches the PID namespace's first process), ``RLIMIT_AS`` (address
   space, which is stricter than resident memory; programs that reserve large virtual ranges, such as
   the JVM or CUDA, need a larger ``memory_mb``), ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` = 1024, ``RLIMIT_CORE`` = 0.
+  The private ``/tmp`` holds at most ``4 * file_size_mb`` (at least 16 MB).
 - **Output**: stdout and stderr are read incrementally and each kept up to ``output_bytes``; a program
   that keeps writing past the cap (more than ``max(output_bytes, 1 MiB)`` extra) is killed, so a 1 GB
   print costs the server at most a few hundred kilobytes.
 
 What it does NOT protect against:
-- **The file system is shared.** The code runs as the server's uid (or ``nobody`` when the server is
-  root) and can read every file that uid can read, and write where it may write (``/tmp`` too). There is
-  no mount namespace, chroot or seccomp filter. Run the server as a dedicated user, or in a container,
-  to protect its data directory and model files.
+- The system folders are readable (read-only): world-readable files under ``/etc`` and ``/usr`` can be
+  read, as any local user could. ``/sys`` is not mounted.
+- Where the machine refuses mount namespaces (``Isolation.mounts`` is false, said in ``notes`` and the
+  log), the file system is shared: the code can read whatever its uid can read. Where user namespaces
+  are refused too, so is the network confinement (see above). Run the server as a dedicated user, or in
+  a container, on such machines.
 - The program is PID 1 of its namespace, so signals it sends *itself* with a default action (``kill -TERM
   $$``, ``os.kill(os.getpid(), 9)``) are ignored; faults (a real segfault) and our kills still work.
-- ``/proc`` still shows the host's processes (read-only information; they cannot be signalled from the
-  PID namespace). ``CPU`` is limited per process, not per tree; the wall timeout bounds the tree.
+- ``CPU`` is limited per process, not per tree; the wall timeout bounds the tree. The working folder's
+  total size is not bounded (each file is, by ``RLIMIT_FSIZE``).
 - No cgroup: memory is bounded per process by address space, not as total resident memory of the tree.
 - Kernel exploits, side channels, and anything a local unprivileged user could do.
 - Detection of memory exhaustion is heuristic: ``MemoryError``/``Cannot allocate memory``/``bad_alloc``
   in stderr, or a SIGKILL that was neither the wall timeout, the CPU limit, nor the output cap.
 
-Requires Linux with util-linux (``prlimit``, ``setpriv``, ``unshare``); ``SandboxUnavailable`` is raised
-at construction otherwise. Exceptions: ``SandboxError`` ▸ ``SandboxUnavailable``.
+Requires Linux with util-linux (``prlimit``, ``setpriv``, ``unshare``; ``mount``, ``umount`` and
+``pivot_root`` for the file-system confinement); ``SandboxUnavailable`` is raised at construction
+otherwise. Exceptions: ``SandboxError`` ▸ ``SandboxUnavailable``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
-import pwd
 import selectors
 import shutil
 import signal as signal_module
@@ -83,6 +101,9 @@ import structlog
 log = structlog.get_logger(__name__)
 
 _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # bound read-only into a run's root
+UID_BASE = 1_500_000_000  # runs of a root server get uids UID_BASE .. UID_BASE + UID_POOL - 1 (no passwd entries)
+UID_POOL = 1024
 _READ_CHUNK = 65536
 _FLOOD_ALLOWANCE = 1 << 20  # bytes past the cap a program may write before it is killed
 _EXIT_GRACE_S = 0.2  # after the main process exits, how long descendants may keep the pipes open
@@ -120,6 +141,45 @@ def _lw_boot(block_network):
     exec(code, main)
 _lw_boot({block})
 """
+
+
+# Runs as the first process of the run's user + mount + PID namespaces (uid 0 there, the run's uid outside):
+# builds the run's root on an empty tmpfs, pivots into it, detaches the old root, drops every capability
+# and execs the confined command. Arguments: root mountpoint, working folder, /tmp size in MB, the
+# read-only folders, "--", the command. Once confined it writes one byte to the ready fd, so the run's wall clock
+# starts with the program, not with the confinement's setup (the program inherits that fd: once the supervisor has
+# read the byte and closed its end, writing there only fails).
+_CONFINE = r"""
+set -e
+path=$PATH; PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+r=$1; w=$2; tmp_mb=$3; ready=$4; shift 4
+mount -t tmpfs -o size=1m,mode=755,nosuid,nodev loopwise-root "$r"
+while [ "$1" != "--" ]; do
+  d=$1; shift
+  if [ -L "$d" ]; then mkdir -p "$r$(dirname "$d")"; ln -s "$(readlink "$d")" "$r$d"
+  elif [ -d "$d" ]; then mkdir -p "$r$d"; mount --rbind -o ro "$d" "$r$d"
+  fi
+done
+shift
+mkdir -p "$r/dev/shm" "$r/proc" "$r/tmp"
+for n in null zero full random urandom; do touch "$r/dev/$n"; mount --bind "/dev/$n" "$r/dev/$n"; done
+ln -s /proc/self/fd "$r/dev/fd"
+mount -t proc -o nosuid,nodev,noexec proc "$r/proc"
+mount -t tmpfs -o "size=${tmp_mb}m,mode=1777,nosuid,nodev" loopwise-tmp "$r/tmp"
+mount -t tmpfs -o "size=${tmp_mb}m,mode=1777,nosuid,nodev,noexec" loopwise-shm "$r/dev/shm"
+mkdir -p "$r$w"
+mount --bind "$w" "$r$w"
+mount -o remount,ro,bind "$r"
+cd "$r"
+pivot_root . .
+umount -l .
+cd "$w"
+PATH=$path
+unset OLDPWD PWD
+printf x > "/proc/self/fd/$ready"  # (dash redirects only fds 0-9; reopening the pipe through /proc works for any)
+exec "$@"
+"""
+SETUP_LIMIT_S = 60.0  # longest the confinement's setup may take (a loaded machine) before the run counts as timed out
 
 
 class SandboxError(Exception):
@@ -167,9 +227,12 @@ class Isolation:
     """What confinement is in force on this machine (probed once per process and interpreter)."""
 
     namespaces: bool  # user + network + PID namespaces
-    run_as_uid: int | None  # uid the sandbox drops to (when the server is root), else None
+    run_as_uid: int | None  # first uid of the pool runs drop to (when the server is root), else None
     python: str  # interpreter used by run_python
     notes: tuple[str, ...] = field(default=())
+    mounts: bool = False  # a mount namespace with the run's own root (private /proc and /tmp, only its folder writable)
+    uid_pool: int = 0  # distinct uids concurrent runs get (0: every run has the server's uid, or run_as_uid)
+    ro_dirs: tuple[str, ...] = ()  # host folders bound read-only into a run's root
 
     @property
     def network(self) -> str:
@@ -183,16 +246,9 @@ def _require_tool(name: str) -> str:
     return path
 
 
-def _nobody_uid() -> int:
+def _probe_output(argv: list[str], pass_fds: tuple[int, ...] = ()) -> str | None:
     try:
-        return pwd.getpwnam("nobody").pw_uid
-    except KeyError:
-        return 65534
-
-
-def _probe_output(argv: list[str]) -> str | None:
-    try:
-        proc = subprocess.run(argv, capture_output=True, timeout=30, env={"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"}, cwd="/")
+        proc = subprocess.run(argv, capture_output=True, timeout=30, env={"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"}, cwd="/", pass_fds=pass_fds)
     except (OSError, subprocess.TimeoutExpired) as exc:
         log.info("sandbox_probe_failed", argv=argv[:6], error=repr(exc))
         return None
@@ -203,6 +259,10 @@ def _probe_output(argv: list[str]) -> str | None:
 
 
 _INTERPRETER_PROBE = "import sys, os, json; print(sys.version, os.__file__, json.__file__)"
+_PREFIX_PROBE = (
+    "import sys, os, json; print(json.dumps(sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, "
+    "os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))})))"
+)
 _isolation_cache: dict[tuple[str, bool | None], Isolation] = {}
 _isolation_lock = threading.Lock()
 
@@ -221,7 +281,7 @@ def probe_isolation(python: str | None = None, namespaces: bool | None = None) -
         setpriv, unshare = _require_tool("setpriv"), _require_tool("unshare")
         _require_tool("prlimit")
         notes: list[str] = []
-        drop = [setpriv, f"--reuid={_nobody_uid()}", f"--regid={_nobody_uid()}", "--clear-groups"] if os.geteuid() == 0 else []
+        drop = [setpriv, f"--reuid={UID_BASE}", f"--regid={UID_BASE}", "--clear-groups"] if os.geteuid() == 0 else []
         ns_argv = [unshare, "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
         use_ns = False
         if namespaces is not False:
@@ -239,17 +299,97 @@ def probe_isolation(python: str | None = None, namespaces: bool | None = None) -
                 chosen = cand
                 break
             notes.append(f"{cand} does not run the same for the sandbox user; skipped")
-        run_as: int | None = _nobody_uid() if drop else None
+        run_as: int | None = UID_BASE if drop else None
         if chosen is None and drop:
-            # No interpreter is usable by `nobody`: keep the server's uid (root), and say so loudly.
+            # No interpreter is usable by an unprivileged uid: keep the server's uid (root), and say so loudly.
             chosen, run_as = python or sys.executable, None
-            notes.append("no interpreter usable as nobody: running as root inside the namespaces; NPROC is not enforced for root")
+            notes.append("no interpreter usable by an unprivileged uid: running as root inside the namespaces; NPROC is not enforced for root")
         elif chosen is None:
             raise SandboxUnavailable(f"no usable Python interpreter among {candidates}")
-        iso = Isolation(namespaces=use_ns, run_as_uid=run_as, python=chosen, notes=tuple(notes))
-        log.info("sandbox_isolation", namespaces=iso.namespaces, run_as_uid=iso.run_as_uid, python=iso.python, notes=list(iso.notes))
+        ro_dirs = _read_only_dirs(chosen)
+        mounts = False
+        if use_ns:
+            mounts = _probe_mounts(drop, ns_argv, chosen, ro_dirs)
+            if not mounts:
+                notes.append("mount namespaces unavailable: the file system is shared (the code reads what its uid may read)")
+        iso = Isolation(
+            namespaces=use_ns,
+            run_as_uid=run_as,
+            python=chosen,
+            notes=tuple(notes),
+            mounts=mounts,
+            uid_pool=UID_POOL if run_as is not None else 0,
+            ro_dirs=ro_dirs,
+        )
+        log.info(
+            "sandbox_isolation",
+            namespaces=iso.namespaces,
+            mounts=iso.mounts,
+            run_as_uid=iso.run_as_uid,
+            uid_pool=iso.uid_pool,
+            python=iso.python,
+            notes=list(iso.notes),
+        )
         _isolation_cache[key] = iso
         return iso
+
+
+def _read_only_dirs(python: str) -> tuple[str, ...]:
+    """The system folders plus the interpreter's prefixes that lie outside them (a venv or a uv-managed Python)."""
+    found = _probe_output([python, "-I", "-S", "-c", _PREFIX_PROBE])
+    prefixes = json.loads(found) if found else []
+    extra = [p for p in prefixes if p and not any(p == d or p.startswith(d + "/") for d in _SYSTEM_DIRS)]
+    return tuple(d for d in dict.fromkeys([*_SYSTEM_DIRS, *extra]) if os.path.lexists(d))
+
+
+def _probe_mounts(drop: list[str], ns_argv: list[str], python: str, ro_dirs: tuple[str, ...]) -> bool:
+    """Whether a run's own root can be built here (the interpreter answering the same inside it as outside)."""
+    if any(shutil.which(t, path="/usr/local/sbin:/usr/sbin:/sbin:" + _SYSTEM_PATH) is None for t in ("mount", "umount", "pivot_root")):
+        return False
+    expected = _probe_output([python, "-I", "-S", "-c", _INTERPRETER_PROBE])
+    top = Path(tempfile.mkdtemp(prefix="loopwise-probe-"))
+    try:
+        root, work = top / "root", top / "work"
+        root.mkdir()
+        work.mkdir()
+        uid = UID_BASE if drop else None
+        if uid is not None:
+            for p in (top, root, work):
+                os.chown(p, uid, uid)
+        ready_r, ready_w = os.pipe()
+        try:
+            if uid is not None:
+                os.fchown(ready_w, uid, uid)
+            argv = [*drop, ns_argv[0], "--mount", *ns_argv[1:], *_confine_argv(str(root), str(work), 16, ro_dirs, ready_w)]
+            out = _probe_output([*argv, python, "-I", "-S", "-c", _INTERPRETER_PROBE], pass_fds=(ready_w,))
+        finally:
+            os.close(ready_r)
+            os.close(ready_w)
+        return out is not None and out == expected
+    finally:
+        _remove_tree(top)
+
+
+def _confine_argv(root: str, workdir: str, tmp_mb: int, ro_dirs: tuple[str, ...], ready_fd: int) -> list[str]:
+    return ["/bin/sh", "-c", _CONFINE, "loopwise-confine", root, workdir, str(tmp_mb), str(ready_fd), *ro_dirs, "--"]
+
+
+class _UidPool:
+    """Distinct uids for concurrent runs of a root server (``UID_BASE`` onwards)."""
+
+    def __init__(self, base: int, size: int) -> None:
+        self._free = list(range(base + size - 1, base - 1, -1))
+        self._lock = threading.Lock()
+
+    def acquire(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise SandboxError(f"more than {UID_POOL} sandboxed runs at once")
+            return self._free.pop()
+
+    def release(self, uid: int) -> None:
+        with self._lock:
+            self._free.append(uid)
 
 
 def _uid_process_count(uid: int) -> int:
@@ -265,6 +405,7 @@ def _uid_process_count(uid: int) -> int:
 
 
 _executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sandbox")
+_uid_pool = _UidPool(UID_BASE, UID_POOL)
 
 
 class Sandbox:
@@ -333,17 +474,23 @@ class Sandbox:
         argv = [self.isolation.python, "-I", "-S", "-B", "-c", bootstrap]
         return self._execute(argv, stdin=stdin, files={**(files or {}), "main.py": code}, limits=lim, cancel=cancel)
 
-    def _command(self, argv: list[str], lim: SandboxLimits) -> list[str]:
+    def _command(self, argv: list[str], lim: SandboxLimits, uid: int | None, root: Path | None, workdir: Path, ready_fd: int | None) -> list[str]:
         iso = self.isolation
         cmd = [self._tools["setpriv"], "--pdeathsig", "KILL"]
-        if iso.run_as_uid is not None:
-            cmd += [f"--reuid={iso.run_as_uid}", f"--regid={iso.run_as_uid}", "--clear-groups"]
+        if uid is not None:
+            cmd += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
         nproc = lim.max_processes
         if iso.namespaces:
             net = [] if lim.network else ["--net"]
-            cmd += [self._tools["unshare"], "--user", "--map-root-user", *net, "--pid", "--fork", "--kill-child"]
+            mount = ["--mount"] if root is not None else []
+            cmd += [self._tools["unshare"], "--user", "--map-root-user", *mount, *net, "--pid", "--fork", "--kill-child"]
+            if root is not None:
+                assert ready_fd is not None
+                cmd += _confine_argv(str(root), str(workdir), max(16, 4 * lim.file_size_mb), iso.ro_dirs, ready_fd)
+                # inside the run's root: no capabilities left, so nothing can be mounted, unmounted or chroot-ed
+                cmd += [self._tools["setpriv"], "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--"]
         else:
-            nproc += _uid_process_count(iso.run_as_uid if iso.run_as_uid is not None else os.getuid())
+            nproc += _uid_process_count(uid if uid is not None else os.getuid())
         cpu = max(1, math.ceil(lim.cpu_s))
         mem = lim.memory_mb * 1024 * 1024
         fsize = lim.file_size_mb * 1024 * 1024
@@ -361,51 +508,74 @@ class Sandbox:
         ]
         return cmd + argv
 
-    def _make_workdir(self, files: dict[str, str]) -> Path:
+    def _make_workdir(self, files: dict[str, str], uid: int | None) -> tuple[Path, Path | None]:
+        """The run's working folder (with ``files``) and, under a mount namespace, the empty mountpoint of its root."""
         workdir = Path(tempfile.mkdtemp(prefix="loopwise-sbx-", dir=self._workdir_root))
-        root = workdir.resolve()
+        root = Path(tempfile.mkdtemp(prefix="loopwise-root-", dir=self._workdir_root)) if self.isolation.mounts else None
+        base = workdir.resolve()
         for rel, content in files.items():
             target = (workdir / rel).resolve()
-            if root not in target.parents:
+            if base not in target.parents:
+                _remove_tree(workdir)
+                if root is not None:
+                    _remove_tree(root)
                 raise ValueError(f"sandbox file path {rel!r} leaves the working folder")
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(content, encoding="utf-8")
-        uid = self.isolation.run_as_uid
         if uid is not None:
             for dirpath, dirnames, filenames in os.walk(workdir):
                 for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
                     os.chown(name, uid, uid)
-        return workdir
+            if root is not None:
+                os.chown(root, uid, uid)
+        return workdir, root
 
     def _execute(
         self, argv: list[str], *, stdin: str | None, files: dict[str, str] | None, limits: SandboxLimits, cancel: threading.Event | None
     ) -> SandboxResult:
         started = time.monotonic()
-        workdir = self._make_workdir(files or {})
+        uid = _uid_pool.acquire() if self.isolation.run_as_uid is not None else None
         try:
-            env = {"PATH": _SYSTEM_PATH, "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-            stdin_file = None
-            if stdin is not None:
-                stdin_file = tempfile.TemporaryFile()
-                stdin_file.write(stdin.encode("utf-8"))
-                stdin_file.seek(0)
+            workdir, root = self._make_workdir(files or {}, uid)
             try:
-                proc = subprocess.Popen(
-                    self._command(argv, limits),
-                    stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    cwd=workdir,
-                    env=env,
-                    start_new_session=True,
-                    close_fds=True,
-                )
+                env = {"PATH": _SYSTEM_PATH, "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+                stdin_file = None
+                if stdin is not None:
+                    stdin_file = tempfile.TemporaryFile()
+                    stdin_file.write(stdin.encode("utf-8"))
+                    stdin_file.seek(0)
+                ready_r, ready_w = os.pipe() if root is not None else (None, None)
+                if ready_w is not None and uid is not None:
+                    os.fchown(ready_w, uid, uid)  # the confinement reopens it through /proc as the run's uid
+                try:
+                    proc = subprocess.Popen(
+                        self._command(argv, limits, uid, root, workdir, ready_w),
+                        stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        cwd=workdir,
+                        env=env,
+                        start_new_session=True,
+                        close_fds=True,
+                        pass_fds=(ready_w,) if ready_w is not None else (),
+                    )
+                except BaseException:
+                    if ready_r is not None:
+                        os.close(ready_r)
+                    raise
+                finally:
+                    if stdin_file is not None:
+                        stdin_file.close()
+                    if ready_w is not None:
+                        os.close(ready_w)
+                return _supervise(proc, limits, started, cancel, ready_r)
             finally:
-                if stdin_file is not None:
-                    stdin_file.close()
-            return _supervise(proc, limits, started, cancel)
+                _remove_tree(workdir)
+                if root is not None:
+                    _remove_tree(root)
         finally:
-            _remove_tree(workdir)
+            if uid is not None:
+                _uid_pool.release(uid)  # its processes are gone: the PID namespace died with its first process
 
 
 class _Stream:
@@ -445,8 +615,13 @@ def _kill_group(pgid: int) -> None:
         pass  # already gone: nothing left to kill
 
 
-def _supervise(proc: subprocess.Popen[bytes], lim: SandboxLimits, started: float, cancel: threading.Event | None) -> SandboxResult:
-    """Read both pipes up to the cap, enforce the wall timeout, reap the process with its rusage."""
+def _supervise(
+    proc: subprocess.Popen[bytes], lim: SandboxLimits, started: float, cancel: threading.Event | None, ready_fd: int | None = None
+) -> SandboxResult:
+    """Read both pipes up to the cap, enforce the wall timeout, reap the process with its rusage.
+
+    With ``ready_fd`` the wall clock starts when the confinement says the program starts (its setup gets
+    ``SETUP_LIMIT_S``); without, at ``started``."""
     assert proc.stdout is not None and proc.stderr is not None
     streams = {proc.stdout.fileno(): _Stream(lim.output_bytes), proc.stderr.fileno(): _Stream(lim.output_bytes)}
     out, err = streams[proc.stdout.fileno()], streams[proc.stderr.fileno()]
@@ -458,7 +633,9 @@ def _supervise(proc: subprocess.Popen[bytes], lim: SandboxLimits, started: float
     pidfd = _pidfd_open(proc.pid)
     if pidfd is not None:
         sel.register(pidfd, selectors.EVENT_READ)
-    deadline = started + lim.wall_s
+    if ready_fd is not None:
+        sel.register(ready_fd, selectors.EVENT_READ)
+    deadline = started + (SETUP_LIMIT_S if ready_fd is not None else lim.wall_s)
     flood_limit = max(lim.output_bytes, _FLOOD_ALLOWANCE)
     timed_out = flooded = cancelled = False
     status: int | None = None
@@ -481,6 +658,13 @@ def _supervise(proc: subprocess.Popen[bytes], lim: SandboxLimits, started: float
                 for key, _ in sel.select(timeout=timeout):
                     if key.fd == pidfd:
                         sel.unregister(pidfd)
+                        continue
+                    if key.fd == ready_fd:  # confined: the program starts now (or setup failed: the exit status says)
+                        os.read(ready_fd, 16)
+                        sel.unregister(ready_fd)
+                        os.close(ready_fd)
+                        ready_fd = None
+                        deadline = time.monotonic() + lim.wall_s
                         continue
                     data = os.read(key.fd, _READ_CHUNK)
                     if data:
@@ -507,6 +691,8 @@ def _supervise(proc: subprocess.Popen[bytes], lim: SandboxLimits, started: float
         sel.close()
         if pidfd is not None:
             os.close(pidfd)
+        if ready_fd is not None:
+            os.close(ready_fd)
         proc.stdout.close()
         proc.stderr.close()
     wall = time.monotonic() - started

@@ -70,6 +70,7 @@ from runtime.engines.lora_batch import LoraBank
 from runtime.engines.lora_weights import LoraWeights, read_lora
 from runtime.engines.sampling import RowSampling, sample_next
 from runtime.engines.textstream import TextStream
+from runtime.grammar_worker import GrammarInvalid, GrammarWorker, compile_grammar
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,10 @@ class EmbeddedEngine:
         max_model_len: int | None = None,
         threads: int | None = None,
         on_step: Callable[[int], None] | None = None,
+        grammar_cache_mb: int = 256,
     ) -> None:
         self._path = Path(model_path)
+        self.grammar_cache_bytes = grammar_cache_mb << 20
         self._model_id = model_id
         self._dtype = pick_dtype(dtype)
         self._max_batch = max_batch_size
@@ -182,7 +185,9 @@ class EmbeddedEngine:
         max_len = min(self._max_model_len_cfg or limit, limit)
         vocab = int(cfg.vocab_size)
         tok_info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=vocab, stop_token_ids=list(eos_ids))
-        self._grammar_compiler = xgr.GrammarCompiler(tok_info, max_threads=1)
+        # the compiled-grammar cache is bounded: three 1000-branch anyOf schemas kept about 1 GB unbounded
+        self._grammar_compiler = xgr.GrammarCompiler(tok_info, max_threads=1, cache_limit_bytes=self.grammar_cache_bytes)
+        self._grammar_worker = GrammarWorker(tok_info, cache_bytes=self.grammar_cache_bytes)  # requests' grammars, killable
         self._info = EngineInfo(
             backend="embedded",
             model=self._model_id,
@@ -199,6 +204,8 @@ class EmbeddedEngine:
             self._cv.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
+        if getattr(self, "_grammar_worker", None) is not None:
+            await asyncio.to_thread(self._grammar_worker.close)
 
     # ---- public API ------------------------------------------------------------------------
     async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
@@ -375,12 +382,18 @@ class EmbeddedEngine:
             self._cv.notify()
         return seq
 
-    def _matcher(self, grammar: Grammar) -> Any:
+    def compile_grammar(self, grammar: Grammar, timeout_s: float | None = None) -> Any:
+        """The compiled form of ``grammar``. With ``timeout_s`` (admission, off the event loop) it is compiled in the
+        grammar worker process, killed at the deadline (``GrammarTimeout``); without, here (small internal grammars)."""
         try:
-            compiled = _compile(self._grammar_compiler, grammar)
-        except (RuntimeError, ValueError) as exc:
+            if timeout_s is not None:
+                return self._grammar_worker.compile(grammar.kind, grammar.spec, timeout_s)
+            return _compile(self._grammar_compiler, grammar)
+        except (GrammarInvalid, RuntimeError, ValueError) as exc:
             raise InvalidRequest(f"invalid {grammar.kind} constraint: {exc}", param="response_format") from exc
-        return xgr.GrammarMatcher(compiled)
+
+    def _matcher(self, grammar: Grammar) -> Any:
+        return xgr.GrammarMatcher(grammar.compiled if grammar.compiled is not None else self.compile_grammar(grammar))
 
     # ---- scheduler thread ------------------------------------------------------------------
     def _loop_forever(self) -> None:
@@ -492,6 +505,11 @@ class EmbeddedEngine:
         now = time.perf_counter()
         finished = []
         for i, seq in enumerate(seqs):
+            if sampled.failed[i]:  # this row's logits were NaN: fail its request only, the batch goes on
+                seq.done = True
+                seq.send(EngineError("generation failed: the model produced non-finite logits for this request"))
+                finished.append(True)
+                continue
             tok = sampled.token_ids[i]
             seq.generated += 1
             seq.last_token = tok
@@ -527,13 +545,8 @@ class EmbeddedEngine:
 
 
 def _compile(compiler: Any, grammar: Grammar) -> Any:
-    """Compile a constraint; xgrammar's compiler caches compiled grammars itself."""
-    if grammar.kind == "json_object":
-        # a JSON object, generated compactly (the builtin JSON grammar also admits arrays and free whitespace)
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-    if grammar.kind == "json_schema":
-        return compiler.compile_json_schema(grammar.spec, any_whitespace=False)
-    return compiler.compile_grammar(grammar.spec)
+    """Compile a constraint here; xgrammar's compiler caches compiled grammars itself (bounded)."""
+    return compile_grammar(compiler, grammar.kind, grammar.spec)
 
 
 def default_threads() -> int:

@@ -4,14 +4,24 @@ Pure functions over tensors; the scheduler owns the per-request state (generator
 Logprobs follow the convention in ``runtime/engine.py``: ``log_softmax(logits / T)`` (raw logits for
 greedy rows) after the grammar mask, before top-p.
 
+One row can fail only itself: a temperature below :data:`MIN_TEMPERATURE` is greedy (``logits / 1e-50``
+is ``inf`` in float32), and a row whose distribution is not a distribution (NaN logits, e.g. from a
+broken adapter, or nothing allowed) is reported in ``SampleOutput.failed`` instead of raising for the
+whole batch. Top logprobs list only tokens with a finite logprob (a grammar's masked tokens are left out).
+
 Not here: repetition/presence penalties and logit bias (the OpenAI surface rejects them for now).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from runtime.engine import MIN_TEMPERATURE  # below it a row is sampled greedily (float32 division by a smaller T overflows)
+
+__all__ = ["MIN_TEMPERATURE", "RowSampling", "SampleOutput", "sample_next"]
 
 
 @dataclass
@@ -27,35 +37,45 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float]
     top: list[list[tuple[int, float]]]  # per row, best first; empty where top_logprobs == 0
+    failed: list[bool]  # per row: its logits held no valid distribution (NaN, or every token masked); token_ids[i] is meaningless
 
 
 def sample_next(logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
     """Sample one token per row. ``logits``: (B, V) float32, already grammar-masked (-inf)."""
     batch = logits.shape[0]
-    temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=logits.dtype)
+    greedy = [r.temperature < MIN_TEMPERATURE for r in rows]
+    temps = torch.tensor([1.0 if g else r.temperature for r, g in zip(rows, greedy, strict=True)], dtype=logits.dtype)
     scaled = logits / temps[:, None]  # (B, V)
     logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
+    # a valid row has no NaN and at least one finite logprob (all -inf: the mask allowed nothing)
+    bad = torch.isnan(logprobs).any(dim=-1) | ~torch.isfinite(logprobs).any(dim=-1)  # (B,)
+    failed = bad.tolist()
+    if any(failed):
+        logprobs = logprobs.masked_fill(bad[:, None], 0.0)  # any finite stand-in: the row's result is discarded
 
-    greedy = [r.temperature <= 0 for r in rows]
     chosen = torch.empty(batch, dtype=torch.long)
     if any(greedy):
         chosen[:] = torch.argmax(logprobs, dim=-1)
-    sampled_rows = [i for i, g in enumerate(greedy) if not g]
+    sampled_rows = [i for i, g in enumerate(greedy) if not g and not failed[i]]
     if sampled_rows:
         idx = torch.tensor(sampled_rows)
         probs = _top_p_probs(logprobs[idx].exp(), torch.tensor([rows[i].top_p for i in sampled_rows]))  # (S, V)
         for j, i in enumerate(sampled_rows):
             chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+    for i in range(batch):
+        if failed[i]:
+            chosen[i] = 0
 
     chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0]  # (B,)
     k = max(r.top_logprobs for r in rows)
     top: list[list[tuple[int, float]]] = [[] for _ in rows]
     if k > 0:
-        vals, ids = torch.topk(logprobs, k, dim=-1)  # (B, k)
+        vals, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)  # (B, k)
         vals_l, ids_l = vals.tolist(), ids.tolist()
         for i, r in enumerate(rows):
-            top[i] = list(zip(ids_l[i][: r.top_logprobs], vals_l[i][: r.top_logprobs], strict=True))
-    return SampleOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(), top=top)
+            if not failed[i]:
+                top[i] = [(t, v) for t, v in zip(ids_l[i][: r.top_logprobs], vals_l[i][: r.top_logprobs], strict=True) if v > -math.inf]
+    return SampleOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(), top=top, failed=failed)
 
 
 def _top_p_probs(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

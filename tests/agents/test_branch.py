@@ -1,4 +1,5 @@
-"""Re-rollouts: a run branched from a recorded trajectory replays its prefix and samples from the exact stored context.
+"""Re-rollouts: a run branched from a recorded trajectory replays its recorded prefix (outputs and observations,
+no tool running again) and samples from the exact stored context.
 
 Scripted engine at the edge; the loop, formatter, tools, recorder and SQLite store are real.
 """
@@ -30,10 +31,26 @@ def call(expr: str) -> str:
     return "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": expr}}) + "\n</tool_call>"
 
 
-def run(tok, tmp_path: Path, script, branch: Branch | None = None, max_turns: int = 6):
+TOOL_CALLS: list[str] = []  # arguments of every calculator call the loop made
+
+
+def counting_registry():
+    registry = default_registry(python=False, cuda=False)
+    real = registry.call
+
+    async def call(name, arguments, **kw):
+        TOOL_CALLS.append(str(arguments))
+        return await real(name, arguments, **kw)
+
+    registry.call = call  # type: ignore[method-assign]
+    return registry
+
+
+def run(tok, tmp_path: Path, script, branch: Branch | None = None, max_turns: int = 6, system: str | None = None):
     engine = ScriptedEngine(tok, script)
     client, recorder, _ = make_client(tok, engine, tmp_path)
-    loop = AgentLoop(AgentConfig(name="t-agent", tools=("calculator",), max_turns=max_turns), client, default_registry())
+    config = AgentConfig(name="t-agent", tools=("calculator",), max_turns=max_turns, **({"system_prompt": system} if system else {}))
+    loop = AgentLoop(config, client, counting_registry())
 
     async def go():
         try:
@@ -55,22 +72,19 @@ def backbone(tok, tmp_path):
 
 
 def branch_at(traj, t: int, kind: str = "rtpo") -> Branch:
-    turns = traj.turns
-    return Branch(
-        prefix_outputs=tuple(tuple(x.output_ids) for x in turns[:t]),
-        context_sha256=context_sha256(turns[t].context_ids),
-        parent_turn_id=turns[t - 1].turn_id if t else None,
-        of=traj.trajectory_id,
-        kind=kind,
-    )
+    return Branch(backbone=tuple(traj.turns[: t + 1]), turn=t, of=traj.trajectory_id, kind=kind)
 
 
 def test_a_branch_samples_from_the_byte_identical_stored_context(tok, tmp_path, backbone):
+    TOOL_CALLS.clear()
     result, engine = run(tok, tmp_path, [call("9+5"), "It is <answer>21</answer>"], branch=branch_at(backbone, 2))
     # the engine saw exactly the backbone's recorded context at turn 2, and the replayed turns were never generated
     assert next(list(c.input_ids) for c in engine.calls) == backbone.turns[2].context_ids
     assert len(engine.calls) == 2
+    # the replayed turns' tool calls were not run again: only the sampled turn 2's call ran
+    assert TOOL_CALLS == ['{"expression": "9+5"}']
     assert [s.replayed for s in result.steps] == [True, True, False, False]
+    assert result.steps[0].observation == "5" and result.steps[1].observation == "9"  # the recorded tool results
     assert result.answer == "21" and result.branch_of == backbone.trajectory_id and result.branch_turn == 2
     sampled = [[*tok.encode(t, add_special_tokens=False), tok.eos_token_id] for t in (call("9+5"), "It is <answer>21</answer>")]
     assert result.completion_tokens == sum(map(len, sampled))  # sampled tokens only
@@ -78,8 +92,17 @@ def test_a_branch_samples_from_the_byte_identical_stored_context(tok, tmp_path, 
     assert [t.index for t in traj.turns] == [2, 3]  # only the sampled turns are recorded, at their turn index
     assert traj.turns[0].parent_turn_id == backbone.turns[1].turn_id
     assert traj.turns[0].context_ids == backbone.turns[2].context_ids
+    assert traj.turns[0].messages == backbone.turns[2].messages  # the conversation continues from the recorded one
     assert traj.meta["branch_of"] == backbone.trajectory_id and traj.meta["branch_turn"] == 2 and traj.meta["rerollout"] == "rtpo"
     assert traj.meta["anchor"] == context_sha256(backbone.turns[2].context_ids)
+
+
+def test_the_recorded_observations_are_replayed_not_recomputed(tok, tmp_path, backbone):
+    """A doctored record shows what is replayed: the branch's context is the stored one, whatever a tool would say now."""
+    doctored = [t.model_copy(update={"context_ids": [*t.context_ids[:-3], 7, 7, 7]}) if t.index == 2 else t for t in backbone.turns]
+    b = Branch(backbone=tuple(doctored[:3]), turn=2, of=backbone.trajectory_id)
+    _, engine = run(tok, tmp_path, ["<answer>20</answer>"], branch=b)
+    assert list(engine.calls[0].input_ids) == doctored[2].context_ids
 
 
 def test_a_branch_at_turn_zero_is_a_fresh_sample_of_the_same_prompt(tok, tmp_path, backbone):
@@ -88,31 +111,15 @@ def test_a_branch_at_turn_zero_is_a_fresh_sample_of_the_same_prompt(tok, tmp_pat
     assert result.turns == 1 and result.rerollout == "tcpo"
 
 
-def test_a_replay_that_does_not_rebuild_the_context_is_refused_before_sampling(tok, tmp_path, backbone):
-    b = branch_at(backbone, 2)
-    wrong = Branch(prefix_outputs=b.prefix_outputs, context_sha256="0" * 64, parent_turn_id=b.parent_turn_id, of=b.of)
-    with pytest.raises(BranchMismatch, match="differs"):
-        run(tok, tmp_path, [call("1+1")], branch=wrong)
-    # a changed prefix (another tool call) changes the observation, so the context no longer matches either
-    changed = Branch(
-        prefix_outputs=(b.prefix_outputs[0], (*tuple(tok.encode(call("5+5"), add_special_tokens=False)), tok.eos_token_id)),
-        context_sha256=b.context_sha256,
-    )
-    with pytest.raises(BranchMismatch):
-        run(tok, tmp_path, [call("1+1")], branch=changed)
+def test_a_changed_agent_is_refused_before_sampling(tok, tmp_path, backbone):
+    with pytest.raises(BranchMismatch, match="first context differs"):
+        run(tok, tmp_path, [call("1+1")], branch=branch_at(backbone, 2), system="You are a different agent now.")
     before = len(SqliteStore(tmp_path / "interactions.db").list_trajectories(limit=100))
     assert before == 1  # only the backbone: refused branches record nothing
-
-
-def test_a_prefix_that_ends_the_run_early_is_refused(tok, tmp_path, backbone):
-    # replaying the final-answer turn stops the run before the branch turn is reached
-    b = Branch(prefix_outputs=tuple(tuple(t.output_ids) for t in backbone.turns), context_sha256="0" * 64, of=backbone.trajectory_id)
-    with pytest.raises(BranchMismatch, match="stopped at turn 4"):
-        run(tok, tmp_path, [call("1+1")], branch=b, max_turns=8)
 
 
 def test_branch_arguments_are_validated(tok, tmp_path, backbone):
     with pytest.raises(ValueError, match="not below max_turns"):
         run(tok, tmp_path, ["x"], branch=branch_at(backbone, 3), max_turns=3)
-    with pytest.raises(ValueError, match="token ids"):
-        run(tok, tmp_path, ["x"], branch=Branch(prefix_outputs=((10**9,),), context_sha256="0" * 64))
+    with pytest.raises(ValueError, match="not one of the backbone"):
+        run(tok, tmp_path, ["x"], branch=Branch(backbone=tuple(backbone.turns[:2]), turn=2))

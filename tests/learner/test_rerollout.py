@@ -41,14 +41,14 @@ def traj(meta: dict | None = None) -> Trajectory:
     return Trajectory(trajectory_id="tr", session_id="s", turns=turns, meta=m)
 
 
-def test_branch_body_replays_the_prefix_and_pins_the_recorded_context():
+def test_branch_body_names_the_recorded_backbone_and_pins_its_context():
     body = branch_body(BranchPoint(traj(), 2), sample_seed=11, model="fam@2", kind="rtpo")
     assert body["task"] == "calc_arith" and body["problem_index"] == 3 and body["seed"] == 7 and body["sample_seed"] == 11
-    assert body["branch"]["prefix_outputs"] == [[3, 4], [5]]
-    assert body["branch"]["context_sha256"] == context_sha256([1, 2, 3, 4, 9, 5, 9])
-    assert body["branch"]["parent_turn_id"] == "t1" and body["branch"]["trajectory_id"] == "tr" and body["model"] == "fam@2"
+    # the runtime replays the backbone from its own store: the body names it, never carries its outputs
+    assert body["branch"] == {"trajectory_id": "tr", "turn": 2, "context_sha256": context_sha256([1, 2, 3, 4, 9, 5, 9]), "kind": "rtpo"}
+    assert body["model"] == "fam@2"
     one = branch_body(BranchPoint(traj(), 0), sample_seed=0, model=None, kind="tcpo", max_turns=1)
-    assert one["branch"]["prefix_outputs"] == [] and one["branch"]["parent_turn_id"] is None and one["max_turns"] == 1 and "model" not in one
+    assert one["branch"]["turn"] == 0 and one["branch"]["kind"] == "tcpo" and one["max_turns"] == 1 and "model" not in one
     with pytest.raises(ValueError, match="outside"):
         branch_body(BranchPoint(traj(), 3), sample_seed=0, model=None, kind="rtpo")
 

@@ -20,6 +20,15 @@ from learner.records import Reward, ToolCallRecord, Turn, TurnTimings
 from learner.store import MIGRATIONS, SCHEMA_VERSION, SqliteStore, UnknownTarget, db_path
 
 ROOT = Path(__file__).resolve().parents[2]
+# the columns before version 5 added owners: what a genuine older file holds
+OLD_TURN_COLUMNS = store_mod.TURN_COLUMNS.removesuffix(", owner")
+OLD_REWARD_COLUMNS = store_mod.REWARD_COLUMNS.removesuffix(", owner")
+
+
+def old_turn_row(t: Turn) -> tuple:
+    row = store_mod.turn_row(t)
+    assert row[-1] == t.owner
+    return row[:-1]
 
 
 def f32(x: float) -> float:
@@ -88,7 +97,7 @@ def test_creates_parent_dirs_wal_mode_and_latest_version(tmp_path: Path) -> None
     assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
     assert conn.execute("PRAGMA secure_delete").fetchone()[0] == 1
     assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 4000
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 4
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 5
     assert s.integrity_check() == "ok"
     s.close()
     full = SqliteStore(path, synchronous_full=True)
@@ -267,6 +276,7 @@ def test_list_trajectories_filters(store: SqliteStore) -> None:
         "session_id": "sess-a",
         "created_at": 300.0,
         "meta": {},
+        "owner": "public",
         "turns": 2,
         "rewards": 2,
         "last_turn_at": 301.0,
@@ -317,14 +327,14 @@ def test_delete_session_is_complete_and_overwrites_content(tmp_path: Path) -> No
     s._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the marker is in the main file now
     assert marker.encode() in path.read_bytes()
 
-    assert s.delete_session("sess-doomed") == 6
+    assert s.delete_session("public", "sess-doomed") == 6
     conn = s._conn()
     for table in ("sessions", "trajectories", "turns"):
         assert conn.execute(f"SELECT COUNT(*) FROM {table} WHERE session_id = 'sess-doomed'").fetchone()[0] == 0
     assert conn.execute("SELECT COUNT(*) FROM rewards WHERE target_id IN ('turn-1', 'traj-d0') OR idempotency_key = 'idem-doomed'").fetchone()[0] == 0
     assert s.stats() == {"sessions": 1, "trajectories": 1, "turns": 3, "rewards": 1}
     assert s.get_trajectory("traj-k").turns[0].messages == [{"role": "user", "content": "keep me"}]
-    assert s.delete_session("sess-doomed") == 0
+    assert s.delete_session("public", "sess-doomed") == 0
     assert s.integrity_check() == "ok"
     # nothing of the deleted session is left in the file or its WAL
     wal = path.with_name(path.name + "-wal")
@@ -377,10 +387,10 @@ def test_migrates_a_genuine_v1_database(tmp_path: Path) -> None:
     v1_indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert "rewards_idempotency" not in v1_indexes
     turns = [make_turn(i, index=i) for i in range(3)]
-    conn.executemany(f"INSERT INTO turns ({store_mod.TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [store_mod.turn_row(t) for t in turns])
+    conn.executemany(f"INSERT INTO turns ({OLD_TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [old_turn_row(t) for t in turns])
     conn.execute("INSERT INTO sessions VALUES ('sess-a', 1.0)")
     conn.execute("INSERT INTO trajectories VALUES ('traj-a', 'sess-a', 1.0)")
-    cols = store_mod.REWARD_COLUMNS
+    cols = OLD_REWARD_COLUMNS
     # v1 had no unique index: a racing writer could store one key twice
     conn.execute(f"INSERT INTO rewards ({cols}) VALUES ('r1', 'turn', 'turn-0', 1.0, 'feedback', 1.0, NULL, 'k')")
     conn.execute(f"INSERT INTO rewards ({cols}) VALUES ('r2', 'turn', 'turn-1', 0.5, 'feedback', 2.0, 'dup', 'k')")
@@ -446,7 +456,7 @@ def test_export_cli_jsonl(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in lines]
     assert len(rows) == 3
     keys = {"turn_id", "trajectory_id", "session_id", "index", "context_ids", "output_ids", "logprobs", "loss_mask", "adapter", "finish_reason"}
-    keys |= {"created_at", "reward", "trajectory_reward", "rewards", "trainable", "task_key"}
+    keys |= {"created_at", "reward", "trajectory_reward", "rewards", "trainable", "task_key", "owner"}
     for row in rows:
         assert set(row) == keys
         t = expected[row["turn_id"]]
@@ -481,10 +491,10 @@ def test_migrates_a_genuine_v2_database_to_v3_with_experiments(tmp_path: Path) -
     assert store_mod.migrate(conn, MIGRATIONS[:2]) == 2
     assert "experiments" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     turns = [make_turn(i, index=i) for i in range(4)]
-    conn.executemany(f"INSERT INTO turns ({store_mod.TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [store_mod.turn_row(t) for t in turns])
+    conn.executemany(f"INSERT INTO turns ({OLD_TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [old_turn_row(t) for t in turns])
     conn.close()
     s = SqliteStore(path)
-    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     assert [s.get_turn(t.turn_id) for t in turns] == turns
     assert s.load_experiments() == []
     s.save_experiment("exp1", {"family": "f", "arms": ["f@1", "f@2"]}, {"decision": "continue"})
@@ -503,7 +513,8 @@ def test_arm_observations_by_adapter_and_source(tmp_path: Path) -> None:
     s.add_reward(Reward(target="turn", target_id="turn-0", value=100.0, source="feedback"))
     arm = s.arm_observations("lora-v3", since=0.0, source="verifier:x")
     assert sorted(arm["rewards"]) == [0.0, 2.0, 4.0]
-    assert sorted(s.arm_observations("lora-v3", since=0.0)["rewards"]) == [0.0, 2.0, 4.0, 100.0]
+    assert sorted(s.arm_observations("lora-v3", since=0.0)["rewards"]) == [0.0, 2.0, 4.0]  # no metric: trusted sources only
+    assert sorted(s.arm_observations("lora-v3", since=0.0, trusted_only=False)["rewards"]) == [0.0, 2.0, 4.0, 100.0]
     assert sorted(s.arm_observations(None, since=0.0, source="verifier:x")["rewards"]) == [1.0, 3.0, 5.0]  # the base model
     assert s.arm_observations("lora-v3", since=2_003.0, source="verifier:x")["rewards"] == [4.0]
     assert len(arm["latency_s"]) == 3
@@ -512,7 +523,7 @@ def test_arm_observations_by_adapter_and_source(tmp_path: Path) -> None:
     s.add_reward(Reward(target="trajectory", target_id="traj-3", value=9.0, source="verifier:outcome"))
     assert s.arm_observations("lora-v3", since=0.0, source="verifier:outcome")["rewards"] == [7.0]
     assert s.arm_observations(None, since=0.0, source="verifier:outcome")["rewards"] == [9.0]
-    assert sorted(s.arm_observations("lora-v3", since=0.0)["rewards"]) == [0.0, 2.0, 4.0, 7.0, 100.0]
+    assert sorted(s.arm_observations("lora-v3", since=0.0, trusted_only=False)["rewards"]) == [0.0, 2.0, 4.0, 7.0, 100.0]
     assert s.arm_observations("lora-v3", since=2_003.0, source="verifier:outcome")["rewards"] == []  # traj-2 is older
 
 
@@ -527,3 +538,62 @@ def test_trajectory_meta_merges_and_reaches_samples(store: SqliteStore) -> None:
     assert [(x["trainable"], x["task_key"]) for x in samples] == [(False, "calc_arith:7")] * 2
     with pytest.raises(UnknownTarget):
         store.set_trajectory_meta("traj-nope", {"x": 1})
+
+
+# -- owners (version 5) ---------------------------------------------------------------------------------
+
+
+def _owned(i: int, owner: str, **kw) -> Turn:
+    return make_turn(i, **kw).model_copy(update={"owner": owner})
+
+
+def test_sessions_are_named_per_owner(store: SqliteStore) -> None:
+    store.append_turns(
+        [_owned(1, "key-a", session="alice", trajectory="traj-a", ckey="c1"), _owned(2, "key-b", session="alice", trajectory="traj-b")]
+    )
+    assert store.stats()["sessions"] == 2  # two owners' "alice" are two sessions
+    assert store.session_owners("alice") == ["key-a", "key-b"]
+    assert store.find_continuation("alice", "c1", "key-a").turn_id == "turn-1"
+    assert store.find_continuation("alice", "c1", "key-b") is None  # never another owner's trajectory
+    assert store.get_trajectory("traj-b").owner == "key-b" and store.get_turn("turn-2").owner == "key-b"
+    assert [t["trajectory_id"] for t in store.list_trajectories(owner="key-a")] == ["traj-a"]
+    assert store.turn_exists("turn-1", "key-a") and not store.turn_exists("turn-1", "key-b") and store.turn_exists("turn-1")
+    assert store.trajectory_exists("traj-b", "key-b") and not store.trajectory_exists("traj-b", "key-a")
+    assert store.delete_session("key-b", "alice") == 1
+    assert store.turn_exists("turn-1") and not store.turn_exists("turn-2")
+    assert store.session_owners("alice") == ["key-a"]
+
+
+def test_rewards_only_on_the_owners_records_and_idempotency_per_owner(store: SqliteStore) -> None:
+    store.append_turns([_owned(1, "key-a", trajectory="traj-a"), _owned(2, "key-b", trajectory="traj-b")])
+    with pytest.raises(UnknownTarget):
+        store.add_reward(Reward(target="turn", target_id="turn-1", value=1.0, owner="key-b"))
+    with pytest.raises(UnknownTarget):
+        store.add_reward(Reward(target="trajectory", target_id="traj-a", value=1.0, owner="key-b"))
+    _, created_b = store.add_reward(Reward(target="turn", target_id="turn-2", value=0.0, owner="key-b", idempotency_key="k"))
+    saved_a, created_a = store.add_reward(Reward(target="turn", target_id="turn-1", value=1.0, owner="key-a", idempotency_key="k"))
+    assert created_b and created_a and saved_a.target_id == "turn-1"
+    again, created = store.add_reward(Reward(target="turn", target_id="turn-1", value=5.0, owner="key-a", idempotency_key="k"))
+    assert not created and again.value == 1.0 and again.owner == "key-a"
+    assert store.get_trajectory("traj-a").rewards[0].owner == "key-a"
+
+
+def test_migrates_a_genuine_v4_database_to_owners(tmp_path: Path) -> None:
+    path = tmp_path / "v4.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    assert store_mod.migrate(conn, MIGRATIONS[:4]) == 4
+    turns = [make_turn(i, index=i, ckey=f"c{i}") for i in range(2)]
+    conn.executemany(f"INSERT INTO turns ({OLD_TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [old_turn_row(t) for t in turns])
+    conn.execute("INSERT INTO sessions VALUES ('sess-a', 1.0)")
+    conn.execute("INSERT INTO trajectories (trajectory_id, session_id, created_at) VALUES ('traj-a', 'sess-a', 1.0)")
+    conn.execute(f"INSERT INTO rewards ({OLD_REWARD_COLUMNS}) VALUES ('r1', 'turn', 'turn-0', 1.0, 'feedback', 1.0, NULL, 'k')")
+    conn.close()
+    s = SqliteStore(path)
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert [s.get_turn(t.turn_id) for t in turns] == turns  # data intact, owner "public"
+    assert s.get_trajectory("traj-a").owner == "public" and s.session_owners("sess-a") == ["public"]
+    assert s.find_continuation("sess-a", "c1").turn_id == "turn-1"
+    again, created = s.add_reward(Reward(target="turn", target_id="turn-1", value=0.0, idempotency_key="k"))
+    assert not created and again.reward_id == "r1"
+    assert s.integrity_check() == "ok"
+    s.close()

@@ -181,7 +181,9 @@ def test_experiment_routes_sticky_persists_and_promotes(start_backend_server, da
     srv = start_backend_server("--admin-key", ADMIN, "--adapter-root", str(d / "adapters"))
     for k, alias in ((0, True), (1, False)):
         assert load(srv, d / "adapters" / f"a{k}", "ab", alias=alias).status_code == 200
-    exp = {"name": "ab-test", "family": "ab", "arms": [{"adapter": "ab@1", "weight": 1}, {"adapter": "ab@2", "weight": 1}]}
+    # the rewards below are client feedback: without a metric an experiment counts only the runtime's own
+    # evaluators (verifier:*, judge:*), so this one says that feedback counts
+    exp = {"name": "ab-test", "family": "ab", "arms": [{"adapter": "ab@1", "weight": 1}, {"adapter": "ab@2", "weight": 1}], "metric": "feedback"}
     created = httpx.post(srv.base_url + "/admin/experiments", json={**exp, "min_samples": 10, "auto_promote": True}, headers=AUTH, timeout=30)
     assert created.status_code == 200, created.text
     assert created.json()["champion"] == "ab@1" and created.json()["status"] == "running"

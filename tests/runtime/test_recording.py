@@ -128,7 +128,7 @@ def test_feedback_turn_trajectory_completion_late_and_idempotent(rec_server):
     r = chat(rec_server, [{"role": "user", "content": "rate me"}], session="s-fb").json()
     turn_id, traj_id, comp_id = r["loopwise"]["turn_id"], r["loopwise"]["trajectory_id"], r["id"]
     url = rec_server.url + "/feedback"
-    ok = httpx.post(url, json={"turn_id": turn_id, "reward": 1.0, "source": "verifier:test"}, timeout=30)
+    ok = httpx.post(url, json={"turn_id": turn_id, "reward": 1.0, "source": "thumbs:test"}, timeout=30)
     assert ok.status_code == 200, ok.text
     assert ok.json()["rewards"][0]["target"] == "turn" and ok.json()["duplicate"] is False
     time.sleep(0.3)  # a late reward
@@ -139,7 +139,7 @@ def test_feedback_turn_trajectory_completion_late_and_idempotent(rec_server):
     assert again["duplicate"] is True and again["rewards"][0]["reward_id"] == first["rewards"][0]["reward_id"]
     rewards = trajectory(rec_server, traj_id)["rewards"]
     assert sorted((rw["target"], rw["value"]) for rw in rewards) == [("trajectory", -0.5), ("turn", 0.25), ("turn", 1.0), ("turn", 2.0)]
-    assert {rw["source"] for rw in rewards} == {"feedback", "verifier:test"}
+    assert {rw["source"] for rw in rewards} == {"feedback", "thumbs:test"}
 
 
 def test_feedback_errors(rec_server):
