@@ -59,6 +59,16 @@ class Outcome:
     headers: dict[str, str] = field(default_factory=dict)
     session_id: str = ""  # the session the turns were recorded in
     _completion_tokens: Callable[[], int] = lambda: 0
+    _release: Callable[[], None] | None = None  # a stream's lease and quota slots: given back once, however it ends
+
+    async def close(self) -> None:
+        """End a stream: close its events (cancelling generation still running) and give its resources back. Idempotent;
+        the HTTP layer calls it when the response is over, also when the client left before the events were read."""
+        if self.events is not None and (aclose := getattr(self.events, "aclose", None)) is not None:
+            await aclose()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     @property
     def completion_tokens(self) -> int:
@@ -114,10 +124,16 @@ class Gateway:
                 opened = await svc.open_streams(prep)
                 streaming = True
 
-                def done() -> None:
-                    self._release(lease, adapter, t0, prep.completion_tokens)
-                    leave()
+                released = False
 
+                def done() -> None:
+                    nonlocal released
+                    if not released:
+                        released = True
+                        self._release(lease, adapter, t0, prep.completion_tokens)
+                        leave()
+
+                out._release = done
                 out.events = _release_after(svc.events(prep, opened), done)
                 out._completion_tokens = lambda: prep.completion_tokens
                 return out

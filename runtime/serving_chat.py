@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 
 from runtime.chat_format import to_plain
 from runtime.errors import from_validation
@@ -152,6 +153,7 @@ def install_chat_routes(app: FastAPI, gateway: Gateway, max_body: int) -> None:
                 completion_stream(out, req.n, include_usage, legacy),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **out.headers},
+                background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
             )
         return JSONResponse(completion_body(out, legacy), headers=out.headers)
 

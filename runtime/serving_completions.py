@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
+from starlette.background import BackgroundTask
 
 from runtime.engine import InvalidRequest
 from runtime.errors import from_validation
@@ -162,6 +163,7 @@ def install_completions_routes(app: FastAPI, gateway: Gateway, max_body: int) ->
                 _stream(out, req, ireqs[0].prompt_text or "", include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **out.headers},
+                background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
             )
         outs = await asyncio.gather(*(gateway.run(request, r, stream=False, id_prefix="cmpl-") for r in ireqs))
         if any(o is None for o in outs):

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
+from starlette.background import BackgroundTask
 
 from runtime.engine import InvalidRequest
 from runtime.errors import from_validation
@@ -289,7 +290,12 @@ def install_messages_routes(app: FastAPI, gateway: Gateway, max_body: int) -> No
         if out is None:
             return Response(status_code=499)
         if req.stream:
-            return StreamingResponse(message_stream(out), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **out.headers})
+            return StreamingResponse(
+                message_stream(out),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", **out.headers},
+                background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
+            )
         return JSONResponse(message_body(out), headers=out.headers)
 
     @app.post("/v1/messages/count_tokens")

@@ -35,6 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 
 from runtime.errors import APIError, from_validation
 from runtime.generation import ChoiceDone, ChoiceOut, GenRequest, NamedTool, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
@@ -271,6 +272,7 @@ def install_responses_routes(app: FastAPI, gateway: Gateway, store: ResponseStor
                 api.stream(request, req, ireq, out, context, session),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **out.headers},
+                background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
             )
         assert out.choices is not None
         choice = out.choices[0]

@@ -76,10 +76,13 @@ def test_a_key_over_its_quota_gets_429_and_others_are_served(tight):
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 64, "stream": True, "n": 2}
     with tight.stream("POST", "/v1/chat/completions", json=body, headers=auth(KEY1)) as held:  # holds both of key 1's slots
         assert held.status_code == 200
-        next(held.iter_lines())
+        lines = held.iter_lines()
+        next(lines)
         r = chat(tight, KEY1, HELLO)
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error" and "retry-after" in r.headers
         assert chat(tight, KEY2, HELLO).status_code == 200
+        for _ in lines:  # (TestClient cannot disconnect mid-stream; a real client's disconnect also releases)
+            pass
     assert chat(tight, KEY1, HELLO).status_code == 200  # released when the stream ended
     r = chat(tight, KEY1, HELLO, n=3)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
@@ -89,13 +92,13 @@ def test_templating_runs_off_the_event_loop_and_grammars_in_the_worker(tmp_path,
     from runtime.chat_format import ChatFormatter
 
     threads: dict[str, str] = {}
-    render = ChatFormatter.render
+    render = ChatFormatter.render_plain
 
     def spy_render(self, *a, **kw):
         threads["render"] = threading.current_thread().name
         return render(self, *a, **kw)
 
-    monkeypatch.setattr(ChatFormatter, "render", spy_render)
+    monkeypatch.setattr(ChatFormatter, "render_plain", spy_render)
     with served(tmp_path, tiny_model_path) as app:
         schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]{0,20}"}}, "required": ["a"]}
         fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
@@ -141,8 +144,8 @@ def test_a_prompt_that_cannot_fit_is_refused_before_templating(tmp_path, tiny_mo
     from runtime.chat_format import ChatFormatter
 
     calls = []
-    render = ChatFormatter.render
-    monkeypatch.setattr(ChatFormatter, "render", lambda self, *a, **kw: calls.append(1) or render(self, *a, **kw))
+    render = ChatFormatter.render_plain
+    monkeypatch.setattr(ChatFormatter, "render_plain", lambda self, *a, **kw: calls.append(1) or render(self, *a, **kw))
     with served(tmp_path, tiny_model_path) as app:
         r = chat(app, KEY1, [{"role": "user", "content": "word " * 800_000}])  # 4 MB: could never fit the context
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
