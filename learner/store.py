@@ -514,6 +514,12 @@ class SqliteStore:
         )
         return [r[0] for r in rows]
 
+    def record_owner(self, target: str, target_id: str) -> str | None:
+        """The owner of a turn (``target="turn"``) or trajectory, or None when it is not stored."""
+        table, column = ("turns", "turn_id") if target == "turn" else ("trajectories", "trajectory_id")
+        row = self._conn().execute(f"SELECT owner FROM {table} WHERE {column} = ?", (target_id,)).fetchone()
+        return None if row is None else row[0]
+
     def session_owners(self, session_id: str) -> list[str]:
         """The owners that have a session named ``session_id`` (the admin API names one when several do)."""
         rows = self._conn().execute("SELECT owner FROM sessions WHERE session_id = ? ORDER BY owner", (session_id,)).fetchall()

@@ -9,6 +9,8 @@
   idempotency key (per key) is stored once (the answer says ``"duplicate": true``). A ``completion_id``
   rewards each of its turns.
 - ``DELETE /v1/sessions/{key}`` (API key): deletes the caller's own session completely.
+- ``POST /admin/feedback`` (admin key; the console's): the same body, on any owner's records, any plain
+  source, no rate limit; each reward belongs to the owner of what it rewards.
 - Admin (``Authorization: Bearer <admin key>``; disabled without ``--admin-key``):
   ``GET /admin/stats``, ``GET /admin/trajectories?limit=&since=&rewarded=&owner=``,
   ``GET /admin/trajectories/{id}``, ``DELETE /admin/sessions/{key}?owner=`` (complete deletion of one
@@ -92,11 +94,11 @@ RESERVED_SOURCES = ("verifier:", "judge:")  # the runtime's own evaluators; neve
 SOURCE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 
 
-def check_source(source: str) -> None:
-    """A feedback ``source`` is a plain name, and not one the runtime's evaluators own (case-insensitively)."""
+def check_source(source: str, *, reserved_ok: bool = False) -> None:
+    """A feedback ``source`` is a plain name, and not one the runtime's evaluators own (case-insensitively; the admin may)."""
     if not SOURCE.match(source):
         raise APIError(400, "source must be 1-200 characters of letters, digits and _ . : -", param="source", code="invalid_value")
-    if source.lower().startswith(RESERVED_SOURCES):
+    if not reserved_ok and source.lower().startswith(RESERVED_SOURCES):
         raise APIError(
             403,
             f"reward sources starting with {' or '.join(RESERVED_SOURCES)} are reserved for the runtime's own evaluators",
@@ -129,7 +131,7 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
         check_admin_key(request, admin_key)
         return need_recorder()
 
-    async def exists(rec: Recorder, kind: str, some_id: str, owner: str) -> bool:
+    async def exists(rec: Recorder, kind: str, some_id: str, owner: str | None) -> bool:
         if rec.is_pending(some_id):
             await rec.flush()
         if kind == "turn":
@@ -138,9 +140,19 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> dict[str, Any]:
+        return await _feedback(request, admin=False)
+
+    @app.post("/admin/feedback")
+    async def admin_feedback(request: Request) -> dict[str, Any]:
+        """The admin's feedback (the console's): any owner's turns and trajectories, any plain source, no rate limit;
+        each reward belongs to the owner of what it rewards."""
+        check_admin_key(request, admin_key)
+        return await _feedback(request, admin=True)
+
+    async def _feedback(request: Request, *, admin: bool) -> dict[str, Any]:
         rec = need_recorder()
-        owner = owner_of(request)
-        wait = limiter.take(owner)
+        owner: str | None = None if admin else owner_of(request)  # None: any owner's records (the admin)
+        wait = limiter.take(owner) if owner is not None else None
         if wait is not None:
             raise APIError(
                 429,
@@ -154,7 +166,7 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
             fb = FeedbackRequest.model_validate(body)
         except ValidationError as exc:
             raise from_validation(exc) from None
-        check_source(fb.source)
+        check_source(fb.source, reserved_ok=admin)
         check_rewards(fb, settings.max_abs_reward)
         targets: list[tuple[str, str, float, str | None]] = []  # (kind, id, value, idempotency key)
         # another owner's id answers exactly like an unknown one: existence never leaks across keys
@@ -181,6 +193,7 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
             targets.append(("turn", tid, value, f"{fb.idempotency_key}:turn:{tid}" if fb.idempotency_key else None))
         stored, duplicate = [], False
         for kind, target_id, value, key in targets:
+            by = owner if owner is not None else await rec.call(rec.store.record_owner, kind, target_id)
             reward = Reward(
                 target=kind,  # type: ignore[arg-type]
                 target_id=target_id,
@@ -188,7 +201,7 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
                 source=fb.source,
                 comment=fb.comment,
                 idempotency_key=key,
-                owner=owner,
+                owner=by or PUBLIC_OWNER,
             )
             try:
                 saved, created = await rec.call(rec.store.add_reward, reward)

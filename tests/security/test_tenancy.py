@@ -103,3 +103,15 @@ def test_session_deletion_is_scoped_by_owner(app):
     r = app.delete("/v1/sessions/alice", headers=auth(KEY1))
     assert r.status_code == 200 and r.json()["deleted_turns"] == 1
     assert app.get(f"/admin/trajectories/{a1['trajectory_id']}", headers=auth(ADMIN)).status_code == 404
+
+
+def test_the_admin_rewards_any_owners_turn_through_the_admin_api(app):
+    from runtime.identity import owner_of_token
+
+    ids = _ids(chat(app, KEY1, HELLO))
+    assert app.post("/v1/feedback", json={"turn_id": ids["turn_id"], "reward": 1.0}, headers=auth(ADMIN)).status_code == 401
+    r = app.post("/admin/feedback", json={"turn_id": ids["turn_id"], "reward": 0.5, "source": "console"}, headers=auth(ADMIN))
+    assert r.status_code == 200, r.text
+    assert app.post("/admin/feedback", json={"turn_id": ids["turn_id"], "reward": 0.5}, headers=auth(KEY1)).status_code == 401
+    traj = app.get(f"/admin/trajectories/{ids['trajectory_id']}", headers=auth(ADMIN)).json()
+    assert [(r["value"], r["owner"]) for r in traj["rewards"]] == [(0.5, owner_of_token(KEY1))]  # the target's owner's reward
