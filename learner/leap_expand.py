@@ -281,6 +281,7 @@ async def _expand(
     concurrency: int,
     timeout_s: float,
     transport: httpx.AsyncBaseTransport | None,
+    admin: bool,
 ) -> tuple[dict[str, int], dict[str, list[dict[str, Any]]], PruneReport, dict[str, list[dict[str, Any]]]]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(max(1, concurrency))
@@ -292,7 +293,7 @@ async def _expand(
             if group is not None:
                 body["group"] = group
             async with sem:
-                r = await client.post(f"/v1/agents/{agent}/runs", json=body)
+                r = await client.post(f"/{'admin' if admin else 'v1'}/agents/{agent}/runs", json=body)
             if r.status_code != 200:
                 raise RunFailed(f"run of problem {i} (sample_seed {k}) failed with {r.status_code}: {r.text[:500]}")
             out: dict[str, Any] = r.json()
@@ -333,12 +334,14 @@ def expand(
     task_options: Mapping[str, Any] | None = None,
     probe_out: list[ProbeSample] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    admin: bool = False,
 ) -> ExpandReport:
     """Probe, prune and expand ``task_names_or_indices`` of the ``kernels`` task through ``agent`` (module docstring).
 
     ``max_turns`` is the expansion's turn cap (the agent's own: 4 for ``kernel-agent``). ``probe_out``, if given,
     receives every probe sample (for saving as a probe file that ``python -m learner.leap --probe`` reads);
-    ``transport`` replaces httpx's network transport (tests).
+    ``transport`` replaces httpx's network transport (tests). ``admin``: ``api_key`` is the runtime's admin key
+    and the runs go through ``POST /admin/agents/{agent}/runs`` (the learner's runs; the admin key is refused on /v1).
     Raises :class:`RunFailed` on a server error and :class:`ProbeParseError` on a probe it cannot read."""
     if G < 1 or max_turns < 1:
         raise ValueError(f"need G >= 1 and max_turns >= 1, got G={G}, max_turns={max_turns}")
@@ -361,6 +364,7 @@ def expand(
             concurrency=concurrency,
             timeout_s=timeout_s,
             transport=transport,
+            admin=admin,
         )
     )
     if probe_out is not None:

@@ -395,7 +395,7 @@ class LearnerService:
         assert self.cfg.agent is not None
         report = expand(
             self.cfg.admin_url,
-            self._v1_key,
+            self.cfg.admin_key,
             self.cfg.agent,
             list(range(first, first + lc.problems_per_update)),
             lc.group,
@@ -405,6 +405,7 @@ class LearnerService:
             p_hi=lc.p_hi,
             s_hi=lc.s_hi,
             concurrency=self.cfg.settings.rerollouts.concurrency,
+            admin=True,
         )
         out = report.to_dict()
         return {k: out[k] for k in ("n_probed", "fraction_pruned", "expanded", "compile_calls", "elapsed_s")} | {"pruned": out["dcp"]["pruned"]}

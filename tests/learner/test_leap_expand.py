@@ -208,7 +208,7 @@ def test_tiny_model_probes_are_catastrophic_so_nothing_is_expanded(start_server,
 
     saved = tmp_path / "probe.jsonl"
     args = ["--expand", "--url", server.base_url, "--problems", "1", "--group", "2", "--json", "--save-probe", str(saved)]
-    cli = subprocess.run([sys.executable, "-m", "learner.leap", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cli = subprocess.run([sys.executable, "-m", "learner.leap", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     out = json.loads(cli.stdout)
     assert out["n_probed"] == 1 and out["fraction_pruned"] == 1.0 and out["expanded"] == []
@@ -218,5 +218,5 @@ def test_tiny_model_probes_are_catastrophic_so_nothing_is_expanded(start_server,
     assert pid in out["problems"] and len(rows) == 2 and all(r.failure_class == "format" for r in rows)
 
     args = ["--expand", "--url", server.base_url, "--agent", "no-such-agent", "--problems", "0", "--group", "1"]
-    bad = subprocess.run([sys.executable, "-m", "learner.leap", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "learner.leap", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "failed with 404" in bad.stderr
