@@ -52,6 +52,12 @@ class Metrics:
             "loopwise_adapter_latency_seconds", "request latency per adapter", ["adapter"], buckets=_LATENCY_BUCKETS, registry=r
         )
         self.adapter_tokens = Counter("loopwise_adapter_generated_tokens", "tokens generated per adapter", ["adapter"], registry=r)
+        self.adapter_errors = Counter(
+            "loopwise_adapter_errors",
+            "model requests that failed after routing, per served adapter and HTTP status (499: the client left)",
+            ["adapter", "status"],
+            registry=r,
+        )
         self.batch_size = Histogram("loopwise_batch_size", "rows per engine forward step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         queue = Gauge("loopwise_queue_depth", "requests waiting for a batch slot", registry=r)
         queue.set_function(lambda: engine_stats().get("waiting", 0.0))

@@ -32,7 +32,18 @@ from runtime.admission import Admission
 from runtime.agent_api import AgentHost, UnknownModel
 from runtime.engine import EngineError
 from runtime.errors import APIError, from_engine
-from runtime.generation import ChoiceDone, ChoiceOut, Generation, GenRequest, NamedTool, StreamEvent, TextDelta, ToolArgsDelta, ToolCallStart
+from runtime.generation import (
+    ChoiceDone,
+    ChoiceOut,
+    Generation,
+    GenRequest,
+    NamedTool,
+    StreamEvent,
+    StreamFailed,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCallStart,
+)
 from runtime.identity import ADMIN_OWNER, PUBLIC_OWNER, bind_caller, owner_of
 from runtime.metrics import Metrics
 from runtime.settings import AdmissionSettings
@@ -134,18 +145,26 @@ class Gateway:
                         leave()
 
                 out._release = done
-                out.events = _release_after(svc.events(prep, opened), done)
+                out.events = _release_after(self._count_failed(svc.events(prep, opened), adapter), done)
                 out._completion_tokens = lambda: prep.completion_tokens
                 return out
             choices = await _unless_disconnected(request, svc.complete(prep))
         except EngineError as exc:
-            raise from_engine(exc) from exc
+            err = from_engine(exc)
+            if acquired:
+                self._count_error(adapter, err.status)
+            raise err from exc
+        except APIError as exc:
+            if acquired:  # an unknown model is not an adapter's error (and its name is the caller's text)
+                self._count_error(adapter, exc.status)
+            raise
         finally:
             if not streaming:
                 if acquired:
                     self._release(lease, adapter, t0, prep.completion_tokens if "prep" in locals() else 0)
                 leave()
         if choices is None:
+            self._count_error(adapter, 499)
             return None
         out.choices = choices
         return out
@@ -191,6 +210,16 @@ class Gateway:
         self.metrics.adapter_latency.labels(adapter or "base").observe(time.perf_counter() - t0)
         if completion_tokens:
             self.metrics.adapter_tokens.labels(adapter or "base").inc(completion_tokens)
+
+    def _count_error(self, adapter: str | None, status: int) -> None:
+        self.metrics.adapter_errors.labels(adapter or "base", str(status)).inc()
+
+    async def _count_failed(self, events: AsyncIterator[StreamEvent], adapter: str | None) -> AsyncIterator[StreamEvent]:
+        """``events`` as they come; a choice that fails mid-stream (its answer already 200) counts as the adapter's 500."""
+        async for event in events:
+            if isinstance(event, StreamFailed):
+                self._count_error(adapter, 500)
+            yield event
 
     # ---- agents
     async def _agent(self, request: Request, req: GenRequest, agent: Any, *, stream: bool, id_prefix: str) -> Outcome:

@@ -4,17 +4,18 @@ Prometheus counters only grow, so a scrape alone cannot say what happened ten mi
 :class:`TrafficHistory` keeps a snapshot of the serving counters every ``interval_s`` (10 s) for
 ``window_s`` (an hour) and answers with one point per interval: model requests/s and generated
 tokens/s (all adapters and per adapter, ``base`` = the base model), latency p50/p95 (interpolated in
-the latency histogram's buckets, as Prometheus' ``histogram_quantile`` does), and HTTP errors by
-status code. Model requests are chat completions and agent model calls (``loopwise_adapter_*``); the
+the latency histogram's buckets, as Prometheus' ``histogram_quantile`` does), HTTP errors by
+status code, and per adapter the chat-path model requests that failed after routing (by status; 499 =
+the client left). Model requests are chat completions and agent model calls (``loopwise_adapter_*``); the
 console's own admin polling is not traffic and is not counted there, but its errors are (a wrong
 admin key shows as 401s).
 
 ``GET /admin/traffic?minutes=60`` (admin key)::
 
     {"interval_s": 10, "points": [{"t": end (unix s), "dt": seconds, "requests_per_s", "tokens_per_s",
-      "latency_p50_s", "latency_p95_s", "errors": {"429": 3}, "by_adapter": {"base": {...same four}}}],
+      "latency_p50_s", "latency_p95_s", "errors": {"429": 3}, "by_adapter": {"base": {...same four, "errors": {"503": 1}}}}],
      "totals": {"requests", "tokens", "errors": {"code": n}, "errors_by_endpoint": {"endpoint": {"code": n}},
-                "by_adapter": {"base": {"requests", "tokens", "share"}}}}
+                "by_adapter": {"base": {"requests", "tokens", "share", "errors": {"code": n}}}}}
 
 The last point is partial (``"partial": true``): from the newest snapshot to now, so the console
 shows traffic seconds after a start. Memory is bounded: ``window_s / interval_s`` snapshots of
@@ -83,7 +84,7 @@ class TrafficHistory:
     def snapshot(self, now: float | None = None) -> Snapshot:
         m = self.metrics
         values: dict[Key, float] = {}
-        for metric in (m.requests, m.adapter_requests, m.adapter_tokens, m.adapter_latency, m.generated_tokens):
+        for metric in (m.requests, m.adapter_requests, m.adapter_tokens, m.adapter_latency, m.adapter_errors, m.generated_tokens):
             for family in metric.collect():
                 for s in family.samples:
                     if s.name.endswith(("_created", "_sum")):
@@ -128,6 +129,17 @@ def _by(delta: dict[Key, float], name: str, label: str) -> dict[str, float]:
     return out
 
 
+def _adapter_errors(delta: dict[Key, float]) -> dict[str, dict[str, float]]:
+    """Failed model requests per adapter and status (``loopwise_adapter_errors``) in ``delta``."""
+    out: dict[str, dict[str, float]] = {}
+    for key, n in delta.items():
+        if key[0] == "loopwise_adapter_errors_total" and n > 0:
+            labels = _labels(key)
+            per = out.setdefault(labels.get("adapter", ""), {})
+            per[labels.get("status", "")] = per.get(labels.get("status", ""), 0.0) + n
+    return out
+
+
 def _quantiles(delta: dict[Key, float], adapter: str | None) -> tuple[float | None, float | None]:
     """p50 and p95 of the adapter latency histogram's increase (one adapter, or all summed)."""
     buckets: dict[float, float] = {}
@@ -149,9 +161,10 @@ def _point(a: Snapshot, b: Snapshot) -> dict[str, Any]:
     reqs = _by(d, "loopwise_adapter_requests_total", "adapter")
     toks = _by(d, "loopwise_adapter_generated_tokens_total", "adapter")
     p50, p95 = _quantiles(d, None)
+    errs = _adapter_errors(d)
     by_adapter = {}
-    for adapter in sorted(set(reqs) | set(toks)):
-        if not reqs.get(adapter) and not toks.get(adapter):
+    for adapter in sorted(set(reqs) | set(toks) | set(errs)):
+        if not reqs.get(adapter) and not toks.get(adapter) and not errs.get(adapter):
             continue
         a50, a95 = _quantiles(d, adapter)
         by_adapter[adapter] = {
@@ -159,6 +172,7 @@ def _point(a: Snapshot, b: Snapshot) -> dict[str, Any]:
             "tokens_per_s": toks.get(adapter, 0.0) / dt,
             "latency_p50_s": a50,
             "latency_p95_s": a95,
+            "errors": errs.get(adapter, {}),
         }
     errors = {code: n for code, n in _by(d, "loopwise_requests_total", "status").items() if code.isdigit() and int(code) >= 400 and n > 0}
     return {
@@ -188,10 +202,16 @@ def _totals(a: Snapshot, b: Snapshot) -> dict[str, Any]:
         if code.isdigit() and int(code) >= 400:
             errors[code] = errors.get(code, 0.0) + n
             by_endpoint.setdefault(labels.get("endpoint", ""), {})[code] = n
+    errs = _adapter_errors(d)
     by_adapter = {
-        adapter: {"requests": reqs.get(adapter, 0.0), "tokens": toks.get(adapter, 0.0), "share": reqs.get(adapter, 0.0) / total if total else 0.0}
-        for adapter in sorted(set(reqs) | set(toks))
-        if reqs.get(adapter) or toks.get(adapter)
+        adapter: {
+            "requests": reqs.get(adapter, 0.0),
+            "tokens": toks.get(adapter, 0.0),
+            "share": reqs.get(adapter, 0.0) / total if total else 0.0,
+            "errors": errs.get(adapter, {}),
+        }
+        for adapter in sorted(set(reqs) | set(toks) | set(errs))
+        if reqs.get(adapter) or toks.get(adapter) or errs.get(adapter)
     }
     return {
         "seconds": b.t - a.t,

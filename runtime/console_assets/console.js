@@ -269,11 +269,16 @@
     const totals = t.totals || {};
     const by = totals.by_adapter || {};
     view.append(el("section", { class: "panel" }, el("h3", { text: "per model / adapter (last hour)" }),
-      table(["model / adapter", "requests", "tokens", "share"], Object.entries(by).map(([a, v]) => [a, fmt(v.requests), fmt(v.tokens), `${Math.round((v.share || 0) * 100)}%`]), { "data-testid": "traffic-adapters" })));
+      table(["model / adapter", "requests", "tokens", "share", "errors"], Object.entries(by).map(([a, v]) => [a, fmt(v.requests), fmt(v.tokens), `${Math.round((v.share || 0) * 100)}%`, errorsText(v.errors)]), { "data-testid": "traffic-adapters" })));
     const be = totals.errors_by_endpoint || {};
     view.append(el("section", { class: "panel" }, el("h3", { text: "errors by endpoint (last hour)" }),
       Object.keys(be).length ? table(["endpoint", "status", "count"], Object.entries(be).flatMap(([ep, codes2]) => Object.entries(codes2).map(([c, n]) => [ep, c, fmt(n)]))) : el("p", { class: "empty", text: "none" })));
     return view;
+  }
+
+  function errorsText(errors) {
+    const e = Object.entries(errors || {}).filter(([, n]) => n > 0);
+    return e.length ? e.map(([c, n]) => `${fmt(n)}× ${c}`).join(", ") : "–";
   }
 
   function rewardsText(detail) {

@@ -38,6 +38,9 @@ def test_rates_per_interval_and_totals():
         m.adapter_latency.labels("calc@1").observe(3.0)  # bucket (2.5, 5]
     m.requests.labels("/v1/chat/completions", "200").inc(40)
     m.requests.labels("/v1/chat/completions", "429").inc(3)
+    m.adapter_errors.labels("calc@1", "503").inc(2)
+    m.adapter_errors.labels("calc@1", "499").inc(1)
+    m.adapter_errors.labels("gone@3", "500").inc(1)  # an adapter that only failed is still listed
     m.requests.labels("/admin/learner", "401").inc(2)
     th.sample(now=1010.0)
     out = th.series(minutes=1, now=1010.5)  # under a second since the last snapshot: no partial point
@@ -47,11 +50,14 @@ def test_rates_per_interval_and_totals():
     assert p["by_adapter"]["base"]["requests_per_s"] == 3.0 and p["by_adapter"]["calc@1"]["tokens_per_s"] == 10.0
     assert p["by_adapter"]["base"]["latency_p50_s"] == pytest.approx(0.1 + 0.15 * 15 / 30)  # all 30 in (0.1, 0.25]
     assert p["by_adapter"]["calc@1"]["latency_p95_s"] == pytest.approx(2.5 + 2.5 * 9.5 / 10)
+    assert p["by_adapter"]["calc@1"]["errors"] == {"503": 2.0, "499": 1.0} and p["by_adapter"]["base"]["errors"] == {}
+    assert p["by_adapter"]["gone@3"]["requests_per_s"] == 0.0 and p["by_adapter"]["gone@3"]["errors"] == {"500": 1.0}
     # all 40: 30 in (0.1, 0.25], 10 in (2.5, 5]; rank 20 -> 0.1 + 0.15 * 20/30; rank 38 -> 2.5 + 2.5 * 8/10
     assert p["latency_p50_s"] == pytest.approx(0.2) and p["latency_p95_s"] == pytest.approx(4.5)
     t = out["totals"]
     assert t["requests"] == 40 and t["tokens"] == 400 and t["errors"] == {"429": 3.0, "401": 2.0}
     assert t["by_adapter"]["base"]["share"] == 0.75 and t["by_adapter"]["calc@1"]["share"] == 0.25
+    assert t["by_adapter"]["calc@1"]["errors"] == {"503": 2.0, "499": 1.0} and t["by_adapter"]["gone@3"]["share"] == 0.0
     assert t["errors_by_endpoint"] == {"/v1/chat/completions": {"429": 3.0}, "/admin/learner": {"401": 2.0}}
     # an idle interval, then the one in progress (partial)
     th.sample(now=1020.0)
@@ -78,6 +84,7 @@ def app_client(tiny_model_path, tmp_path):
 
     from learner.store import SqliteStore
     from runtime.app import create_app
+    from runtime.engine import EngineOverloaded
     from runtime.recorder import Recorder
     from runtime.settings import EngineSettings, ServerSettings
     from tests.agents._scripted import ScriptedEngine
@@ -87,7 +94,12 @@ def app_client(tiny_model_path, tmp_path):
     class Engine(ScriptedEngine):
         tokenizer = tok
 
-    engine = Engine(tok, lambda req: "four")
+    def script(req):
+        if "fail" in tok.decode(list(req.input_ids)):
+            raise EngineOverloaded("queue full", retry_after=1.0)
+        return "four"
+
+    engine = Engine(tok, script)
     recorder = Recorder(SqliteStore(tmp_path / "interactions.db"), durability="sync")
     app = create_app(ServerSettings(admin_key="adm", data_dir=tmp_path), EngineSettings(), engine, "tiny", recorder=recorder)
     with TestClient(app) as tc:
@@ -168,3 +180,18 @@ def test_admin_learner_history_length_and_a_line_being_written(app_client, tmp_p
     assert [h["version"] for h in app_client.get("/admin/learner?history=100", headers=admin).json()["data"][0]["history"]] == list(range(1, 31))
     assert "history" not in app_client.get("/admin/learner?history=0", headers=admin).json()["data"][0]
     assert app_client.get("/admin/learner?history=5000", headers=admin).status_code == 400
+
+
+def test_admin_traffic_counts_failed_model_requests_per_adapter(app_client):
+    tc = app_client
+    admin = {"authorization": "Bearer adm"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "please fail"}], "max_tokens": 4}
+    assert tc.post("/v1/chat/completions", json=body).status_code == 429
+    assert tc.post("/v1/chat/completions", json={**body, "stream": True}).status_code == 429
+    assert tc.post("/v1/chat/completions", json={**body, "model": "no-such-model"}).status_code == 404  # not an adapter's error
+    traffic = tc.app.state.traffic
+    traffic.snapshots[-1] = type(traffic.snapshots[-1])(time.time() - 5, {})
+    out = tc.get("/admin/traffic", headers=admin).json()
+    assert out["totals"]["by_adapter"]["base"]["errors"] == {"429": 2.0}
+    assert set(out["totals"]["by_adapter"]) == {"base"}
+    assert 'loopwise_adapter_errors_total{adapter="base",status="429"} 2.0' in tc.get("/metrics").text
