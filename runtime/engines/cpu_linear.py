@@ -1,53 +1,88 @@
-"""Faster fp32 ``nn.Linear`` on CPU: oneDNN prepacked weights instead of the default MKL GEMM.
+"""Faster CPU linears: oneDNN prepacked weights instead of the default GEMM, optionally several fused into one.
 
-Measured on this project's 2-core AVX2 machine (SmolLM2's 49152×576 lm_head): batch 1 5.7 ms vs 10.9 ms,
-batch 16 11.1 ms vs 28.5 ms. Decoding is dominated by these matmuls, so this is most of the engine's
-CPU speed. This is the same kernel PyTorch's inductor emits for CPU linears
-(``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``).
+Measured on this project's 2-core machines, one thread, SmolLM2's shapes:
+- fp32 (AVX2 machine, 49152×576 lm_head): batch 1 5.7 ms vs 10.9 ms, batch 16 11.1 ms vs 28.5 ms;
+- bf16 (AVX512-BF16, no AMX): batch 1 gate|up 3072×576 56 µs vs 208 µs, lm_head 2.8 ms vs 9.0 ms;
+  batch 16 down 1536→576 76 µs vs 309 µs.
+This is the kernel PyTorch's inductor emits for CPU linears (``mkldnn._reorder_linear_weight`` +
+``mkldnn._linear_pointwise``); the results equal ``F.linear``'s bit for bit on these shapes.
 
-``pack_linears(model)`` patches each eligible module's ``forward`` in place and keeps its ``weight``
-parameter, so the module is still an ``nn.Linear`` (peft can wrap it; ``state_dict`` is unchanged).
-The packed copy costs the weights' memory once more. Inference only: the packed path has no autograd.
+- ``pack([q, k, v])`` returns a ``Packed`` callable for the row-stacked weights of the given linears
+  (one GEMM for q, k and v; the caller slices the output), used by ``llama_runner``.
+- ``pack_linears(model)`` patches each eligible module's ``forward`` in place and keeps its
+  ``weight`` parameter, so the module is still an ``nn.Linear`` (LoRA sites wrap it; ``state_dict``
+  is unchanged); used by ``hf_runner``.
 
-Not here: bf16/int8 kernels (bf16 is slower than fp32 at batch > 1 on CPUs without native bf16).
+Either way the packed copy costs the weights' memory once more. Inference only: no autograd.
+
+Not here: int8 kernels, fp16.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+_PACKABLE = (torch.float32, torch.bfloat16)
 
 
 def packed_linear_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+class Packed:
+    """``y = x @ W^T + b`` for ``W`` (out, in); prepacked for oneDNN where it can be, else ``F.linear``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.bias = bias
+        self.onednn = packed_linear_available() and weight.device.type == "cpu" and weight.dtype in _PACKABLE
+        with torch.no_grad():
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.onednn else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack(modules: Sequence[nn.Linear]) -> Packed:
+    """One ``Packed`` for the linears' weights stacked by output rows (their outputs side by side)."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+        bias = None
+        if any(m.bias is not None for m in modules):
+            parts = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in modules]
+            bias = torch.cat(parts)
+    return Packed(weight.contiguous(), bias)
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Route every fp32 CPU ``nn.Linear`` in ``model`` through a prepacked oneDNN weight. Returns how many."""
+    """Route every fp32/bf16 CPU ``nn.Linear`` in ``model`` through a prepacked oneDNN weight. Returns how many."""
     if not packed_linear_available():
         log.info("oneDNN packed linear unavailable; using the default matmul")
         return 0
     count = 0
     for module in model.modules():
-        if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+        if type(module) is nn.Linear and module.weight.dtype in _PACKABLE and module.weight.device.type == "cpu":
             _pack(module)
             count += 1
     return count
 
 
 def _pack(module: nn.Linear) -> None:
-    with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
-    bias = module.bias.detach() if module.bias is not None else None
+    packed = pack([module])
 
-    def forward(x: torch.Tensor, _packed: Any = packed, _bias: Any = bias) -> torch.Tensor:
+    def forward(x: torch.Tensor, _packed: Any = packed) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:  # training through this module: the plain path
             return nn.functional.linear(x, module.weight, module.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed, _bias, "none", [], "")
+        return _packed(x)
 
     module.forward = forward  # type: ignore[method-assign]

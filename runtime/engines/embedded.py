@@ -1,17 +1,26 @@
 """The embedded engine: a transformers model in this process, with continuous batching on CPU or GPU.
 
-Architecture: one scheduler thread owns the model and the running batch. Each loop iteration it
-(1) drops cancelled requests, (2) admits waiting requests up to ``max_batch_size``, prefilling each
-one alone (exact, no padded prefill) and merging its KV into the batch, then (3) runs one decode step
-for every running row together, samples per row (temperature, top-p, seed, grammar mask, logprobs)
-and hands each request its new text through its asyncio queue. The event loop never runs model code.
+Architecture: one scheduler thread owns the model, the running batch and every torch call of the
+engine (loading included, so the process has one OpenMP thread pool; see ``_loop_forever``). Each
+loop iteration it (1) runs adapter commands, (2) admits waiting requests up to ``max_batch_size``,
+(3) drops cancelled ones, then (4) runs one forward (``runner.py``): one token for every decoding row
+plus up to ``prefill_chunk`` prompt tokens of the admitted requests, oldest first, so a long prompt is
+fed over several steps while the others keep decoding (chunked prefill). It samples per row
+(temperature, top-p, seed, grammar mask, logprobs) for the decode rows and for each prompt that
+finished, and hands each request its new text through its asyncio queue. The event loop never runs
+model code.
+
+Runners: ``llama_runner.LlamaRunner`` (fused, prepacked weights and its own KV pools; Llama, Mistral,
+Qwen2/3) when ``llama_runner.fits`` the model, else ``hf_runner.HFRunner`` (the model's own forward);
+``runner="transformers"`` forces the latter.
 
 Why not transformers' ``init_continuous_batching``/``generate_batch``: measured for this issue, it has
 one generation config for all requests (no per-request temperature, seed or grammar), returns only the
 chosen token's logprob (no top-k), and has no per-request adapter. Those are what this API promises.
 
 Concurrency invariants:
-- ``_waiting`` is guarded by ``_cv``; the scheduler thread alone touches ``_running`` and the KV batch.
+- ``_waiting`` is guarded by ``_cv``; the scheduler thread alone touches ``_running``, ``_prefilling``
+  and the runner.
 - A request's ``cancelled`` flag is written by the event loop and read by the scheduler; the flag is a
   plain bool (atomic under the GIL) and the scheduler drops the row at its next step.
 - Chunks cross threads only through ``loop.call_soon_threadsafe(queue.put_nowait, ...)``.
@@ -21,13 +30,13 @@ checks and prepares the weights on a worker thread, then attaches them on the sc
 two steps (a few dict insertions), so a load never stalls decoding for longer than that. Every forward
 names one adapter (or the base) per row, and each adapted linear adds its rows' LoRA deltas in one
 batched GEMM pair, so requests for different adapters and the base share one batch.
-- An adapter is never unloaded while a request uses it: ``_unload_adapter_now`` checks the running and
-  waiting rows and drops the name from ``_adapters`` in one ``_cv`` critical section, and ``_submit``
-  checks the name and queues the row in one too; so a row is either refused or counted. The registry
-  drains in-flight requests before it asks, so a refusal here means a caller bug; it is counted in
-  ``stats()["adapter_unloads_refused"]`` and raised.
+- An adapter is never unloaded while a request uses it: ``_unload_adapter_now`` checks the running,
+  prefilling and waiting rows and drops the name from ``_adapters`` in one ``_cv`` critical section,
+  and ``_submit`` checks the name and queues the row in one too; so a row is either refused or
+  counted. The registry drains in-flight requests before it asks, so a refusal here means a caller
+  bug; it is counted in ``stats()["adapter_unloads_refused"]`` and raised.
 
-Not here yet: prefix caching, chunked prefill.
+Not here yet: prefix caching.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import xgrammar as xgr
@@ -64,10 +73,11 @@ from runtime.engine import (
     TokenLogprob,
     collect,
 )
-from runtime.engines.cpu_linear import pack_linears
-from runtime.engines.kv_batch import BatchKV
+from runtime.engines import llama_runner
+from runtime.engines.hf_runner import HFRunner
 from runtime.engines.lora_batch import LoraBank
 from runtime.engines.lora_weights import LoraWeights, read_lora
+from runtime.engines.runner import Chunk, DecodeRow, Runner
 from runtime.engines.sampling import RowSampling, sample_next
 from runtime.engines.textstream import TextStream
 from runtime.grammar_worker import GrammarInvalid, GrammarWorker, compile_grammar
@@ -90,7 +100,7 @@ def pick_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the runner keys its KV by the sequence object
 class _Seq:
     req: GenerateRequest
     loop: asyncio.AbstractEventLoop
@@ -103,6 +113,7 @@ class _Seq:
     t_sched: float = 0.0
     t_first: float = 0.0
     generated: int = 0
+    prefilled: int = 0  # prompt tokens fed to the model so far
     last_token: int = 0
     cancelled: bool = False
     done: bool = False
@@ -124,6 +135,8 @@ class EmbeddedEngine:
         max_queue: int = 256,
         max_model_len: int | None = None,
         threads: int | None = None,
+        prefill_chunk: int = 512,
+        runner: Literal["auto", "llama", "transformers"] = "auto",
         on_step: Callable[[int], None] | None = None,
         grammar_cache_mb: int = 256,
     ) -> None:
@@ -135,11 +148,14 @@ class EmbeddedEngine:
         self._max_queue = max_queue
         self._max_model_len_cfg = max_model_len
         self._threads = threads
+        self._prefill_chunk = prefill_chunk
+        self._runner_choice = runner
         self._on_step = on_step
         self._cv = threading.Condition()
         self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
-        self._kv: BatchKV | None = None
+        self._running: list[_Seq] = []  # decoding; the scheduler thread alone touches these two lists
+        self._prefilling: list[_Seq] = []  # admitted, prompt not fully fed yet (oldest first)
+        self._runner: Runner | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._commands: deque[tuple[Callable[[], None], asyncio.Future[None]]] = deque()
@@ -173,16 +189,25 @@ class EmbeddedEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self._path)
         self.model = AutoModelForCausalLM.from_pretrained(self._path, dtype=self._dtype)
         self.model.eval()
-        if self._dtype == torch.float32:
-            log.info("packed %d linear layers for oneDNN", pack_linears(self.model))
-        self._lora = LoraBank(self.model)  # after packing: LoRA sites sit in front of the packed forwards
         cfg = self.model.config
+        limit = int(getattr(cfg, "max_position_embeddings", 2048))
+        max_len = min(self._max_model_len_cfg or limit, limit)
+        why_not = llama_runner.fits(self.model, max_len)
+        if self._runner_choice == "llama" and why_not:
+            raise EngineError(f"runner 'llama' cannot serve this model: {why_not}")
+        if self._runner_choice == "transformers" or why_not:
+            HFRunner.prepare(self.model)
+            self._lora = LoraBank(self.model)  # after packing: LoRA sites sit in front of the packed forwards
+            self._runner = HFRunner(self.model, self._lora)
+            if why_not and self._runner_choice == "auto":
+                log.info("serving through the transformers forward: %s", why_not)
+        else:
+            self._lora = LoraBank(self.model)
+            self._runner = llama_runner.LlamaRunner(self.model, self._lora, max_len)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
-        limit = int(getattr(cfg, "max_position_embeddings", 2048))
-        max_len = min(self._max_model_len_cfg or limit, limit)
         vocab = int(cfg.vocab_size)
         tok_info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=vocab, stop_token_ids=list(eos_ids))
         # the compiled-grammar cache is bounded: three 1000-branch anyOf schemas kept about 1 GB unbounded
@@ -196,7 +221,14 @@ class EmbeddedEngine:
             eos_token_ids=eos_ids,
             dtype=str(self._dtype).removeprefix("torch."),
         )
-        log.info("model loaded in %.2fs (%s, %s)", time.perf_counter() - t0, self._path, self._info.dtype)
+        log.info(
+            "model loaded in %.2fs (%s, %s, %s runner, %d threads)",
+            time.perf_counter() - t0,
+            self._path,
+            self._info.dtype,
+            self._runner.name,
+            torch.get_num_threads(),
+        )
 
     async def close(self) -> None:
         with self._cv:
@@ -313,7 +345,7 @@ class EmbeddedEngine:
         assert self._lora is not None
         with self._cv:  # same critical section as _submit's check + enqueue (module docstring)
             # a cancelled row never runs again (_drop_cancelled and admission skip it before the next forward)
-            users = sum(s.req.adapter == name for s in [*self._running, *self._waiting] if not (s.done or s.cancelled))
+            users = sum(s.req.adapter == name for s in [*self._running, *self._prefilling, *self._waiting] if not (s.done or s.cancelled))
             if users:
                 self.adapter_unloads_refused += 1
                 log.error("refused to unload adapter %s: %d request(s) still use it", name, users)
@@ -322,16 +354,10 @@ class EmbeddedEngine:
         self._lora.detach(name)
         self.adapter_unloads += 1
 
-    def _forward(self, seqs: list[_Seq], **kwargs: Any) -> Any:
-        """The model's forward, each row on its own adapter (or the base)."""
-        assert self._lora is not None
-        with self._lora.rows([s.req.adapter for s in seqs], tokens=int(kwargs["input_ids"].numel())):
-            return self.model(**kwargs)
-
     def stats(self) -> dict[str, float]:
         return {
             "waiting": float(len(self._waiting)),
-            "running": float(len(self._running)),
+            "running": float(len(self._running) + len(self._prefilling)),
             "adapters": float(len(self._adapters)),
             "adapter_unloads": float(self.adapter_unloads),
             "adapter_unloads_refused": float(self.adapter_unloads_refused),
@@ -372,7 +398,7 @@ class EmbeddedEngine:
         with self._cv:  # the adapter check and the enqueue in one step: an unload can't slip in between
             if req.adapter is not None and req.adapter not in self._adapters:
                 raise AdapterError(f"adapter {req.adapter!r} is not loaded")
-            free_slots = max(0, self._max_batch - len(self._running))  # those go straight into the batch, not the queue
+            free_slots = max(0, self._max_batch - len(self._running) - len(self._prefilling))  # those go straight into the batch
             if len(self._waiting) >= self._max_queue + free_slots:
                 raise EngineOverloaded(
                     f"server overloaded: {len(self._waiting)} requests waiting (max_queue={self._max_queue})",
@@ -400,7 +426,7 @@ class EmbeddedEngine:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not self._stopping and not self._waiting and not self._running and not self._commands:
+                    while not self._stopping and not self._waiting and not self._busy() and not self._commands:
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -411,23 +437,28 @@ class EmbeddedEngine:
                     self._run_command(fn, fut)
                 with self._cv:
                     admitted: list[_Seq] = []
-                    while self._waiting and len(self._running) + len(admitted) < self._max_batch:
+                    while self._waiting and len(self._running) + len(self._prefilling) + len(admitted) < self._max_batch:
                         seq = self._waiting.popleft()
                         if not seq.cancelled:
                             admitted.append(seq)
                 try:
                     self._drop_cancelled()
                     for seq in admitted:
-                        self._prefill(seq)
-                    if self._running:
-                        self._decode_step()
-                except Exception as exc:  # the model raised: fail every running request, keep serving
-                    log.exception("engine step failed; failing %d running requests", len(self._running))
-                    for seq in self._running:
+                        self._admit(seq)
+                    if self._busy():
+                        self._step()
+                except Exception as exc:  # the model raised: fail every admitted request, keep serving
+                    log.exception("engine step failed; failing %d requests", len(self._running) + len(self._prefilling))
+                    for seq in [*self._running, *self._prefilling]:
                         seq.send(EngineError(f"generation failed: {type(exc).__name__}"))
-                    self._running, self._kv = [], None
-        for seq in [*self._running, *self._waiting]:
+                    self._running, self._prefilling = [], []
+                    assert self._runner is not None
+                    self._runner.reset()
+        for seq in [*self._running, *self._prefilling, *self._waiting]:
             seq.send(EngineClosed("engine shut down"))
+
+    def _busy(self) -> bool:
+        return bool(self._running or self._prefilling)
 
     @staticmethod
     def _run_command(fn: Callable[[], None], fut: asyncio.Future[None]) -> None:
@@ -439,58 +470,50 @@ class EmbeddedEngine:
             return
         loop.call_soon_threadsafe(settle, fut, None)
 
-    def _drop_cancelled(self) -> None:
-        keep = [i for i, s in enumerate(self._running) if not s.cancelled]
-        if len(keep) != len(self._running):
-            self._running = [self._running[i] for i in keep]
-            assert self._kv is not None
-            self._kv.keep(keep)
-
-    def _prefill(self, seq: _Seq) -> None:
+    def _admit(self, seq: _Seq) -> None:
+        assert self._runner is not None
         seq.t_sched = time.perf_counter()
-        ids = torch.tensor([seq.req.input_ids], dtype=torch.long)  # (1, T)
-        kv = BatchKV(self.model.config.num_hidden_layers)
-        out = self._forward(
-            [seq],
-            input_ids=ids,
-            position_ids=torch.arange(ids.shape[1])[None, :],
-            cache=kv.as_cache(),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        kv.advance(ids.shape[1], torch.ones_like(ids))
-        if self._on_step is not None:
-            self._on_step(1)
-        finished = self._sample_and_emit([seq], out.logits[:, -1, :])
-        if finished[0]:
-            return
-        if self._kv is None or self._kv.rows == 0:
-            self._kv = kv
-        else:
-            self._kv.merge(kv)
-        self._running.append(seq)
+        self._runner.begin(seq, len(seq.req.input_ids))
+        self._prefilling.append(seq)
 
-    def _decode_step(self) -> None:
-        kv = self._kv
-        assert kv is not None and kv.rows == len(self._running)
-        ids = torch.tensor([[s.last_token] for s in self._running], dtype=torch.long)  # (B, 1)
-        ones = torch.ones_like(ids)
-        out = self._forward(
-            self._running,
-            input_ids=ids,
-            attention_mask=torch.cat([kv.mask, ones], dim=1),  # (B, length + 1)
-            position_ids=kv.positions[:, None],
-            cache=kv.as_cache(),
-            use_cache=True,
-        )
-        kv.advance(1, ones)
+    def _drop_cancelled(self) -> None:
+        assert self._runner is not None
+        for seqs in (self._running, self._prefilling):
+            gone = [s for s in seqs if s.cancelled]
+            for seq in gone:
+                self._runner.release(seq)
+            if gone:
+                seqs[:] = [s for s in seqs if not s.cancelled]
+
+    def _step(self) -> None:
+        """One forward: a token for every decoding row, and up to ``prefill_chunk`` prompt tokens (oldest prompt first)."""
+        assert self._runner is not None
+        decode = [DecodeRow(s, s.last_token, s.req.adapter) for s in self._running]
+        chunks: list[Chunk] = []
+        budget = self._prefill_chunk
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            ids = seq.req.input_ids
+            n = min(budget, len(ids) - seq.prefilled)
+            chunks.append(Chunk(seq, ids[seq.prefilled : seq.prefilled + n], seq.prefilled, seq.req.adapter, seq.prefilled + n == len(ids)))
+            budget -= n
+        logits = self._runner.step(decode, chunks)
+        for c in chunks:
+            c.key.prefilled = c.start + len(c.ids)  # type: ignore[attr-defined]
+        joined = [c.key for c in chunks if c.last]
+        sampled: list[_Seq] = [*self._running, *joined]  # type: ignore[list-item]
+        if not sampled:  # only a part of a long prompt ran
+            return
         if self._on_step is not None:
-            self._on_step(len(self._running))
-        finished = self._sample_and_emit(self._running, out.logits[:, -1, :])
-        keep = [i for i, f in enumerate(finished) if not f]
-        if len(keep) != len(self._running):
-            self._running = [self._running[i] for i in keep]
-            kv.keep(keep)
+            self._on_step(len(sampled))
+        finished = self._sample_and_emit(sampled, logits)
+        if joined:
+            self._prefilling = [s for s in self._prefilling if s not in joined]
+        for seq, done in zip(sampled, finished, strict=True):
+            if done:
+                self._runner.release(seq)
+        self._running = [s for s, done in zip(sampled, finished, strict=True) if not done]
 
     def _sample_and_emit(self, seqs: list[_Seq], logits: torch.Tensor) -> list[bool]:
         """Sample one token for each of ``seqs`` from ``logits`` (B, V); emit; return which finished."""

@@ -20,11 +20,13 @@ are skipped with the reason (vLLM not installed, or left to ``make test-engines`
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.fakes.sglang_process import FakeSGLang
 from tests.runtime._vllm import ENGINES, VLLMServer, skip_reason
@@ -103,3 +105,22 @@ def start_backend_server(backend: str, start_server: Callable[..., Any], request
 def served(start_backend_server: Callable[..., Any]) -> Any:
     """The shared tiny-model server on each backend, for the read-only chat/streaming/tools tests."""
     return start_backend_server()
+
+
+@pytest.fixture(scope="session")
+def ctx_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with re-drawn weights (std 0.3 projections, std 1 embeddings): output depends on context."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("ctx-tiny")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else 0.3))
+    model.save_pretrained(out)
+    for f in tiny_model_path.iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, out / f.name)
+    return out

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -162,23 +161,6 @@ PROMPTS = [
     "1 + 2 = 3; what is the time now in London",
 ]
 MAX_NEW = [12, 20, 4, 9]  # the longest prompt finishes first: its padding columns get trimmed
-
-
-@pytest.fixture(scope="module")
-def ctx_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with re-drawn weights (std 0.3 projections, std 1 embeddings): output depends on context."""
-    out = tmp_path_factory.mktemp("ctx-tiny")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else 0.3))
-    model.save_pretrained(out)
-    for f in tiny_model_path.iterdir():
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, out / f.name)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,151 @@
+"""The embedded engine's runners against the definition: logits equal the model's full forward over each sequence so far.
+
+A small scheduler drives a runner the way the engine does (prompts in chunks under a token budget,
+mixed with decode rows; rows leaving; a row outgrowing its KV pool), and every step's logits are
+compared with ``model(input_ids=<the whole sequence>)``'s last position: any wrong KV column, position,
+mask or row mix-up shows as a different number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from runtime.engines.hf_runner import HFRunner
+from runtime.engines.llama_runner import LlamaRunner, fits
+from runtime.engines.lora_batch import LoraBank
+from runtime.engines.runner import Chunk, DecodeRow
+
+PROMPTS = (5, 23, 40, 3)  # prompt lengths; the 40-token one goes past the first pool (cap 8) while prefilled
+NEW = (12, 6, 9, 30)  # tokens each generates; the 3-token prompt grows through the 8- and 32-token pools
+BUDGET = 16  # prompt tokens per step
+
+
+def _model(path: Path, dtype: torch.dtype) -> Any:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _runner(kind: str, model: Any) -> Any:
+    if kind == "transformers":
+        HFRunner.prepare(model)
+        return HFRunner(model, LoraBank(model))
+    return LlamaRunner(model, LoraBank(model), max_len=2048, first_cap=8)
+
+
+def _drive(runner: Any, check: Callable[[torch.Tensor, list[int], str], None], vocab: int) -> None:
+    """Run every prompt to completion, greedy; ``check(logits_row, sequence_so_far, where)`` sees every logits row."""
+    g = torch.Generator().manual_seed(1)
+    seqs = [
+        {"key": i, "ids": torch.randint(3, vocab, (n,), generator=g).tolist(), "fed": 0, "out": [], "new": m}
+        for i, (n, m) in enumerate(zip(PROMPTS, NEW, strict=True))
+    ]
+    waiting = list(seqs)
+    prefilling: list[dict] = []
+    running: list[dict] = []
+    checked = 0
+    step = 0
+    with torch.inference_mode():
+        while waiting or prefilling or running:
+            if waiting and (step % 3 == 0 or not (prefilling or running)):  # arrivals spread over the steps
+                seq = waiting.pop(0)
+                runner.begin(seq["key"], len(seq["ids"]))
+                prefilling.append(seq)
+            step += 1
+            chunks, budget = [], BUDGET
+            for seq in prefilling:
+                n = min(budget, len(seq["ids"]) - seq["fed"])
+                if n <= 0:
+                    break
+                chunks.append((seq, Chunk(seq["key"], seq["ids"][seq["fed"] : seq["fed"] + n], seq["fed"], None, seq["fed"] + n == len(seq["ids"]))))
+                budget -= n
+            decode = [DecodeRow(s["key"], s["out"][-1], None) for s in running]
+            logits = runner.step(decode, [c for _, c in chunks])
+            for seq, c in chunks:
+                seq["fed"] += len(c.ids)
+            joined = [seq for seq, c in chunks if c.last]
+            prefilling = [s for s in prefilling if s not in joined]
+            sampled = [*running, *joined]
+            assert logits.shape == (len(sampled), vocab)
+            for row, seq in zip(logits, sampled, strict=True):
+                check(row, seq["ids"] + seq["out"], f"step {step}, sequence {seq['key']}")
+                seq["out"].append(int(row.argmax()))
+                checked += 1
+            running = []
+            for seq in sampled:
+                if len(seq["out"]) >= seq["new"]:
+                    runner.release(seq["key"])
+                else:
+                    running.append(seq)
+    assert checked == sum(NEW)
+
+
+def _last(model: Any, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("kind", ["llama", "transformers"])
+def test_runner_logits_equal_the_full_forward_fp32(ctx_model_path: Path, kind: str) -> None:
+    model = _model(ctx_model_path, torch.float32)
+    runner = _runner(kind, _model(ctx_model_path, torch.float32))
+
+    def check(row: torch.Tensor, ids: list[int], where: str) -> None:
+        torch.testing.assert_close(row, _last(model, ids), rtol=1e-4, atol=1e-4, msg=lambda m: f"{where}: {m}")
+
+    _drive(runner, check, model.config.vocab_size)
+
+
+def test_llama_runner_bf16_is_as_close_to_fp32_as_the_bf16_forward(ctx_model_path: Path) -> None:
+    """bf16 rounds differently when the same numbers are computed in other GEMM shapes (a chunk vs the
+    whole sequence), so the bf16 runner is held to the standard of transformers' own bf16 forward: its
+    distance from the fp32 logits is of the same size. A wrong KV column or position is off by the
+    logits' whole scale (order 10 on this context-sensitive model)."""
+    ref32, ref16 = _model(ctx_model_path, torch.float32), _model(ctx_model_path, torch.bfloat16)
+    runner = _runner("llama", _model(ctx_model_path, torch.bfloat16))
+    ours, theirs, scale = [], [], []
+
+    def check(row: torch.Tensor, ids: list[int], where: str) -> None:
+        truth = _last(ref32, ids)
+        ours.append(float((row.float() - truth).abs().max()))
+        theirs.append(float((_last(ref16, ids) - truth).abs().max()))
+        scale.append(float(truth.abs().max()))
+
+    _drive(runner, check, ref32.config.vocab_size)
+    assert min(scale) > 2.0
+    assert sum(ours) / len(ours) <= 2 * sum(theirs) / len(theirs), (ours, theirs)
+    assert max(ours) <= 3 * max(theirs), (max(ours), max(theirs))
+
+
+def test_released_rows_do_not_change_the_others(ctx_model_path: Path) -> None:
+    """A finished row's columns are zeroed, so a NaN it left behind never reaches a row reusing its place."""
+    model = _model(ctx_model_path, torch.float32)
+    runner = _runner("llama", model)
+    with torch.inference_mode():
+        runner.begin("a", 4)
+        runner.begin("b", 4)
+        runner.step([], [Chunk("a", [5, 6, 7, 8], 0, None, True), Chunk("b", [9, 10, 11, 12], 0, None, True)])
+        pool, row = runner.kv.where["a"]
+        for i in range(len(runner.layers)):
+            pool.k[i][row, :, :4] = float("nan")
+            pool.v[i][row, :, :4] = float("nan")
+        runner.release("a")
+        runner.begin("c", 3)
+        logits = runner.step([DecodeRow("b", 13, None)], [Chunk("c", [14, 15, 16], 0, None, True)])
+        logits = runner.step([DecodeRow("b", 17, None), DecodeRow("c", 18, None)], [])
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits[1], model(input_ids=torch.tensor([[14, 15, 16, 18]])).logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_fits_names_what_it_cannot_serve(ctx_model_path: Path) -> None:
+    model = _model(ctx_model_path, torch.float32)
+    assert fits(model, 2048) is None
+    model.config.sliding_window = 512
+    assert "sliding window" in (fits(model, 2048) or "")
+    assert fits(model, 256) is None  # the window never binds within a 256-token context
+    model.config.sliding_window = None
+    model.config.hidden_act = "gelu"
+    assert "hidden_act" in (fits(model, 2048) or "")
