@@ -51,14 +51,12 @@ def filled(runner, batch: int, context: int, vocab: int):
     from runtime.engines.runner import Chunk, DecodeRow
 
     g = torch.Generator().manual_seed(0)
-    rows = []
+    prompts = [torch.randint(3, vocab, (context,), generator=g).tolist() for _ in range(batch)]
     with torch.inference_mode():
         for b in range(batch):
-            ids = torch.randint(3, vocab, (context,), generator=g).tolist()
             runner.begin(b, context)
-            runner.step([], [Chunk(b, ids, 0, None, True)])
-            rows.append(DecodeRow(b, int(ids[-1]), None))
-    return rows
+        runner.step([], [Chunk(b, ids, 0, None, True) for b, ids in enumerate(prompts)])
+    return [DecodeRow(b, ids[-1], None) for b, ids in enumerate(prompts)]
 
 
 def step(runner, rows):

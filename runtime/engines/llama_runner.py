@@ -143,9 +143,9 @@ class LlamaRunner:
             self.kv.make_room(row.key)
         by_key = {row.key: row for row in decode}
         pools = self.kv.active()
+        if len(by_key) != len(decode) or len(decode) != sum(p.rows for p in pools) or any(k not in by_key for p in pools for k in p.owners):
+            raise RuntimeError("every joined sequence decodes in every step: the decode rows and the KV pools disagree")
         order: list[DecodeRow] = [by_key[k] for p in pools for k in p.owners]  # the forward's decode order: pool by pool
-        if len(order) != len(decode):
-            raise RuntimeError("decode rows and the KV pools disagree")
         ids: list[int] = [r.token for r in order]
         positions: list[int] = [n for p in pools for n in p.lengths]
         for c in chunks:
