@@ -72,7 +72,7 @@ def test_ast_scanner_sees_plain_relative_and_nested_imports(tmp_path: Path) -> N
         "import json\nfrom . import util\nfrom ..base import Tool\ndef f():\n    from runtime.engine import Grammar\n    import agents.loop as al\n"
     )
     assert imported_modules(mod, tmp_path) == {"json", "tools.web.util", "tools.base", "runtime.engine", "agents.loop"}
-    assert {"runtime.engine", "runtime.engines.kv_batch", "torch", "xgrammar"} <= imported_modules(ROOT / "runtime/engines/embedded.py")
+    assert {"runtime.engine", "runtime.engines.runner", "torch", "xgrammar"} <= imported_modules(ROOT / "runtime/engines/embedded.py")
 
 
 def test_runtime_never_imports_agents_memory_or_tools() -> None:
