@@ -98,6 +98,10 @@ class TrainerConfig(BaseModel):
     seed: int = Field(0, description="seeds LoRA init, dropout and the RNGs saved in checkpoints")
     threads: int | None = Field(1, ge=1, description="torch CPU threads for training (None = torch's default); keep low so serving keeps its cores")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="base weights dtype; auto = bf16 on a GPU that supports it, else fp32")
+    autocast: Literal["off", "bfloat16"] = Field(
+        "off",
+        description="run the forward's matmuls in bf16 under torch.autocast while the weights (the LoRA master weights included) stay in dtype",
+    )
     device: str = Field("auto", description="torch device; auto = cuda when available, else cpu")
     progress: bool = Field(True, description="show a tqdm bar over the micro-batches of a step")
     keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep (older ones are deleted after a new one is complete)")

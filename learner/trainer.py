@@ -277,9 +277,14 @@ class LoRATrainer:
     def _logprobs(self, t: Mapping[str, torch.Tensor], *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs of the output tokens (B, T) under the current model (adapter state as set by the caller)."""
         t_out = t["mask"].shape[1]
-        out = self.model(
-            input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], logits_to_keep=t_out + 1, use_cache=False
-        )
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bfloat16"):
+            out = self.model(
+                input_ids=t["input_ids"],
+                attention_mask=t["attention_mask"],
+                position_ids=t["position_ids"],
+                logits_to_keep=t_out + 1,
+                use_cache=False,
+            )
         # out.logits: (B, T+1, V) for positions L-T-1 .. L-1; the last one predicts past the end → drop it
         logits = out.logits[:, :-1, :].float() / t["temps"][:, None, None]  # (B, T, V)
         allowed = t.get("allowed")
