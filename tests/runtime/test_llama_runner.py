@@ -140,6 +140,25 @@ def test_released_rows_do_not_change_the_others(ctx_model_path: Path) -> None:
     torch.testing.assert_close(logits[1], model(input_ids=torch.tensor([[14, 15, 16, 18]])).logits[0, -1], rtol=1e-4, atol=1e-4)
 
 
+def test_a_row_gone_nan_fails_only_itself(ctx_model_path: Path) -> None:
+    """A live row whose KV holds NaN (as a broken adapter leaves it) shares its pool's batched attention
+    with the others: its logits are NaN (the engine fails that request), the others' equal the full forward."""
+    model = _model(ctx_model_path, torch.float32)
+    runner = _runner("llama", model)
+    with torch.inference_mode():
+        for key in ("a", "b", "c"):
+            runner.begin(key, 4)
+        runner.step([], [Chunk(k, [5 + i, 6, 7, 8], 0, None, True) for i, k in enumerate("abc")])
+        pool, row = runner.kv.where["b"]
+        assert all(runner.kv.where[k][0] is pool for k in "ac")  # one pool: one batched GEMM for the three
+        for i in range(len(runner.layers)):
+            pool.v[i][row, :, 1] = float("nan")
+        logits = runner.step([DecodeRow(k, 20, None) for k in "abc"], [])
+    assert torch.isnan(logits[1]).all()
+    for i in (0, 2):
+        torch.testing.assert_close(logits[i], model(input_ids=torch.tensor([[5 + i, 6, 7, 8, 20]])).logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
 def test_fits_names_what_it_cannot_serve(ctx_model_path: Path) -> None:
     model = _model(ctx_model_path, torch.float32)
     assert fits(model, 2048) is None
