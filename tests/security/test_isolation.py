@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 
+import pytest
 import torch
 
 from runtime.engines.sampling import MIN_TEMPERATURE, RowSampling, sample_next
@@ -70,19 +71,24 @@ def test_a_bad_temperature_fails_no_concurrent_request(tiny_model_path) -> None:
     assert all(len(r.output_ids) == 6 for r in results)
 
 
-def test_nan_logits_fail_only_their_own_request(tiny_model_path, monkeypatch) -> None:
-    """A row whose logits are NaN (as a NaN adapter produces) fails with an engine error; the others finish."""
+@pytest.mark.parametrize("runner", ["llama", "transformers"])
+def test_nan_logits_fail_only_their_own_request(tiny_model_path, monkeypatch, runner: str) -> None:
+    """A row whose logits are NaN (as a NaN adapter produces) fails with an engine error; the others finish, on either runner."""
     from runtime.engine import EngineError, GenerateRequest, SamplingParams
     from runtime.engines.embedded import EmbeddedEngine
+    from runtime.engines.hf_runner import HFRunner
+    from runtime.engines.llama_runner import LlamaRunner
 
-    engine = EmbeddedEngine(tiny_model_path, model_id="tiny", dtype="float32")
-    real_forward = EmbeddedEngine._forward
+    engine = EmbeddedEngine(tiny_model_path, model_id="tiny", dtype="float32", runner=runner)
+    cls = LlamaRunner if runner == "llama" else HFRunner
+    real_step = cls.step
 
-    def poisoned(self, seqs, **kwargs):
-        out = real_forward(self, seqs, **kwargs)
-        for i, s in enumerate(seqs):
-            if s.req.request_id == "poisoned":
-                out.logits[i] = float("nan")
+    def poisoned(self, decode, chunks):
+        out = real_step(self, decode, chunks)  # rows: the decode rows, then each prompt's last chunk
+        keys = [r.key for r in decode] + [c.key for c in chunks if c.last]
+        for i, seq in enumerate(keys):
+            if seq.req.request_id == "poisoned":
+                out[i] = float("nan")
         return out
 
     async def go() -> list:
@@ -94,7 +100,7 @@ def test_nan_logits_fail_only_their_own_request(tiny_model_path, monkeypatch) ->
         finally:
             await engine.close()
 
-    monkeypatch.setattr(EmbeddedEngine, "_forward", poisoned)
+    monkeypatch.setattr(cls, "step", poisoned)
     results = asyncio.run(go())
     assert isinstance(results[1], EngineError) and "non-finite" in str(results[1])
     assert [len(r.output_ids) for r in (results[0], results[2])] == [5, 5]
