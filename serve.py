@@ -121,7 +121,11 @@ def start_learner(settings: Settings, server: ServerSettings, model_path: Path, 
     ]  # fmt: skip
     if ls.config is not None:
         cmd += ["--config", str(ls.config)]
+    if settings.adapters.adapter_root is not None:
+        cmd += ["--adapter-root", str(settings.adapters.adapter_root)]
     env = {**os.environ, "LOOPWISE_ADMIN_KEY": server.admin_key or "", "LOOPWISE_LEARNER_PARENT": str(os.getpid())}
+    if settings.recorder.store:
+        env["LOOPWISE_STORE"] = settings.recorder.store  # in the environment, not the command line: a URL may hold a password
     # its lines in our format, relayed through our stderr (our stdout carries the announce line): a live status line stays whole
     env |= {logs.ENV_FORMAT: log_format, logs.ENV_COLORS: "1" if log_format == "console" and sys.stderr.isatty() else "0"}
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -243,11 +247,19 @@ def main(argv: list[str] | None = None) -> None:
     holder["m"] = Metrics(engine.stats)
     recorder = None
     if settings.recorder.record:
-        from learner.store import SqliteStore, db_path
+        from learner.store import db_path, is_postgres_url, open_store
         from runtime.recorder import Recorder
 
-        store = SqliteStore(db_path(server.data_dir), synchronous_full=settings.recorder.durability == "sync")
-        recorder = Recorder(store, durability=settings.recorder.durability, queue_size=settings.recorder.queue_size, metrics=holder["m"])
+        spec = settings.recorder.store or db_path(server.data_dir)
+        try:
+            store = open_store(spec, synchronous_full=settings.recorder.durability == "sync")
+        except ConnectionError as exc:
+            sys.exit(f"error: {exc}")
+        # a database server's store journals what it refuses here, in this runtime's own data folder
+        journal = Path(server.data_dir) / "interactions.journal" if is_postgres_url(spec) else None
+        recorder = Recorder(
+            store, durability=settings.recorder.durability, queue_size=settings.recorder.queue_size, metrics=holder["m"], journal=journal
+        )
     if settings.learner.enabled and not server.admin_key:
         # the learner reaches the runtime over the admin API: give it a key that only it holds
         from runtime.store_routes import InternalKey

@@ -4,11 +4,12 @@
 
 runs ``learner.service.LearnerService`` (see there); ``serve.py`` starts it unless ``--no-learner``.
 
-    python -m learner export --format jsonl [--data-dir .data] [--db PATH] [--out FILE|-] [--since ISO-or-unix] [--rewarded]
+    python -m learner export --format jsonl [--data-dir .data] [--db PATH | --store URL] [--out FILE|-] [--since ISO-or-unix] [--rewarded]
 
-writes one JSON object per recorded turn (``SqliteStore.iter_samples``, in insertion order) to
-``--out`` (default ``-``, stdout) and the count to stderr. The store is ``--db`` or, by default,
-``<data-dir>/interactions.db``; a missing store is an error (export never creates one). ``--since``
+writes one JSON object per recorded turn (``iter_samples`` of the store, in insertion order) to
+``--out`` (default ``-``, stdout) and the count to stderr. The store is ``--store`` (a
+``postgresql://`` URL, or a file path), ``--db`` or, by default, ``<data-dir>/interactions.db``; a
+missing SQLite file is an error (export never creates one). ``--since``
 takes Unix seconds (``1767225600``) or an ISO 8601 time (``2026-01-01T00:00:00``; without a UTC
 offset it is read as UTC) and keeps turns created at or after it. ``--rewarded`` keeps turns with a
 reward on them or on their trajectory.
@@ -55,7 +56,7 @@ import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
 
-from learner.store import DEFAULT_DB_NAME, SqliteStore, db_path
+from learner.store import DEFAULT_DB_NAME, SqliteStore, db_path, is_postgres_url, open_store
 
 FORMATS = ("jsonl",)
 
@@ -82,12 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", required=True, help="output format; only 'jsonl' for now")
     ex.add_argument("--data-dir", type=Path, default=Path(".data"), help="data directory (default .data)")
     ex.add_argument("--db", type=Path, default=None, help=f"store file (default <data-dir>/{DEFAULT_DB_NAME})")
+    ex.add_argument("--store", default=os.environ.get("LOOPWISE_STORE"), help="the store: a postgresql:// URL (or LOOPWISE_STORE), else --db")
     ex.add_argument("--out", default="-", help="output file, or - for stdout (default)")
     ex.add_argument("--since", type=parse_time, default=None, help="only turns created at/after this (Unix seconds or ISO 8601, naive = UTC)")
     ex.add_argument("--rewarded", action="store_true", help="only turns with a reward on them or on their trajectory")
     run = sub.add_parser("run", help="the learner process: train an adapter family on rewarded agent runs, publish, gate, A/B")
     run.add_argument("--data-dir", type=Path, default=Path(".data"), help="the server's data directory (store, adapters)")
     run.add_argument("--admin-url", default="http://127.0.0.1:8000", help="the runtime's base URL")
+    run.add_argument(
+        "--store",
+        default=os.environ.get("LOOPWISE_STORE"),
+        help="the interaction store: a postgresql:// URL (or LOOPWISE_STORE); default <data-dir>/interactions.db",
+    )
+    run.add_argument(
+        "--adapter-root", type=Path, default=None, help="where to publish adapters (a folder every runtime reads; default <data-dir>/adapters)"
+    )
     run.add_argument("--admin-key", default=os.environ.get("LOOPWISE_ADMIN_KEY"), help="the runtime's admin key (or LOOPWISE_ADMIN_KEY)")
     run.add_argument("--base-model", type=Path, required=True, help="the served base model's folder")
     run.add_argument("--family", default="calc-lora", help="adapter family to train (published as family@N)")
@@ -148,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     service = LearnerService(
         ServiceConfig(
             data_dir=args.data_dir,
+            store=args.store,
+            adapter_root=args.adapter_root,
             admin_url=args.admin_url,
             admin_key=args.admin_key,
             base_model=args.base_model,
@@ -178,11 +190,20 @@ def export(args: argparse.Namespace) -> int:
     if args.format not in FORMATS:
         print(f"error: unsupported export format {args.format!r}; supported: {', '.join(FORMATS)}", file=sys.stderr)
         return 2
-    path = args.db if args.db is not None else db_path(args.data_dir)
-    if not path.is_file():
-        print(f"error: no interaction store at {path}", file=sys.stderr)
-        return 2
-    store = SqliteStore(path)
+    spec = args.store if args.store else (args.db if args.db is not None else db_path(args.data_dir))
+    if is_postgres_url(spec):
+        try:
+            store = open_store(spec)
+        except ConnectionError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        path = store.display_url
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            print(f"error: no interaction store at {path}", file=sys.stderr)
+            return 2
+        store = SqliteStore(path)
     out = sys.stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
     n = 0
     try:

@@ -53,7 +53,7 @@ from learner.publish import MANIFEST_FILE, AdminError, RuntimeAdmin, adapter_pat
 from learner.records import Trajectory
 from learner.rerollout import BranchRunner, PointRuns, counterfactual_scores, plan_rtpo, refresh_point, rtpo_estimator_input, tcpo_branch_points
 from learner.samples import Cursor, Sample, SkipCounts, collect_samples, trajectory_samples
-from learner.store import SqliteStore, db_path
+from learner.store import db_path, open_store
 from learner.update import checkpoint_and_publish, estimate
 
 log = structlog.get_logger(__name__)
@@ -105,6 +105,7 @@ class ServiceConfig:
     gate_tolerance: float = 0.05
     ab_min_samples: int = 64
     ab_max_samples: int | None = 256  # an undecided experiment ends here (the champion stays), so training goes on being published
+    store: str | None = None  # the interaction store's URL or file (default <data-dir>/interactions.db)
 
 
 @dataclass
@@ -131,7 +132,7 @@ class LearnerService:
         self.dir = learner_dir(cfg.data_dir, self.family)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.adapter_root = cfg.adapter_root or Path(cfg.data_dir) / "adapters"
-        self.store = SqliteStore(db_path(cfg.data_dir))
+        self.store = open_store(cfg.store or db_path(cfg.data_dir))
         self.admin = RuntimeAdmin(cfg.admin_url, cfg.admin_key)
         self.status = Status(self.family)
         self._trainer: Any = None  # built on the first update: idle learners hold no model

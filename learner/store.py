@@ -28,9 +28,11 @@ What it does:
   table, ``secure_delete`` overwrites the freed content, and ``delete_session`` truncates the WAL
   (``wal_checkpoint(TRUNCATE)``) so no copy of the deleted pages is left in the ``-wal`` file.
 
-What it doesn't do: Postgres (not yet). The public method set of ``SqliteStore`` is the interface
-a Postgres store would implement (same tables and columns, BYTEA for the packed arrays). It does not
-build training batches either: ``iter_samples`` yields plain per-turn dicts (also what
+- ``open_store(spec)``: the store a ``--store`` value names: a ``postgresql://`` URL opens
+  ``learner.store_pg.PostgresStore`` (same public methods, same tables and columns, BYTEA for the packed
+  arrays), anything else is an SQLite file path.
+
+What it doesn't do: build training batches: ``iter_samples`` yields plain per-turn dicts (also what
 ``python -m learner export`` writes).
 """
 
@@ -61,7 +63,20 @@ def db_path(data_dir: Path) -> Path:
     return Path(data_dir) / DEFAULT_DB_NAME
 
 
-__all__ = ["SchemaTooNew", "SqliteStore", "UnknownTarget", "db_path", "migrate"]
+__all__ = ["SchemaTooNew", "SqliteStore", "UnknownTarget", "db_path", "is_postgres_url", "migrate", "open_store"]
+
+
+def is_postgres_url(spec: object) -> bool:
+    return isinstance(spec, str) and spec.startswith(("postgresql://", "postgres://"))
+
+
+def open_store(spec: str | Path, *, synchronous_full: bool = False) -> Any:
+    """The interaction store ``spec`` names: a ``postgresql://`` (or ``postgres://``) URL, else an SQLite file path."""
+    if is_postgres_url(spec):
+        from learner.store_pg import PostgresStore  # psycopg is imported only for a PostgreSQL store
+
+        return PostgresStore(spec, synchronous_full=synchronous_full)
+    return SqliteStore(Path(spec), synchronous_full=synchronous_full)
 
 
 class SchemaTooNew(RuntimeError):
@@ -202,6 +217,15 @@ def _v5_owners(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE UNIQUE INDEX rewards_idempotency ON rewards (owner, idempotency_key) WHERE idempotency_key IS NOT NULL")
 
 
+def _v6_registry(conn: sqlite3.Connection) -> None:
+    # The adapter registry's shared state (runtime/registry_sync.py): the adapter versions every runtime on this
+    # store loads, and the family aliases, so several runtimes agree on what a family name serves.
+    conn.execute(
+        """CREATE TABLE registry (kind TEXT NOT NULL CHECK (kind IN ('adapter', 'alias')), name TEXT NOT NULL,
+                                  value TEXT NOT NULL, updated_at REAL NOT NULL, PRIMARY KEY (kind, name))"""
+    )
+
+
 # MIGRATIONS[i] takes a database from version i to version i + 1 (version 0 = an empty file).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v1_initial,
@@ -209,6 +233,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v3_experiments,
     _v4_trajectory_meta,
     _v5_owners,
+    _v6_registry,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -335,6 +360,7 @@ class SqliteStore:
     """The interaction store on one SQLite file. See the module docstring."""
 
     _turn_row = staticmethod(turn_row)  # a Turn → the row to insert (the ingest benchmark swaps in JSON)
+    shared = False  # one runtime writes this file: its recorder's recent-turn index is authoritative
 
     def __init__(self, path: Path, *, synchronous_full: bool = False) -> None:
         self.path = Path(path)
@@ -783,6 +809,27 @@ class SqliteStore:
             if total > 0:
                 tps.append((n_bytes // 4) / total)
         return {"rewards": rewards, "latency_s": latency, "tokens_per_s": tps}
+
+    # ---- the adapter registry's shared state ---------------------------------------------------
+    def save_registry(self, kind: str, name: str, value: dict[str, Any] | None) -> None:
+        """Set (or with ``value=None`` remove) one registry entry: ``kind`` ``adapter`` (``family@N`` → its path and
+        hash) or ``alias`` (family → ``{"target": "family@N"}``)."""
+        with self._write() as conn:
+            if value is None:
+                conn.execute("DELETE FROM registry WHERE kind = ? AND name = ?", (kind, name))
+            else:
+                conn.execute(
+                    """INSERT INTO registry (kind, name, value, updated_at) VALUES (?, ?, ?, ?)
+                       ON CONFLICT(kind, name) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at""",
+                    (kind, name, _json(value), time.time()),
+                )
+
+    def load_registry(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Every registry entry: ``{"adapter": {name: value}, "alias": {family: value}}``."""
+        out: dict[str, dict[str, dict[str, Any]]] = {"adapter": {}, "alias": {}}
+        for kind, name, value in self._conn().execute("SELECT kind, name, value FROM registry ORDER BY updated_at, name"):
+            out[kind][name] = json.loads(value)
+        return out
 
     def integrity_check(self) -> str:
         rows = self._conn().execute("PRAGMA integrity_check").fetchall()

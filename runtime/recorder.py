@@ -27,7 +27,11 @@ turn of the same session has that continuation key and no successor yet, the req
 turn of that trajectory; if the turn already has a successor (the client went back and branched, or
 regenerated), or nothing matches (an edited earlier message), a new trajectory starts, linked by
 ``parent_turn_id`` where there is a parent. Of ``n`` choices, choice 0 continues the trajectory and
-the others open sibling trajectories.
+the others open sibling trajectories. On a store that other runtimes write too (``store.shared``:
+PostgreSQL), the lookup always asks the store, so a session's next turn may land on any runtime: with
+``sync`` durability its previous turn is committed before the client saw it; with ``async`` a client
+faster than the 50 ms commit window can start a new trajectory instead. Two runtimes continuing the same
+turn at the same instant can both extend its trajectory (no cross-process lock on the hot path).
 
 Not here: the storage engine (``learner/store.py``, reached through :class:`InteractionStore`).
 """
@@ -59,7 +63,7 @@ ANONYMOUS = "anonymous"
 
 
 class InteractionStore(Protocol):
-    """What the runtime needs from the interaction store (``learner.store.SqliteStore`` implements it)."""
+    """What the runtime needs from the interaction store (``learner.store.SqliteStore`` and ``learner.store_pg.PostgresStore``)."""
 
     def append_turns(self, turns: Sequence[Turn]) -> None: ...
     def add_reward(self, reward: Reward) -> tuple[Reward, bool]: ...
@@ -203,8 +207,10 @@ class Recorder:
         if key is not None:
             with self._lock:
                 parent = self._recent.get((owner, session_id, key))
-            if parent is None:
-                parent = self.store.find_continuation(session_id, key, owner)
+            if parent is None or getattr(self.store, "shared", False):
+                # a shared store (PostgreSQL) is written by other runtimes too: its answer wins over this process's
+                # index (the session's last turn, or a successor, may have landed on another runtime)
+                parent = self.store.find_continuation(session_id, key, owner) or parent
         slots = []
         with self._lock:
             continues = parent is not None and not parent.has_successor and parent.turn_id not in self._successors

@@ -138,6 +138,11 @@ class RecorderSettings(_Frozen):
     durability: Literal["async", "sync"] = Field(
         "async", description="async: group commit within 50 ms; sync: a response is sent only after its turn is committed"
     )
+    store: str | None = Field(
+        None,
+        description="the interaction store: a postgresql://user:pass@host/db URL (several runtimes and learners on one store), "
+        "or an SQLite file; default <data-dir>/interactions.db",
+    )
     queue_size: int = Field(1024, ge=1, description="turns waiting to be written before requests wait (backpressure)")
     retention_days: float | None = Field(None, gt=0, description="prune unrewarded turns older than this many days")
 

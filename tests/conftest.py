@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -129,3 +130,26 @@ def chromium() -> Iterator:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         yield browser
         browser.close()
+
+
+# ---- PostgreSQL: one throwaway cluster per test session, a fresh database per test ----------------------
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[Any]:
+    """A PostgreSQL cluster in a temp folder on a free port (``tests/pgcluster.py``), stopped at the end of the session."""
+    from tests import pgcluster
+
+    why = pgcluster.available()
+    if why is not None:
+        pytest.fail(why)
+    cluster = pgcluster.PgCluster(fsync=False).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_url(pg_cluster: Any, request: pytest.FixtureRequest) -> str:
+    """The URL of a fresh, empty store on the session's cluster (a schema of its own)."""
+    name = "t_" + re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:40] + f"_{time.monotonic_ns() % 10**9}"
+    return pg_cluster.create_schema(name)

@@ -1,5 +1,7 @@
-"""The SQLite interaction store: round trips, atomic batches, WAL + concurrent reads, rewards, stitching
-lookups, listing, secure deletion, pruning, migrations, and the ``python -m learner export`` CLI."""
+"""The interaction store on both backends (``store`` is parametrised over SQLite and PostgreSQL): round trips,
+atomic batches, concurrent reads, rewards, stitching lookups, listing, deletion, pruning, experiments, the
+registry's shared state, migrations (each backend's own: from an empty database and from the previous schema),
+and the ``python -m learner export`` CLI."""
 
 from __future__ import annotations
 
@@ -77,11 +79,29 @@ def make_turn(
     )
 
 
-@pytest.fixture
-def store(tmp_path: Path):
-    s = SqliteStore(tmp_path / "nested" / "interactions.db")
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, tmp_path: Path):
+    if request.param == "sqlite":
+        s = SqliteStore(tmp_path / "nested" / "interactions.db")
+    else:
+        from learner.store_pg import PostgresStore
+
+        s = PostgresStore(request.getfixturevalue("pg_url"))
     yield s
     s.close()
+
+
+def raw(store, sql: str, params: tuple = ()) -> list[tuple]:
+    """Run SQL on the store's own database (either backend; ``?`` placeholders)."""
+    if isinstance(store, SqliteStore):
+        return store._conn().execute(sql, params).fetchall()
+    with store._tx() as conn:
+        cur = conn.execute(sql.replace("?", "%s"), params)
+        return cur.fetchall() if cur.description else []
+
+
+def integrity_ok(store) -> bool:
+    return store.integrity_check() == "ok" if isinstance(store, SqliteStore) else True  # PostgreSQL checks its pages itself
 
 
 # -- basics ----------------------------------------------------------------------------------------------
@@ -97,7 +117,7 @@ def test_creates_parent_dirs_wal_mode_and_latest_version(tmp_path: Path) -> None
     assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
     assert conn.execute("PRAGMA secure_delete").fetchone()[0] == 1
     assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 4000
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 5
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 6
     assert s.integrity_check() == "ok"
     s.close()
     full = SqliteStore(path, synchronous_full=True)
@@ -131,7 +151,7 @@ def test_round_trip_exact(store: SqliteStore) -> None:
 def test_token_columns_are_packed_arrays_not_json(store: SqliteStore) -> None:
     t = make_turn(1)
     store.append_turns([t])
-    ctx, out, lp, mask, sampling = store._conn().execute("SELECT context_ids, output_ids, logprobs, loss_mask, sampling FROM turns").fetchone()
+    ctx, out, lp, mask, sampling = raw(store, "SELECT context_ids, output_ids, logprobs, loss_mask, sampling FROM turns")[0]
     assert isinstance(ctx, bytes) and len(ctx) == 4 * 200
     assert len(out) == 4 * 64 and len(lp) == 4 * 64 and len(mask) == 64
     assert struct.unpack("<200i", ctx) == tuple(t.context_ids)  # little-endian int32
@@ -164,7 +184,8 @@ def test_batch_is_atomic(store: SqliteStore) -> None:
     # nothing of the failed batch, not even its session/trajectory rows (inserted before the turns)
     assert store.stats() == {"sessions": 1, "trajectories": 1, "turns": 1, "rewards": 0}
     assert not store.trajectory_exists("traj-new") and not store.turn_exists("turn-1")
-    assert not store._conn().in_transaction
+    if isinstance(store, SqliteStore):
+        assert not store._conn().in_transaction
     store.append_turns(good)  # the store is still usable
     assert store.stats()["turns"] == 6
 
@@ -196,7 +217,7 @@ def test_concurrent_reads_while_a_writer_thread_appends(store: SqliteStore) -> N
     assert seen == sorted(seen)
     assert any(0 < n < batches * size for n in seen), seen  # reads really happened during the writes
     assert store.stats()["turns"] == batches * size
-    assert store.integrity_check() == "ok"
+    assert integrity_ok(store)
 
 
 # -- rewards --------------------------------------------------------------------------------------------
@@ -226,10 +247,13 @@ def test_rewards_idempotency_and_unknown_target(store: SqliteStore) -> None:
 def test_idempotency_key_is_unique_in_the_schema(store: SqliteStore) -> None:
     store.append_turns([make_turn(1)])
     store.add_reward(Reward(target="turn", target_id="turn-1", value=1.0, idempotency_key="dup"))
-    with pytest.raises(sqlite3.IntegrityError):
-        store._conn().execute(
+    import psycopg
+
+    with pytest.raises((sqlite3.IntegrityError, psycopg.IntegrityError)):
+        raw(
+            store,
             "INSERT INTO rewards (reward_id, target, target_id, value, source, created_at, idempotency_key)"
-            " VALUES ('x', 'turn', 'turn-1', 1, 's', 0, 'dup')"
+            " VALUES ('x', 'turn', 'turn-1', 1, 's', 0, 'dup')",
         )
 
 
@@ -494,7 +518,7 @@ def test_migrates_a_genuine_v2_database_to_v3_with_experiments(tmp_path: Path) -
     conn.executemany(f"INSERT INTO turns ({OLD_TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [old_turn_row(t) for t in turns])
     conn.close()
     s = SqliteStore(path)
-    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
     assert [s.get_turn(t.turn_id) for t in turns] == turns
     assert s.load_experiments() == []
     s.save_experiment("exp1", {"family": "f", "arms": ["f@1", "f@2"]}, {"decision": "continue"})
@@ -504,8 +528,8 @@ def test_migrates_a_genuine_v2_database_to_v3_with_experiments(tmp_path: Path) -
     assert SqliteStore(path).load_experiments()[0][2]["winner"] == "f@2"  # survives reopening
 
 
-def test_arm_observations_by_adapter_and_source(tmp_path: Path) -> None:
-    s = SqliteStore(tmp_path / "arms.db")
+def test_arm_observations_by_adapter_and_source(store) -> None:
+    s = store
     turns = [make_turn(i, trajectory=f"traj-{i}", created_at=2_000.0 + i) for i in range(6)]  # even i: lora-v3, odd: base
     s.append_turns(turns)
     for t in turns:
@@ -597,3 +621,190 @@ def test_migrates_a_genuine_v4_database_to_owners(tmp_path: Path) -> None:
     assert not created and again.reward_id == "r1"
     assert s.integrity_check() == "ok"
     s.close()
+
+
+# -- both backends: deletion, experiments, the registry's shared state, racing writers ---------------------
+
+
+def test_delete_session_removes_every_row(store) -> None:
+    doomed = [make_turn(i, session="sess-doomed", trajectory=f"traj-d{i % 2}") for i in range(4)]
+    kept = [make_turn(100 + i, session="sess-kept", trajectory="traj-k") for i in range(2)]
+    store.append_turns(doomed + kept)
+    store.add_reward(Reward(target="turn", target_id="turn-1", value=1.0, idempotency_key="idem-doomed"))
+    store.add_reward(Reward(target="trajectory", target_id="traj-d0", value=1.0))
+    store.add_reward(Reward(target="trajectory", target_id="traj-k", value=1.0))
+    assert store.delete_session("public", "sess-doomed") == 4
+    for table in ("sessions", "trajectories", "turns"):
+        assert raw(store, f"SELECT COUNT(*) FROM {table} WHERE session_id = 'sess-doomed'")[0][0] == 0
+    assert raw(store, "SELECT COUNT(*) FROM rewards WHERE target_id IN ('turn-1', 'traj-d0') OR idempotency_key = 'idem-doomed'")[0][0] == 0
+    assert store.stats() == {"sessions": 1, "trajectories": 1, "turns": 2, "rewards": 1}
+    assert store.delete_session("public", "sess-doomed") == 0
+    # the idempotency key is free again: a new reward under it is created, not a "duplicate"
+    _, created = store.add_reward(Reward(target="turn", target_id="turn-100", value=0.0, idempotency_key="idem-doomed"))
+    assert created
+    store.set_trajectory_meta("traj-k", {"memory_id": "m1"})
+    assert store.trajectories_with_meta("public", "memory_id", "m1") == ["traj-k"]
+    assert store.trajectories_with_meta("other", "memory_id", "m1") == []
+    assert store.delete_trajectories(["traj-k", "traj-k"]) == 2 and store.stats()["turns"] == 0
+
+
+def test_experiments_and_registry_state_round_trip(store) -> None:
+    assert store.load_experiments() == [] and store.load_registry() == {"adapter": {}, "alias": {}}
+    store.save_experiment("exp1", {"family": "f"}, {"status": "running"})
+    store.save_experiment("exp1", {"family": "f"}, {"status": "promoted", "winner": "f@2"})
+    store.save_experiment("exp2", {"family": "g"}, {"status": "running"})
+    assert store.load_experiments() == [
+        ("exp1", {"family": "f"}, {"status": "promoted", "winner": "f@2"}),
+        ("exp2", {"family": "g"}, {"status": "running"}),
+    ]
+    store.save_registry("adapter", "f@1", {"path": "/a/f/v1", "sha256": "aa"})
+    store.save_registry("adapter", "f@2", {"path": "/a/f/v2", "sha256": "bb"})
+    store.save_registry("alias", "f", {"target": "f@1"})
+    store.save_registry("alias", "f", {"target": "f@2"})
+    store.save_registry("adapter", "f@1", None)
+    assert store.load_registry() == {"adapter": {"f@2": {"path": "/a/f/v2", "sha256": "bb"}}, "alias": {"f": {"target": "f@2"}}}
+
+
+def test_racing_rewards_with_one_idempotency_key_store_one(store) -> None:
+    store.append_turns([make_turn(1)])
+    results: list[tuple[Reward, bool]] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6)
+
+    def give(k: int) -> None:
+        try:
+            barrier.wait()
+            results.append(store.add_reward(Reward(target="turn", target_id="turn-1", value=float(k), idempotency_key="same")))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=give, args=(k,)) for k in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert sum(created for _, created in results) == 1
+    assert len({r.reward_id for r, _ in results}) == 1  # every caller got the one stored reward
+    assert store.stats()["rewards"] == 1
+
+
+# -- PostgreSQL: its own migrations -----------------------------------------------------------------------
+
+
+def test_pg_migrates_an_empty_database_and_reopens_without_migrating(pg_url: str) -> None:
+    from learner.store_pg import PG_SCHEMA_VERSION, PostgresStore
+
+    s = PostgresStore(pg_url)
+    assert s.schema_version == PG_SCHEMA_VERSION == SCHEMA_VERSION  # the two backends' schemas are one version
+    assert raw(s, "SELECT version FROM loopwise_schema") == [(SCHEMA_VERSION,)]
+    s.append_turns([make_turn(1)])
+    s.close()
+    again = PostgresStore(pg_url)
+    assert raw(again, "SELECT COUNT(*) FROM loopwise_schema") == [(1,)] and again.get_turn("turn-1") == make_turn(1)
+    again.close()
+
+
+def test_pg_migrates_the_previous_schema(pg_url: str) -> None:
+    import psycopg
+
+    from learner import store_pg
+    from learner.store_pg import PostgresStore
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        assert store_pg.migrate_pg(conn, target=5) == 5  # a database as the previous version left it
+        tables = {r[0] for r in conn.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()")}
+        assert "registry" not in tables and "turns" in tables
+        t = make_turn(1, ckey="c1")
+        conn.execute("INSERT INTO sessions VALUES ('public', 'sess-a', 1.0)")
+        conn.execute("INSERT INTO trajectories (trajectory_id, session_id, created_at) VALUES ('traj-a', 'sess-a', 1.0)")
+        conn.execute(f"INSERT INTO turns ({store_mod.TURN_COLUMNS}) VALUES ({', '.join(['%s'] * 23)})", store_mod.turn_row(t))
+        conn.execute("INSERT INTO experiments VALUES ('e', '{}', '{\"status\": \"running\"}', 1.0, 1.0)")
+    s = PostgresStore(pg_url)
+    assert s.schema_version == 6 and s.get_turn("turn-1") == t and s.find_continuation("sess-a", "c1").turn_id == "turn-1"
+    assert s.load_experiments() == [("e", {}, {"status": "running"})]
+    s.save_registry("alias", "f", {"target": "f@1"})
+    assert s.load_registry()["alias"] == {"f": {"target": "f@1"}}
+    s.close()
+
+
+def test_pg_failing_migration_leaves_the_previous_version_and_newer_is_refused(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import psycopg
+
+    from learner import store_pg
+    from learner.store_pg import PostgresStore
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        store_pg.migrate_pg(conn, target=5)
+
+    def broken(conn) -> None:
+        conn.execute("CREATE TABLE half_done (x int)")
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(store_pg.PG_MIGRATIONS, 5, broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        PostgresStore(pg_url)
+    monkeypatch.undo()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        assert conn.execute("SELECT version FROM loopwise_schema").fetchone()[0] == 5
+        assert conn.execute("SELECT to_regclass('half_done')").fetchone()[0] is None  # DDL rolled back with it
+        conn.execute("UPDATE loopwise_schema SET version = 99")  # as if written by a newer loopwise
+    with pytest.raises(store_mod.SchemaTooNew):
+        PostgresStore(pg_url)
+
+
+def test_pg_concurrent_openers_migrate_once(pg_url: str) -> None:
+    from learner.store_pg import PostgresStore
+
+    stores: list = []
+    errors: list[BaseException] = []
+
+    def open_one() -> None:
+        try:
+            stores.append(PostgresStore(pg_url, max_size=2))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and len(stores) == 4
+    assert raw(stores[0], "SELECT version FROM loopwise_schema") == [(SCHEMA_VERSION,)]
+    for s in stores:
+        s.close()
+
+
+def test_pg_bad_url_says_why_without_the_password() -> None:
+    from learner.store_pg import PostgresStore
+
+    with pytest.raises(ConnectionError) as err:
+        PostgresStore("postgresql://u:hunter2@127.0.0.1:1/db", timeout_s=1)
+    assert "hunter2" not in str(err.value) and "u:***@127.0.0.1:1" in str(err.value)
+
+
+def test_sqlite_migrates_the_previous_schema(tmp_path: Path) -> None:
+    path = tmp_path / "v5.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    assert store_mod.migrate(conn, MIGRATIONS[:5]) == 5
+    conn.close()
+    s = SqliteStore(path)
+    assert s.schema_version == 6 and s.load_registry() == {"adapter": {}, "alias": {}}
+    s.close()
+
+
+def test_export_cli_reads_a_postgres_store(pg_url: str, tmp_path: Path) -> None:
+    from learner.store_pg import PostgresStore
+
+    s = PostgresStore(pg_url)
+    s.append_turns([make_turn(1), make_turn(2, index=1, parent="turn-1")])
+    s.add_reward(Reward(target="turn", target_id="turn-2", value=0.5))
+    expected = s.get_turn("turn-2")
+    s.close()
+    proc = _export("--format", "jsonl", "--store", pg_url, "--rewarded")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert [r["turn_id"] for r in rows] == ["turn-2"] and rows[0]["context_ids"] == expected.context_ids and rows[0]["reward"] == 0.5
+    proc = _export("--format", "jsonl", "--store", "postgresql://u:hunter2@127.0.0.1:1/nope")
+    assert proc.returncode == 2 and "cannot reach the PostgreSQL store" in proc.stderr and "hunter2" not in proc.stderr
