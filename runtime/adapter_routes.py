@@ -19,8 +19,9 @@ Not here: choosing an adapter for a chat request (``app``), the statistics (``ex
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,24 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         raise from_validation(exc) from None
 
 
+def adapter_validator(
+    base_shapes: Callable[[], dict[str, tuple[int, int]]], adapter_root: Path | None, max_rank: int
+) -> Callable[[AdapterRef], Awaitable[AdapterRef]]:
+    """``await validated(ref)``: ``ref`` with its path resolved (inside ``adapter_root``) once the folder passed
+    ``validate_adapter`` (off the event loop); ``AdapterInvalid`` otherwise. The admin API's loads and the shared
+    store's sync (``runtime/registry_sync.py``) both go through it."""
+
+    async def validated(ref: AdapterRef) -> AdapterRef:
+        resolved = resolve_adapter_path(Path(ref.path), adapter_root)
+        await asyncio.to_thread(
+            validate_adapter, resolved, base_shapes=base_shapes(), max_rank=max_rank, adapter_root=adapter_root, expected_sha256=ref.sha256
+        )
+        # the engine loads the folder that was validated, never the path as given (a swapped symlink would choose)
+        return dataclasses.replace(ref, path=str(resolved))
+
+    return validated
+
+
 async def evaluate_forever(experiments: Experiments, every_s: float = 10.0) -> None:
     """Apply automatic promote/rollback decisions to running experiments."""
     while True:
@@ -109,6 +128,8 @@ def install_adapter_routes(
     adapter_root: Path | None,
     max_rank: int,
 ) -> None:
+    validated = adapter_validator(base_shapes, adapter_root, max_rank)
+
     def known_experiment(name: str) -> Experiments:
         exps = need_experiments()
         if name not in exps.configs:
@@ -131,18 +152,8 @@ def install_adapter_routes(
         body: LoadAdapter = _parse(LoadAdapter, await read_json(request))
         try:
             version = body.version or registry.next_version(body.family)
-            resolved = resolve_adapter_path(Path(body.path), adapter_root)
-            await asyncio.to_thread(
-                validate_adapter,
-                resolved,
-                base_shapes=base_shapes(),
-                max_rank=max_rank,
-                adapter_root=adapter_root,
-                expected_sha256=body.sha256,
-            )
-            # the engine loads the folder that was validated, never the path as given (a swapped symlink would choose)
-            ref = AdapterRef(family=body.family, version=version, path=str(resolved), pinned=body.pinned, sha256=body.sha256)
-            ref = await registry.register(ref, make_alias=body.alias)
+            ref = AdapterRef(family=body.family, version=version, path=body.path, pinned=body.pinned, sha256=body.sha256)
+            ref = await registry.register(await validated(ref), make_alias=body.alias)
         except AdapterError as exc:
             raise adapter_api_error(exc) from exc
         except EngineAdapterError as exc:  # the engine (e.g. SGLang) refused it; the registry is unchanged

@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from runtime._files import sha256_file
 
@@ -327,6 +327,14 @@ def _check_hashes(root: Path, weights: Path, adapter_root: Path | None, expected
 
 
 # ---------------------------------------------------------------- registry
+class RegistryListener(Protocol):
+    """Told of each change to routing (synchronously, on the registry's loop: it must not block)."""
+
+    def registered(self, ref: AdapterRef, made_alias: bool) -> None: ...
+    def unregistered(self, name: str) -> None: ...
+    def alias_set(self, family: str, target_name: str) -> None: ...
+
+
 @dataclass
 class _Entry:
     ref: AdapterRef
@@ -359,12 +367,14 @@ class AdapterRegistry:
         self._aliases: dict[str, str] = {}  # family -> name
         self._tick = 0
         self._lock = asyncio.Lock()
+        # told of every change made with notify=True (runtime/registry_sync.py writes them to a shared store)
+        self.listener: RegistryListener | None = None
 
     def next_version(self, family: str) -> int:
         seen = [e.ref for e in (*self._routed.values(), *self._draining.values())] + [*self._retired.values()]
         return max((r.version for r in seen if r.family == family), default=0) + 1
 
-    async def register(self, ref: AdapterRef, *, make_alias: bool = False) -> AdapterRef:
+    async def register(self, ref: AdapterRef, *, make_alias: bool = False, notify: bool = True) -> AdapterRef:
         async with self._lock:
             name = ref.name
             if name in self._routed or name in self._draining:
@@ -382,6 +392,8 @@ class AdapterRegistry:
             self._routed[name] = _Entry(ref, tick=self._next_tick())
             if make_alias:
                 self._aliases[ref.family] = name
+            if notify and self.listener is not None:
+                self.listener.registered(ref, make_alias)
             return ref
 
     def _pick_victim(self) -> _Entry:
@@ -398,13 +410,15 @@ class AdapterRegistry:
         self._retired[ref.name] = ref
         await self._unload_fn(ref.name)
 
-    def set_alias(self, family: str, target_name: str) -> None:
+    def set_alias(self, family: str, target_name: str, *, notify: bool = True) -> None:
         entry = self._routed.get(target_name)
         if entry is None:
             raise AdapterNotFound(f"alias target {target_name} is not registered")
         if entry.ref.family != family:
             raise AdapterInvalid(f"alias {family!r} can only point at {family}@N, not {target_name}")
         self._aliases[family] = target_name  # one assignment: requests see the old or the new target
+        if notify and self.listener is not None:
+            self.listener.alias_set(family, target_name)
 
     def remove_alias(self, family: str) -> None:
         if self._aliases.pop(family, None) is None:
@@ -441,7 +455,7 @@ class AdapterRegistry:
         finally:
             self.release(ref)
 
-    async def unregister(self, name: str, *, timeout: float = 30) -> None:
+    async def unregister(self, name: str, *, timeout: float = 30, notify: bool = True) -> None:
         """Stop routing ``name`` now, wait for its in-flight requests, then unload it from the engine.
 
         If the drain takes longer than ``timeout`` (or the call is cancelled) the adapter goes back into
@@ -456,6 +470,8 @@ class AdapterRegistry:
             if aliases:
                 raise AdapterInUse(f"{name} is the target of alias(es) {aliases}; move or remove the alias first")
             del self._routed[name]  # same step as the checks: no new acquires from here on
+            if notify and self.listener is not None:
+                self.listener.unregistered(name)
             self._draining[name] = entry
             entry.drained = asyncio.Event()
             if entry.in_flight == 0:

@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from runtime.adapter_routes import evaluate_forever, install_adapter_routes
+from runtime.adapter_routes import adapter_validator, evaluate_forever, install_adapter_routes
 from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, base_shapes_of, parse_model_name
 from runtime.admission import Admission
 from runtime.agent_api import AgentHost, LocalRuntimeClient
@@ -61,6 +61,7 @@ from runtime.learner_routes import LearnerCollector, install_learner_routes
 from runtime.memory_routes import MemoryBackend, install_memory_routes
 from runtime.metrics import Metrics, ReplicaCollector
 from runtime.recorder import ANONYMOUS, Recorder
+from runtime.registry_sync import RegistrySync, StoreListener
 from runtime.response_store import ResponseStore
 from runtime.serving import Gateway
 from runtime.serving_chat import install_chat_routes
@@ -103,6 +104,12 @@ def create_app(
     )
     experiments = Experiments(recorder.store, registry) if recorder is not None else None  # type: ignore[arg-type]
     adapter_root = adapter_settings.adapter_root or server.data_dir / "adapters"
+    listener: StoreListener | None = None
+    sync: RegistrySync | None = None
+    if recorder is not None and getattr(recorder.store, "shared", False):  # several runtimes on one store agree through it
+        listener = registry.listener = StoreListener(recorder.store)
+        validated = adapter_validator(lambda: base_shapes_of(engine.model), adapter_root, adapter_settings.max_lora_rank)  # type: ignore[attr-defined]
+        sync = RegistrySync(recorder.store, registry, experiments, validated)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -118,6 +125,12 @@ def create_app(
             recorder.start()
             if recorder_settings.retention_days:
                 background.append(asyncio.create_task(prune_forever(recorder, recorder_settings.retention_days)))
+        if sync is not None:
+            try:
+                await sync.sync_once()  # serve what the other runtimes serve from the first request on
+            except Exception:
+                log.exception("the first sync with the shared store failed; retrying in the background")
+            background.append(asyncio.create_task(sync.run_forever(recorder_settings.store_sync_s)))
         if experiments is not None:
             background.append(asyncio.create_task(evaluate_forever(experiments)))
         app.state.ready = True
@@ -136,6 +149,8 @@ def create_app(
             await engine.close()
             responses.close()
             admission.close()
+            if listener is not None:
+                await asyncio.to_thread(listener.close)  # registry changes still on their way to the shared store
             if recorder is not None:
                 await asyncio.to_thread(recorder.close)  # writes everything still queued
 

@@ -17,7 +17,9 @@ to that arm, and once every challenger is rolled back the experiment ends (``rol
 ``inconclusive`` (the champion stays), so an A/B between near-equal versions cannot run forever.
 Each change of a challenger's p-value is kept in ``p_history`` (time, p, both arms' n; at most
 ``P_HISTORY_MAX`` points, thinned evenly), so the p-value can be drawn over time.
-Config, state and every decision are saved in the store, so experiments survive restarts.
+Config, state and every decision are saved in the store, so experiments survive restarts; on a store
+shared by several runtimes each of them re-reads them every sync (``runtime/registry_sync.py``), so they
+route a family alike, and a decision taken on one (the later write wins) is followed by all.
 
 Not here: HTTP (``store_routes``/``app``), loading adapters (``adapters.AdapterRegistry``).
 """
@@ -92,9 +94,23 @@ class Experiments:
         self.registry = registry
         self.configs: dict[str, ExperimentConfig] = {}
         self.states: dict[str, dict[str, Any]] = {}
-        for name, config, state in store.load_experiments():
+        self.apply_stored(store.load_experiments())
+
+    def apply_stored(self, rows: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> None:
+        """Take the experiments as stored (at start-up; on a shared store, every sync: another runtime may have
+        created, decided or stopped one). An experiment this process has that the store lacks is kept."""
+        for name, config, state in rows:
             self.configs[name] = ExperimentConfig.model_validate(config)
             self.states[name] = state
+
+    def live_arms(self) -> set[str]:
+        """The arms of running experiments that still take traffic (every runtime must have them loaded)."""
+        out: set[str] = set()
+        for name, cfg in self.configs.items():
+            state = self.states[name]
+            if state["status"] == "running":
+                out |= {a.adapter for a in cfg.arms if a.adapter not in state["stopped_arms"]}
+        return out
 
     def running_for(self, family: str) -> ExperimentConfig | None:
         for name, cfg in self.configs.items():

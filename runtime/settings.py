@@ -143,6 +143,9 @@ class RecorderSettings(_Frozen):
         description="the interaction store: a postgresql://user:pass@host/db URL (several runtimes and learners on one store), "
         "or an SQLite file; default <data-dir>/interactions.db",
     )
+    store_sync_s: float = Field(
+        2.0, gt=0, description="on a shared (PostgreSQL) store: seconds between syncs of adapters, aliases and experiments with it"
+    )
     queue_size: int = Field(1024, ge=1, description="turns waiting to be written before requests wait (backpressure)")
     retention_days: float | None = Field(None, gt=0, description="prune unrewarded turns older than this many days")
 

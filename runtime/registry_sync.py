@@ -1,0 +1,135 @@
+"""Several runtimes on one shared store agree on adapters, aliases and A/B experiments.
+
+Each runtime's ``AdapterRegistry`` and ``Experiments`` live in its own process; with a shared store
+(``store.shared``: PostgreSQL) the store's ``registry`` table and ``experiments`` table are the
+source of truth:
+
+- ``StoreListener`` writes every change made on this runtime (an adapter loaded or unloaded through the
+  admin API, an alias flipped by an admin, the learner or an experiment's promotion) to the store, in
+  order, on one background thread (the registry's loop never waits on the database).
+- ``RegistrySync.sync_once`` (at start-up, then every ``--store-sync-s`` seconds) reads the store and
+  makes this runtime match it: loads the adapter versions it has not seen (validated against the base
+  model and ``--adapter-root`` exactly as ``POST /admin/adapters`` does: the folder must be readable here,
+  i.e. a shared filesystem), unloads those removed from the store, flips aliases, and reloads the
+  experiments' configs and states. Changes applied from the store are not written back.
+
+Sticky routing needs nothing shared: an experiment's arm is a pure hash of the sticky key
+(``runtime/routing.py``), the same on every runtime once they hold the same experiment config.
+
+What it does not do: coordinate two runtimes that change the same thing at the same instant (the later
+write wins; the others follow it on their next sync), or evict adapters in step (each runtime's LRU
+eviction is its own, and an evicted version is not reloaded until it is an alias target or an arm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from runtime.adapters import AdapterError, AdapterRef, AdapterRegistry
+
+log = logging.getLogger(__name__)
+
+
+class StoreListener:
+    """Writes this runtime's registry changes to the shared store, in order, off the event loop."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loopwise-registry")
+
+    def _save(self, kind: str, name: str, value: dict[str, Any] | None) -> None:
+        def write() -> None:
+            try:
+                self.store.save_registry(kind, name, value)
+            except Exception:
+                log.exception("could not save %s %s to the shared store; other runtimes will not see it", kind, name)
+
+        self._writer.submit(write)
+
+    def registered(self, ref: AdapterRef, made_alias: bool) -> None:
+        self._save("adapter", ref.name, {"path": ref.path, "sha256": ref.sha256, "pinned": ref.pinned})
+        if made_alias:
+            self._save("alias", ref.family, {"target": ref.name})
+
+    def unregistered(self, name: str) -> None:
+        self._save("adapter", name, None)
+
+    def alias_set(self, family: str, target_name: str) -> None:
+        self._save("alias", family, {"target": target_name})
+
+    def flush(self) -> None:
+        """Wait for the writes queued so far."""
+        self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+
+
+class RegistrySync:
+    """Makes one runtime's registry and experiments match the shared store (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Any,
+        registry: AdapterRegistry,
+        experiments: Any,
+        validate: Callable[[AdapterRef], Awaitable[AdapterRef]],
+    ) -> None:
+        self.store, self.registry, self.experiments, self._validate = store, registry, experiments, validate
+        self._seen: dict[str, tuple[str, str | None]] = {}  # adapter name → (path, sha256) already acted on
+
+    async def sync_once(self) -> None:
+        state = await asyncio.to_thread(self.store.load_registry)
+        adapters, aliases = state["adapter"], {f: v["target"] for f, v in state["alias"].items()}
+        routed = {a["name"] for a in self.registry.list() if a["state"] == "ready"}
+        wanted = set(aliases.values())
+        if self.experiments is not None:
+            wanted |= self.experiments.live_arms()
+        for name, value in adapters.items():
+            key = (value["path"], value.get("sha256"))
+            if name in routed:
+                self._seen[name] = key
+                continue
+            if self._seen.get(name) == key and name not in wanted:
+                continue  # loaded once and evicted here since, or refused: not again unless it must serve
+            self._seen[name] = key
+            await self._load(name, value)
+        for name in routed - set(adapters):
+            if name in self._seen:  # it was in the store and was removed there
+                self._seen.pop(name, None)
+                try:
+                    await self.registry.unregister(name, notify=False)
+                    log.info("unloaded adapter %s (removed from the shared store)", name)
+                except AdapterError as exc:
+                    log.warning("adapter %s was removed from the shared store but stays loaded here: %s", name, exc)
+        for family, target in aliases.items():
+            if self.registry.aliases().get(family) != target:
+                try:
+                    self.registry.set_alias(family, target, notify=False)
+                    log.info("alias %s → %s (from the shared store)", family, target)
+                except AdapterError as exc:
+                    log.warning("cannot follow the shared store's alias %s → %s yet: %s", family, target, exc)
+        if self.experiments is not None:
+            self.experiments.apply_stored(await asyncio.to_thread(self.store.load_experiments))
+
+    async def _load(self, name: str, value: dict[str, Any]) -> None:
+        family, _, version = name.partition("@")
+        try:
+            ref = AdapterRef(family=family, version=int(version), path=value["path"], pinned=bool(value.get("pinned")), sha256=value.get("sha256"))
+            ref = await self._validate(ref)
+            await self.registry.register(ref, notify=False)
+            log.info("loaded adapter %s from %s (published to the shared store)", name, ref.path)
+        except Exception as exc:  # this runtime cannot load it (not on its filesystem, invalid, full): say so, retry on change
+            log.error("cannot load adapter %s from the shared store here (%s): %s", name, value.get("path"), exc)
+
+    async def run_forever(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.sync_once()
+            except Exception:  # the store is down, or one entry is bad: serving goes on with what is loaded
+                log.exception("syncing with the shared store failed; retrying in %.1f s", every_s)
