@@ -55,6 +55,7 @@ import sys
 import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from learner.store import DEFAULT_DB_NAME, SqliteStore, db_path, is_postgres_url, open_store
 
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--ab-max-samples", type=int, default=256, help="an A/B still undecided with this many rewards per arm ends, the champion stays (0 = no cap)"
     )
     run.add_argument("--once", action="store_true", help="run one update now and exit")
+    run.add_argument(
+        "--nproc", type=int, default=1, help="data-parallel ranks on this host (torch.distributed: gloo on CPU, nccl on GPU); rank 0 publishes"
+    )
     run.add_argument("--log-format", choices=("auto", "console", "json"), default=os.environ.get("LOOPWISE_LOG_FORMAT", "auto"), help="log lines")
     run.add_argument("--log-level", default=os.environ.get("LOOPWISE_LOG_LEVEL", "info"), help="log level (debug shows each admin API call)")
     rep = sub.add_parser("report", help="a standalone HTML file with the learner and experiment charts, for sharing a run")
@@ -126,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from learner.config import LearnerSettings
+    from learner.distributed import init_from_env, serve_worker, stop_workers
     from learner.logs import configure_logging
-    from learner.service import LearnerConfigError, LearnerService, ServiceConfig
 
     chosen = configure_logging(args.log_level, args.log_format, process="learner")  # logs on stderr; stdout is for results
     if not args.admin_key:
@@ -155,6 +159,18 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    rank, _ = init_from_env()
+    if rank > 0:  # a worker: trains its share of each update, rank 0 does everything else
+        return serve_worker(args.base_model, settings.trainer, settings.lora)
+    try:
+        return _run_service(args, settings)
+    finally:
+        stop_workers()
+
+
+def _run_service(args: argparse.Namespace, settings: Any) -> int:
+    from learner.service import LearnerConfigError, LearnerService, ServiceConfig
+
     service = LearnerService(
         ServiceConfig(
             data_dir=args.data_dir,
@@ -232,6 +248,18 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export":
@@ -239,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return report(args)
     if args.command == "run":
+        if args.nproc < 1:
+            print(f"error: --nproc must be at least 1, got {args.nproc}", file=sys.stderr)
+            return 2
+        if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            from learner.distributed import launch
+
+            return launch(args.nproc, _without_nproc(sys.argv[1:] if argv is None else argv))
         return run(args)
     raise AssertionError(args.command)
 

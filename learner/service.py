@@ -508,10 +508,13 @@ class LearnerService:
     # ---- helpers -------------------------------------------------------------------------------
     def _get_trainer(self) -> Any:
         if self._trainer is None:
+            from learner.distributed import RankZeroTrainer, world
             from learner.trainer import LoRATrainer  # torch + peft: only once there is something to train
 
             s = self.cfg.settings
-            self._trainer = LoRATrainer(self.cfg.base_model, s.trainer, s.lora)
+            # with --nproc N, the workers build, resume and step in lockstep with this trainer (learner/distributed.py)
+            factory = RankZeroTrainer if world()[1] > 1 else LoRATrainer
+            self._trainer = factory(self.cfg.base_model, s.trainer, s.lora)
             if self._trainer.load_checkpoint(self.dir / "checkpoints") is not None:
                 log.info("resumed from checkpoint", version=self._trainer.version)
         return self._trainer

@@ -53,7 +53,9 @@ with different weights. A checkpoint records its LoRA config; resuming one whose
 the configured one rebuilds the adapter in the checkpoint's shape (logged), never loads it mis-scaled.
 
 Not here: choosing samples (``learner.samples``), advantages (``learner.advantages``, called by
-``learner.update``), the loss formulas (``learner.losses``), publishing (``learner.publish``), scheduling updates, multi-GPU training.
+``learner.update``), the loss formulas (``learner.losses``), publishing (``learner.publish``), scheduling updates.
+Data parallelism is ``learner/distributed.py``: in a process group each rank takes its share of the
+micro-batches (``b % world_size == rank``) and the LoRA gradients are summed across ranks before clipping.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ from transformers import AutoModelForCausalLM
 
 from learner._files import fsync_path, sha256_file, writer_alive
 from learner.config import LoRAConfig, TrainerConfig
+from learner.distributed import allreduce_grads, allreduce_sums, world
 from learner.grammar_mask import GrammarMasks, GrammarReplayError, unpack_bitmask
 from learner.losses import LossConfig, policy_loss
 from learner.samples import Sample, make_groups
@@ -394,7 +397,10 @@ class LoRATrainer:
         sums: dict[str, float] = {}
         entropy_sum = 0.0
         seen_tokens = 0
+        rank, size = world()  # data-parallel (learner/distributed.py): this rank's share of the micro-batches
         for b, idx in enumerate(tqdm(batches, desc=f"learner step {label}", unit="mb", disable=not self.cfg.progress, leave=False)):
+            if b % size != rank:
+                continue
             mb = [chosen[i] for i in idx]
             t = self._batch_tensors(mb)
             logp, ent = self._logprobs(t, entropy=True)  # (B, T)
@@ -426,6 +432,11 @@ class LoRATrainer:
             assert ent is not None
             entropy_sum += float((ent * t["mask"]).sum())
             seen_tokens += sum(len(s.context_ids) + len(s.output_ids) for s in mb)
+        if size > 1:  # the micro-batch weights are relative to the whole batch: the sum over ranks is the one-process gradient
+            allreduce_grads(self.params)
+            total = allreduce_sums({**sums, "__entropy": entropy_sum, "__tokens": float(seen_tokens)})
+            entropy_sum, seen_tokens = total.pop("__entropy"), int(total.pop("__tokens"))
+            sums = total
         m.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
         m.lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()

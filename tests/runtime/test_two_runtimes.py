@@ -3,8 +3,8 @@
 - 16 clients alternate between the runtimes turn by turn: every turn is recorded once, with the token
   counts the client was billed, stitched into its session's one trajectory whichever runtime served it.
 - An adapter loaded, an alias flipped and an experiment created on one runtime are served alike by the other.
-- ``python -m learner run --once --store URL`` trains on both runtimes' traffic, publishes into the shared
-  adapter folder and loads the version on one runtime; the other loads it from the store; both serve it.
+- ``python -m learner run --once --nproc 2 --store URL`` (two gloo ranks) trains on both runtimes' traffic,
+  rank 0 publishes into the shared adapter folder and loads the version on one runtime; the other loads it from the store; both serve it.
 - ``kill -9`` of a runtime in ``sync`` mode loses no turn that was answered.
 """
 
@@ -126,7 +126,7 @@ def test_a_learner_on_a_third_process_trains_on_both_runtimes_and_both_serve_its
     )
     cmd = [sys.executable, "-m", "learner", "run", "--once", "--data-dir", str(tmp_path / "learner"), "--admin-url", a.base_url]
     cmd += ["--base-model", str(tiny_model_path), "--family", "fam", "--agent", "learn-agent", "--gate-n", "0", "--config", str(config)]
-    cmd += ["--adapter-root", str(shared)]
+    cmd += ["--adapter-root", str(shared), "--nproc", "2"]  # data-parallel: rank 0 publishes
     env = {**os.environ, "LOOPWISE_STORE": url, "LOOPWISE_ADMIN_KEY": ADMIN}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
