@@ -252,12 +252,16 @@ def runtimes(args: argparse.Namespace) -> None:
             for v in (1, 2, 3):
                 make_adapter(tiny, adapters / f"v{v}", seed=v)
             common = ["--store", url, "--durability", args.durability, "--admin-key", "bench", "--adapter-root", str(adapters)]
-            p, a = _start(common, _data_dir(Path(tmp), "a"))
+            cpus = os.cpu_count() or 1
+            half = ["--threads", str(max(1, cpus // 2))]  # the two share this host's cores: no oversubscription
+            p, one = _start([*common, "--threads", str(cpus)], _data_dir(Path(tmp), "one"))
             procs.append(p)
-            p, b = _start(common, _data_dir(Path(tmp), "b"))
+            p, a = _start([*common, *half], _data_dir(Path(tmp), "a"))
             procs.append(p)
-            print(f"one runtime vs two on one PostgreSQL store ({args.durability} durability); clients alternate between the two")
-            out = _compare({"one runtime": [a], "two runtimes": [a, b]}, args)
+            p, b = _start([*common, *half], _data_dir(Path(tmp), "b"))
+            procs.append(p)
+            print(f"one runtime ({cpus} threads) vs two ({half[1]} each) on one PostgreSQL store ({args.durability} durability); clients alternate")
+            out = _compare({"one runtime": [one], "two runtimes": [a, b]}, args)
             fan = [_fanout(a, b, adapters, v) for v in (1, 2, 3)]
             out["fanout"] = fan
             print(f"adapter fan-out (default --store-sync-s 2): loaded on A in {statistics.median(x['load_on_a_s'] for x in fan):.2f} s, "
@@ -283,9 +287,12 @@ from learner.update import update
 from tests.learner.test_trainer import LORA, cfg, make_samples
 rank, size = init_from_env()
 if size == 1:
-    torch.set_num_threads(int(sys.argv[4]))
+    torch.set_num_threads(int(sys.argv[4]))  # one rank: all the cores, or (the fair baseline for 2 ranks) half
 trainer = LoRATrainer(Path(sys.argv[1]), cfg(micro_batch_tokens=int(sys.argv[3]), threads=None), LORA)
-samples = make_samples(1, n_groups=8, per_group=4)
+from dataclasses import replace
+ctx, out = int(sys.argv[5]), int(sys.argv[6])
+samples = [replace(s, context_ids=(s.context_ids * ctx)[:ctx], output_ids=(s.output_ids * out)[:out], loss_mask=[1] * out)
+           for s in make_samples(1, n_groups=4, per_group=4)]
 update(trainer, samples)  # warm-up step
 times = []
 for _ in range(int(sys.argv[2])):
@@ -299,14 +306,14 @@ if rank == 0:
 """
 
 
-def _ddp_run(model: Path, nproc: int, steps: int, mb_tokens: int) -> dict[str, Any]:
+def _ddp_run(model: Path, nproc: int, steps: int, mb_tokens: int, threads: int) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     procs = []
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        cmd = [sys.executable, "-c", DDP_SCRIPT, str(model), str(steps), str(mb_tokens), str(os.cpu_count() or 1)]
+        cmd = [sys.executable, "-c", DDP_SCRIPT, str(model), str(steps), str(mb_tokens), str(threads), "128", "32"]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
     outs = [p.communicate(timeout=1800)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), [p.returncode for p in procs]
@@ -317,21 +324,23 @@ def ddp(args: argparse.Namespace) -> None:
     from runtime.model_store import ensure_tiny
 
     model = Path(args.model) if args.model else ensure_tiny(Path(os.environ.get("LOOPWISE_TEST_CACHE", ROOT / ".data" / "models")))
-    runs: dict[int, list[float]] = {1: [], 2: []}
+    cpus = os.cpu_count() or 1
+    sides = {"1 rank, all threads": (1, cpus), "1 rank, half the threads": (1, max(1, cpus // 2)), "2 ranks": (2, max(1, cpus // 2))}
+    runs: dict[str, list[float]] = {k: [] for k in sides}
     tokens = 0
     for _ in range(args.rounds):
-        for n in (1, 2):
-            r = _ddp_run(model, n, args.steps, args.micro_batch_tokens)
-            runs[n].append(statistics.median(r["step_s"]))
+        for name, (n, threads) in sides.items():
+            r = _ddp_run(model, n, args.steps, args.micro_batch_tokens, threads)
+            runs[name].append(statistics.median(r["step_s"]))
             tokens = r["tokens"]
-    one, two = statistics.median(runs[1]), statistics.median(runs[2])
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    one, two = med["1 rank, all threads"], med["2 ranks"]
     print(
-        f"learner step on {model.name}: 32 samples, {tokens} tokens, micro-batches of {args.micro_batch_tokens} tokens; {os.cpu_count()} CPUs, load {_load()}"
+        f"learner step on {model.name}: 16 samples of 128 context + 32 output tokens ({tokens} trained), micro-batches of {args.micro_batch_tokens} tokens; {os.cpu_count()} CPUs, load {_load()}"
     )
-    print(
-        f"  1 rank ({os.cpu_count()} threads): {one:.3f} s/step   2 ranks ({max(1, (os.cpu_count() or 1) // 2)} threads each): {two:.3f} s/step   time ratio 2/1 {two / one:.2f}"
-    )
-    _save("ddp", {"model": str(model), "one_rank_s": one, "two_ranks_s": two, "ratio": two / one, "rounds": runs, "tokens": tokens, "cpus": os.cpu_count(), "load": _load()})  # fmt: skip
+    for name, (_, threads) in sides.items():
+        print(f"  {name:26s} ({threads} thread(s) per rank): {med[name]:7.3f} s/step   vs 1 rank, all threads: {med[name] / one:.2f}")
+    _save("ddp", {"model": str(model), "step_s": med, "ratio_2_over_1": two / one, "rounds": runs, "tokens": tokens, "cpus": cpus, "load": _load()})  # fmt: skip
 
 
 def main() -> None:
