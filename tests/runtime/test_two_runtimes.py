@@ -165,6 +165,9 @@ def test_a_learner_on_a_third_process_trains_on_both_runtimes_and_both_serve_its
     # a promotion on B flips the alias on A
     assert _admin(b.base_url, "POST", "/admin/experiments/ab/promote", json={"arm": "fam@2"}).status_code == 200
     _wait(lambda: _admin(a.base_url, "GET", "/admin/adapters").json()["aliases"] == {"fam": "fam@2"}, what="the promotion on A")
+    # an unload on A is followed by B
+    assert _admin(a.base_url, "DELETE", "/admin/adapters/fam@1").status_code == 200
+    _wait(lambda: all(x["name"] != "fam@1" for x in _admin(b.base_url, "GET", "/admin/adapters").json()["data"]), what="fam@1 gone from B")
 
 
 def _adapter_of(url: str, turn_id: str) -> str | None:
