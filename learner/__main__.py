@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="a standalone HTML file with the learner and experiment charts, for sharing a run")
     rep.add_argument("--data-dir", type=Path, default=Path(".data"), help="data directory (default .data)")
     rep.add_argument("--db", type=Path, default=None, help=f"store file (default <data-dir>/{DEFAULT_DB_NAME})")
+    rep.add_argument("--store", default=os.environ.get("LOOPWISE_STORE"), help="the store: a postgresql:// URL (or LOOPWISE_STORE), else --db")
     rep.add_argument("--out", type=Path, default=Path("report.html"), help="output file (default report.html)")
     return parser
 
@@ -243,7 +244,11 @@ def report(args: argparse.Namespace) -> int:
     if not args.data_dir.is_dir():
         print(f"error: no data directory at {args.data_dir}", file=sys.stderr)
         return 2
-    counts = build_report(args.data_dir, args.out, args.db)
+    try:
+        counts = build_report(args.data_dir, args.out, args.store or args.db)
+    except ConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}: {counts['learners']} learner(s), {counts['updates']} update(s), {counts['experiments']} experiment(s)", file=sys.stderr)
     return 0
 

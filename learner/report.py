@@ -148,14 +148,15 @@ def render(data: dict[str, Any]) -> str:
 """
 
 
-def build_report(data_dir: Path, out: Path, db: Path | None = None) -> dict[str, int]:
-    """Write the report; returns what it holds (learners, updates, experiments)."""
-    from learner.store import db_path
+def build_report(data_dir: Path, out: Path, db: Path | str | None = None) -> dict[str, int]:
+    """Write the report; returns what it holds (learners, updates, experiments). ``db``: the store's file or
+    ``postgresql://`` URL (default ``<data-dir>/interactions.db``)."""
+    from learner.store import db_path, is_postgres_url, open_store
 
     path = db or db_path(data_dir)
     exps: list[dict[str, Any]] = []
-    if path.is_file():
-        store = SqliteStore(path)
+    if is_postgres_url(path) or Path(path).is_file():
+        store = open_store(path)
         try:
             exps = experiments(store)
         finally:

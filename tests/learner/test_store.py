@@ -806,5 +806,16 @@ def test_export_cli_reads_a_postgres_store(pg_url: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [r["turn_id"] for r in rows] == ["turn-2"] and rows[0]["context_ids"] == expected.context_ids and rows[0]["reward"] == 0.5
+    s = PostgresStore(pg_url)
+    s.save_experiment("e1", {"family": "f", "arms": [{"adapter": "f@1"}, {"adapter": "f@2"}]}, {"status": "running", "started_at": 0.0})
+    s.close()
+    rep = subprocess.run(
+        [sys.executable, "-m", "learner", "report", "--data-dir", str(tmp_path), "--store", pg_url, "--out", str(tmp_path / "r.html")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rep.returncode == 0 and "1 experiment(s)" in rep.stderr, rep.stderr
     proc = _export("--format", "jsonl", "--store", "postgresql://u:hunter2@127.0.0.1:1/nope")
     assert proc.returncode == 2 and "cannot reach the PostgreSQL store" in proc.stderr and "hunter2" not in proc.stderr
