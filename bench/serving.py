@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -91,7 +93,7 @@ def start_process(
 ) -> tuple[subprocess.Popen, str]:
     """Start ``cmd``; its stdout lines go to ``ready_url_of`` until one returns the base URL."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    proc = spawn(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
     while time.monotonic() < deadline:
@@ -104,12 +106,28 @@ def start_process(
     raise TimeoutError(f"{cmd} did not start")
 
 
+STARTED: list[subprocess.Popen] = []  # every server process, stopped in ``main``'s finally even if it never became ready
+
+
+def spawn(cmd: list[str], **kw) -> subprocess.Popen:
+    """A server in a session of its own, so stopping it reaches its workers (vLLM's engine core) too."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+    STARTED.append(proc)
+    return proc
+
+
 def stop_process(proc: subprocess.Popen) -> None:
-    proc.terminate()
+    """SIGTERM to the server's whole session (workers it left behind included), SIGKILL after 20 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 900) -> None:
@@ -169,7 +187,7 @@ def start_transformers(model_path: Path, args, dtype: str, port: int) -> Server:
     # 512 blocks of 32 tokens hold 64 clients' 100-token contexts, or 16 decoders plus the long prompt
     cmd += ["--cb-block-size", "32", "--cb-num-blocks", str(args.tf_blocks)]
     log = OUT / "transformers.log"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=thread_env(args.threads))
+    proc = spawn(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=thread_env(args.threads))
     url = f"http://localhost:{port}"
     wait_healthy(url, proc, log)
     return Server("transformers", url, str(model_path), proc, ignore_eos=False)
@@ -180,7 +198,7 @@ def start_vllm(vllm: str, model_path: Path, args, dtype: str, port: int) -> Serv
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache; its default (4) is a sixth of this machine
     cmd = [vllm, "serve", str(model_path), "--dtype", dtype, "--port", str(port), "--served-model-name", "m", "--max-model-len", "4096"]
     log = OUT / "vllm.log"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(OUT / "vllm.out", "w"), stderr=open(log, "w"), env=env)
+    proc = spawn(cmd, cwd=ROOT, stdout=open(OUT / "vllm.out", "w"), stderr=open(log, "w"), env=env)
     url = f"http://localhost:{port}"
     wait_healthy(url, proc, log, timeout=1800)
     return Server("vllm", url, "m", proc, ignore_eos=True)
@@ -456,8 +474,8 @@ def main() -> None:
         results["in_process"] = asyncio.run(in_process(model_path, args.latency_samples, args.new_tokens, args, http_base=lw.url))
         print("in process:", results["in_process"], flush=True)
     finally:
-        for s in servers:
-            stop_process(s.proc)
+        for proc in STARTED:
+            stop_process(proc)
         shutil.rmtree(tmp, ignore_errors=True)
 
     report(results, servers, clients)
