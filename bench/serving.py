@@ -261,14 +261,16 @@ async def stream_times(client: httpx.AsyncClient, server: Server, text: str, max
 
 async def long_prompt_under_load(server: Server, long_text: str, decoders: int, decode_tokens: int) -> dict:
     async with httpx.AsyncClient(base_url=server.url, timeout=1200) as client:
+        # two different prompts of the same length (their first words differ): the peers' prefix caches
+        # (vLLM's, transformers') would otherwise serve the loaded request from the idle one's KV
         t0 = time.perf_counter()
-        idle = await stream_times(client, server, long_text, 4)
+        idle = await stream_times(client, server, "First. " + long_text, 4)
         idle_ttft = idle[0] - t0 if idle else float("nan")
         firsts = [asyncio.Event() for _ in range(decoders)]
         tasks = [asyncio.create_task(stream_times(client, server, t, decode_tokens, firsts[i])) for i, t in enumerate(prompts(decoders))]
         await asyncio.gather(*(e.wait() for e in firsts))
         t_send = time.perf_counter()
-        long_times = await stream_times(client, server, long_text, 4)
+        long_times = await stream_times(client, server, "Second. " + long_text, 4)
         t_first = long_times[0] if long_times else float("nan")
         runs = await asyncio.gather(*tasks)
     # the decoders' longest gap between two tokens while the long prompt was being prefilled
