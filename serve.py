@@ -22,6 +22,7 @@ import secrets
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -209,8 +210,29 @@ def main(argv: list[str] | None = None) -> None:
     log_format = configure_logging(server.log_level, server.log_format, process="server")
     secure_data_dir(server.data_dir)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    built = build(settings)  # heavy imports after argument parsing, so --help is instant
+    serve(settings, built, log_format, demo)
 
-    from runtime.app import create_app  # heavy imports after argument parsing, so --help is instant
+
+@dataclass(frozen=True)
+class Built:
+    """What :func:`build` composed: the app, its engine, and what ``main`` announces and hands the learner."""
+
+    app: Any
+    engine: Any
+    model_id: str
+    model_path: Path
+    server: ServerSettings  # with the learner's internal admin key when the learner runs without --admin-key
+    agents: Any
+
+
+def build(settings: Settings) -> Built:
+    """The composition: model, engine, recorder, memory, agents and the app, wired from ``settings``.
+
+    No process-wide effects (logging, umask, sockets, the learner process): ``main`` does those, and the
+    tests serve this same app in process."""
+    server = settings.server
+    from runtime.app import create_app
     from runtime.engine import Engine
     from runtime.metrics import Metrics
     from runtime.model_store import ModelStoreError, resolve_model
@@ -286,20 +308,25 @@ def main(argv: list[str] | None = None) -> None:
         learner_enabled=settings.learner.enabled,
         memory=memory,
     )
+    return Built(app, engine, model_id, model_path, server, agents)
 
+
+def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None:
+    """Serve ``built.app`` with uvicorn on the configured address, announce it, start the learner (and the demo users)."""
+    server, model_id, model_path, agents = built.server, built.model_id, built.model_path, built.agents
     sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((server.host, server.port))
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(built.app, log_config=None, timeout_graceful_shutdown=5)
     uv = uvicorn.Server(config)
 
     learner: subprocess.Popen[bytes] | None = None
 
     async def announce_then_serve() -> None:
         nonlocal learner
-        serve = asyncio.create_task(uv.serve(sockets=[sock]))
-        while not uv.started and not serve.done():
+        serving = asyncio.create_task(uv.serve(sockets=[sock]))
+        while not uv.started and not serving.done():
             await asyncio.sleep(0.05)
         if uv.started:
             print(f"loopwise serving model '{model_id}' ({model_path}) on http://{host}:{port}/v1", flush=True)
@@ -313,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
 
                 print("demo: synthetic users send one-step calc_arith problems to demo-agent; the learner trains calc-lora on them", flush=True)
                 DemoUsers(url, server.admin_key or "", "demo-agent", "calc_arith", group=DEMO_GROUP, live=log_format == "console").start()
-        await serve
+        await serving
 
     try:
         asyncio.run(announce_then_serve())

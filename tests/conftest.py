@@ -1,16 +1,23 @@
-"""Shared fixtures: the tiny model (built once per cache), SmolLM2 (converted once), and real server processes.
+"""Shared fixtures: the tiny model (built once per cache), SmolLM2 (converted once), and servers on real ports.
 
-``ServerProcess`` starts ``python serve.py`` on a free port as a subprocess, waits for ``/ready``, and
-keeps its log for assertions. The model cache is ``.data/models`` in the checkout (override with
-``LOOPWISE_TEST_CACHE``), so SmolLM2 is converted at most once per machine.
+``start_server(*flags)`` gives a server built from ``serve.py``'s flags. By default it is an
+:class:`InProcServer`: ``serve.build`` (the composition ``serve.py`` runs) served by uvicorn on a free port
+in a thread of the test process, so the real client packages talk to it over a socket, without the ~8 s a
+new interpreter spends importing torch and transformers. ``process=True`` (implied by ``--learner``,
+``--sglang-launch``, ``--threads`` and ``env``: what a process-wide effect or a child process needs) starts
+``python serve.py`` itself as a :class:`ServerProcess`, which keeps its log for assertions. The model cache
+is ``.data/models`` in the checkout (override with ``LOOPWISE_TEST_CACHE``), so SmolLM2 is converted at most
+once per machine.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +51,7 @@ class ServerProcess:
     """A real ``serve.py`` process on a free port."""
 
     def __init__(self, args: list[str], data_dir: Path, env: dict[str, str] | None = None, timeout: float = 180) -> None:
+        self.data_dir = data_dir
         self.log_path = data_dir / f"server-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w+")
         cmd = [sys.executable, str(ROOT / "serve.py"), "--port", "0", "--data-dir", str(data_dir), *args]
@@ -68,7 +76,8 @@ class ServerProcess:
         raise TimeoutError(f"server did not start in {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # also readable after stop()
+            self._log.flush()
         return self.log_path.read_text()
 
     def alive(self) -> bool:
@@ -87,19 +96,74 @@ class ServerProcess:
         self._log.close()
 
 
+class InProcServer:
+    """``serve.build(settings)`` (the app ``serve.py`` serves, from the same flags) behind uvicorn on a free port, in a thread.
+
+    What ``serve.main`` adds around the app stays out: logging setup, the umask, the learner process, the
+    announce line. Use a :class:`ServerProcess` for those."""
+
+    def __init__(self, args: list[str], data_dir: Path, timeout: float = 180) -> None:
+        import uvicorn
+
+        import serve
+
+        self.data_dir = data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        settings = serve.settings_from_args(["--port", "0", "--data-dir", str(data_dir), *args])
+        self.built = serve.build(settings)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((settings.server.host, 0))
+        self._uv = uvicorn.Server(uvicorn.Config(self.built.app, log_config=None, timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(target=self._uv.run, kwargs={"sockets": [sock]}, name=f"inproc-server-{data_dir.name}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._uv.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the in-process server stopped while starting (its lifespan failed; see the captured log)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the in-process server did not start in {timeout}s")
+            time.sleep(0.02)
+        host, port = sock.getsockname()[:2]
+        self.base_url = f"http://{host}:{port}"
+        self.url = self.base_url + "/v1"
+        httpx.get(self.base_url + "/ready", timeout=10).raise_for_status()
+
+    def log(self) -> str:
+        raise NotImplementedError("an in-process server has no log of its own: start_server(..., process=True) for one")
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._uv.should_exit
+
+    def stop(self) -> None:
+        """uvicorn's graceful shutdown: in-flight requests finish, then the lifespan closes the engine and the recorder."""
+        self._uv.should_exit = True
+        self._thread.join(timeout=30)
+
+
+# flags whose effect reaches past the app (a child process, process-wide torch threads): those servers are processes
+PROCESS_FLAGS = ("--learner", "--sglang-launch", "--threads")
+
+
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator:
-    """Factory: ``start_server(*extra_args)`` → a running tiny-model server, stopped at session end."""
-    started: list[ServerProcess] = []
+    """Factory: ``start_server(*extra_args)`` → a running tiny-model server (in process unless ``process=True``), stopped at session end."""
+    started: list[ServerProcess | InProcServer] = []
 
     def start(
-        *extra: str, model: Path | None = None, name: str = "tiny", env: dict[str, str] | None = None, data_dir: Path | None = None
-    ) -> ServerProcess:
+        *extra: str,
+        model: Path | None = None,
+        name: str = "tiny",
+        env: dict[str, str] | None = None,
+        data_dir: Path | None = None,
+        process: bool = False,
+    ) -> ServerProcess | InProcServer:
         data_dir = data_dir or tmp_path_factory.mktemp("server")
         # test servers run without the learner process unless a test asks for it (``--learner``)
         learner = [] if "--learner" in extra else ["--no-learner"]
         args = ["--model", str(model or tiny_model_path), "--served-model-name", name, *learner, *extra]
-        server = ServerProcess(args, data_dir, env=env)
+        process = process or env is not None or any(flag in extra for flag in PROCESS_FLAGS)
+        server = ServerProcess(args, data_dir, env=env) if process else InProcServer(args, data_dir)
         started.append(server)
         return server
 
@@ -109,7 +173,7 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
 
 
 @pytest.fixture(scope="session")
-def tiny_server(start_server) -> ServerProcess:
+def tiny_server(start_server) -> InProcServer:
     """One shared tiny-model server for the read-only API tests."""
     return start_server()
 

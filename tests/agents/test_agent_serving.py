@@ -1,4 +1,4 @@
-"""Served agents end to end: a real ``serve.py`` (tiny model), the real ``openai`` client, curl-style httpx calls.
+"""Served agents end to end: the app ``serve.py`` builds (tiny model) on a real port, the real ``openai`` client, curl-style httpx calls.
 
 The tiny model's text is random, so these tests check the surfaces and the records (ids, turns, rewards,
 errors), not answer quality; the loop's logic is covered with scripted outputs in ``test_loop.py``.
@@ -15,7 +15,15 @@ from openai import BadRequestError, NotFoundError, OpenAI
 from tests.runtime._client import assert_error
 
 ADMIN = "agent-admin"
-CUSTOM = {"name": "echo-agent", "system_prompt": "Answer briefly.", "stop_policy": "svr", "stop_params": {"tau": 0.8}, "max_turns": 2}
+# short turns: the tiny model's random text runs to the limit, and these tests check surfaces and records, not lengths
+CUSTOM = {
+    "name": "echo-agent",
+    "system_prompt": "Answer briefly.",
+    "stop_policy": "svr",
+    "stop_params": {"tau": 0.8},
+    "max_turns": 2,
+    "max_tokens_per_turn": 24,
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +89,7 @@ def test_a_run_on_a_task_problem_gets_its_verifier_reward(server):
 
 
 def test_admin_creates_and_deletes_agents(server):
-    cfg = {"name": "py-agent", "tools": ["python", "calculator"], "max_turns": 1}
+    cfg = {"name": "py-agent", "tools": ["python", "calculator"], "max_turns": 1, "max_tokens_per_turn": 16}
     r = admin(server, "POST", "/admin/agents", json=cfg)
     assert r.status_code == 201, r.text
     assert r.json()["tools"] == ["python", "calculator"]

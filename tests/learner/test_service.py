@@ -1,4 +1,4 @@
-"""The learner process end to end against a real ``serve.py`` (tiny model): data → train → publish → load → gate → A/B.
+"""The learner process end to end against ``serve.py``'s app on a real port (tiny model): data → train → publish → load → gate → A/B.
 
 Rewards come from the task's verifier plus ``/v1/feedback`` (the tiny model is random, so feedback
 gives each group reward variance). Everything is real: the server, the SQLite store, the adapter
@@ -65,7 +65,7 @@ def server(start_server, tmp_path_factory):
 
 
 def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_model_path):
-    data = server.log_path.parent
+    data = server.data_dir
     cfg = ServiceConfig(
         data_dir=data,
         admin_url=server.base_url,
@@ -136,7 +136,7 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
 
 def test_zero_variance_data_skips_the_step_but_advances_the_version(server, tiny_model_path, tmp_path):
     cfg = ServiceConfig(
-        data_dir=server.log_path.parent,
+        data_dir=server.data_dir,
         admin_url=server.base_url,
         admin_key=ADMIN,
         base_model=tiny_model_path,
@@ -221,7 +221,7 @@ def rr_service(server, tiny_model_path, family: str, estimator: str, rerollouts:
     s["samples"]["reward_sources"] = ["feedback", "verifier:*"]  # backbones: feedback; the branches: the verifier only
     s["trainer"]["estimator"] = estimator
     cfg = ServiceConfig(
-        data_dir=server.log_path.parent,
+        data_dir=server.data_dir,
         admin_url=server.base_url,
         admin_key=ADMIN,
         base_model=tiny_model_path,
@@ -243,7 +243,7 @@ def test_rtpo_sweeps_turns_in_reverse_with_siblings_from_the_exact_stored_contex
     # buckets latest first; the turn-0 bucket has no branch point, so it trains in turn 1's step
     assert [b["turns"] for b in rr["steps"]] == [[2], [0, 1]]
     assert rr["siblings"] == 16 and sum(b["siblings"] for b in rr["steps"]) == 16
-    store = SqliteStore(server.log_path.parent / "interactions.db")
+    store = SqliteStore(server.data_dir / "interactions.db")
     rows = store.list_trajectories(limit=1000)
     branches = [t for t in rows if t["meta"].get("rerollout") == "rtpo"]
     refreshes = [t for t in rows if t["meta"].get("rerollout") == "rtpo_refresh"]
@@ -291,7 +291,7 @@ def test_a_learner_killed_after_an_intermediate_publish_resumes(server, tiny_mod
     svc._publish_intermediate = publish_then_die  # type: ignore[method-assign]
     with pytest.raises(SystemExit):
         svc.update()
-    data = server.log_path.parent
+    data = server.data_dir
     assert (data / "adapters" / "rk" / "v1").is_dir()
     resumed = rr_service(server, tiny_model_path, "rk", "rtpo", {"branches": 1, "siblings": 2, "refresh": True})
     record = resumed.update()  # resumes at version 1 (checkpointed before its publish) and redoes the update
@@ -371,7 +371,7 @@ def test_reroll_estimators_are_refused_where_they_cannot_work(server, tiny_model
         s.update(family="nt")
         s["trainer"]["estimator"] = estimator
         cfg = ServiceConfig(
-            data_dir=server.log_path.parent,
+            data_dir=server.data_dir,
             admin_url=server.base_url,
             admin_key=ADMIN,
             base_model=tiny_model_path,

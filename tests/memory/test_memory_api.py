@@ -39,7 +39,8 @@ def data_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(start_server, data_dir):
     args = ["--api-key", KEY_A, "--api-key", KEY_B, "--admin-key", ADMIN, "--max-model-len", "512", "--no-builtin-agents"]
-    return start_server(*args, "--agent", json.dumps(APPEND), "--agent", json.dumps(PILOT), data_dir=data_dir)
+    # a process: the tests read its JSON log lines (the copilot's failures)
+    return start_server(*args, "--agent", json.dumps(APPEND), "--agent", json.dumps(PILOT), data_dir=data_dir, process=True)
 
 
 def call(server, method: str, path: str, key: str | None, **kw) -> httpx.Response:

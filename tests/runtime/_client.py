@@ -1,6 +1,6 @@
 """Helpers shared by the HTTP-level tests: OpenAI clients, raw SSE parsing, /metrics parsing, error envelopes.
 
-Every test that uses these drives a real ``serve.py`` process (``tests/conftest.py``); nothing here
+Every test that uses these drives a server on a real port (``tests/conftest.py``: ``serve.py``'s app in process, or the process); nothing here
 imports the runtime.
 """
 

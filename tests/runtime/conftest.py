@@ -2,8 +2,8 @@
 
 ``backend`` is a session fixture parametrized over ``embedded`` and ``sglang``. Tests of the chat,
 streaming, tools, recording, adapter and hot-swap categories take ``served`` (a shared tiny-model
-``serve.py`` on that backend) or ``start_backend_server`` (a factory, like ``start_server``), so each
-of them runs once per backend. For ``sglang``, ``serve.py --backend sglang`` talks over HTTP to one
+server on that backend, in process) or ``start_backend_server`` (a factory, like ``start_server``), so
+each of them runs once per backend. For ``sglang``, the app of ``serve.py --backend sglang`` talks over HTTP to one
 shared fake SGLang server (``tests/fakes/sglang_server.py``, backed by the embedded engine), started on
 first use. Tests of engine-specific behaviour (batching metrics, queue overload, kill -9) keep using
 ``start_server``/``tiny_server`` and run on the embedded engine only.

@@ -1,4 +1,4 @@
-"""Adapters over HTTP against real ``serve.py`` processes: admin load/alias/unload, model selection,
+"""Adapters over HTTP against ``serve.py``'s app on real ports: admin load/alias/unload, model selection,
 refusals, hot swap under load with nothing failed, and A/B experiments that route, persist and promote."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sqlite3
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -84,7 +85,8 @@ def test_load_select_and_list(server, data_dir):
 
 
 def test_bad_adapters_are_refused_and_serving_continues(server, data_dir, tmp_path_factory, tiny_model_path):
-    root = data_dir / "adapters"
+    good = data_dir / "adapters"
+    root = Path(tempfile.mkdtemp(prefix="bad-", dir=good))  # inside the adapter root; a folder per backend's run
     outside = make_adapter(tiny_model_path, tmp_path_factory.mktemp("outside") / "x", seed=1)
     assert_error(load(server, outside, "bad"), 400, code="invalid_adapter")
     big = make_adapter(tiny_model_path, root / "rank16", seed=2, r=16)
@@ -95,11 +97,11 @@ def test_bad_adapters_are_refused_and_serving_continues(server, data_dir, tmp_pa
     assert "adapter_config.json" in assert_error(load(server, missing, "bad"), 400, code="invalid_adapter")["message"]
     corrupt = root / "corrupt"
     corrupt.mkdir()
-    (corrupt / "adapter_config.json").write_text((root / "a0" / "adapter_config.json").read_text())
-    data = (root / "a0" / "adapter_model.safetensors").read_bytes()
+    (corrupt / "adapter_config.json").write_text((good / "a0" / "adapter_config.json").read_text())
+    data = (good / "a0" / "adapter_model.safetensors").read_bytes()
     (corrupt / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
     assert_error(load(server, corrupt, "bad"), 400, code="invalid_adapter")
-    cfg = json.loads((root / "a0" / "adapter_config.json").read_text())
+    cfg = json.loads((good / "a0" / "adapter_config.json").read_text())
     wrong = root / "wrong-target"
     wrong.mkdir()
     (wrong / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["nonexistent_proj"]}))
@@ -161,7 +163,7 @@ def test_hot_swap_under_load_fails_nothing(server, data_dir):
 
 def _assert_recorded_turns(server, want: dict[str | None, str | None], timeout: float = 30) -> None:
     """Every answered turn is in the store, naming exactly the one adapter version its response named."""
-    db = server.log_path.parent / "interactions.db"  # the server's --data-dir
+    db = server.data_dir / "interactions.db"  # the server's --data-dir
     deadline = time.monotonic() + timeout
     while True:  # the recorder commits in groups, shortly after each response
         with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as conn:
@@ -210,6 +212,6 @@ def test_experiment_routes_sticky_persists_and_promotes(start_backend_server, da
 
     # the experiment and its decision survive a restart (same data dir)
     srv.stop()
-    again = start_backend_server("--admin-key", ADMIN, "--adapter-root", str(d / "adapters"), data_dir=srv.log_path.parent)
+    again = start_backend_server("--admin-key", ADMIN, "--adapter-root", str(d / "adapters"), data_dir=srv.data_dir)
     st = httpx.get(again.base_url + "/admin/experiments/ab-test", headers=AUTH, timeout=30).json()
     assert st["status"] == "promoted" and st["winner"] == "ab@2"

@@ -1,4 +1,4 @@
-"""Every error a real ``serve.py`` process answers is OpenAI's envelope with the right status, ``param`` and ``code``.
+"""Every error ``serve.py``'s app answers on a real port is OpenAI's envelope with the right status, ``param`` and ``code``.
 
 ``{"error": {"message", "type", "param", "code"}}``; 400 for invalid input (never FastAPI's 422),
 401 for a missing or wrong key, 404 for an unknown model or route, 413 for an oversized body.

@@ -1,4 +1,4 @@
-"""The frameworks' default clients against a real ``serve.py`` (tiny model): openai, openai-agents, pydantic-ai, anthropic.
+"""The frameworks' default clients against ``serve.py``'s app on a real port (tiny model): openai, openai-agents, pydantic-ai, anthropic.
 
 The tiny model's text is random, so these tests check what the frameworks need from the server (the
 shapes parse into each library's own types, tool calls round trip, constrained outputs validate,

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible surface of a real ``serve.py`` process, driven with the ``openai`` SDK and raw httpx.
+"""The OpenAI-compatible surface of ``serve.py``'s app on a real port, driven with the ``openai`` SDK and raw httpx.
 
 The tiny model is random: greedy decoding from it is deterministic but monotonous (mostly newlines),
 so checks that need varied text use ``temperature=1`` with a ``seed``, which the server promises to
@@ -601,7 +601,8 @@ def test_request_ids(tiny_server):
 
 @pytest.fixture(scope="module")
 def one_slot(start_server):
-    return start_server("--max-batch-size", "1", "--max-queue", "1")
+    # a process: its log is read for tracebacks, and a client's abrupt disconnect must cross a real process boundary
+    return start_server("--max-batch-size", "1", "--max-queue", "1", process=True)
 
 
 def _window_tokens(server: Any, messages: list[dict[str, Any]]) -> int:

@@ -1,4 +1,4 @@
-"""Recording, stitching, feedback and the admin API, against real ``serve.py`` processes and a real SQLite file."""
+"""Recording, stitching, feedback and the admin API, against ``serve.py``'s app on real ports (a process where one is killed), a real SQLite file."""
 
 from __future__ import annotations
 
@@ -204,8 +204,8 @@ def test_no_record_and_no_admin_key(start_server):
 @pytest.mark.parametrize("durability", ["sync", "async"])
 def test_kill_dash_nine_during_a_burst(start_server, tmp_path_factory, durability):
     """sync: every 200 has its turn after a kill -9. async: report how many were lost (bounded by the window)."""
-    server = start_server("--durability", durability, "--max-batch-size", "16")
-    db = server.log_path.parent / "interactions.db"
+    server = start_server("--durability", durability, "--max-batch-size", "16", process=True)  # kill -9 needs a process
+    db = server.data_dir / "interactions.db"
     ok_turns: list[str] = []
 
     def one(i: int) -> str | None:

@@ -146,9 +146,8 @@ def adapters(tiny_model_path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(start_server, fake, adapters):
-    return start_server(
-        "--backend", "sglang", "--sglang-url", fake.url, "--admin-key", ADMIN, "--adapter-root", str(adapters), "--max-lora-rank", "8"
-    )
+    flags = ["--backend", "sglang", "--sglang-url", fake.url, "--admin-key", ADMIN, "--adapter-root", str(adapters), "--max-lora-rank", "8"]
+    return start_server(*flags, process=True)  # a process: its log holds the slot warning
 
 
 def _load(srv, path: Path, family: str, **kw) -> httpx.Response:
