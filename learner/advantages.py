@@ -274,7 +274,7 @@ def _scores(traj: IntArray, reward: FloatArray, given: BoolArray, outcome: Float
     has_outcome = ~np.isnan(out_t)
     score = turn_sum + np.where(has_outcome, out_t, 0.0)
     score = np.where((n_given > 0) | has_outcome, score, np.nan)
-    return score[traj]
+    return np.asarray(score[traj], dtype=np.float64)
 
 
 def _check(eps: float, zero_std_tol: float) -> None:
@@ -579,14 +579,14 @@ def rtpo_update_order(samples: Sequence[TurnSample], *, bucket_size: int = 1) ->
 # TCPO ([RECON] algorithms.md 4)
 
 
-def tcpo_retrospective(scores: Sequence[float], *, best0: float = 0.0) -> FloatArray:
+def tcpo_retrospective(scores: Sequence[float] | FloatArray, *, best0: float = 0.0) -> FloatArray:
     """Retrospective credit: ``retro_t = v_t - best_{t-1}``, ``best_{t-1} = max(best0, v_1..v_{t-1})``. Shape (T,)."""
     v = np.asarray(scores, dtype=np.float64)
     best_prev = np.maximum.accumulate(np.r_[best0, v])[:-1]
     return v - best_prev
 
 
-def tcpo_hindsight(scores: Sequence[float], *, lambda_h: float = 1.0, gamma: float = 0.9, best0: float = 0.0) -> FloatArray:
+def tcpo_hindsight(scores: Sequence[float] | FloatArray, *, lambda_h: float = 1.0, gamma: float = 0.9, best0: float = 0.0) -> FloatArray:
     """Hindsight delayed credit for non-improving turns. Shape (T,).
 
     ``hind_t = 1[retro_t <= 0] * lambda_h * gamma^(k*-t) * (v_{k*} - best_{t-1})`` with ``k*`` the first
@@ -604,7 +604,7 @@ def tcpo_hindsight(scores: Sequence[float], *, lambda_h: float = 1.0, gamma: flo
     return np.where(has & (v - best_prev <= 0), hind, 0.0)
 
 
-def tcpo_scores(turn_scores: Sequence[float], outcome: float = math.nan, *, best0: float = 0.0) -> FloatArray:
+def tcpo_scores(turn_scores: Sequence[float] | FloatArray, outcome: float = math.nan, *, best0: float = 0.0) -> FloatArray:
     """TCPO's ``v_t`` per turn, with the fallbacks for unscored turns (NaN): the last turn takes ``outcome`` (if
     finite), any other turn ``best_{t-1}`` (no measured progress: retrospective credit 0). Shape (T,)."""
     v = np.asarray(turn_scores, dtype=np.float64).copy()
@@ -640,7 +640,7 @@ def tcpo_select_turns(surprisals: Sequence[float], *, top_q: float = 0.2, thresh
     """
     s = np.asarray(surprisals, dtype=np.float64)
     if threshold is not None:
-        return (s > threshold).tolist()
+        return [bool(x) for x in s > threshold]
     if not 0.0 <= top_q <= 1.0:
         raise AdvantageInputError(f"top_q must be in [0, 1], got {top_q}")
     k = math.ceil(top_q * s.shape[0])
@@ -716,7 +716,7 @@ def rank_wins(
     """
     c = np.asarray(correct, dtype=np.bool_)
     has = np.array([s is not None and not math.isnan(float(s)) for s in score], dtype=np.bool_)
-    s = np.array([float(x) if ok else 0.0 for x, ok in zip(score, has, strict=True)], dtype=np.float64)
+    s = np.array([float(x) if ok and x is not None else 0.0 for x, ok in zip(score, has, strict=True)], dtype=np.float64)
     n = np.asarray(n_tokens, dtype=np.float64)
     g = c.shape[0]
     if not (s.shape[0] == n.shape[0] == g):
@@ -735,7 +735,8 @@ def rank_wins(
     beats = np.where(c_tie & s_tie & n_win, 1.0, beats)
     beats = np.where(c_tie & s_tie & n_tie, 0.5, beats)
     np.fill_diagonal(beats, 0.0)
-    return beats.sum(axis=1)
+    wins: FloatArray = beats.sum(axis=1)
+    return wins
 
 
 @register_advantage(Estimator.RANK)

@@ -46,7 +46,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from runtime._files import sha256_file
 
@@ -92,13 +94,13 @@ def _is_ready(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
-def _write_marker(folder: Path, **info) -> None:
+def _write_marker(folder: Path, **info: Any) -> None:
     info.setdefault("created", _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
     info["builder_pid"] = _requested_by or os.getpid()  # the process that took the lock (the child's parent)
     (folder / MARKER).write_text(json.dumps(info, indent=2) + "\n")
 
 
-def _build_once(cache_dir: Path, name: str, build) -> Path:
+def _build_once(cache_dir: Path, name: str, build: Callable[[Path], Any]) -> Path:
     """Run ``build(tmp_dir)`` (which runs the builder in a child) under a file lock and atomically rename into ``cache_dir/name``."""
     final = Path(cache_dir) / name
     if _is_ready(final):
@@ -173,7 +175,7 @@ def _tiny_corpus(seed: int) -> list[str]:
     return lines
 
 
-def _tiny_tokenizer(seed: int, vocab_size: int = 2000):
+def _tiny_tokenizer(seed: int, vocab_size: int = 2000) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -223,7 +225,7 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, heads: tuple[int, int] = (
         pad_token_id=2,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers types .to as a decorator's
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=2, pad_token_id=2)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
@@ -254,7 +256,7 @@ def _smollm2_gguf() -> Path:
     return gguf_path
 
 
-def _greedy_next(model, tok) -> int:
+def _greedy_next(model: Any, tok: Any) -> int:
     import torch
 
     msgs = [{"role": "user", "content": "What is 2+2?"}]
@@ -264,15 +266,22 @@ def _greedy_next(model, tok) -> int:
 
 
 @contextlib.contextmanager
-def _hf_progress_bars(enabled: bool):
+def _hf_progress_bars(enabled: bool) -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
     was = hf_logging.is_progress_bar_enabled()
-    (hf_logging.enable_progress_bar if enabled and was else hf_logging.disable_progress_bar)()
+
+    def show(on: bool) -> None:
+        if on:
+            hf_logging.enable_progress_bar()
+        else:
+            hf_logging.disable_progress_bar()
+
+    show(enabled and was)
     try:
         yield
     finally:
-        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+        show(was)
 
 
 def _convert_smollm2(out_dir: Path, gguf: str, progress: bool) -> None:
@@ -303,7 +312,7 @@ def _convert_smollm2(out_dir: Path, gguf: str, progress: bool) -> None:
         for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
             cfg.pop(key, None)
         cfg.update(architectures=["LlamaForCausalLM"], dtype="float32")
-        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32)
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32)  # type: ignore[arg-type]  # as above
         model.load_state_dict(src.state_dict(), strict=True)
         model.eval()
         model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -122,7 +122,7 @@ def tool_choice_of(choice: Any, tools: list[dict[str, Any]]) -> tuple[ToolChoice
     if choice is None or isinstance(choice, str):
         if choice in ("required",) and not tools:
             raise InvalidRequest("tool_choice requires tools", param="tool_choice")
-        return choice, tools
+        return cast(ToolChoice, choice), tools
     kind = choice.get("type")
     if kind == "function":
         name = choice.get("name")

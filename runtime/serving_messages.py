@@ -234,7 +234,7 @@ async def message_stream(out: Outcome) -> AsyncIterator[str]:
     def event(kind: str, **data: Any) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    start = {
+    start: dict[str, Any] = {
         "id": out.id,
         "type": "message",
         "role": "assistant",

@@ -195,7 +195,7 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
         for kind, target_id, value, key in targets:
             by = owner if owner is not None else await rec.call(rec.store.record_owner, kind, target_id)
             reward = Reward(
-                target=kind,  # type: ignore[arg-type]
+                target=kind,
                 target_id=target_id,
                 value=value,
                 source=fb.source,

@@ -46,7 +46,7 @@ def token_bytes_fn(tokenizer: Any) -> Callable[[int], bytes]:
 
     @cache
     def token_bytes(token_id: int) -> bytes:
-        piece = tokenizer.convert_ids_to_tokens(token_id)
+        piece: str | None = tokenizer.convert_ids_to_tokens(token_id)
         if piece is None or token_id in special:
             return (piece or "").encode()
         if byte_level:

@@ -40,6 +40,13 @@ _DECODER = json.JSONDecoder()
 _WS = re.compile(r"\s*")
 
 
+def _ws_end(s: str, i: int) -> int:
+    """Where the whitespace starting at ``i`` ends (``\\s*`` always matches)."""
+    m = _WS.match(s, i)
+    assert m is not None
+    return m.end()
+
+
 @dataclass(frozen=True)
 class ParsedToolCall:
     name: str
@@ -89,7 +96,7 @@ class _Out:
         return ParseResult("".join(self.parts).strip() or None, self.calls)
 
 
-def _call_from_obj(obj: Any, require_args: bool = False) -> tuple[str, dict] | None:
+def _call_from_obj(obj: Any, require_args: bool = False) -> tuple[str, dict[str, Any]] | None:
     """``{"name": ..., "arguments"|"parameters": {...}}`` -> (name, args), else None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -113,18 +120,18 @@ def _scan_json(s: str, sep: str, end: str | None = None) -> list[tuple[Any, str]
     Returns ``[(value, raw_text), ...]`` or None if ``s`` is not exactly that.
     """
     out: list[tuple[Any, str]] = []
-    i = _WS.match(s, 0).end()
+    i = _ws_end(s, 0)
     while True:
         try:
             value, j = _DECODER.raw_decode(s, i)
         except (ValueError, RecursionError):
             return None
         out.append((value, s[i:j]))
-        i = _WS.match(s, j).end()
+        i = _ws_end(s, j)
         if i == len(s):
             return out if end is None else None
         if s[i] == sep:
-            i = _WS.match(s, i + 1).end()
+            i = _ws_end(s, i + 1)
             if i == len(s) and end is None:  # tolerate a trailing separator
                 return out
             continue
@@ -232,14 +239,14 @@ class Llama3Parser(ToolCallParser):
             out.text(text)
             return out.result()
         out.text(pre)
-        rejected = [raw for c, raw in calls if not out.call(*c)]
+        rejected = [raw for c, raw in calls if c is not None and not out.call(*c)]
         if rejected:
             out.text((self.TAG if tag >= 0 else "") + "; ".join(rejected))
         return out.result()
 
 
 class _JsonNames(ast.NodeTransformer):
-    VALUES: ClassVar[dict[str, object]] = {"true": True, "false": False, "null": None}
+    VALUES: ClassVar[dict[str, bool | None]] = {"true": True, "false": False, "null": None}
 
     def visit_Name(self, node: ast.Name) -> ast.AST:
         return ast.Constant(self.VALUES[node.id]) if node.id in self.VALUES else node
@@ -253,7 +260,7 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
-def _parse_call_list(src: str) -> list[tuple[str, dict, str]] | None:
+def _parse_call_list(src: str) -> list[tuple[str, dict[str, Any], str]] | None:
     """``[f(a=1), g(b='x')]`` -> [(name, kwargs, raw_call_text)], else None."""
     try:
         tree = ast.parse(src.strip(), mode="eval")
@@ -330,7 +337,7 @@ class MistralParser(ToolCallParser):
         first, *segments = text.split(self.TAG)
         out.text(first)
         for seg in segments:
-            calls: list[tuple[tuple[str, dict] | None, str]] | None = None
+            calls: list[tuple[tuple[str, dict[str, Any]] | None, str]] | None = None
             if seg.lstrip().startswith("["):  # [TOOL_CALLS] [{...}, {...}]
                 items = _scan_json(seg.lstrip()[1:], ",", end="]")
                 calls = [(_call_from_obj(v), raw) for v, raw in items or []]
@@ -344,7 +351,7 @@ class MistralParser(ToolCallParser):
             if not calls or any(c is None for c, _ in calls):
                 out.text(self.TAG + seg)
                 continue
-            rejected = [raw for c, raw in calls if not out.call(*c)]
+            rejected = [raw for c, raw in calls if c is not None and not out.call(*c)]
             if rejected and seg.lstrip().startswith("["):
                 out.text(f"{self.TAG} [" + ", ".join(rejected) + "]")
             elif rejected:

@@ -85,4 +85,4 @@ def _pack(module: nn.Linear) -> None:
             return nn.functional.linear(x, module.weight, module.bias)
         return _packed(x)
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward  # type: ignore[method-assign, assignment]

@@ -551,7 +551,9 @@ class EmbeddedEngine:
         if constrained:
             bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[-1])
             for i in constrained:
-                seqs[i].matcher.fill_next_token_bitmask(bitmask, i)
+                matcher = seqs[i].matcher
+                assert matcher is not None
+                matcher.fill_next_token_bitmask(bitmask, i)
             xgr.apply_token_bitmask_inplace(logits, bitmask, indices=constrained)
         sampled = sample_next(logits, [s.row for s in seqs])
         now = time.perf_counter()
@@ -568,7 +570,8 @@ class EmbeddedEngine:
             if seq.generated == 1:
                 seq.t_first = now
             self.tokens_generated += 1
-            finish, matched = None, None
+            finish: str | None = None
+            matched: int | str | None = None
             if seq.matcher is not None and not seq.matcher.accept_token(tok):
                 finish = "stop"  # cannot happen under a correct mask; stop rather than emit garbage
             text = "" if tok in seq.stop_ids else seq.text.push(tok)
@@ -582,7 +585,7 @@ class EmbeddedEngine:
                 finish = "length"
             elif len(seq.req.input_ids) + seq.generated >= self.info.max_model_len:
                 finish = "length"
-            lp = ()
+            lp: tuple[TokenLogprob, ...] = ()
             if seq.row.top_logprobs or seq.req.sampling.logprobs:
                 lp = (TokenLogprob(tok, sampled.logprobs[i], tuple(sampled.top[i])),)
             if finish is not None:

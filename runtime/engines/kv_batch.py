@@ -20,18 +20,18 @@ from transformers.cache_utils import DynamicLayer
 
 class _BufferLayer(DynamicLayer):
     def __init__(self, store: BatchKV, idx: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._store = store
         self._idx = idx
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object):  # type: ignore[override]
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         return self._store.write(self._idx, key_states, value_states)
 
     def get_seq_length(self) -> int:
         return self._store.length
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # type: ignore[override]
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._store.length + query_length, 0
 
 

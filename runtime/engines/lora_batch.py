@@ -197,7 +197,7 @@ class LoraBank:
             if site is None:  # first adapter on this linear: put a site in front of its forward
                 module = self.targets[module_name]
                 site = self._sites[module_name] = _Site(self, module)
-                module.forward = site  # type: ignore[method-assign]
+                module.forward = site  # type: ignore[method-assign, assignment]
             site.weights[name] = lora
         self._adapters[name] = weights
 

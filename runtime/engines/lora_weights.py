@@ -126,12 +126,14 @@ def read_lora(path: str | Path, targets: Mapping[str, nn.Module]) -> LoraWeights
         base_name = _resolve(name, targets)
         if base_name is None:
             raise AdapterError(f"adapter {path} has LoRA weights for {name!r}, which is not a linear layer of the base model")
-        base = targets[base_name]
+        ref = targets[base_name].weight
+        if not isinstance(ref, torch.Tensor):
+            raise AdapterError(f"{name}: the base model's {base_name} has no weight tensor")
         a, b = parts.get("lora_A"), parts.get("lora_B")
         if a is None or b is None or a.dim() != 2 or b.dim() != 2:
             raise AdapterError(f"{name}: need 2-D lora_A and lora_B")
         rank = int(a.shape[0])
-        out_f, in_f = int(base.weight.shape[0]), int(base.weight.shape[1])
+        out_f, in_f = int(ref.shape[0]), int(ref.shape[1])
         if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
             raise AdapterError(f"{name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit a {in_f}→{out_f} linear with rank {rank}")
         declared = int(_pattern_value(rank_pattern, base_name, config.get("r", rank)))
@@ -139,7 +141,6 @@ def read_lora(path: str | Path, targets: Mapping[str, nn.Module]) -> LoraWeights
             raise AdapterError(f"{name}: weights have rank {rank} but the config says r={declared}")
         alpha = float(_pattern_value(alpha_pattern, base_name, config.get("lora_alpha", rank)))
         scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-        ref = base.weight
         with torch.no_grad():
             a_t = a.to(device=ref.device, dtype=torch.float32).t().contiguous().to(ref.dtype)  # (in, r)
             b_t = (b.to(device=ref.device, dtype=torch.float32) * scale).t().contiguous().to(ref.dtype)  # (r, out)

@@ -1,0 +1,144 @@
+"""The layering of docs/architecture.md, checked over every real module's imports (AST, nothing imported).
+
+What each library package may import from the project:
+
+- ``runtime`` → ``learner.records`` (the record types it writes)
+- ``tools`` → nothing
+- ``memory`` → the runtime's client protocol, ``learner.records``
+- ``agents`` → the runtime's client protocol, ``tools``, ``memory``, ``learner.records``
+- ``learner`` → ``tools`` (it reaches the runtime over its admin API, agents' tasks over the runs endpoint)
+
+``serve.py`` (the composition root), ``experiments/`` and ``bench/`` may import anything; no library package
+imports them. Imports inside functions count the same as those at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = ("runtime", "tools", "memory", "agents", "learner")
+DRIVERS = ("serve", "experiments", "bench", "tests")  # may import anything; nothing in LIBRARY imports them
+PROJECT = {*LIBRARY, *DRIVERS}
+RUNTIME_CLIENT = ("runtime.agent_api", "runtime.engine", "runtime.identity")  # what agents and memory call the runtime through
+RECORDS = ("learner.records",)
+
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "runtime": RECORDS,
+    "tools": (),
+    "memory": (*RUNTIME_CLIENT, *RECORDS),
+    "agents": (*RUNTIME_CLIENT, *RECORDS, "tools", "memory"),
+    "learner": ("tools",),
+}
+
+# Violations of today, each named exactly; the test fails on any other, and on an entry that no longer is one.
+KNOWN: set[tuple[str, str]] = {
+    # research drivers inside library packages: they move to experiments/ (issue 27, item 1)
+    ("learner/leap_expand.py", "agents.tasks"),
+    ("memory/tournament.py", "agents.eval"),
+    ("memory/tournament.py", "learner.publish"),
+    ("memory/train.py", "learner.advantages"),
+    ("memory/train.py", "learner.config"),
+    ("memory/train.py", "learner.publish"),
+    ("memory/train.py", "learner.samples"),
+    ("memory/train.py", "learner.trainer"),
+    ("memory/train.py", "learner.update"),
+    ("memory/train.py", "runtime.model_store"),
+    # the memory database borrows the interaction store's migration runner
+    ("memory/store.py", "learner.store"),
+}
+
+
+def _is_module(dotted: str, root: Path) -> bool:
+    path = root.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """Absolute names of what ``path`` imports: ``from pkg import mod`` names ``pkg.mod`` where that is a module."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = path.relative_to(root).with_suffix("")
+    package = list(rel.parts[:-1])
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = ".".join(package[: len(package) - (node.level - 1)])
+                base = f"{parent}.{base}" if base else parent
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if _is_module(sub, root) else base)
+    return out
+
+
+def allowed(package: str, module: str) -> bool:
+    top = module.split(".")[0]
+    if top not in PROJECT or top == package:
+        return True
+    return any(module == a or module.startswith(a + ".") for a in MAY_IMPORT[package])
+
+
+def violations(root: Path = ROOT) -> set[tuple[str, str]]:
+    found = set()
+    for package in LIBRARY:
+        for path in sorted((root / package).rglob("*.py")):
+            found |= {(str(path.relative_to(root)), m) for m in imported_modules(path, root) if not allowed(package, m)}
+    return found
+
+
+def test_the_scanner_resolves_from_imports_and_sees_nested_ones(tmp_path: Path) -> None:
+    pkg = tmp_path / "memory"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "util.py").write_text("")
+    (tmp_path / "learner").mkdir()
+    (tmp_path / "learner" / "__init__.py").write_text("")
+    (tmp_path / "learner" / "store.py").write_text("")
+    (pkg / "mod.py").write_text(
+        "from learner import store as s\nfrom . import util\nfrom .util import thing\n"
+        "def f():\n    import experiments.memory_train\n    from runtime.engine import Grammar\n"
+    )
+    assert imported_modules(pkg / "mod.py", tmp_path) == {"learner.store", "memory.util", "experiments.memory_train", "runtime.engine"}
+
+
+@pytest.mark.parametrize(
+    ("package", "module", "ok"),
+    [
+        ("runtime", "learner.records", True),
+        ("runtime", "learner.store", False),
+        ("runtime", "agents.loop", False),
+        ("tools", "runtime.engine", False),
+        ("memory", "runtime.agent_api", True),
+        ("memory", "runtime.app", False),
+        ("memory", "learner.trainer", False),
+        ("agents", "memory.store", True),
+        ("agents", "experiments.agent_eval", False),
+        ("learner", "tools.cuda.api", True),
+        ("learner", "agents.tasks", False),
+        ("learner", "runtime.adapters", False),
+        ("learner", "torch", True),
+    ],
+)
+def test_the_rules(package: str, module: str, ok: bool) -> None:
+    assert allowed(package, module) is ok
+
+
+def test_library_packages_keep_the_layering() -> None:
+    found = violations()
+    assert found - KNOWN == set(), "imports that break the layering (docs/architecture.md)"
+    assert KNOWN - found == set(), "fixed: remove these from KNOWN"
+
+
+def test_the_check_sees_a_violation(tmp_path: Path) -> None:
+    for package in LIBRARY:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "learner" / "leap_expand.py").write_text("from agents.tasks import get_task\n")
+    (tmp_path / "agents" / "tasks.py").write_text("")
+    assert violations(tmp_path) == {("learner/leap_expand.py", "agents.tasks")}
