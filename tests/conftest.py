@@ -3,11 +3,11 @@
 ``start_server(*flags)`` gives a server built from ``serve.py``'s flags. By default it is an
 :class:`InProcServer`: ``serve.build`` (the composition ``serve.py`` runs) served by uvicorn on a free port
 in a thread of the test process, so the real client packages talk to it over a socket, without the ~8 s a
-new interpreter spends importing torch and transformers. ``process=True`` (implied by ``--learner``,
-``--sglang-launch``, ``--threads`` and ``env``: what a process-wide effect or a child process needs) starts
-``python serve.py`` itself as a :class:`ServerProcess`, which keeps its log for assertions. The model cache
-is ``.data/models`` in the checkout (override with ``LOOPWISE_TEST_CACHE``), so SmolLM2 is converted at most
-once per machine.
+new interpreter spends importing torch and transformers. ``process=True`` starts ``python serve.py`` itself
+as a :class:`ServerProcess`, which keeps its log for assertions; ``--learner``, ``--sglang-launch``,
+``--vllm-launch``, ``--threads`` and ``env`` imply it (a child process, or an effect on the whole process).
+The model cache is ``.data/models`` in the checkout (override with ``LOOPWISE_TEST_CACHE``), so SmolLM2 is
+converted at most once per machine.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class InProcServer:
 
 
 # flags whose effect reaches past the app (a child process, process-wide torch threads): those servers are processes
-PROCESS_FLAGS = ("--learner", "--sglang-launch", "--threads")
+PROCESS_FLAGS = ("--learner", "--sglang-launch", "--vllm-launch", "--threads")
 
 
 @pytest.fixture(scope="session")

@@ -124,6 +124,7 @@ def pair(start_server, vllm_server, replica_b, adapter_root, tiny_h32_path):
         *("--backend", "vllm", "--engine-url", vllm_server.url, "--engine-url", replica_b.url, "--engine-health-interval", "0.5"),
         *("--admin-key", ADMIN, "--adapter-root", str(adapter_root), "--max-lora-rank", "8", "--durability", "sync"),
         model=tiny_h32_path,
+        process=True,  # its log is read for the replica events
     )
     srv.a, srv.b = vllm_server, replica_b
     return srv
