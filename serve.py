@@ -62,7 +62,7 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="serve.py", description="loopwise: OpenAI-compatible serving with an online learning loop")
-    parser.add_argument("--config", type=Path, help="TOML or JSON config file (sections [server] and [engine])")
+    parser.add_argument("--config", type=Path, help="TOML or JSON config file: one table per section below ([server], [engine], ...)")
     parser.add_argument(
         "--demo",
         action="store_true",
@@ -478,6 +478,36 @@ def _fit_adapters_to_sglang(adapters: AdapterSettings, server_info: dict[str, An
         adapters.max_loaded_adapters,
     )
     return adapters.model_copy(update={"max_loaded_adapters": slots - 1})
+
+
+# ``loopwise COMMAND ...`` (the console script): each command is a module's own entry point, imported when run
+COMMANDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "serve": ("serve:main", (), "the server: OpenAI-compatible API, recording, adapters, agents (the flags of `python serve.py`)"),
+    "learner": ("learner.__main__:main", (), "the learner: run | export | report (as `python -m learner`)"),
+    "export": ("learner.__main__:main", ("export",), "recorded turn samples as JSONL for external trainers (`loopwise learner export`)"),
+    "report": ("learner.__main__:main", ("report",), "a standalone HTML report of the learners and experiments (`loopwise learner report`)"),
+    "eval": ("agents.eval:main", (), "evaluate a served agent on a task's problems (as `python -m agents.eval`)"),
+    "leap": ("learner.leap:main", (), "LEAP's probe-and-prune report for recorded kernel probes (as `python -m learner.leap`)"),
+}
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """The ``loopwise`` console script: ``loopwise serve --model tiny``, ``loopwise learner run ...``, ``loopwise export ...``."""
+    import importlib
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
+        width = max(map(len, COMMANDS))
+        lines = [f"  {name:<{width}}  {COMMANDS[name][2]}" for name in COMMANDS]
+        usage = "usage: loopwise COMMAND [ARGS...]   (loopwise COMMAND --help for its own flags)\n\ncommands:\n" + "\n".join(lines)
+        if args and args[0] not in ("-h", "--help"):
+            sys.exit(f"{usage}\n\nerror: unknown command {args[0]!r}")
+        print(usage)
+        return
+    target, prefix, _ = COMMANDS[args[0]]
+    module, _, func = target.partition(":")
+    code = getattr(importlib.import_module(module), func)([*prefix, *args[1:]])
+    sys.exit(code or 0)
 
 
 if __name__ == "__main__":

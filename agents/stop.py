@@ -1,4 +1,4 @@
-"""Stop policies for the agent loop: pure functions of the turn history (algorithms.md §5 SVR, §7 SVR-R1).
+"""Stop policies for the agent loop: pure functions of the turn history (SVR, SVR-R1: ``docs/methods.md``).
 
 After every model turn the loop calls ``policy.decide(history, max_turns)`` with all turns so far (the
 latest last) and gets a ``StopDecision``: stop with an answer, or continue, optionally with a feedback
@@ -354,7 +354,7 @@ def _check_tau(tau: float) -> None:
 
 
 class SVRPolicy:
-    """``svr`` (algorithms.md §5, inference): stop when verdict == Correct and confidence ≥ ``tau``.
+    """``svr`` (``docs/methods.md``, inference): stop when verdict == Correct and confidence ≥ ``tau``.
 
     Otherwise continue with ``continue_refine`` feedback built from the model's own verdict and
     confidence, or ``format_failure`` feedback restating the format (format failures count as turns).
@@ -416,7 +416,7 @@ class SVRPolicy:
 
 
 class SVRR1Policy:
-    """``svr_r1`` (algorithms.md §7): a binary self-check with exactly one second chance.
+    """``svr_r1`` (``docs/methods.md``): a binary self-check with exactly one second chance.
 
     Over answer turns (tool turns are skipped and only count towards the cap):
 

@@ -1,10 +1,12 @@
-"""T²PO at inference and in rollouts (algorithms.md §11): token-level thinking intervention and turn-level resampling.
+"""T²PO at inference and in rollouts: token-level thinking intervention and turn-level resampling.
+
+T²PO: Wang et al. 2026, arXiv 2605.02178, code github.com/WillDreamer/T2PO; what is ours: ``docs/methods.md``.
 
 Both are pure decisions over token uncertainties that the agent loop computes from the engine's
 per-token top-k logprobs (``runtime.engine.TokenLogprob.top``, best first). Both are switches of an
 agent (``T2POConfig``), off by default; the loop counts what fired in ``T2POCounters``.
 
-Token level ([RECON] in §11; the public T²PO code does not contain it). While the model is thinking,
+Token level (our reading: the public T²PO code does not contain it). While the model is thinking,
 feed each token's top-k to a ``ThinkingMonitor``. It keeps ``ubar_k`` = mean entropy of the last
 ``window`` tokens and fires at the first token ``k`` (0-based) where
 
@@ -16,8 +18,8 @@ The loop then keeps the output up to and including token ``k``, appends ``interv
 the think span and cues the answer) as forced tokens (not sampled: mask them out of training), and
 continues decoding the action. The monitor fires at most once.
 
-Turn level ([SRC-code] ``T2PO_multi_turn_loop``): a turn's score is its mean token uncertainty
-(``turn_uncertainty``; the producer is [RECON], the code only consumes it). From the second turn on, a
+Turn level (the T²PO code's ``T2PO_multi_turn_loop``): a turn's score is its mean token uncertainty
+(``turn_uncertainty``; its producer is our reading, the code only consumes it). From the second turn on, a
 turn is regenerated from the same context while ``0 < |u_t − u_{t−1}| < eta`` (absolute difference, as
 in the code; Δ = 0 is excluded on purpose there), at most ``max_try`` times; the last regeneration is
 kept even if it would still qualify, and its score becomes ``u_{t−1}`` for the next turn.
@@ -77,7 +79,7 @@ def token_uncertainty(logprob: float, top_logprobs: TopK = ()) -> float:
 # ── Token level: thinking intervention ─────────────────────────────────────────────────────────────────
 
 THINK_CLOSE = "</think>"
-INTERVENTION_TEXT = "\n</think>\n"  # [RECON] §11 suggests "</think>\n<action>"; the open tag depends on the format
+INTERVENTION_TEXT = "\n</think>\n"  # a reading: "</think>\n<action>" would also do; the open tag depends on the format
 
 
 def intervention_text(action_open_tag: str | None = None) -> str:
@@ -190,21 +192,21 @@ def should_resample(prev_turn_u: float | None, cur_turn_u: float, eta: float, tr
 
 
 class T2POConfig(BaseModel):
-    """An agent's T²PO switches and knobs. Defaults: [SRC-code] where the T²PO code fixes them, else [RECON]."""
+    """An agent's T²PO switches and knobs. Defaults: the T²PO code's where it fixes them, else our reading (marked)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     thinking_intervention: bool = Field(False, description="Cut thinking when the windowed uncertainty plateaus (token level).")
     turn_resample: bool = Field(False, description="Regenerate turns whose uncertainty barely moved from the previous turn (turn level).")
-    window: int = Field(32, ge=1, description="[RECON] tokens per sliding window of the thinking monitor.")
-    threshold: float = Field(0.05, ge=0.0, description="[RECON] nats; intervene when |windowed mean change| falls below this.")
-    min_tokens: int = Field(64, ge=0, description="[RECON] never intervene before this many thinking tokens (and never before 2·window).")
+    window: int = Field(32, ge=1, description="(reading) tokens per sliding window of the thinking monitor.")
+    threshold: float = Field(0.05, ge=0.0, description="(reading) nats; intervene when |windowed mean change| falls below this.")
+    min_tokens: int = Field(64, ge=0, description="(reading) never intervene before this many thinking tokens (and never before 2·window).")
     think_budget: int | None = Field(
-        500, ge=1, description="[SRC-code] num_think_tokens default 500: intervene at this many thinking tokens at the latest; None: no budget."
+        500, ge=1, description="(T²PO code) num_think_tokens default 500: intervene at this many thinking tokens at the latest; None: no budget."
     )
-    eta: float = Field(0.3, gt=0.0, description="[SRC-code] eta_threshold: resample when 0 < |Δu| < eta.")
-    max_try: int = Field(2, ge=0, description="[SRC-code] TDS.max_try in all scripts: regenerations per turn at most.")
-    top_logprobs: int = Field(20, ge=1, description="[RECON] top-k logprobs to request per token for the entropy estimate (OpenAI's maximum).")
+    eta: float = Field(0.3, gt=0.0, description="(T²PO code) eta_threshold: resample when 0 < |Δu| < eta.")
+    max_try: int = Field(2, ge=0, description="(T²PO code) TDS.max_try in all scripts: regenerations per turn at most.")
+    top_logprobs: int = Field(20, ge=1, description="(reading) top-k logprobs to request per token for the entropy estimate (OpenAI's maximum).")
 
     def new_monitor(self) -> ThinkingMonitor:
         """A monitor for one thinking span; disabled (never fires) when ``thinking_intervention`` is off."""

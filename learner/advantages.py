@@ -1,17 +1,17 @@
 """Advantage estimators: registered pure functions from turn samples to one scalar advantage per turn.
 
 What it does
-    Every estimator takes a sequence of :class:`TurnSample` (one turn of one trajectory; DESIGN.md decisions
-    7-8) and returns one advantage per sample, in the same order, plus :class:`AdvantageStats`. Groups are
-    formed from explicit ids (``group_id``, ``trajectory_id``, ``turn_index``, ``anchor``), never by reshape
-    (STYLE.md 9.8.2). Call sites go through the registry::
+    Every estimator takes a sequence of :class:`TurnSample` (one turn of one trajectory) and returns one
+    advantage per sample, in the same order, plus :class:`AdvantageStats`. Groups are formed from explicit
+    ids (``group_id``, ``trajectory_id``, ``turn_index``, ``anchor``), never by reshape. Call sites go
+    through the registry::
 
         adv = compute_advantages("grpo", samples, norm_by_std=True)   # list[float] with .stats
         adv.stats.n_excluded, adv.stats.frac_reward_zero_std
 
-    Registered (section numbers are ``shared/reference/algorithms.md``):
-    ``grpo`` (1.4), ``drgrpo`` (1.5), ``rloo`` (1.6), ``gigpo`` (1.9), ``turn_grpo`` (per turn index across
-    a group, MemoPilot/SVR reading in 10), ``rtpo`` (2), ``tcpo`` (4), ``rank`` (LEAP, 3).
+    Registered (sources and readings: ``docs/methods.md``):
+    ``grpo``, ``drgrpo``, ``rloo``, ``gigpo``, ``turn_grpo`` (per turn index across a group, the
+    MemoPilot/SVR reading), ``rtpo``, ``tcpo``, ``rank`` (LEAP).
     The TCPO pieces (:func:`tcpo_retrospective`, :func:`tcpo_hindsight`, :func:`tcpo_counterfactual`,
     :func:`tcpo_select_turns`), LEAP's :func:`rank_wins` and RTPO's :func:`rtpo_update_order` are public
     pure functions too.
@@ -29,7 +29,7 @@ The reward stream (one rule for process and outcome rewards; every estimator fol
     to train on outcomes only, leave the process source out. Process rewards that are positive on every
     turn favour longer trajectories in both sums; give them mean zero (or ``gamma < 1``) if that matters.
 
-Shared policy (STYLE.md 9.8.3-4)
+Shared policy
     * A trajectory with neither a turn reward nor an outcome (``None`` or NaN), or with a NaN turn reward,
       is *excluded*: advantage 0.0, left out of every baseline, counted in ``stats.n_excluded``.
       ``+-inf`` rewards are an input error.
@@ -45,7 +45,7 @@ What it does not do
     siblings and TCPO counterfactual scores are produced by the re-rollout code and passed in. GiGPO's
     similarity-based anchor clustering (difflib) is not implemented; anchors are exact keys.
 
-[RECON] readings (algorithms.md marks RTPO, TCPO and LEAP as reconstructions; these are our choices)
+Readings (RTPO, TCPO and LEAP are known to us from abstracts only: ``docs/methods.md``; these are our choices)
     * rtpo: the sibling set is ``(group_id, anchor)`` where ``anchor`` is the branch-point id (hash of the
       exact stored context); a sibling's return is the return-to-go of its whole continuation (so the
       estimator needs the continuation's turns, not only the branch turn); sets of one fall back, like
@@ -373,7 +373,7 @@ def _stats(b: _Batch, valid: BoolArray, n_groups: int, n_zero: int) -> Advantage
 
 
 # ---------------------------------------------------------------------------------------------------
-# GRPO family (algorithms.md 1.4-1.6)
+# GRPO family
 
 
 @register_advantage(Estimator.GRPO)
@@ -385,7 +385,7 @@ def grpo(
     eps: float = 1e-6,
     zero_std_tol: float = 1e-9,
 ) -> tuple[FloatArray, AdvantageStats]:
-    """GRPO (DeepSeekMath 2024; algorithms.md 1.4): ``A_i = (R_i - mean_g R) / (std_g R + eps)`` per trajectory.
+    """GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300): ``A_i = (R_i - mean_g R) / (std_g R + eps)`` per trajectory.
 
     Statistics are over trajectories of a group (each trajectory once, however many turns it has); every turn
     of trajectory i gets ``A_i``. ``norm_by_std=False`` is Dr.GRPO. ``std_scope="batch"`` divides by the std of
@@ -407,7 +407,7 @@ def grpo(
 
 @register_advantage(Estimator.DRGRPO)
 def drgrpo(samples: Sequence[TurnSample], *, zero_std_tol: float = 1e-9) -> tuple[FloatArray, AdvantageStats]:
-    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"; algorithms.md 1.5): ``A_i = R_i - mean_g R``.
+    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-like training", arXiv 2503.20783): ``A_i = R_i - mean_g R``.
 
     Pair it with the ``seq-mean-token-sum-norm`` loss aggregation (``learner/losses.py``).
     """
@@ -416,7 +416,7 @@ def drgrpo(samples: Sequence[TurnSample], *, zero_std_tol: float = 1e-9) -> tupl
 
 @register_advantage(Estimator.RLOO)
 def rloo(samples: Sequence[TurnSample], *, zero_std_tol: float = 1e-9) -> tuple[FloatArray, AdvantageStats]:
-    """RLOO (Kool et al. 2019; Ahmadian et al. 2024; algorithms.md 1.6).
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740).
 
     ``A_i = R_i - (1/(G-1)) sum_{k != i} R_k = G/(G-1) (R_i - mean_g R)`` over the G valid trajectories of
     the group; G < 2 or zero spread -> 0.
@@ -446,7 +446,7 @@ def gigpo(
     eps: float = 1e-6,
     zero_std_tol: float = 1e-9,
 ) -> tuple[FloatArray, AdvantageStats]:
-    """GiGPO (Feng et al. 2025, arXiv 2505.10978; algorithms.md 1.9, verl-agent ``gigpo/core_gigpo.py``).
+    """GiGPO (Feng et al. 2025, arXiv 2505.10978; verl-agent ``gigpo/core_gigpo.py``).
 
     ``A_{i,t} = A^E_i + omega * A^S_{i,t}``:
 
@@ -491,7 +491,7 @@ def turn_grpo(
     eps: float = 1e-6,
     zero_std_tol: float = 1e-9,
 ) -> tuple[FloatArray, AdvantageStats]:
-    """Turn-index GRPO (the "context-independent turn-level advantage" reading of MemoPilot/SVR, algorithms.md 10, 12.2).
+    """Turn-index GRPO (the "context-independent turn-level advantage" reading of MemoPilot/SVR, ``docs/methods.md``).
 
     ``A_{i,t} = (x_{i,t} - mean_{k} x_{k,t}) / (std_k x_{k,t} + eps)`` inside ``(group_id, turn_index)``,
     where ``x`` is the return-to-go with ``gamma`` (``source="return"``, default; with outcome-only rewards
@@ -521,7 +521,7 @@ def rtpo(
     eps: float = 1e-6,
     zero_std_tol: float = 1e-9,
 ) -> tuple[FloatArray, AdvantageStats]:
-    """RTPO sibling advantage (Reverse-Turn Policy Optimization; [RECON] algorithms.md 2, step 3).
+    """RTPO sibling advantage (Reverse-Turn Policy Optimization; our reading, ``docs/methods.md#rtpo``).
 
     A turn whose ``anchor`` (the branch-point id: same exact stored context) is shared by at least two
     samples of its group is a sibling: ``A^{(b)}_{i,t} = (G^{(b)} - mean_{b'} G^{(b')}) / (std + eps)``
@@ -564,7 +564,7 @@ def rtpo_turn_buckets(turn_indices: Sequence[int], bucket_size: int = 1) -> list
 
 
 def rtpo_update_order(samples: Sequence[TurnSample], *, bucket_size: int = 1) -> list[list[int]]:
-    """RTPO's reverse sweep (algorithms.md 2, step 3): sample indices by :func:`rtpo_turn_buckets`, latest first.
+    """RTPO's reverse sweep (``docs/methods.md#rtpo``): sample indices by :func:`rtpo_turn_buckets`, latest first.
 
     Indices inside a bucket are ascending."""
     turns = [s.turn_index for s in samples]
@@ -576,7 +576,7 @@ def rtpo_update_order(samples: Sequence[TurnSample], *, bucket_size: int = 1) ->
 
 
 # ---------------------------------------------------------------------------------------------------
-# TCPO ([RECON] algorithms.md 4)
+# TCPO (our reading: docs/methods.md)
 
 
 def tcpo_retrospective(scores: Sequence[float] | FloatArray, *, best0: float = 0.0) -> FloatArray:
@@ -662,7 +662,7 @@ def tcpo(
     eps: float = 1e-6,
     zero_std_tol: float = 1e-9,
 ) -> tuple[FloatArray, AdvantageStats]:
-    """TCPO turn credit ([RECON] algorithms.md 4) over the verifier scores ``v_t = TurnSample.reward``.
+    """TCPO turn credit (our reading, ``docs/methods.md``) over the verifier scores ``v_t = TurnSample.reward``.
 
     Per trajectory, turns in ``turn_index`` order: ``credit_t = retro_t + hind_t``; where
     ``counterfactual_scores[(trajectory_id, turn_index)]`` holds the M alternative scores of a selected
@@ -695,7 +695,7 @@ def tcpo(
 
 
 # ---------------------------------------------------------------------------------------------------
-# LEAP rank rewards ([RECON] algorithms.md 3)
+# LEAP rank rewards (our reading: docs/methods.md)
 
 
 def rank_wins(
@@ -750,7 +750,7 @@ def rank(
     eps: float = 1e-6,
     zero_std_tol: float = 1e-9,
 ) -> tuple[FloatArray, AdvantageStats]:
-    """LEAP rank-based reward ([RECON] algorithms.md 3): ``r_i = wins_i / (G-1)`` in [0, 1], mean exactly 0.5.
+    """LEAP rank-based reward (our reading, ``docs/methods.md``): ``r_i = wins_i / (G-1)`` in [0, 1], mean exactly 0.5.
 
     ``A_i = r_i - 0.5`` (``normalize="center"``) or ``(r_i - mean) / (std + eps)`` (``"std"``); all-tie
     groups give 0. ``per="trajectory"``: a participant is a trajectory, judged on its last turn's

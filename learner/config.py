@@ -20,7 +20,7 @@ ESTIMATORS = ("grpo", "drgrpo", "rloo", "gigpo", "turn_grpo", "rtpo", "tcpo", "r
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-# the runtime's own evaluators first (DESIGN.md 13 reserves verifier:* and judge:* for them), then users' feedback, then the rest
+# the runtime's own evaluators first (clients cannot send verifier:* or judge:* rewards), then users' feedback, then the rest
 DEFAULT_REWARD_SOURCES = ("verifier:*", "judge:*", "feedback", "*")
 
 
@@ -92,7 +92,7 @@ class TrainerConfig(BaseModel):
     clip_high: float = Field(0.2, ge=0, description="PPO clip above 1 (ratio <= 1 + clip_high); 0.28 = DAPO clip-higher")
     dual_clip_c: float = Field(3.0, gt=1, description="dual-clip constant for negative advantages")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-base coefficient; > 0 runs a second forward pass with the adapter disabled")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="per-token KL estimator (algorithms.md 1.2)")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="per-token KL estimator (Schulman's k1/k2/k3)")
     agg: str = Field("token-mean", description=f"loss aggregation, one of {', '.join(AGG_MODES)}")
     max_tokens: int | None = Field(None, ge=1, description="the constant L of seq-mean-token-sum-norm (Dr.GRPO); required for that mode")
     seed: int = Field(0, description="seeds LoRA init, dropout and the RNGs saved in checkpoints")
@@ -129,7 +129,7 @@ class TrainerConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drgrpo_aggregation(cls, data: Any) -> Any:
-        """Dr.GRPO is two changes (algorithms.md 1.5): no std in the advantage *and* the constant-normalised sum; the
+        """Dr.GRPO is two changes (Liu et al. 2025, arXiv 2503.20783): no std in the advantage *and* the constant-normalised sum; the
         estimator brings the first, so it also sets the aggregation unless ``agg`` is given explicitly."""
         if isinstance(data, dict) and data.get("estimator") == "drgrpo" and "agg" not in data:
             return {**data, "agg": "seq-mean-token-sum-norm"}

@@ -8,7 +8,7 @@
     python -m learner.leap --probe bench/data/leap_probe.jsonl [--max-turns 4] [--p-hi 1.0] [--s-hi 1.0] [--json]
     python -m learner.leap --expand --url URL --agent kernel-agent --problems 0-7 --group 4 [--api-key K] [--json]
 
-DCP ([RECON] ``shared/reference/algorithms.md`` section 3). Before multi-turn expansion, each task gets ``G``
+DCP (our reading of LEAP's abstract: ``docs/methods.md``). Before multi-turn expansion, each task gets ``G``
 cheap first-turn samples (the *probe*). :func:`classify_probe` labels the task from them:
 
 * ``simple``: the share correct ``p >= p_hi`` (default 1.0: all correct) and the median speedup among the

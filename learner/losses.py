@@ -2,7 +2,7 @@
 
 What it does
     Pure functions over token matrices, following verl's ``core_algos.py`` conventions (section numbers are
-    ``shared/reference/algorithms.md``)::
+    ``docs/methods.md``)::
 
         cfg = LossConfig(clip_high=0.28, kl_coef=0.01)
         loss, stats = policy_loss(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)   # (B, T) tensors
@@ -51,7 +51,7 @@ KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Policy-loss knobs (algorithms.md 1.1-1.3; verl ``actor`` defaults: clip 0.2/0.2, dual clip 3.0, token-mean)."""
+    """Policy-loss knobs (PPO clip, KL, aggregation; verl ``actor`` defaults: clip 0.2/0.2, dual clip 3.0, token-mean)."""
 
     clip_low: float = 0.2  # ratio floor is 1 - clip_low
     clip_high: float = 0.2  # ratio ceiling is 1 + clip_high (DAPO clip-higher: 0.28)
@@ -78,7 +78,7 @@ class LossConfig:
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
-    """Per-token KL estimate of ``pi_theta || pi_ref`` (algorithms.md 1.2; Schulman, "Approximating KL divergence").
+    """Per-token KL estimate of ``pi_theta || pi_ref`` (Schulman, "Approximating KL divergence", 2020).
 
     k1 ``logp - ref``; k2 ``0.5 (logp - ref)^2``; k3 ``exp(ref - logp) - (ref - logp) - 1`` with the log-ratio
     clamped to [-20, 20] and the result to [-10, 10] (verl ``low_var_kl``); k3 >= 0. Shape (B, T) -> (B, T).
@@ -95,7 +95,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
 
 
 def aggregate(loss_mat: Tensor, mask: Tensor, mode: str, max_tokens: int | None = None) -> Tensor:
-    """Reduce a (B, T) token loss to a scalar (algorithms.md 1.3, verl ``agg_loss``); ``mask`` 1 = counted token.
+    """Reduce a (B, T) token loss to a scalar (verl ``agg_loss``); ``mask`` 1 = counted token.
 
     * ``token-mean``: ``sum_ij L m / sum_ij m`` (DAPO).
     * ``seq-mean-token-mean``: mean over sequences of ``sum_j L m / sum_j m`` (original GRPO).
@@ -141,7 +141,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 @register_policy_loss("ppo_clip")
 def ppo_clip_token_loss(ratio: Tensor, adv: Tensor, log_ratio: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO clipped surrogate, negated (Schulman et al. 2017; algorithms.md 1.1; verl ``compute_policy_loss_vanilla``).
+    """PPO clipped surrogate, negated (Schulman et al. 2017, arXiv 1707.06347; verl ``compute_policy_loss_vanilla``).
 
     ``pg = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))``; for ``A < 0`` the dual clip caps it:
     ``pg = min(pg, -A c)``. Returns (loss (B, T), clipped (B, T) bool, dual-clipped (B, T) bool).
@@ -168,7 +168,7 @@ def policy_loss(
     ref_logp: Tensor | None = None,
     token_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """``loss = agg(w * pg) + kl_coef * agg(KL(logp, ref_logp))`` (algorithms.md 1.1-1.3).
+    """``loss = agg(w * pg) + kl_coef * agg(KL(logp, ref_logp))``.
 
     ``token_weight`` (B, T), detached, default 1: a per-token weight on the policy-gradient term (AReaL's
     decoupled PPO: ``min(pi_old / pi_behaviour, cap)`` when ``old_logp`` is a recomputed proximal policy).

@@ -14,7 +14,7 @@ Layout under the adapter root (the folder the runtime's ``--adapter-root`` point
                                                  "files": {relpath: sha256}}  (written last)
     <adapter_root>/.staging/<family>@<version>-<pid>-<hex>/   a publish in progress
 
-The protocol (STYLE.md 9.8.9): write every file into a fresh staging folder, hash them, write the
+The protocol: write every file into a fresh staging folder, hash them, write the
 manifest last, fsync the files and the folder, re-verify the staged files against the manifest, then
 ``os.rename`` the folder to ``<family>/v<version>`` (atomic on one file system; a non-empty target
 makes it fail, so a published version is never overwritten) and fsync the parent. A crash or error at

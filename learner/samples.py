@@ -1,4 +1,4 @@
-"""Per-turn training samples and groups, read from the interaction store (DESIGN.md decisions 7-8).
+"""Per-turn training samples and groups, read from the interaction store.
 
     batch = collect_samples(store, family="tools-agent", min_version=1, cursor=Cursor(), cfg=SampleConfig())
     groups = make_groups(batch.samples)          # one Group per task key, for the advantage estimators

@@ -308,7 +308,7 @@ class LearnerService:
         return trainer.step(samples, advantages, skipped=skipped), None
 
     def _rtpo_sweep(self, trainer: Any, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any]]:
-        """RTPO (algorithms.md 2): K branch turns per backbone, m siblings each, optimizer steps latest turns first.
+        """RTPO (``docs/methods.md#rtpo``): K branch turns per backbone, m siblings each, optimizer steps latest turns first.
 
         Before each step, the siblings of its branch points and a refresh of each backbone's own continuation
         are sampled from the exact stored contexts by the newest policy (``refresh``: each step is checkpointed,
@@ -365,7 +365,7 @@ class LearnerService:
         return merged, info
 
     def _tcpo_step(self, trainer: Any, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any]]:
-        """TCPO (algorithms.md 4): M one-step alternatives from the exact history of each high-surprisal turn, scored by the verifier."""
+        """TCPO (``docs/methods.md``): M one-step alternatives from the exact history of each high-surprisal turn, scored by the verifier."""
         rr = self.cfg.settings.rerollouts
         chosen, points = tcpo_branch_points(samples, self.store, top_q=rr.cf_top_q, threshold=rr.cf_threshold)
         runs = runner.run(points, n=rr.cf_samples, model=self._rollout_model(), kind="tcpo", one_step=True, seed=trainer.version) if points else []

@@ -11,11 +11,11 @@
 The trainer is the loss → step part of the learner's pipeline (``learner/update.py``): it gets the samples
 and one advantage per sample, and computes nothing about rewards itself. One ``step`` is one update:
 ``epochs`` optimizer steps over the same batch (PPO epochs; TRL's ``num_iterations``, verl's
-``ppo_epochs``), each as follows (algorithms.md 1.1-1.4 with 1.8's per-turn layout):
+``ppo_epochs``), each as follows (PPO-clip over GRPO-family advantages, one sample per turn; ``docs/methods.md``):
 1. samples with advantage exactly 0 are left out of the forward pass when ``drop_zero_advantage`` and
    ``kl_coef == 0`` (DAPO's filter; with a KL term they still carry its gradient). If no sample has a
    non-zero advantage (zero-variance groups), the optimizer step is skipped but ``version`` still
-   advances (STYLE.md 9.8.4).
+   advances.
 2. micro-batches bounded by ``micro_batch_tokens`` padded tokens; each is one teacher-forced forward
    pass over ``context_ids + output_ids`` (left-padded, explicit position ids), keeping only the logits
    that predict the output tokens: the logit at position ``p`` predicts the token at ``p + 1``, so the
@@ -153,7 +153,7 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
 
 
 def _micro_weight(agg: str, mb_rows: int, mb_tokens: int, rows: int, tokens: int) -> float:
-    """Factor that makes the micro-batch losses sum to the whole batch's loss under ``agg`` (algorithms.md 1.3)."""
+    """Factor that makes the micro-batch losses sum to the whole batch's loss under ``agg``."""
     if agg == "token-mean":
         return mb_tokens / tokens
     if agg == "seq-mean-token-sum-norm":

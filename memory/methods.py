@@ -10,7 +10,7 @@ interaction, completion)`` turns the model's completion (or nothing) into the ne
   is cut so the newest ``max_chars`` characters remain. No model call.
 - ``reflection``: a hand-written update prompt: the model rewrites the memory into short lessons about
   the opponent or user (habits, preferences, what worked).
-- ``memopilot``: the copilot prompt of algorithms.md section 10: (previous memory, interaction log,
+- ``memopilot``: the copilot prompt of MemoPilot (arXiv 2606.08656; ``docs/methods.md``): (previous memory, interaction log,
   outcome) → the rewritten memory. Served with the adapter family ``memopilot`` (untrained: the base
   model), trained online by the learner.
 

@@ -3,7 +3,7 @@
     python -m memory.train --testbed rps --spawn --model default --adapter-root DIR \\
         [--iterations 3] [--group-size 4] [--opponents copy,bias] [--seeds 1] [--rounds 15] [--episode-rounds 5]
 
-One iteration (algorithms.md section 10, [RECON] reading):
+One iteration (MemoPilot, arXiv 2606.08656; our reading, ``docs/methods.md``):
 
 1. **Rollouts.** For every (opponent, seed) of the schedule, ``--group-size`` G rollouts of the same
    game (same opponent, same seed, same player request seeds) with the ``memopilot`` method; the copilot

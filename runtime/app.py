@@ -11,6 +11,9 @@
 - ``GET /health`` (a one-token generate), ``GET /ready``, ``GET /metrics`` (Prometheus; the ``endpoint``
   label is the route's template, so ids in paths never grow the label set)
 - ``GET /admin/traffic`` (``runtime/traffic.py``) and the console page ``GET /console`` (``runtime/console.py``)
+- installed from their own modules: ``POST /v1/feedback`` and the admin store API (``store_routes``), adapters,
+  aliases and A/B experiments (``adapter_routes``), agents and their runs (``agent_routes``), memory
+  (``memory_routes``) and the learner's state (``learner_routes``)
 
 Every error leaves as OpenAI's envelope (``runtime/errors.py``): validation failures are 400 with
 ``param`` (never FastAPI's 422), a bad or missing key 401, an unknown model 404, an oversized body 413,
@@ -19,7 +22,7 @@ An unknown route is a 404 naming it and the endpoints that exist. ``--cors-origi
 (outermost, so a browser's preflight is answered before the key check). The key is read from
 ``Authorization: Bearer`` or ``X-Api-Key`` (Anthropic's SDK).
 
-Not here: the admin API and feedback endpoints (later issues), process startup (``serve.py``).
+Not here: what those routes do (their modules), process startup and the composition (``serve.py``).
 """
 
 from __future__ import annotations

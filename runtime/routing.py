@@ -3,7 +3,7 @@
 ``assign_arm(key, arms, salt=experiment_id)`` hashes ``f"{salt}:{key}"`` with SHA-256, maps the digest to a
 point ``u`` in ``[0, 1)``, and picks the arm whose slice of the cumulative normalized weights contains ``u``.
 The key should be sticky (user or session id), so a conversation never flips arms mid-way and keeps its
-prefix cache on one adapter (STYLE.md 9.4 item 6)::
+prefix cache on one adapter::
 
     arms = [Arm("champion-v3", 9.0), Arm("challenger-v4", 1.0)]
     adapter = assign_arm(session_id, arms, salt="exp-2024-06-v4")

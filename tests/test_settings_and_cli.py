@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -219,3 +220,40 @@ def test_demo_flag_sets_up_the_learning_demo_and_user_flags_win() -> None:
     assert demo.trainer.epochs > 1 and demo.samples.settle_s < LearnerSettings(family="x").samples.settle_s
     own, _ = demo_args(["--demo", "--learner-config", "mine.toml"])
     assert str(settings_from_args(own).learner.config) == "mine.toml"
+
+
+# ---- the `loopwise` console script ----------------------------------------------------------------
+
+LOOPWISE = Path(sys.executable).with_name("loopwise")  # installed by `make install` ([project.scripts])
+
+
+def loopwise(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's code, wherever the editable install points
+    return subprocess.run([str(LOOPWISE), *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_loopwise_lists_its_commands_and_refuses_unknown_ones() -> None:
+    assert LOOPWISE.is_file(), "no loopwise console script: run `make install`"
+    out = loopwise("--help")
+    assert out.returncode == 0, out.stderr
+    assert [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")] == list(serve.COMMANDS)
+    bad = loopwise("bogus")
+    assert bad.returncode == 1 and "unknown command 'bogus'" in bad.stderr
+
+
+def test_loopwise_serve_is_serve_py_and_export_is_the_learners_export(tmp_path: Path) -> None:
+    plain = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert loopwise("serve", "--help").stdout == plain.stdout
+    from learner.records import Reward
+    from learner.store import SqliteStore, db_path
+    from tests.learner.test_store import make_turn
+
+    store = SqliteStore(db_path(tmp_path))
+    store.append_turns([make_turn(1), make_turn(2, index=1, parent="turn-1")])
+    store.add_reward(Reward(target="turn", target_id="turn-2", value=0.5))
+    store.close()
+    out = loopwise("export", "--format", "jsonl", "--data-dir", str(tmp_path), "--rewarded")
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["turn_id"] for line in out.stdout.splitlines()] == ["turn-2"]
+    missing = loopwise("learner", "export", "--format", "jsonl", "--db", str(tmp_path / "none.db"))
+    assert missing.returncode == 2 and "no interaction store" in missing.stderr

@@ -1,4 +1,4 @@
-"""TCPO's verifier-feedback mode for any single-answer task: ``feedback:<task>`` (algorithms.md 4, the setting).
+"""TCPO's verifier-feedback mode for any single-answer task: ``feedback:<task>`` (``docs/methods.md``, TCPO).
 
     task = get_task("feedback:calc_arith", n_ops=2)      # the inner task's options pass through
     env = task.make_env(task.problems(1)[0])

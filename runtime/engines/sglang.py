@@ -26,7 +26,7 @@ bodies become :class:`InvalidRequest`, :class:`AdapterError`, :class:`EngineOver
 
 Logprob convention: SGLang's ``output_token_logprobs`` are passed through as they come. Whether they
 are of ``logits / T`` (loopwise's convention, ``runtime/engine.py``) or of the raw logits depends on
-SGLang's build and settings (unconfirmed, see serving-apis.md); the fake used in tests gives ``logits / T``.
+SGLang's build and settings (unconfirmed); the fake used in tests gives ``logits / T``.
 
 Not here: launching SGLang (``runtime/sglang_launcher.py``), chat templating, tool parsing.
 """

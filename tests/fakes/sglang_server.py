@@ -5,7 +5,7 @@ Run it like ``python -m sglang.launch_server``::
     python -m tests.fakes.sglang_server --model-path MODEL_DIR --port 30000 --enable-lora \
         --max-lora-rank 8 --lora-target-modules all --max-loras-per-batch 9 --max-loaded-loras 16
 
-It implements the request and response shapes of ../shared/reference/serving-apis.md part A:
+It implements the request and response shapes of SGLang's native HTTP API:
 
 - ``POST /generate`` (one request, ``input_ids`` only): ``sampling_params`` (``max_new_tokens``,
   ``temperature``, ``top_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``,
@@ -201,7 +201,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             except (OSError, ValueError, TypeError) as exc:
                 return lora_output(False, f"Failed to load LoRA adapter {name} from {path}: {exc}")
             rank = int(cfg.get("r", 0))
-            # the wording of these two refusals is [U] (serving-apis.md A2 says only "the backend load fails with a message")
+            # the wording of these two refusals is unconfirmed (SGLang documents only that the load fails with a message)
             if args.max_lora_rank is not None and rank > args.max_lora_rank:
                 return lora_output(False, f"LoRA adapter {name} with rank {rank} exceeds the server's max_lora_rank {args.max_lora_rank}")
             targets = args.lora_target_modules or ["all"]

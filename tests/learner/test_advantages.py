@@ -1,7 +1,7 @@
 """Advantage estimators: hand-computed tables, a slow loop reference on random inputs, and the shared policy.
 
 The references below are written as plain Python loops straight from the formulas in
-``shared/reference/algorithms.md`` (sections 1.4-1.6, 1.9, 2, 3, 4), independently of the numpy code.
+the methods' definitions (``docs/methods.md``), independently of the numpy code.
 """
 
 from __future__ import annotations

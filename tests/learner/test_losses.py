@@ -1,4 +1,4 @@
-"""Policy losses: PPO clip (both sides, dual clip), KL estimators, aggregation modes, gradient paths (algorithms.md 1.1-1.3)."""
+"""Policy losses: PPO clip (both sides, dual clip), KL estimators, aggregation modes, gradient paths."""
 
 from __future__ import annotations
 

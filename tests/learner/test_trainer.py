@@ -241,7 +241,7 @@ def test_zero_advantage_samples_stay_in_the_kl_term(model_path: Path) -> None:
 
 
 def test_drgrpo_sets_its_constant_normalised_aggregation() -> None:
-    # Dr.GRPO is the std-free advantage *and* seq-mean-token-sum-norm (algorithms.md 1.5)
+    # Dr.GRPO is the std-free advantage *and* seq-mean-token-sum-norm (Liu et al. 2025)
     assert TrainerConfig(estimator="drgrpo", max_tokens=128).agg == "seq-mean-token-sum-norm"
     assert TrainerConfig(estimator="drgrpo", agg="token-mean").agg == "token-mean"  # an explicit choice stays
     assert TrainerConfig(estimator="grpo").agg == "token-mean"

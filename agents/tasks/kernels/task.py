@@ -26,7 +26,7 @@ so the loop's sum is the episode reward):
   machine without a GPU every episode's reward is 0. ``Verdict`` and the agent loop take rewards in
   [0, 1], so the reward returned is capped at 1.0; the uncapped value is ``info["kevin_reward"]`` (and in
   the verdict detail), and ``info["reward"]``, which the agent loop records as the trajectory's reward.
-* ``reward="rank"`` (LEAP, [RECON] algorithms.md 3): the episode reward, and ``info["reward"]`` the loop
+* ``reward="rank"`` (LEAP, our reading: ``docs/methods.md``): the episode reward, and ``info["reward"]`` the loop
   records, is 1.0 when correct, else 0.0; the tournament inside a group (correct beats incorrect, faster
   beats slower, fewer tokens breaks ties between correct kernels) is computed by the learner's ``rank``
   estimator from the recorded meta ``correct``, ``score`` (``info["score"]``: Kevin's value, monotone in
