@@ -336,7 +336,7 @@ def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None
             if settings.learner.enabled:
                 learner = start_learner(settings, server, model_path, url, agents, log_format)
             if demo:
-                from learner.demo import DemoUsers
+                from experiments.demo_users import DemoUsers
 
                 print("demo: synthetic users send one-step calc_arith problems to demo-agent; the learner trains calc-lora on them", flush=True)
                 DemoUsers(url, server.admin_key or "", "demo-agent", "calc_arith", group=DEMO_GROUP, live=log_format == "console").start()
@@ -486,7 +486,7 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "learner": ("learner.__main__:main", (), "the learner: run | export | report (as `python -m learner`)"),
     "export": ("learner.__main__:main", ("export",), "recorded turn samples as JSONL for external trainers (`loopwise learner export`)"),
     "report": ("learner.__main__:main", ("report",), "a standalone HTML report of the learners and experiments (`loopwise learner report`)"),
-    "eval": ("agents.eval:main", (), "evaluate a served agent on a task's problems (as `python -m agents.eval`)"),
+    "eval": ("experiments.agent_eval:main", (), "evaluate a served agent on a task's problems (as `python -m agents.eval`)"),
     "leap": ("learner.leap:main", (), "LEAP's probe-and-prune report for recorded kernel probes (as `python -m learner.leap`)"),
 }
 

@@ -4,7 +4,7 @@
 * ``expected_calibration_error`` — equal-width bins over [0, 1], each bin's |mean confidence − mean
   outcome| weighted by its share of the samples.
 * ``wilson_interval`` — the Wilson score interval for a binomial proportion (scipy's ``binomtest``).
-* ``summarize`` — the numbers ``python -m agents.eval`` prints, as a frozen dataclass with ``as_dict``.
+* ``summarize`` — the numbers ``loopwise eval`` (``experiments/agent_eval.py``) prints, as a frozen dataclass with ``as_dict``.
 
 Confidences are the model's stated probability that its answer is correct (for SVR use
 ``SelfCheck.p_correct`` / ``StopDecision.p_correct``, i.e. 1 − confidence after an Incorrect verdict).

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.eval import report, run_all, spawned_server  # noqa: E402
+from experiments.agent_eval import report, run_all, spawned_server  # noqa: E402
 
 
 def main() -> None:

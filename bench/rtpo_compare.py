@@ -46,8 +46,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.eval import spawned_server  # noqa: E402
 from bench._rl_harness import add_agent, heldout_results, rollouts, service, write_json  # noqa: E402
+from experiments.agent_eval import spawned_server  # noqa: E402
 
 PROMPTS = {
     "frozenlake": "You are an agent walking on a frozen lake. Reach the goal without falling into a hole.",

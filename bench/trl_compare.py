@@ -39,10 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agents.config import AgentConfig  # noqa: E402
-from agents.eval import spawned_server  # noqa: E402
 from agents.policies import make_policy  # noqa: E402
 from agents.tasks import get_task  # noqa: E402
 from bench._rl_harness import add_agent, admin, bootstrap_ci, heldout, rollouts, service, write_json  # noqa: E402
+from experiments.agent_eval import spawned_server  # noqa: E402
 
 TASK = "calc_arith"
 OPTIONS: dict = {"use_tools": False}  # plus --n-ops / --max-operand

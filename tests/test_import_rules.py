@@ -36,20 +36,13 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
 
 # Violations of today, each named exactly; the test fails on any other, and on an entry that no longer is one.
 KNOWN: set[tuple[str, str]] = {
-    # research drivers inside library packages: they move to experiments/ (issue 27, item 1)
+    # LEAP's data engine maps kernel problem names to indices through the task registry (the runs endpoint takes indices)
     ("learner/leap_expand.py", "agents.tasks"),
-    ("memory/tournament.py", "agents.eval"),
-    ("memory/tournament.py", "learner.publish"),
-    ("memory/train.py", "learner.advantages"),
-    ("memory/train.py", "learner.config"),
-    ("memory/train.py", "learner.publish"),
-    ("memory/train.py", "learner.samples"),
-    ("memory/train.py", "learner.trainer"),
-    ("memory/train.py", "learner.update"),
-    ("memory/train.py", "runtime.model_store"),
     # the memory database borrows the interaction store's migration runner
     ("memory/store.py", "learner.store"),
 }
+# Entry points kept for their users, forwarding to a driver that moved to experiments/: allowed, and named here.
+ENTRY_SHIMS: set[tuple[str, str]] = {("agents/eval.py", "experiments.agent_eval")}
 
 
 def _is_module(dotted: str, root: Path) -> bool:
@@ -131,8 +124,8 @@ def test_the_rules(package: str, module: str, ok: bool) -> None:
 
 def test_library_packages_keep_the_layering() -> None:
     found = violations()
-    assert found - KNOWN == set(), "imports that break the layering (docs/architecture.md)"
-    assert KNOWN - found == set(), "fixed: remove these from KNOWN"
+    assert found - KNOWN - ENTRY_SHIMS == set(), "imports that break the layering (docs/architecture.md)"
+    assert (KNOWN | ENTRY_SHIMS) - found == set(), "fixed: remove these from KNOWN"
 
 
 def test_the_check_sees_a_violation(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ def test_test_fast_keeps_the_default_deselections() -> None:
     assert default | {"slow"} <= fast, f"make test-fast runs {sorted(default - fast)}, which `make test` leaves out"
 
 
-SOURCES = [p for d in ("runtime", "agents", "memory", "tools", "learner", "bench", "tests") for p in (ROOT / d).rglob("*.py")]
+SOURCES = [p for d in ("runtime", "agents", "memory", "tools", "learner", "experiments", "bench", "tests") for p in (ROOT / d).rglob("*.py")]
 SOURCES += [ROOT / "serve.py", ROOT / "README.md", ROOT / "pyproject.toml", *(ROOT / "docs").glob("*.md")]
 # text outside the repository (the team's reference notes) or promises about work that has since landed
 STALE = re.compile(r"algorithms\.md|STYLE\.md|DESIGN\.md|shared/reference|filled in by later issues|\(later issues?\)|in a later issue")

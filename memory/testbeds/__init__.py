@@ -12,7 +12,7 @@ Testbeds: ``rps`` (rock-paper-scissors, one decision per round) and ``holdem`` (
 with pokerkit, several decisions per hand; importable only with the ``memory`` extra installed).
 ``memory.testbeds.play`` runs a match through a loopwise server with a memory method.
 
-Not here: model calls, memory methods (``memory.methods``), ratings (``memory.tournament``).
+Not here: model calls, memory methods (``memory.methods``), ratings (``experiments.memory_tournament``).
 """
 
 from __future__ import annotations

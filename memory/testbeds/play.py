@@ -35,7 +35,7 @@ from the episode and ``seed_salt``, so training rollouts differ through their me
 (``salt_player_seeds`` salts the player's seeds too, for independent player noise). An HTTP error
 from the server raises :class:`PlayError` (a tournament with silently missing moves would be wrong).
 
-Not here: ratings (``memory.tournament``), training (``memory.train``), the served copilot of live
+Not here: ratings (``experiments.memory_tournament``), training (``experiments.memory_train``), the served copilot of live
 traffic (``memory/copilot.py``).
 """
 

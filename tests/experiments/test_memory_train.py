@@ -1,7 +1,7 @@
 """MemoPilot training: turn rewards and per-turn-index advantages on hand tables; a tiny-model run publishes memopilot@1.
 
 The end-to-end test starts one tiny-model server (admin key, adapter root), trains one iteration with
-``python -m memory.train`` through it, checks the published adapter moved away from its initialisation and
+``python -m experiments.memory_train`` through it, checks the published adapter moved away from its initialisation and
 is loaded, then plays a small tournament including ``memopilot@1`` on the same server.
 """
 
@@ -15,10 +15,11 @@ import httpx
 import pytest
 from safetensors.numpy import load_file
 
-from memory import tournament, train
+from experiments import memory_tournament as tournament
+from experiments import memory_train as train
+from experiments.memory_train import CopilotTurn, copilot_turns, turn_advantages
 from memory.testbeds import RoundResult
 from memory.testbeds.play import GameRecord, Rewrite
-from memory.train import CopilotTurn, copilot_turns, turn_advantages
 
 
 def rollout(opponent: str, payoffs: list[float], episode_rounds: int = 2) -> GameRecord:

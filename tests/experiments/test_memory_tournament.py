@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from memory.testbeds import RoundResult
-from memory.testbeds.play import GameRecord, Rewrite
-from memory.tournament import (
+from experiments.memory_tournament import (
     MatchResult,
     bootstrap_elo,
     fit_elo,
@@ -23,6 +21,8 @@ from memory.tournament import (
     render,
     summarize,
 )
+from memory.testbeds import RoundResult
+from memory.testbeds.play import GameRecord, Rewrite
 
 
 def games_of(table: list[tuple[str, str, str, float]]) -> list[MatchResult]:

@@ -1,6 +1,6 @@
-"""``python -m memory.train``: train the MemoPilot memory copilot with the learner, end to end through a server.
+"""``python -m experiments.memory_train``: train the MemoPilot memory copilot with the learner, end to end through a server.
 
-    python -m memory.train --testbed rps --spawn --model default --adapter-root DIR \\
+    python -m experiments.memory_train --testbed rps --spawn --model default --adapter-root DIR \\
         [--iterations 3] [--group-size 4] [--opponents copy,bias] [--seeds 1] [--rounds 15] [--episode-rounds 5]
 
 One iteration (MemoPilot, arXiv 2606.08656; our reading, ``docs/methods.md``):
@@ -26,7 +26,7 @@ started with that adapter root and ``--admin-key``, and ``--model`` must name it
 (``default``/``tiny``/PATH), which the trainer loads. Checkpoints go to ``--checkpoint-dir`` (default
 ``<adapter-root>/../memopilot-checkpoints``) and training resumes from them.
 
-Not here: the served copilot of live traffic (``memory/copilot.py``), evaluation (``memory.tournament``).
+Not here: the served copilot of live traffic (``memory/copilot.py``), evaluation (``experiments.memory_tournament``).
 Torch and the learner's trainer are imported only when training starts.
 """
 
@@ -46,9 +46,9 @@ from typing import Any
 import httpx
 import structlog
 
+from experiments.memory_tournament import add_server_args, base_model_name, load_memopilot, play_all, server_url
 from memory.testbeds import TESTBEDS, opponents
 from memory.testbeds.play import MEMOPILOT_FORMATS, PLAYER_CONTEXTS, GameRecord, PlayConfig
-from memory.tournament import add_server_args, base_model_name, load_memopilot, play_all, server_url
 
 log = structlog.get_logger(__name__)
 
@@ -140,7 +140,9 @@ def fetch_samples(client: httpx.Client, turns: Sequence[CopilotTurn], testbed: s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m memory.train", description="Train the memopilot copilot (turn-index GRPO through the learner).")
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.memory_train", description="Train the memopilot copilot (turn-index GRPO, the learner pipeline)."
+    )
     add_server_args(p)
     p.add_argument("--testbed", choices=TESTBEDS, default="rps")
     p.add_argument("--iterations", type=int, default=3, help="updates (published versions) to make (default 3)")

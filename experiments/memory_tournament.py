@@ -1,6 +1,6 @@
-"""``python -m memory.tournament``: memory methods round-robin on a testbed, Elo with bootstrap CIs, learning slope.
+"""``python -m experiments.memory_tournament``: memory methods round-robin on a testbed, Elo with bootstrap CIs, learning slope.
 
-    python -m memory.tournament --testbed rps --spawn --model default --seeds 3 --rounds 20 --episode-rounds 5 \\
+    python -m experiments.memory_tournament --testbed rps --spawn --model default --seeds 3 --rounds 20 --episode-rounds 5 \\
         [--methods none,append-all,reflection,memopilot] [--memopilot-version N --adapter-root DIR] \\
         [--json-out FILE] [--png FILE] [--include-games EARLIER.json]
 
@@ -25,7 +25,7 @@ Ratings (pure functions below, tested on fixed tables):
 - **Test-time learning slope.** Per method, the win rate at each round index (mean over games) and the
   least-squares slope of win rate on round index, per round; its CI is the percentile bootstrap over games.
 
-Not here: the games themselves (``memory.testbeds``), training the copilot (``memory.train``).
+Not here: the games themselves (``memory.testbeds``), training the copilot (``experiments.memory_train``).
 """
 
 from __future__ import annotations
@@ -279,7 +279,9 @@ def plot(summary: Mapping[str, Any], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m memory.tournament", description="Memory methods round-robin on a testbed, through a loopwise server.")
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.memory_tournament", description="Memory methods round-robin on a testbed, through a server."
+    )
     add_server_args(p)
     p.add_argument("--testbed", choices=TESTBEDS, default="rps")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
@@ -334,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    """``--url`` / ``--spawn --model`` / keys / ``--adapter-root``, shared with ``memory.train``."""
+    """``--url`` / ``--spawn --model`` / keys / ``--adapter-root``, shared with ``experiments.memory_train``."""
     p.add_argument("--url", default=os.environ.get("LOOPWISE_URL", "http://127.0.0.1:8000"), help="loopwise server base URL")
     p.add_argument("--spawn", action="store_true", help="start a private serve.py (with --model) instead of using --url")
     p.add_argument("--model", default="default", help="model of the spawned server: default (SmolLM2) | tiny | PATH")
@@ -353,7 +355,7 @@ def server_url(args: argparse.Namespace) -> Iterator[str]:
     if not args.spawn:
         yield args.url
         return
-    from agents.eval import spawned_server
+    from experiments.agent_eval import spawned_server
 
     args.admin_key = args.admin_key or f"memory-{os.getpid()}"
     extra = list(args.server_arg)
@@ -469,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         episode_rounds=args.episode_rounds,
         player_model=player,
         elapsed_s=time.perf_counter() - t0,
-        command="python -m memory.tournament " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command="python -m experiments.memory_tournament " + " ".join(argv if argv is not None else sys.argv[1:]),
         title=f"{args.testbed}: {len(opps)} opponents x {args.seeds} seeds x {args.rounds} rounds, player {player}",
     )
     print(render(summary))
