@@ -61,6 +61,12 @@ class RunRequest(BaseModel):
     task: str | None = Field(None, description="a task name; with problem_index, the prompt comes from the task and its verifier rewards the run")
     task_options: dict[str, Any] = Field(default_factory=dict)
     problem_index: int | None = Field(None, ge=0, le=100_000)
+    problem_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="a task problem by its id as runs report it (``kernels/level1/relu``), instead of problem_index",
+    )
     seed: int | None = Field(None, ge=0, description="problem seed (with task); also the sampling seed unless sample_seed is given")
     sample_seed: int | None = Field(None, ge=0, description="sampling seed (several samples of one problem for a learning group)")
     model: str | None = Field(None, description="override the agent's model: base name, alias or family@N")
@@ -76,9 +82,9 @@ class RunRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> RunRequest:
-        given = [x for x in (self.input, self.messages, self.problem_index) if x is not None]
+        given = [x for x in (self.input, self.messages, self.problem_index, self.problem_id) if x is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of input, messages, or (task and) problem_index")
+            raise ValueError("give exactly one of input, messages, or (task and) problem_index or problem_id")
         if self.branch is not None and (self.problem_index is None or self.eval):
             raise ValueError("branch: re-rollouts need the backbone's task problem (problem_index) and are never eval runs")
         if self.messages is not None:
@@ -104,6 +110,7 @@ class ProblemCache:
         self._lists: OrderedDict[tuple[int, int], list[Problem]] = OrderedDict()
         self._tasks: dict[int, Task] = {}  # holds each cached list's task, so its id() is not reused meanwhile
         self._stable: dict[tuple[int, int], bool] = {}
+        self._ids: OrderedDict[tuple[int, int], tuple[Task, dict[str, int], bool]] = OrderedDict()  # index_of's lookups
         self._lock = threading.Lock()
 
     def get(self, task: Task, index: int, seed: int) -> Problem:
@@ -130,6 +137,27 @@ class ProblemCache:
                 if not any(k[0] == old[0] for k in self._lists):
                     self._tasks.pop(old[0], None)
         return fresh[index] if ok or not have else task.problems(index + 1, seed=seed)[index]
+
+    def index_of(self, task: Task, problem_id: str, seed: int) -> int:
+        """The index of the problem named ``problem_id`` among the first ``max_problems`` of ``task`` (ValueError if none)."""
+        key = (id(task), seed)
+        with self._lock:
+            known = self._ids.get(key)
+        if known is None or (problem_id not in known[1] and not known[2]):
+            n, problems = 64, []
+            while True:
+                problems = task.problems(n, seed=seed)
+                if any(p.id == problem_id for p in problems) or len(problems) < n or n >= self.max_problems:
+                    break
+                n = min(2 * n, self.max_problems)
+            known = (task, {p.id: i for i, p in enumerate(problems)}, len(problems) < n or n >= self.max_problems)
+            with self._lock:  # (the task, its ids, whether that is all of them), the newest few (task, seed) pairs
+                self._ids[key] = known
+                while len(self._ids) > self.max_lists:
+                    self._ids.popitem(last=False)
+        if problem_id not in known[1]:
+            raise ValueError(f"problem_id: no problem {problem_id!r} in task {task.name!r} (seed {seed}) among its first {len(known[1])}")
+        return known[1][problem_id]
 
     def __len__(self) -> int:
         return len(self._lists)
@@ -204,11 +232,15 @@ class ServedAgentImpl:
         branch = await self._branch(req) if req.branch is not None else None
         problem: Problem | None = None
         loop = self.loop
-        if req.problem_index is not None:
+        if req.problem_index is not None or req.problem_id is not None:
             name = req.task or self.config.task
             if name is None:
-                raise ValueError("problem_index needs a task (the agent has none configured)")
+                raise ValueError(f"{'problem_index' if req.problem_id is None else 'problem_id'} needs a task (the agent has none configured)")
             task = self._tasks(name, req.task_options or dict(self.config.task_options))
+            if req.problem_id is not None:  # the index, so the run records (and can be branched) like an indexed one
+                index = await asyncio.to_thread(self._problems.index_of, task, req.problem_id, req.seed or 0)
+                req = req.model_copy(update={"problem_index": index})
+            assert req.problem_index is not None
             problem = await asyncio.to_thread(self._problems.get, task, req.problem_index, req.seed or 0)  # generating can take a while
             if task is not loop.task:
                 loop = AgentLoop(self.config, loop.client, loop.tools, task=task, rewrite=loop.rewrite)

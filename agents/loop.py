@@ -132,6 +132,19 @@ class ToolEvent:
     elapsed_s: float = 0.0
 
 
+def json_safe(x: Any) -> Any:
+    """``x`` as plain JSON: mappings and sequences recursed, non-finite floats as None, anything else as its str."""
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if x is None or isinstance(x, str | int | float | bool):
+        return x
+    return str(x)
+
+
 @dataclass
 class StepRecord:
     """One turn of a run as the runs endpoint reports it."""
@@ -152,6 +165,9 @@ class StepRecord:
     intervened: bool = False  # T²PO cut this turn's thinking
     drafts_discarded: int = 0  # T²PO regenerations of this turn
     replayed: bool = False  # a branch's replayed backbone turn (not sampled, not recorded)
+    info: dict[str, Any] | None = (
+        None  # the environment's structured report of this turn (its EnvStep.info: for kernels compiled, correct, speedup, ...)
+    )
 
 
 @dataclass
@@ -191,6 +207,7 @@ class RunResult:
     tool_calls: list[dict[str, str]] = field(default_factory=list)  # calls to the client's tools that ended the run (id, name, arguments)
     group: str | None = None  # a learner group tag (runs of one problem with different tags are never compared)
     score: float | None = None  # an environment's own uncapped score (LEAP's rank key), when it reports one
+    info: dict[str, Any] | None = None  # the environment's last structured report (the last step's ``info``), so no caller parses prose
 
     @property
     def turns(self) -> int:
@@ -478,6 +495,7 @@ class AgentLoop:
                 env_reward += env_step.reward
                 env_info = env_step.info
                 step.observation = env_step.observation
+                step.info = json_safe(env_step.info)
                 if env_step.done:
                     env_done = True
                     stop_reason = "env_done"
@@ -555,6 +573,7 @@ class AgentLoop:
             finish_reason=finish,
             eval=eval_run,
             tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in client_calls],
+            info=json_safe(env_info) if env_info else None,
         )
         result.group = group
         if problem_ref is not None:

@@ -6,16 +6,15 @@
 
     python -m learner.leap --expand --url URL --agent kernel-agent --problems 0-7 --group 4 [--api-key K] [--json]
 
-For each kernel problem ``i`` (an index into the server's ``kernels`` task at problem seed ``seed``, or a spec
-name such as ``level1/relu`` resolved to that index here), :func:`expand`:
+For each kernel problem (an index into the server's ``kernels`` task at problem seed ``seed``, or a problem
+name such as ``level1/relu``, which the server resolves), :func:`expand`:
 
 1. **probes**: ``G`` first-turn runs ``POST /v1/agents/{agent}/runs`` with ``{"task": "kernels",
-   "problem_index": i, "seed": seed, "sample_seed": sample_seed + k, "max_turns": 1}``;
-2. turns each probe run into a :class:`learner.leap.ProbeSample` (:func:`probe_sample`) by reading the
-   kernel Env's observation of the first step (the run answer carries no Env ``info``; the observation text
-   is written by ``agents/tasks/kernels/task.py`` and says whether code was found, whether it compiled and
-   the first compiler error, whether it was measured, correct and how fast), cross-checked against the run's
-   ``correct``; an observation it cannot read raises :class:`ProbeParseError` instead of guessing;
+   "problem_index": i | "problem_id": "kernels/<name>", "seed": seed, "sample_seed": sample_seed + k, "max_turns": 1}``;
+2. turns each probe run into a :class:`learner.leap.ProbeSample` (:func:`probe_sample`) from the structured
+   outcome the kernel Env reports for the first step (``steps[0].info.outcome``: whether code was found,
+   whether it compiled and the first compiler error, whether it was measured, correct and how fast),
+   cross-checked against the run's ``correct``; a step without that outcome raises :class:`ProbeParseError`;
 3. calls :func:`learner.leap.prune` (which logs ``leap.dcp`` with the fraction pruned);
 4. **expands** every kept (``useful``) problem into ``G`` full episodes of up to ``max_turns`` turns with
    fresh sampling seeds ``sample_seed + G + k`` (so they do not replay the probes' first turns).
@@ -25,7 +24,7 @@ and score, and the learner trains on them like live traffic. Probes are tagged `
 learner compares them only with each other (a one-turn probe is not a member of the G multi-turn episodes'
 group). The learner process runs this engine itself before each update when ``[leap] enabled``
 (``learner.config.LeapConfig``). The report counts compile calls
-actually spent (one per step whose observation shows a compile was attempted, i.e. a code block was found)
+actually spent (one per step whose outcome shows a compile was attempted, i.e. a code block was found)
 against the unpruned bound ``n_problems * G * max_turns`` (every problem expanded, one compile per turn), and
 logs ``leap.expand``.
 
@@ -52,27 +51,16 @@ import structlog
 
 from learner.leap import ProbeSample, PruneReport, prune
 
-__all__ = ["ExpandReport", "ProbeParseError", "RunFailed", "compile_calls", "expand", "parse_problems", "probe_sample", "resolve_problems"]
+__all__ = ["ExpandReport", "ProbeParseError", "RunFailed", "compile_calls", "expand", "parse_problems", "probe_sample", "problem_ref"]
 
 log = structlog.get_logger(__name__)
 
 TASK = "kernels"
 PROBE_GROUP = "leap-probe"  # the probes' group tag: one-turn probes never join the multi-turn episodes' learner group
 
-# the kernel Env's observation texts (agents/tasks/kernels/task.py: evaluate_candidate)
-_FORMAT = "I could not find a CUDA source"
-_TIMEOUT = "Compilation timed out after"
-_FAILED = "Compilation failed ("
-_COMPILED = "Compiled OK"
-_UNMEASURED = "Correctness and speed were not measured on this machine"
-_RUN_FAILED = ", but running it failed:"
-_WRONG = ", but the output is wrong:"
-_CORRECT_BENCH = re.compile(r"\. Correct \(max abs error [^)]*\)\. Kernel .*?: speedup (\S+?)x\.")
-_CORRECT_NO_BENCH = ". Correct, but the benchmark was not measured"
-
 
 class ProbeParseError(ValueError):
-    """A probe run whose first observation is not one the kernel Env writes, or disagrees with the run's verdict."""
+    """A probe run without the kernel Env's structured outcome on its first step, or one that disagrees with the run's verdict."""
 
 
 class RunFailed(RuntimeError):
@@ -86,63 +74,41 @@ def _first_step(run: Mapping[str, Any]) -> Mapping[str, Any]:
     return steps[0]
 
 
-def _outcome(observation: str, where: str) -> dict[str, Any]:
-    """The ProbeSample fields one kernel Env observation states."""
-    if observation.startswith(_FORMAT):
-        return {"found_code": False}
-    if observation.startswith(_TIMEOUT):
-        return {"compile_timed_out": True}
-    if observation.startswith(_FAILED):
-        _, sep, rest = observation.partition("Compiler output:\n")
-        if not sep:
-            raise ProbeParseError(f"{where}: a compile failure without compiler output: {observation[:200]!r}")
-        return {"first_error": rest.split("\n", 1)[0].strip()[:300] or None}
-    if observation.startswith(_COMPILED):
-        if _UNMEASURED in observation:
-            return {"compiled": True}
-        if _RUN_FAILED in observation:
-            return {"compiled": True, "measured": True, "correct": None}
-        if _WRONG in observation:
-            return {"compiled": True, "measured": True, "correct": False}
-        if m := _CORRECT_BENCH.search(observation):
-            try:
-                speedup = float(m.group(1))
-            except ValueError:
-                raise ProbeParseError(f"{where}: unreadable speedup {m.group(1)!r}") from None
-            return {"compiled": True, "measured": True, "correct": True, "speedup": speedup}
-        if _CORRECT_NO_BENCH in observation:
-            return {"compiled": True, "measured": True, "correct": True}
-    raise ProbeParseError(f"{where}: not a kernel Env observation: {observation[:200]!r}")
+_OUTCOME_FIELDS = ("found_code", "compiled", "compile_timed_out", "first_error", "measured", "correct", "speedup")
+
+
+def _kernel_outcome(step: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The kernel Env's outcome of one run step (``step["info"]["outcome"]``), or None when the step has none."""
+    info = step.get("info")
+    outcome = info.get("outcome") if isinstance(info, Mapping) else None
+    return outcome if isinstance(outcome, Mapping) and outcome else None
 
 
 def probe_sample(run: Mapping[str, Any], task: str | None = None) -> ProbeSample:
     """The :class:`ProbeSample` of a probe run (its first step), as :func:`learner.leap.classify_probe` reads it.
 
-    ``task`` defaults to the run's ``problem_id``. For a one-step run the parsed correctness must agree with
+    ``task`` defaults to the run's ``problem_id``. For a one-step run the outcome's correctness must agree with
     the run's ``correct`` (the Env's ``info["correct"]``; an unmeasured kernel is recorded as not correct)."""
     where = f"run {run.get('run_id')}"
     step = _first_step(run)
-    obs = step.get("observation")
-    if not isinstance(obs, str):
-        raise ProbeParseError(f"{where}: the first step has no Env observation (a tool call instead of a kernel?)")
-    fields = _outcome(obs, where)
+    outcome = _kernel_outcome(step)
+    if outcome is None:
+        raise ProbeParseError(f"{where}: the first step has no kernel outcome (a tool call instead of a kernel, or not the kernels task?)")
+    fields = {k: outcome.get(k) for k in _OUTCOME_FIELDS if outcome.get(k) is not None}
+    if isinstance(fields.get("first_error"), str):
+        fields["first_error"] = fields["first_error"].strip()[:300] or None
     name = task if task is not None else run.get("problem_id")
     if not name:
         raise ProbeParseError(f"{where}: no problem_id (not a task run?)")
     sample = ProbeSample(task=str(name), n_tokens=int(step.get("output_tokens") or 0), **fields)
     if len(run.get("steps") or []) == 1 and "correct" in run and bool(run["correct"]) != (sample.correct is True):
-        raise ProbeParseError(f"{where}: the observation says correct={sample.correct} but the run says correct={run['correct']}")
+        raise ProbeParseError(f"{where}: the outcome says correct={sample.correct} but the run says correct={run['correct']}")
     return sample
 
 
 def compile_calls(run: Mapping[str, Any]) -> int:
-    """Compile calls a run spent: its steps whose Env observation shows a compile was attempted (code found)."""
-    n = 0
-    for step in run.get("steps") or []:
-        obs = step.get("observation")
-        if isinstance(obs, str) and obs.startswith((_TIMEOUT, _FAILED, _COMPILED)):
-            n += 1
-    return n
+    """Compile calls a run spent: its steps whose outcome shows a compile was attempted (code found)."""
+    return sum(1 for step in run.get("steps") or [] if (o := _kernel_outcome(step)) is not None and o.get("found_code"))
 
 
 def parse_problems(spec: str) -> list[int | str]:
@@ -165,25 +131,11 @@ def parse_problems(spec: str) -> list[int | str]:
     return out
 
 
-def resolve_problems(items: Sequence[int | str], *, seed: int = 0, task_options: Mapping[str, Any] | None = None) -> list[int]:
-    """Problem indices for ``items``; a name (``level1/relu`` or ``kernels/level1/relu``) is looked up in the
-    ``kernels`` task built here with ``task_options`` (it must match the server's, which the probe checks)."""
-    if all(isinstance(x, int) for x in items):
-        return [int(x) for x in items]
-    from agents.tasks import get_task  # only to map names to indices; torch-free
-
-    task = get_task(TASK, **dict(task_options or {}))
-    ids = [p.id for p in task.problems(10_000, seed=seed)]
-    out: list[int] = []
-    for x in items:
-        if isinstance(x, int):
-            out.append(x)
-            continue
-        pid = x if x.startswith(f"{TASK}/") else f"{TASK}/{x}"
-        if pid not in ids:
-            raise ValueError(f"no kernel problem named {x!r} (known: {', '.join(i.removeprefix(TASK + '/') for i in ids[:8])}, ...)")
-        out.append(ids.index(pid))
-    return out
+def problem_ref(item: int | str) -> dict[str, Any]:
+    """A run body's problem: ``{"problem_index": i}``, or ``{"problem_id": "kernels/<name>"}`` for a name (the server resolves it)."""
+    if isinstance(item, int):
+        return {"problem_index": item}
+    return {"problem_id": item if item.startswith(f"{TASK}/") else f"{TASK}/{item}"}
 
 
 @dataclass
@@ -270,7 +222,7 @@ async def _expand(
     base_url: str,
     api_key: str | None,
     agent: str,
-    indices: list[int],
+    items: list[int | str],
     G: int,
     max_turns: int,
     *,
@@ -288,8 +240,8 @@ async def _expand(
     limits = httpx.Limits(max_connections=max(1, concurrency), max_keepalive_connections=max(1, concurrency))
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits, transport=transport) as client:
 
-        async def run(i: int, k: int, turns: int, group: str | None = None) -> dict[str, Any]:
-            body: dict[str, Any] = {"task": TASK, "problem_index": i, "seed": seed, "sample_seed": k, "max_turns": turns}
+        async def run(i: int | str, k: int, turns: int, group: str | None = None) -> dict[str, Any]:
+            body: dict[str, Any] = {"task": TASK, **problem_ref(i), "seed": seed, "sample_seed": k, "max_turns": turns}
             if group is not None:
                 body["group"] = group
             async with sem:
@@ -299,17 +251,20 @@ async def _expand(
             out: dict[str, Any] = r.json()
             return out
 
-        probe = await asyncio.gather(*(run(i, sample_seed + k, 1, PROBE_GROUP) for i in indices for k in range(G)))
+        probe = await asyncio.gather(*(run(i, sample_seed + k, 1, PROBE_GROUP) for i in items for k in range(G)))
         problems: dict[str, int] = {}
         probe_runs: dict[str, list[dict[str, Any]]] = {}
-        for n, i in enumerate(indices):
+        for n, i in enumerate(items):
             group = probe[n * G : (n + 1) * G]
             pid = str(group[0].get("problem_id"))
             if any(str(g.get("problem_id")) != pid for g in group) or group[0].get("task") != TASK:
                 raise ProbeParseError(f"problem {i}: the probe runs are not one {TASK} problem: {[g.get('problem_id') for g in group]}")
+            index = group[0].get("problem_index")
+            if not isinstance(index, int) or any(g.get("problem_index") != index for g in group):
+                raise ProbeParseError(f"problem {i}: the probe runs do not name one problem_index: {[g.get('problem_index') for g in group]}")
             if pid in problems:
-                raise ValueError(f"problem {pid} given twice (indices {problems[pid]} and {i})")
-            problems[pid], probe_runs[pid] = i, group
+                raise ValueError(f"problem {pid} given twice (indices {problems[pid]} and {index})")
+            problems[pid], probe_runs[pid] = index, group
         report = prune({pid: [probe_sample(r) for r in runs] for pid, runs in probe_runs.items()}, max_turns=max_turns, p_hi=p_hi, s_hi=s_hi)
         kept = [(pid, problems[pid]) for pid in report.kept]
         done = await asyncio.gather(*(run(i, sample_seed + G + k, max_turns) for _, i in kept for k in range(G)))
@@ -331,7 +286,6 @@ def expand(
     s_hi: float = 1.0,
     concurrency: int = 8,
     timeout_s: float = 900.0,
-    task_options: Mapping[str, Any] | None = None,
     probe_out: list[ProbeSample] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     admin: bool = False,
@@ -345,16 +299,16 @@ def expand(
     Raises :class:`RunFailed` on a server error and :class:`ProbeParseError` on a probe it cannot read."""
     if G < 1 or max_turns < 1:
         raise ValueError(f"need G >= 1 and max_turns >= 1, got G={G}, max_turns={max_turns}")
-    indices = resolve_problems(task_names_or_indices, seed=seed, task_options=task_options)
-    if len(set(indices)) != len(indices):
-        raise ValueError(f"a problem is given twice: {indices}")
+    items = list(task_names_or_indices)
+    if len(set(items)) != len(items):
+        raise ValueError(f"a problem is given twice: {items}")
     t0 = time.perf_counter()
     problems, probe_runs, report, episodes = asyncio.run(
         _expand(
             base_url,
             api_key,
             agent,
-            indices,
+            items,
             G,
             max_turns,
             seed=seed,

@@ -88,6 +88,25 @@ def test_a_run_on_a_task_problem_gets_its_verifier_reward(server):
     assert traj["meta"]["task_key"] == run["task_key"]
 
 
+def test_a_run_reports_the_environments_outcome_and_takes_a_problem_by_its_id(server):
+    from agents.tasks import get_task
+
+    pid = get_task("frozenlake").problems(3)[2].id
+    r = httpx.post(server.url + "/agents/echo-agent/runs", json={"task": "frozenlake", "problem_id": pid, "max_turns": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    run = r.json()
+    assert run["problem_id"] == pid and run["problem_index"] == 2  # resolved to the index the run is recorded under
+    envs = [s["info"] for s in run["steps"] if s["info"] is not None]
+    assert envs and run["info"] == envs[-1]  # the run's outcome is the last step's, structured: nobody parses the observation
+    assert {"moves", "position", "distance_to_goal", "format_error"} <= set(envs[0]) and isinstance(envs[0]["position"], list)
+    again = httpx.post(server.url + "/agents/echo-agent/runs", json={"task": "frozenlake", "problem_index": 2, "max_turns": 1}, timeout=120)
+    assert again.json()["problem_id"] == pid
+    unknown = httpx.post(server.url + "/agents/echo-agent/runs", json={"task": "frozenlake", "problem_id": "frozenlake/nope"}, timeout=30)
+    assert "frozenlake/nope" in assert_error(unknown, 400)["message"]
+    both = httpx.post(server.url + "/agents/echo-agent/runs", json={"task": "frozenlake", "problem_id": pid, "problem_index": 2}, timeout=30)
+    assert_error(both, 400)
+
+
 def test_admin_creates_and_deletes_agents(server):
     cfg = {"name": "py-agent", "tools": ["python", "calculator"], "max_turns": 1, "max_tokens_per_turn": 16}
     r = admin(server, "POST", "/admin/agents", json=cfg)

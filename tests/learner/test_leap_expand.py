@@ -1,5 +1,5 @@
-"""LEAP expansion driver: probe-run -> ProbeSample conversion (hand-written runs and the kernel Env's real texts over a
-fake toolset), problem parsing, and probe -> prune -> (no) expansion against a real tiny-model ``serve.py``."""
+"""LEAP expansion: probe-run -> ProbeSample conversion (hand-written runs and the kernel Env's real reports over a fake
+toolset), problem parsing, and probe -> prune -> (no) expansion against a real tiny-model server."""
 
 from __future__ import annotations
 
@@ -14,38 +14,35 @@ import pytest
 from structlog.testing import capture_logs
 
 from learner.leap import ProbeClass, classify_probe, explain_probe, load_probe
-from learner.leap_expand import ProbeParseError, RunFailed, compile_calls, expand, parse_problems, probe_sample, resolve_problems
+from learner.leap_expand import ProbeParseError, RunFailed, compile_calls, expand, parse_problems, probe_sample, problem_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_of(observation: str | None, *, correct: bool = False, tokens: int = 50, pid: str = "kernels/level1/relu", n_steps: int = 1) -> dict[str, Any]:
-    steps = [{"index": j, "text": "```cuda\n...\n```", "output_tokens": tokens, "observation": observation} for j in range(n_steps)]
-    return {"run_id": "run-x", "problem_id": pid, "task": "kernels", "correct": correct, "reward": 0.0, "steps": steps}
+def run_of(
+    outcome: dict[str, Any] | None, *, correct: bool = False, tokens: int = 50, pid: str = "kernels/level1/relu", n_steps: int = 1
+) -> dict[str, Any]:
+    """A run answer as the runs endpoint gives it: each step's ``info`` is the kernel Env's structured report."""
+    info = None if outcome is None else {"outcome": outcome, "correct": outcome.get("correct")}
+    steps = [{"index": j, "text": "```cuda\n...\n```", "output_tokens": tokens, "info": info} for j in range(n_steps)]
+    return {"run_id": "run-x", "problem_id": pid, "problem_index": 7, "task": "kernels", "correct": correct, "reward": 0.0, "steps": steps}
 
 
-COMPILE_ERR = (
-    "Compilation failed (2 errors). Compiler output:\n"
-    'line {line}: error: identifier "blockDimx" is undefined\n'
-    'line 30: error: expected a ";"\n'
-    "Fix the errors and reply with the whole corrected source in one ```cuda code block.\n(3 attempts left.)"
-)
-UNMEASURED = (
-    "Compiled OK in 41.2 s. Correctness and speed were not measured on this machine (no CUDA device: no GPU), "
-    "so no correctness credit is given; nothing more can be checked here. The episode is over. Reward 0."
-)
-FAST = (
-    "Compiled OK in 3.0 s. Correct (max abs error 1.19e-07). Kernel 0.0123 ms vs eager PyTorch 0.0250 ms: speedup 2.03x. "
-    "The episode is over. Reward 1."
-)
+def compile_err(line: int) -> dict[str, Any]:
+    return {"found_code": True, "compiled": False, "first_error": f'line {line}: error: identifier "blockDimx" is undefined', "n_errors": 2}
+
+
+UNMEASURED = {"found_code": True, "compiled": True, "measured": False, "correct": None, "not_measured_reason": "no GPU"}
+FAST = {"found_code": True, "compiled": True, "measured": True, "correct": True, "speedup": 2.03, "kernel_ms": 0.0123, "eager_ms": 0.025}
+NO_CODE = {"found_code": False}
 
 
 def test_hand_written_probe_runs_become_probe_samples():
-    err = probe_sample(run_of(COMPILE_ERR.format(line=12), tokens=77))
+    err = probe_sample(run_of(compile_err(12), tokens=77))
     assert err.task == "kernels/level1/relu" and err.found_code and not err.compiled and not err.measured and err.n_tokens == 77
     assert err.first_error == 'line 12: error: identifier "blockDimx" is undefined'
     assert err.failure_class == "compile_error"
-    other_line = probe_sample(run_of(COMPILE_ERR.format(line=19)))
+    other_line = probe_sample(run_of(compile_err(19)))
     assert other_line.failure_key == err.failure_key  # "failed the same way": the line number does not count
     assert classify_probe([err, other_line]) is ProbeClass.CATASTROPHIC
 
@@ -58,20 +55,20 @@ def test_hand_written_probe_runs_become_probe_samples():
     assert fast.compiled and fast.measured and fast.correct is True and fast.speedup == pytest.approx(2.03) and fast.failure_class is None
     assert classify_probe([fast, fast]) is ProbeClass.SIMPLE
 
-    fmt = probe_sample(run_of("I could not find a CUDA source in your reply. Reply with the whole source file ..."))
+    fmt = probe_sample(run_of(NO_CODE))
     assert not fmt.found_code and fmt.failure_class == "format"
 
-    assert [compile_calls(run_of(o)) for o in (COMPILE_ERR.format(line=1), UNMEASURED, FAST, "I could not find a CUDA source")] == [1, 1, 1, 0]
-    assert compile_calls(run_of(COMPILE_ERR.format(line=1), n_steps=3)) == 3
+    assert [compile_calls(run_of(o)) for o in (compile_err(1), UNMEASURED, FAST, NO_CODE)] == [1, 1, 1, 0]
+    assert compile_calls(run_of(compile_err(1), n_steps=3)) == 3
 
 
-def test_unreadable_or_inconsistent_probe_runs_raise():
-    with pytest.raises(ProbeParseError, match="not a kernel Env observation"):
-        probe_sample(run_of("Compiled OK, and something new the parser has never seen"))
-    with pytest.raises(ProbeParseError, match="no Env observation"):
-        probe_sample(run_of(None))
+def test_runs_without_a_kernel_outcome_or_with_a_contradicting_one_raise():
+    with pytest.raises(ProbeParseError, match="no kernel outcome"):
+        probe_sample(run_of(None))  # a tool call, or another task's run
+    with pytest.raises(ProbeParseError, match="no kernel outcome"):
+        probe_sample(run_of({}))
     with pytest.raises(ProbeParseError, match="run says correct=False"):
-        probe_sample(run_of(FAST, correct=False))  # the server's verdict disagrees with the text
+        probe_sample(run_of(FAST, correct=False))  # the server's verdict disagrees with the outcome
     with pytest.raises(ProbeParseError, match="run says correct=True"):
         probe_sample(run_of(UNMEASURED, correct=True))
     with pytest.raises(ProbeParseError, match="no steps"):
@@ -104,9 +101,10 @@ def fake_toolset(*, compiled: bool, measured: bool = False, correct: bool | None
         (dict(compiled=True, measured=True, correct=True, speedup=None), dict(correct=True, speedup=None, failure_class=None)),
     ],
 )
-@pytest.mark.parametrize("env_turns", [1, 4])  # terminal ("The episode is over.") and non-terminal ("attempts left") texts
-def test_the_kernel_envs_own_observations_parse(tools, expected, env_turns):
-    """The parser reads the texts agents/tasks/kernels/task.py writes today, and agrees with the Env's info."""
+@pytest.mark.parametrize("env_turns", [1, 4])  # a terminal step and a non-terminal one
+def test_the_kernel_envs_own_reports_become_probe_samples(tools, expected, env_turns):
+    """The kernel Env's info, as the runs endpoint serves it (agents.loop.json_safe), gives the Env's own failure class."""
+    from agents.loop import json_safe
     from agents.tasks.kernels.task import KernelTask
 
     task = KernelTask(level=1, max_turns=env_turns, toolset=fake_toolset(**tools))
@@ -114,7 +112,8 @@ def test_the_kernel_envs_own_observations_parse(tools, expected, env_turns):
     env = task.make_env(problem)
     env.reset()
     step = env.step("```cuda\n#include <torch/extension.h>\n__global__ void k() {}\n```")
-    run = run_of(step.observation, correct=step.info["correct"] is True, pid=problem.id)
+    run = run_of(None, correct=step.info["correct"] is True, pid=problem.id)
+    run["steps"][0]["info"] = json_safe(step.info)
     sample = probe_sample(run)
     assert sample.task == problem.id
     assert {k: getattr(sample, k) for k in expected} == expected
@@ -122,21 +121,16 @@ def test_the_kernel_envs_own_observations_parse(tools, expected, env_turns):
     assert compile_calls(run) == 1
 
 
-def test_parse_and_resolve_problems():
+def test_parse_problems_and_their_run_reference():
     assert parse_problems("0-3") == [0, 1, 2, 3]
     assert parse_problems("5, 1-2,level1/relu") == [5, 1, 2, "level1/relu"]
     with pytest.raises(ValueError):
         parse_problems("4-2")
     with pytest.raises(ValueError):
         parse_problems(" , ")
-    from agents.tasks import get_task
-
-    ids = [p.id for p in get_task("kernels").problems(10_000)]
-    relu = ids.index("kernels/level1/relu")
-    assert resolve_problems([3, "level1/relu", "kernels/level1/relu"]) == [3, relu, relu]
-    assert resolve_problems([4, 1]) == [4, 1]
-    with pytest.raises(ValueError, match="no kernel problem named"):
-        resolve_problems(["level9/nope"])
+    # a name goes to the server as a problem id (the runs endpoint resolves it); nothing here reads the task registry
+    assert problem_ref(3) == {"problem_index": 3}
+    assert problem_ref("level1/relu") == problem_ref("kernels/level1/relu") == {"problem_id": "kernels/level1/relu"}
 
 
 def test_useful_problems_are_expanded_and_compile_calls_counted():
@@ -144,7 +138,7 @@ def test_useful_problems_are_expanded_and_compile_calls_counted():
     with fresh sampling seeds and the agent's turn cap, and count compile calls from the observations."""
     import httpx
 
-    probes = {0: [COMPILE_ERR.format(line=3), UNMEASURED], 1: ["I could not find a CUDA source ..."] * 2}  # 0 useful, 1 catastrophic
+    probes = {0: [compile_err(3), UNMEASURED], 1: [NO_CODE] * 2}  # 0 useful, 1 catastrophic
     bodies: list[dict[str, Any]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -155,9 +149,10 @@ def test_useful_problems_are_expanded_and_compile_calls_counted():
         if body["max_turns"] == 1:
             run = run_of(probes[i][k - 10], pid=f"kernels/p{i}")
         else:  # an episode: two compile errors, then a kernel that compiles (no GPU)
-            run = run_of(COMPILE_ERR.format(line=k), pid=f"kernels/p{i}", n_steps=3)
-            run["steps"][-1]["observation"] = UNMEASURED
+            run = run_of(compile_err(k), pid=f"kernels/p{i}", n_steps=3)
+            run["steps"][-1]["info"] = {"outcome": UNMEASURED}
             run["turns"] = 3
+        run["problem_index"] = i
         run["run_id"] = f"run-{i}-{k}-{body['max_turns']}"
         return httpx.Response(200, json=run)
 
