@@ -76,7 +76,8 @@ def test_streamed_agent_answer(server):
 
 
 def test_a_run_on_a_task_problem_gets_its_verifier_reward(server):
-    r = httpx.post(server.url + "/agents/calc-agent/runs", json={"task": "calc_arith", "problem_index": 3, "seed": 0}, timeout=120)
+    # echo-agent: 24-token turns (calc-agent's are 384: minutes of the tiny model on a loaded machine)
+    r = httpx.post(server.url + "/agents/echo-agent/runs", json={"task": "calc_arith", "problem_index": 3, "seed": 0}, timeout=120)
     assert r.status_code == 200, r.text
     run = r.json()
     assert run["object"] == "agent.run" and run["task"] == "calc_arith" and run["problem"]["id"] == run["problem_id"]
