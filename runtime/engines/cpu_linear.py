@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +48,8 @@ class Packed:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+            return out
         return F.linear(x, self.weight, self.bias)
 
 
@@ -80,7 +80,7 @@ def pack_linears(model: nn.Module) -> int:
 def _pack(module: nn.Linear) -> None:
     packed = pack([module])
 
-    def forward(x: torch.Tensor, _packed: Any = packed) -> torch.Tensor:
+    def forward(x: torch.Tensor, _packed: Packed = packed) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:  # training through this module: the plain path
             return nn.functional.linear(x, module.weight, module.bias)
         return _packed(x)

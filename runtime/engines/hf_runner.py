@@ -85,7 +85,8 @@ class HFRunner:
             )
         kv.advance(1, ones)
         where = {k: i for i, k in enumerate(self._keys)}
-        return out.logits[:, -1, :][torch.tensor([where[r.key] for r in decode])]
+        logits: torch.Tensor = out.logits[:, -1, :][torch.tensor([where[r.key] for r in decode])]
+        return logits
 
     def _prefill(self, c: Chunk) -> torch.Tensor:
         kv = self._staging[c.key]
@@ -108,4 +109,5 @@ class HFRunner:
             else:
                 self._kv.merge(kv)
             self._keys.append(c.key)
-        return out.logits[:, -1, :]
+        last: torch.Tensor = out.logits[:, -1, :]
+        return last

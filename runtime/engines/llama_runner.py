@@ -49,7 +49,7 @@ def fits(model: nn.Module, max_len: int) -> str | None:
     name = type(model).__name__
     if name not in _ARCHS:
         return f"{name} is not one of {sorted(_ARCHS)}"
-    cfg = model.config
+    cfg: Any = model.config
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act}"
     window = getattr(cfg, "sliding_window", None)
@@ -87,7 +87,7 @@ class LlamaRunner:
     name = "llama"
 
     def __init__(self, model: nn.Module, bank: LoraBank, max_len: int, *, first_cap: int = 256) -> None:
-        cfg = model.config
+        cfg: Any = model.config  # a transformers config: attributes by architecture
         self.bank = bank
         self.dtype = next(model.parameters()).dtype
         self.n_heads = int(cfg.num_attention_heads)
@@ -96,12 +96,12 @@ class LlamaRunner:
         self.group = self.n_heads // self.n_kv
         self.vocab = int(cfg.vocab_size)
         names = {id(m): n for n, m in model.named_modules()}
-        inner = model.model
+        inner: Any = model.model
         self.scale = float(inner.layers[0].self_attn.scaling)
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
         self.final_norm = _norm_of(inner.norm)
-        self.lm_head = pack([model.lm_head])
+        self.lm_head = pack([model.lm_head])  # type: ignore[list-item]  # an nn.Linear on every Llama-family model
         self.inter = int(cfg.intermediate_size)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
@@ -196,8 +196,8 @@ class LlamaRunner:
         for c in chunks:
             st = self._staging[c.key]
             n, end = len(c.ids), c.start + len(c.ids)
-            mask = None if c.start == 0 else torch.arange(end)[None, :] <= torch.arange(c.start, end)[:, None]  # (n, end)
-            chunk_io.append((st, c.start, n, end, mask))
+            causal = None if c.start == 0 else torch.arange(end)[None, :] <= torch.arange(c.start, end)[:, None]  # (n, end)
+            chunk_io.append((st, c.start, n, end, causal))
         lora = self.bank.plan is not None
         qk_width = (H + K) * D
         for li, layer in enumerate(self.layers):
@@ -225,15 +225,15 @@ class LlamaRunner:
                 prob = torch.softmax(s, dim=-1).to(self.dtype).view(n * K, G, p.cap)
                 outs.append(torch.bmm(prob, vb[:n].view(n * K, p.cap, D)).view(n, H * D))
                 off += n
-            for st, start, n, end, mask in chunk_io:
+            for st, start, n, end, causal in chunk_io:
                 st.k[li][:, start:end] = k[off : off + n].transpose(0, 1)
                 st.v[li][:, start:end] = v[off : off + n].transpose(0, 1)
                 o = F.scaled_dot_product_attention(
                     q[off : off + n].transpose(0, 1)[None],  # (1, H, n, D)
                     st.k[li][None, :, :end],
                     st.v[li][None, :, :end],
-                    attn_mask=mask,
-                    is_causal=mask is None,
+                    attn_mask=causal,
+                    is_causal=causal is None,
                     scale=self.scale,
                     enable_gqa=G > 1,
                 )
