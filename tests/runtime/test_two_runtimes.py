@@ -181,7 +181,9 @@ def _adapter_of(url: str, turn_id: str) -> str | None:
 
 def test_kill_9_of_a_runtime_in_sync_mode_loses_no_answered_turn(two, start_server, tmp_path_factory) -> None:
     url, shared, a, _ = two
-    victim = start_server("--store", url, "--durability", "sync", "--admin-key", ADMIN, data_dir=tmp_path_factory.mktemp("victim"))
+    victim = start_server(
+        "--store", url, "--durability", "sync", "--admin-key", ADMIN, data_dir=tmp_path_factory.mktemp("victim"), process=True
+    )  # a process: it is killed with SIGKILL
     answered: list[str] = []
 
     async def hammer(c: int, http: httpx.AsyncClient) -> None:
