@@ -25,8 +25,11 @@ def test_test_fast_keeps_the_default_deselections() -> None:
 
 SOURCES = [p for d in ("runtime", "agents", "memory", "tools", "learner", "experiments", "bench", "tests") for p in (ROOT / d).rglob("*.py")]
 SOURCES += [ROOT / "serve.py", ROOT / "README.md", ROOT / "pyproject.toml", *(ROOT / "docs").glob("*.md")]
-# text outside the repository (the team's reference notes) or promises about work that has since landed
-STALE = re.compile(r"algorithms\.md|STYLE\.md|DESIGN\.md|shared/reference|filled in by later issues|\(later issues?\)|in a later issue")
+# text outside the repository (the team's reference notes) or promises about work that has since landed; the
+# phrases are assembled from parts so that this file does not itself read as stale text to a plain text search
+_NOTES = ("algorithms", "STYLE", "DESIGN")
+_LATER = (r"filled\sin\sby\slater\sissues", r"\(later\sissues?\)", r"in\sa\slater\sissue")
+STALE = re.compile("|".join([*(rf"{n}\.md" for n in _NOTES), "shared/" + "reference", *_LATER]))
 
 
 def test_no_text_cites_files_outside_the_repository_or_promises_landed_work() -> None:
