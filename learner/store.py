@@ -356,6 +356,49 @@ _REWARDED_TRAJECTORIES = """
     SELECT u.trajectory_id FROM rewards r JOIN turns u ON u.turn_id = r.target_id WHERE r.target = 'turn'"""
 
 
+def trajectory_list_query(
+    ph: str, order: str, limit: int, since: float | None, rewarded: bool | None, owner: str | None
+) -> tuple[str, tuple[Any, ...]]:
+    """``list_trajectories``' SQL and parameters for one backend: ``ph`` its placeholder (``?``, ``%s``), ``order`` its
+    insertion-order column (``rowid``, ``seq``). Rows come back in :func:`trajectory_summary`'s column order."""
+    where: list[str] = []
+    params: list[Any] = []
+    if owner is not None:
+        where.append(f"t.owner = {ph}")
+        params.append(owner)
+    if since is not None:
+        where.append(f"t.created_at >= {ph}")
+        params.append(since)
+    if rewarded is not None:
+        where.append(f"t.trajectory_id {'IN' if rewarded else 'NOT IN'} ({_REWARDED_TRAJECTORIES})")
+    sql = f"""
+        SELECT t.trajectory_id, t.session_id, t.created_at, t.meta, t.owner,
+               (SELECT COUNT(*) FROM turns u WHERE u.trajectory_id = t.trajectory_id),
+               (SELECT COUNT(*) FROM rewards r WHERE r.target = 'trajectory' AND r.target_id = t.trajectory_id)
+             + (SELECT COUNT(*) FROM rewards r JOIN turns u ON u.turn_id = r.target_id
+                 WHERE r.target = 'turn' AND u.trajectory_id = t.trajectory_id),
+               (SELECT MAX(u.created_at) FROM turns u WHERE u.trajectory_id = t.trajectory_id)
+          FROM trajectories t
+         {"WHERE " + " AND ".join(where) if where else ""}
+         ORDER BY t.created_at DESC, t.{order} DESC
+         LIMIT {ph}"""
+    return sql, (*params, limit)
+
+
+def trajectory_summary(r: Sequence[Any]) -> dict[str, Any]:
+    """One row of :func:`trajectory_list_query` as ``list_trajectories`` answers it."""
+    return {
+        "trajectory_id": r[0],
+        "session_id": r[1],
+        "created_at": r[2],
+        "meta": json.loads(r[3]),
+        "owner": r[4],
+        "turns": int(r[5]),
+        "rewards": int(r[6]),
+        "last_turn_at": r[7],
+    }
+
+
 class SqliteStore:
     """The interaction store on one SQLite file. See the module docstring."""
 
@@ -636,41 +679,8 @@ class SqliteStore:
 
     def list_trajectories(self, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None) -> list[dict]:
         """Newest first (by creation); ``since`` keeps trajectories created at or after it (Unix time), ``owner`` one owner's."""
-        where: list[str] = []
-        params: list[Any] = []
-        if owner is not None:
-            where.append("t.owner = ?")
-            params.append(owner)
-        if since is not None:
-            where.append("t.created_at >= ?")
-            params.append(since)
-        if rewarded is not None:
-            where.append(f"t.trajectory_id {'IN' if rewarded else 'NOT IN'} ({_REWARDED_TRAJECTORIES})")
-        sql = f"""
-            SELECT t.trajectory_id, t.session_id, t.created_at, t.meta, t.owner,
-                   (SELECT COUNT(*) FROM turns u WHERE u.trajectory_id = t.trajectory_id),
-                   (SELECT COUNT(*) FROM rewards r WHERE r.target = 'trajectory' AND r.target_id = t.trajectory_id)
-                 + (SELECT COUNT(*) FROM rewards r JOIN turns u ON u.turn_id = r.target_id
-                     WHERE r.target = 'turn' AND u.trajectory_id = t.trajectory_id),
-                   (SELECT MAX(u.created_at) FROM turns u WHERE u.trajectory_id = t.trajectory_id)
-              FROM trajectories t
-             {"WHERE " + " AND ".join(where) if where else ""}
-             ORDER BY t.created_at DESC, t.rowid DESC
-             LIMIT ?"""
-        rows = self._conn().execute(sql, (*params, limit)).fetchall()
-        return [
-            {
-                "trajectory_id": r[0],
-                "session_id": r[1],
-                "created_at": r[2],
-                "meta": json.loads(r[3]),
-                "owner": r[4],
-                "turns": r[5],
-                "rewards": r[6],
-                "last_turn_at": r[7],
-            }
-            for r in rows
-        ]
+        sql, params = trajectory_list_query("?", "rowid", limit, since, rewarded, owner)
+        return [trajectory_summary(r) for r in self._conn().execute(sql, params).fetchall()]
 
     def get_turn(self, turn_id: str) -> Turn | None:
         row = self._conn().execute(f"SELECT {TURN_COLUMNS} FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()

@@ -51,6 +51,8 @@ from learner.store import (
     _turn_from_row,
     _unpack,
     is_postgres_url,
+    trajectory_list_query,
+    trajectory_summary,
     turn_row,
 )
 
@@ -193,10 +195,6 @@ _REWARDS_OF_TRAJECTORY = f"""
     SELECT {_REWARD_COLS_R}, r.seq FROM rewards r JOIN turns u ON u.turn_id = r.target_id
      WHERE r.target = 'turn' AND u.trajectory_id = %(t)s
     ORDER BY created_at, reward_id"""
-_REWARDED_TRAJECTORIES = """
-    SELECT target_id FROM rewards WHERE target = 'trajectory'
-    UNION
-    SELECT u.trajectory_id FROM rewards r JOIN turns u ON u.turn_id = r.target_id WHERE r.target = 'turn'"""
 
 
 class PostgresStore:
@@ -462,42 +460,10 @@ class PostgresStore:
 
     def list_trajectories(self, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None) -> list[dict]:
         """Newest first (by creation); ``since`` keeps trajectories created at or after it (Unix time), ``owner`` one owner's."""
-        where: list[str] = []
-        params: list[Any] = []
-        if owner is not None:
-            where.append("t.owner = %s")
-            params.append(owner)
-        if since is not None:
-            where.append("t.created_at >= %s")
-            params.append(since)
-        if rewarded is not None:
-            where.append(f"t.trajectory_id {'IN' if rewarded else 'NOT IN'} ({_REWARDED_TRAJECTORIES})")
-        sql = f"""
-            SELECT t.trajectory_id, t.session_id, t.created_at, t.meta, t.owner,
-                   (SELECT COUNT(*) FROM turns u WHERE u.trajectory_id = t.trajectory_id),
-                   (SELECT COUNT(*) FROM rewards r WHERE r.target = 'trajectory' AND r.target_id = t.trajectory_id)
-                 + (SELECT COUNT(*) FROM rewards r JOIN turns u ON u.turn_id = r.target_id
-                     WHERE r.target = 'turn' AND u.trajectory_id = t.trajectory_id),
-                   (SELECT MAX(u.created_at) FROM turns u WHERE u.trajectory_id = t.trajectory_id)
-              FROM trajectories t
-             {"WHERE " + " AND ".join(where) if where else ""}
-             ORDER BY t.created_at DESC, t.seq DESC
-             LIMIT %s"""
+        sql, params = trajectory_list_query("%s", "seq", limit, since, rewarded, owner)
         with self._tx() as conn:
-            rows = conn.execute(sql, (*params, limit)).fetchall()
-        return [
-            {
-                "trajectory_id": r[0],
-                "session_id": r[1],
-                "created_at": r[2],
-                "meta": json.loads(r[3]),
-                "owner": r[4],
-                "turns": int(r[5]),
-                "rewards": int(r[6]),
-                "last_turn_at": r[7],
-            }
-            for r in rows
-        ]
+            rows = conn.execute(sql, params).fetchall()
+        return [trajectory_summary(r) for r in rows]
 
     def get_turn(self, turn_id: str) -> Turn | None:
         with self._tx() as conn:
