@@ -240,6 +240,7 @@ def main() -> None:
         o = res["overhead"]
         o["p50_ratio_loopwise_vs_direct"] = o["vllm_loopwise"]["p50_s"] / o["vllm_direct"]["p50_s"]
         o["tok_s_ratio_vllm_vs_embedded"] = o["vllm_loopwise"]["tok_s"] / o["embedded"]["tok_s"]
+        print(f"partial, overhead (load {load_average()}): {json.dumps(o)}", flush=True)  # a run cut short still reports
         stop(emb)
         procs.remove(emb)
         two, two_url = start_loopwise(args, model, work, "vllm-2", ["--backend", "vllm", "--engine-url", v1, "--engine-url", v2])
@@ -260,6 +261,7 @@ def main() -> None:
             res["scaling"] = asyncio.run(scaling())
             s = res["scaling"]
             s["tok_s_ratio"] = s["two_replicas"]["tok_s"] / s["one_replica"]["tok_s"]
+            print(f"partial, scaling (load {load_average()}): {json.dumps(s)}", flush=True)
         if adapters:
             swaps = asyncio.run(hot_swaps(two_url, convs, adapters))
             res["hot_swap_s"] = {"each": swaps, "median": statistics.median(swaps), "max": max(swaps)}
