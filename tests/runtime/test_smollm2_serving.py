@@ -64,11 +64,6 @@ def test_greedy_answer_and_stream_match(smol):
     }
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open: on the final main of stop 32 this forced call with an enum schema timed out (60 s) on the test server, "
-    "while a simpler schema answered in 4 s by curl; under investigation (lean runner + grammar), see the stop's note",
-)
 def test_forced_tool_call(smol):
     oai = client(smol)
     r = oai.chat.completions.create(
