@@ -71,6 +71,15 @@ class RunRequest(BaseModel):
     sample_seed: int | None = Field(None, ge=0, description="sampling seed (several samples of one problem for a learning group)")
     model: str | None = Field(None, description="override the agent's model: base name, alias or family@N")
     max_turns: int | None = Field(None, ge=1, le=64)
+    horizon: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description=(
+            "a fixed-horizon training run: exactly this many turns with the agent's format and feedback but no early stop "
+            "(the SVR training rollouts; meta horizon); replaces max_turns"
+        ),
+    )
     user: str | None = Field(None, description="the end user (the session key when no X-Session-Id header is sent)")
     eval: bool = Field(False, description="an evaluation run on held-out problems: recorded, rewarded, never trained on")
     branch: BranchRequest | None = Field(None, description="re-roll a recorded run of the same task problem from one of its turns (learner)")
@@ -264,6 +273,7 @@ class ServedAgentImpl:
             branch=branch,
             problem_ref=(req.problem_index, req.seed or 0) if problem is not None and req.problem_index is not None else None,
             group=req.group,
+            horizon=req.horizon,
         )
         if ticket is not None and self.copilot is not None:
             self.copilot.after(ticket, messages, result)

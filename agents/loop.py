@@ -71,10 +71,11 @@ import structlog
 from agents.config import AgentConfig
 from agents.policies import make_policy
 from agents.prompts import format_grammar
+from agents.self_checks import fixed_horizon, turn_check
 from agents.stop import StopDecision, StopPolicy, TurnView
 from agents.t2po import T2POCounters, intervention_text, thinking_open, token_uncertainty, turn_uncertainty
 from agents.tasks import Env, Problem, Task
-from learner.records import Reward, ToolCallRecord, Turn, TurnTimings, context_sha256, new_id
+from learner.records import Reward, ToolCallRecord, Turn, TurnCheck, TurnTimings, context_sha256, new_id
 from runtime.agent_api import ANONYMOUS, Lease, RunConflict, RuntimeClient, UnknownModel
 from runtime.engine import GenerateResult, Grammar, SamplingParams, Timings, TokenLogprob
 from tools.registry import ToolRegistry
@@ -159,6 +160,7 @@ class StepRecord:
     decision: str | None = None  # the stop policy's reason
     verdict: str | None = None  # the parsed self-check verdict (svr / svr_r1)
     confidence: float | None = None
+    correct: bool | None = None  # svr / svr_r1 with a task problem: the verifier on this turn's stated answer
     format_failure: bool = False
     process_score: float | None = None
     uncertainty: float | None = None
@@ -208,6 +210,7 @@ class RunResult:
     group: str | None = None  # a learner group tag (runs of one problem with different tags are never compared)
     score: float | None = None  # an environment's own uncapped score (LEAP's rank key), when it reports one
     info: dict[str, Any] | None = None  # the environment's last structured report (the last step's ``info``), so no caller parses prose
+    horizon: int | None = None  # a fixed-horizon training run (``agents/self_checks.py``): no early stop
 
     @property
     def turns(self) -> int:
@@ -302,21 +305,25 @@ class AgentLoop:
         branch: Branch | None = None,
         problem_ref: tuple[int, int] | None = None,
         group: str | None = None,
+        horizon: int | None = None,
     ) -> RunResult:
         """Run to a stop. ``messages``: the conversation so far (system messages are merged after the agent's).
 
         ``branch``: replay a recorded trajectory's first turns and sample from there (module docstring).
         ``problem_ref``: ``(problem_index, problem_seed)`` of ``problem``, recorded so the learner can branch the run.
-        ``group``: a learner group tag (meta ``group``): runs of one problem with different tags are never compared."""
+        ``group``: a learner group tag (meta ``group``): runs of one problem with different tags are never compared.
+        ``horizon``: a fixed-horizon training run of exactly ``horizon`` turns (budgets permitting), with the agent's
+        format and feedback but no early stop (``agents.self_checks.fixed_horizon``; meta ``horizon``)."""
         cfg = self.config
-        policy = self.policy()
+        policy = self.policy() if horizon is None else fixed_horizon(self.policy())
         request_id = request_id or uuid.uuid4().hex
         # A/B arms are sticky per session; runs without one are routed independently, by their request id
         lease = self._lease(model, session_id if session_id != ANONYMOUS else f"run-{request_id}")
         try:
             result = await self._run(
-                policy, lease, messages, session_id, request_id, problem, seed, max_turns or cfg.max_turns, eval_run, branch, problem_ref, group
-            )
+                policy, lease, messages, session_id, request_id, problem, seed, horizon or max_turns or cfg.max_turns, eval_run, branch, problem_ref,
+                group, horizon,
+            )  # fmt: skip
         finally:
             self.client.release(lease)
         return result
@@ -347,6 +354,7 @@ class AgentLoop:
         branch: Branch | None = None,
         problem_ref: tuple[int, int] | None = None,
         group: str | None = None,
+        horizon: int | None = None,
     ) -> RunResult:
         cfg = self.config
         if branch is not None:
@@ -448,9 +456,12 @@ class AgentLoop:
 
             calls = self.client.parse_tool_calls(text, self.tool_names).tool_calls if self.tool_names else []
             if not forced:
+                check = turn_check(policy.fmt, text, tool_calls=len(calls), task=self.task, problem=problem, env=env)
+                step.correct = check.correct if check is not None else None
                 await self._record(
-                    res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, calls, res.finish_reason, trajectory_id, grammar, mask
-                )
+                    res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, calls, res.finish_reason, trajectory_id, grammar, mask,
+                    check,
+                )  # fmt: skip
                 parent = turn_id
             client_calls = [c for c in calls if c.name in self.client_tool_names]
             if client_calls:  # the client runs these tools: the run ends here, the call is the answer
@@ -575,7 +586,7 @@ class AgentLoop:
             tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in client_calls],
             info=json_safe(env_info) if env_info else None,
         )
-        result.group = group
+        result.group, result.horizon = group, horizon
         if problem_ref is not None:
             result.problem_index, result.problem_seed = problem_ref
         if branch is not None:
@@ -754,7 +765,7 @@ class AgentLoop:
     def _turn(
         self, res: GenerateResult, ctx_ids: Sequence[int], turn_id: str, lease: Lease, session_id: str, run_id: str, parent: str | None,
         index: int, msgs: list[dict[str, Any]], calls: Sequence[Any], finish: str, trajectory_id: str, grammar: Grammar | None = None,
-        mask: list[int] | None = None,
+        mask: list[int] | None = None, check: TurnCheck | None = None,
     ) -> Turn:  # fmt: skip
         sampling: dict[str, Any] = {"temperature": self.config.temperature, "top_p": self.config.top_p, "agent": self.config.name}
         if grammar is not None:  # the learner re-applies it, so its logprobs are of the distribution that was sampled
@@ -778,12 +789,14 @@ class AgentLoop:
             timings=TurnTimings(queued_s=res.timings.queued_s, ttft_s=res.timings.ttft_s, total_s=res.timings.total_s),
             messages=[dict(m) for m in msgs],
             output_text=res.text,
+            self_check=check,
         )
 
     async def _record(self, res: GenerateResult, ctx_ids: Sequence[int], turn_id: str, lease: Lease, session_id: str, run_id: str,
                       parent: str | None, index: int, msgs: list[dict[str, Any]], calls: Sequence[Any], finish: str,
-                      trajectory_id: str, grammar: Grammar | None = None, mask: list[int] | None = None) -> None:  # fmt: skip
-        turn = self._turn(res, ctx_ids, turn_id, lease, session_id, run_id, parent, index, msgs, calls, finish, trajectory_id, grammar, mask)
+                      trajectory_id: str, grammar: Grammar | None = None, mask: list[int] | None = None,
+                      check: TurnCheck | None = None) -> None:  # fmt: skip
+        turn = self._turn(res, ctx_ids, turn_id, lease, session_id, run_id, parent, index, msgs, calls, finish, trajectory_id, grammar, mask, check)
         await self.client.record([turn])
 
     async def _record_draft(self, res: GenerateResult, ctx_ids: Sequence[int], lease: Lease, session_id: str, run_id: str, parent: str | None,
@@ -821,6 +834,8 @@ class AgentLoop:
             meta["state_keys"] = result.state_keys
         if result.group is not None:
             meta["group"] = result.group
+        if result.horizon is not None:
+            meta["horizon"] = result.horizon
         if result.branch_of is not None or result.rerollout is not None:
             meta.update(branch_of=result.branch_of, branch_turn=result.branch_turn, anchor=result.anchor, rerollout=result.rerollout)
         await self.client.annotate(result.trajectory_id, meta)

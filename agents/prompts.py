@@ -72,6 +72,10 @@ SVR_REFINE_UNSURE = (
     "You judged your solution Correct, but your confidence is only {confidence} ({tau} is needed). "
     "Check every step again. Keep the answer if it holds, fix it if not, and answer again in the same format."
 )
+SVR_RECHECK_CONFIDENT = (
+    "You judged your solution Correct with confidence {confidence}. Check it once more. "
+    "Keep the answer if it holds, fix it if not, and answer again in the same format."
+)
 SVR_R1_RETHINK = "Your check says the answer may be wrong. Re-examine the problem and your reasoning, then answer again in the same format."
 PLAIN_REFINE = "Check your answer again. If you find a mistake, fix it. Then give your final answer again in the same format."
 SVR_R1_RECHECK = "Check your answer once more, then answer again in the same format."
@@ -82,9 +86,12 @@ def _num(x: float) -> str:
 
 
 def svr_refine_feedback(verdict: Literal["correct", "incorrect"], confidence: float, tau: float) -> str:
-    """The refinement message built from the model's own verification of its last solution."""
+    """The refinement message built from the model's own verification of its last solution (a Correct at or above
+    ``tau`` only gets one in a fixed-horizon run, where the adaptive agent would have stopped)."""
     if verdict == "incorrect":
         return SVR_REFINE_INCORRECT.format(confidence=_num(confidence))
+    if confidence >= tau:
+        return SVR_RECHECK_CONFIDENT.format(confidence=_num(confidence))
     return SVR_REFINE_UNSURE.format(confidence=_num(confidence), tau=_num(tau))
 
 

@@ -6,6 +6,8 @@ them) and the learner (which trains on them). Importing this module never import
 A **turn** is one engine call: the exact context token ids the engine was given, the output token ids
 it produced (including a final eos), their sampling logprobs and a loss mask (1 = a model token to
 train on). Training never re-tokenizes ``messages``/``output_text``; those are for people to read.
+A turn of a self-verifying agent also carries its parsed self-check and the verifier's judgment of its
+answer (``TurnCheck``), so per-turn rewards (``learner/svr_rewards.py``) are computed from the store.
 A **trajectory** is a chain of turns of one conversation (see ``runtime/recorder.py`` for stitching);
 ``parent_turn_id`` links a turn to the turn it continues, also across branches.
 A **reward** targets a turn or a trajectory and says where it came from (``feedback``,
@@ -67,6 +69,32 @@ class TurnTimings(_Record):
     total_s: float = 0.0
 
 
+class TurnCheck(_Record):
+    """A self-verifying turn's parsed self-check (``svr`` / ``svr_r1`` formats, ``agents/stop.py``) and the verifier's
+    judgment of the answer it states, recorded with the turn so per-turn rewards and calibration reports come from the store.
+
+    ``solution`` is the answer the turn states (the parsed ``<solution>``/``<answer>``; the extracted text when the turn
+    did not parse); ``verdict``/``confidence`` are what parsed (``format_ok`` False: not all of it did, ``error`` says
+    why); ``correct`` is the task verifier on ``solution`` (None when the run named no task problem)."""
+
+    format: Literal["svr", "svr_r1"]
+    solution: str | None = None
+    verdict: Literal["correct", "incorrect"] | None = None
+    confidence: float | None = Field(None, ge=0.0, le=1.0)  # svr only
+    format_ok: bool = False
+    error: str | None = None
+    correct: bool | None = None
+
+    @property
+    def p_correct(self) -> float | None:
+        """The stated P(correct): confidence after Correct, 1 − confidence after Incorrect; svr_r1 Yes → 1, No → 0."""
+        if not self.format_ok or self.verdict is None:
+            return None
+        if self.confidence is None:
+            return 1.0 if self.verdict == "correct" else 0.0
+        return self.confidence if self.verdict == "correct" else 1.0 - self.confidence
+
+
 class Turn(_Record):
     turn_id: str
     trajectory_id: str
@@ -91,6 +119,7 @@ class Turn(_Record):
     continuation_key: str = ""  # hash of messages + this turn's reply, for stitching the next request
     prefix_key: str = ""  # hash of the messages this turn answered
     owner: str = PUBLIC_OWNER  # the identity of the key that made it
+    self_check: TurnCheck | None = None  # svr / svr_r1 turns: the parsed self-check and the verifier's per-turn correctness
 
     @model_validator(mode="after")
     def _aligned(self) -> Turn:

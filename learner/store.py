@@ -24,6 +24,8 @@ What it does:
   that made it (``owner``; ``public`` for rows of older files and open servers). Sessions are keyed by
   (owner, session_id); continuation lookups, deletion of a session and idempotency keys are per owner,
   and ``add_reward`` accepts a reward only for a target of the reward's own owner.
+- Self-checks (version 7): a self-verifying agent's turn stores its parsed self-check and per-turn
+  correctness (``Turn.self_check``) as JSON in ``turns.self_check`` (NULL otherwise).
 - Deletion (``delete_session``, ``delete_trajectories``, ``prune``) is complete and secure: rows are removed from every
   table, ``secure_delete`` overwrites the freed content, and ``delete_session`` truncates the WAL
   (``wal_checkpoint(TRUNCATE)``) so no copy of the deleted pages is left in the ``-wal`` file.
@@ -50,7 +52,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from learner.records import Reward, ToolCallRecord, Trajectory, Turn, TurnRef, TurnTimings, UnknownTarget
+from learner.records import Reward, ToolCallRecord, Trajectory, Turn, TurnCheck, TurnRef, TurnTimings, UnknownTarget
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +228,12 @@ def _v6_registry(conn: sqlite3.Connection) -> None:
     )
 
 
+def _v7_turn_checks(conn: sqlite3.Connection) -> None:
+    # A self-verifying agent's turn carries its parsed self-check and the verifier's judgment of its answer
+    # (``TurnCheck`` as JSON; NULL for every other turn and for rows written before version 7).
+    conn.execute("ALTER TABLE turns ADD COLUMN self_check TEXT")
+
+
 # MIGRATIONS[i] takes a database from version i to version i + 1 (version 0 = an empty file).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v1_initial,
@@ -234,6 +242,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v4_trajectory_meta,
     _v5_owners,
     _v6_registry,
+    _v7_turn_checks,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -271,14 +280,15 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Con
 TURN_COLUMNS = (
     "turn_id, trajectory_id, session_id, idx, parent_turn_id, completion_id, choice_index, created_at, model, adapter, "
     "context_ids, output_ids, logprobs, loss_mask, sampling, tool_calls, finish_reason, timings, messages, output_text, "
-    "continuation_key, prefix_key, owner"
+    "continuation_key, prefix_key, owner, self_check"
 )
-_INSERT_TURN = f"INSERT OR IGNORE INTO turns ({TURN_COLUMNS}) VALUES ({', '.join('?' * 23)})"
+N_TURN_COLUMNS = 24
+_INSERT_TURN = f"INSERT OR IGNORE INTO turns ({TURN_COLUMNS}) VALUES ({', '.join('?' * N_TURN_COLUMNS)})"
 REWARD_COLUMNS = "reward_id, target, target_id, value, source, created_at, comment, idempotency_key, owner"
 
 
 def turn_row(t: Turn) -> tuple:
-    """A turn as the 23 values of ``TURN_COLUMNS``."""
+    """A turn as the 24 values of ``TURN_COLUMNS``."""
     return (
         t.turn_id,
         t.trajectory_id,
@@ -303,6 +313,7 @@ def turn_row(t: Turn) -> tuple:
         t.continuation_key,
         t.prefix_key,
         t.owner,
+        None if t.self_check is None else _json(t.self_check.model_dump()),
     )
 
 
@@ -331,6 +342,7 @@ def _turn_from_row(r: tuple) -> Turn:
         continuation_key=r[20],
         prefix_key=r[21],
         owner=r[22],
+        self_check=None if r[23] is None else TurnCheck(**json.loads(r[23])),
     )
 
 

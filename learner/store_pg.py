@@ -43,6 +43,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from learner.records import Reward, Trajectory, Turn, TurnRef, UnknownTarget
 from learner.store import (
+    N_TURN_COLUMNS,
     REWARD_COLUMNS,
     TURN_COLUMNS,
     SchemaTooNew,
@@ -158,8 +159,13 @@ def _v6_registry(conn: psycopg.Connection) -> None:
     )
 
 
-PG_MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {0: _initial_v5, 5: _v6_registry}
-PG_SCHEMA_VERSION = 6
+def _v7_turn_checks(conn: psycopg.Connection) -> None:
+    # a self-verifying agent's turn carries its parsed self-check and per-turn correctness (TurnCheck as JSON)
+    conn.execute("ALTER TABLE turns ADD COLUMN self_check TEXT")
+
+
+PG_MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {0: _initial_v5, 5: _v6_registry, 6: _v7_turn_checks}
+PG_SCHEMA_VERSION = 7
 
 
 def _next_version(version: int) -> int:
@@ -187,7 +193,7 @@ def migrate_pg(conn: psycopg.Connection, target: int = PG_SCHEMA_VERSION) -> int
 
 # ---------------------------------------------------------------------------------------------------
 
-_INSERT_TURN = f"INSERT INTO turns ({TURN_COLUMNS}) VALUES ({', '.join(['%s'] * 23)}) ON CONFLICT (turn_id) DO NOTHING"
+_INSERT_TURN = f"INSERT INTO turns ({TURN_COLUMNS}) VALUES ({', '.join(['%s'] * N_TURN_COLUMNS)}) ON CONFLICT (turn_id) DO NOTHING"
 _REWARD_COLS_R = ", ".join("r." + c.strip() for c in REWARD_COLUMNS.split(","))
 _REWARDS_OF_TRAJECTORY = f"""
     SELECT {REWARD_COLUMNS}, seq FROM rewards WHERE target = 'trajectory' AND target_id = %(t)s

@@ -18,17 +18,24 @@ from pathlib import Path
 import pytest
 
 from learner import store as store_mod
-from learner.records import Reward, ToolCallRecord, Turn, TurnTimings
+from learner.records import Reward, ToolCallRecord, Turn, TurnCheck, TurnTimings
 from learner.store import MIGRATIONS, SCHEMA_VERSION, SqliteStore, UnknownTarget, db_path
 
 ROOT = Path(__file__).resolve().parents[2]
-# the columns before version 5 added owners: what a genuine older file holds
-OLD_TURN_COLUMNS = store_mod.TURN_COLUMNS.removesuffix(", owner")
+# the columns before version 7 added self-checks, and before version 5 added owners: what genuine older files hold
+V6_TURN_COLUMNS = store_mod.TURN_COLUMNS.removesuffix(", self_check")
+OLD_TURN_COLUMNS = V6_TURN_COLUMNS.removesuffix(", owner")
 OLD_REWARD_COLUMNS = store_mod.REWARD_COLUMNS.removesuffix(", owner")
 
 
-def old_turn_row(t: Turn) -> tuple:
+def v6_turn_row(t: Turn) -> tuple:
     row = store_mod.turn_row(t)
+    assert row[-1] is None and t.self_check is None
+    return row[:-1]
+
+
+def old_turn_row(t: Turn) -> tuple:
+    row = v6_turn_row(t)
     assert row[-1] == t.owner
     return row[:-1]
 
@@ -117,7 +124,7 @@ def test_creates_parent_dirs_wal_mode_and_latest_version(tmp_path: Path) -> None
     assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
     assert conn.execute("PRAGMA secure_delete").fetchone()[0] == 1
     assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 4000
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 6
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 7
     assert s.integrity_check() == "ok"
     s.close()
     full = SqliteStore(path, synchronous_full=True)
@@ -146,6 +153,24 @@ def test_round_trip_exact(store: SqliteStore) -> None:
     assert store.turn_exists("turn-3") and not store.turn_exists("nope")
     assert store.trajectory_exists("traj-a") and not store.trajectory_exists("traj-nope")
     assert store.stats() == {"sessions": 1, "trajectories": 1, "turns": 6, "rewards": 0}
+
+
+def test_per_turn_self_checks_round_trip(store: SqliteStore) -> None:
+    """An SVR turn's parsed solution, verdict, confidence and the verifier's per-turn correctness come back as
+    stored (JSON in ``turns.self_check``); a turn without one stays None."""
+    checks = [
+        TurnCheck(format="svr", solution="42", verdict="correct", confidence=0.85, format_ok=True, correct=False),
+        TurnCheck(format="svr_r1", solution="7", verdict="incorrect", format_ok=True, correct=True),
+        TurnCheck(format="svr", solution="x", verdict=None, confidence=None, format_ok=False, error="missing <verdict>"),
+    ]
+    turns = [make_turn(i, index=i).model_copy(update={"self_check": c}) for i, c in enumerate(checks)] + [make_turn(3, index=3)]
+    store.append_turns(turns)
+    traj = store.get_trajectory("traj-a")
+    assert [t.self_check for t in traj.turns] == [*checks, None]
+    assert store.get_turn("turn-0").self_check.p_correct == 0.85 and store.get_turn("turn-1").self_check.p_correct == 0.0
+    assert store.get_turn("turn-2").self_check.p_correct is None  # unparsed: no stated probability
+    stored = raw(store, "SELECT self_check FROM turns WHERE turn_id = 'turn-0'")[0][0]
+    assert json.loads(stored)["verdict"] == "correct" and json.loads(stored)["correct"] is False
 
 
 def test_token_columns_are_packed_arrays_not_json(store: SqliteStore) -> None:
@@ -518,7 +543,7 @@ def test_migrates_a_genuine_v2_database_to_v3_with_experiments(tmp_path: Path) -
     conn.executemany(f"INSERT INTO turns ({OLD_TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [old_turn_row(t) for t in turns])
     conn.close()
     s = SqliteStore(path)
-    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
     assert [s.get_turn(t.turn_id) for t in turns] == turns
     assert s.load_experiments() == []
     s.save_experiment("exp1", {"family": "f", "arms": ["f@1", "f@2"]}, {"decision": "continue"})
@@ -718,10 +743,10 @@ def test_pg_migrates_the_previous_schema(pg_url: str) -> None:
         t = make_turn(1, ckey="c1")
         conn.execute("INSERT INTO sessions VALUES ('public', 'sess-a', 1.0)")
         conn.execute("INSERT INTO trajectories (trajectory_id, session_id, created_at) VALUES ('traj-a', 'sess-a', 1.0)")
-        conn.execute(f"INSERT INTO turns ({store_mod.TURN_COLUMNS}) VALUES ({', '.join(['%s'] * 23)})", store_mod.turn_row(t))
+        conn.execute(f"INSERT INTO turns ({V6_TURN_COLUMNS}) VALUES ({', '.join(['%s'] * 23)})", v6_turn_row(t))
         conn.execute("INSERT INTO experiments VALUES ('e', '{}', '{\"status\": \"running\"}', 1.0, 1.0)")
     s = PostgresStore(pg_url)
-    assert s.schema_version == 6 and s.get_turn("turn-1") == t and s.find_continuation("sess-a", "c1").turn_id == "turn-1"
+    assert s.schema_version == 7 and s.get_turn("turn-1") == t and s.find_continuation("sess-a", "c1").turn_id == "turn-1"
     assert s.load_experiments() == [("e", {}, {"status": "running"})]
     s.save_registry("alias", "f", {"target": "f@1"})
     assert s.load_registry()["alias"] == {"f": {"target": "f@1"}}
@@ -790,7 +815,22 @@ def test_sqlite_migrates_the_previous_schema(tmp_path: Path) -> None:
     assert store_mod.migrate(conn, MIGRATIONS[:5]) == 5
     conn.close()
     s = SqliteStore(path)
-    assert s.schema_version == 6 and s.load_registry() == {"adapter": {}, "alias": {}}
+    assert s.schema_version == 7 and s.load_registry() == {"adapter": {}, "alias": {}}
+    s.close()
+
+
+def test_sqlite_v6_turns_migrate_without_self_checks(tmp_path: Path) -> None:
+    path = tmp_path / "v6.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    assert store_mod.migrate(conn, MIGRATIONS[:6]) == 6
+    t = make_turn(1)
+    conn.execute(f"INSERT INTO turns ({V6_TURN_COLUMNS}) VALUES ({', '.join('?' * 23)})", v6_turn_row(t))
+    conn.close()
+    s = SqliteStore(path)
+    assert s.schema_version == 7 and s.get_turn("turn-1") == t and s.get_turn("turn-1").self_check is None
+    checked = make_turn(2).model_copy(update={"self_check": TurnCheck(format="svr", solution="3", format_ok=False, error="missing <verdict>")})
+    s.append_turns([checked])
+    assert s.get_turn("turn-2") == checked
     s.close()
 
 
