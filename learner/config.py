@@ -232,6 +232,53 @@ class LeapConfig(BaseModel):
     seed: int = Field(0, ge=0, description="problem seed of the probed problems")
 
 
+class SVRConfig(BaseModel):
+    """SVR training (``learner/svr_rewards.py``): per-turn rewards from each turn's stored self-check, for the agent
+    whose stop policy is ``svr``; pair with ``estimator = "turn_grpo"`` and ``estimator_params = {source = "reward"}``
+    (advantages per turn index across the group). Optionally the learner makes its own fixed-horizon training runs."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(False, description="score the agent's turns with the SVR turn reward (replaces the verifier's outcome)")
+    tau: float = Field(
+        0.7,
+        ge=0.0,
+        le=1.0,
+        description="the stop threshold of the served agent (its stop_params.tau): stop-ready means Correct with confidence >= tau",
+    )
+    w_c: float = Field(1.0, ge=0.0, description="weight of correctness c_t (the verifier on the turn's answer)")
+    w_v: float = Field(0.5, ge=0.0, description="weight of calibration-aware self-verification 1 - (q_t - c_t)^2, q_t the stated P(correct)")
+    w_s: float = Field(
+        0.5, ge=0.0, description="weight of the stop-ready term: +b when the agent would stop on a right answer, -b_wrong on a wrong one"
+    )
+    b: float = Field(1.0, ge=0.0, description="stop-ready bonus (the agent would stop, and the answer is right)")
+    b_wrong: float = Field(1.0, ge=0.0, description="wrong-stop penalty (the agent would stop, and the answer is wrong)")
+    format_penalty: float = Field(
+        0.5, ge=0.0, description="subtracted from an unparsable turn's reward (which then has no verification or stop term)"
+    )
+    fixed_horizon_only: bool = Field(True, description="train only on fixed-horizon training runs (meta horizon); false also trains on adaptive runs")
+    problems_per_update: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="before each update the learner runs this many training problems x group fixed-horizon runs itself (0 = only runs others made)",
+    )
+    group: int = Field(4, ge=2, le=32, description="fixed-horizon runs per problem (the GRPO group)")
+    horizon: int = Field(3, ge=1, le=16, description="turns of a fixed-horizon training run")
+    seed: int = Field(0, ge=0, description="problem seed of the training problems (the eval gate uses its own held-out seed)")
+
+
+class SVRR1Config(BaseModel):
+    """SVR-R1 training rewards (``learner/svr_rewards.py``) for the agent whose stop policy is ``svr_r1``: a trajectory reward
+    ``r_acc(final) + w_v * sum_t 1[verdict_t matches correctness_t] + w_f * (share of turns in format)
+    + alpha * (r_acc(last) - r_acc(first))``; pair with a trajectory estimator (``grpo``)."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(False, description="score the agent's trajectories with the SVR-R1 reward (replaces the verifier's outcome)")
+    w_v: float = Field(0.5, ge=0.0, description="per turn whose Yes/No matches whether its answer is right")
+    w_f: float = Field(0.25, ge=0.0, description="times the share of the trajectory's turns that parsed")
+    alpha: float = Field(0.0, ge=0.0, description="correction shaping: alpha * (last answer right - first answer right); 0 = off")
+
+
 class LearnerSettings(BaseModel):
     """Everything one learner process for one adapter family needs."""
 
@@ -242,3 +289,16 @@ class LearnerSettings(BaseModel):
     samples: SampleConfig = Field(default_factory=SampleConfig)
     rerollouts: RerolloutConfig = Field(default_factory=RerolloutConfig)
     leap: LeapConfig = Field(default_factory=LeapConfig)
+    svr: SVRConfig = Field(default_factory=SVRConfig)
+    svr_r1: SVRR1Config = Field(default_factory=SVRR1Config)
+
+    @model_validator(mode="after")
+    def _self_check_rewards(self) -> LearnerSettings:
+        if self.svr.enabled and self.svr_r1.enabled:
+            raise ValueError("[svr] and [svr_r1] rewards are for different agents: enable one per learner")
+        if self.svr.enabled and (self.trainer.estimator != "turn_grpo" or self.trainer.estimator_params.get("source") != "reward"):
+            raise ValueError(
+                "[svr] turn rewards are normalised per turn index across the group: set estimator = 'turn_grpo' and "
+                "estimator_params = {source = 'reward'}"
+            )
+        return self

@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from learner.config import SampleConfig
-from learner.records import Reward, Trajectory, context_sha256
+from learner.records import Reward, Trajectory, TurnCheck, context_sha256
 
 if TYPE_CHECKING:
     from learner.advantages import TurnSample
@@ -125,6 +125,7 @@ class Sample:
     reward_source: str | None = None  # the source of ``reward`` (after the reward_sources precedence)
     trajectory_reward_source: str | None = None  # the source of ``trajectory_reward``
     state_key: str | None = None  # the environment's state when the turn was taken (GiGPO's anchor), if it reported one
+    self_check: TurnCheck | None = field(default=None, compare=False)  # svr / svr_r1 turns: the stored self-check (learner.svr_rewards)
 
     @property
     def n_tokens(self) -> int:
@@ -372,6 +373,7 @@ def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: 
                 reward_source=pick[1] if pick else None,
                 trajectory_reward_source=traj_pick[1] if traj_pick else None,
                 state_key=key if isinstance(key, str) and key else None,
+                self_check=turn.self_check,
             )
         )
     return out

@@ -54,6 +54,8 @@ from learner.records import Trajectory
 from learner.rerollout import BranchRunner, PointRuns, counterfactual_scores, plan_rtpo, refresh_point, rtpo_estimator_input, tcpo_branch_points
 from learner.samples import Cursor, Sample, SkipCounts, collect_samples, trajectory_samples
 from learner.store import db_path, open_store
+from learner.svr_rewards import apply_self_check_rewards
+from learner.svr_rollouts import adaptive_report, fixed_horizon_runs
 from learner.update import checkpoint_and_publish, estimate
 
 log = structlog.get_logger(__name__)
@@ -62,6 +64,7 @@ REQUEST_FILE = "update.request"
 INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only for an RTPO sweep's siblings
 UPDATE_VERSIONS = "update_versions"  # trainer.cursor key: the final version of each recent update (the staleness bound)
 LEAP_NEXT = "leap_next_problem"  # trainer.cursor key: the next problem index LEAP's data engine probes
+SVR_NEXT = "svr_next_problem"  # trainer.cursor key: the next training problem of SVR's fixed-horizon runs
 
 
 class LearnerConfigError(ValueError):
@@ -224,8 +227,9 @@ class LearnerService:
             return
         s = self.cfg.settings
         needs_task = s.rerollouts.enabled and s.trainer.estimator in ("rtpo", "tcpo")
-        if (needs_task or s.leap.enabled) and self.cfg.agent is None:
-            what = f"estimator {s.trainer.estimator!r} with re-rollouts" if needs_task else "[leap] enabled"
+        svr_runs = s.svr.enabled and s.svr.problems_per_update > 0
+        if (needs_task or s.leap.enabled or svr_runs) and self.cfg.agent is None:
+            what = f"estimator {s.trainer.estimator!r} with re-rollouts" if needs_task else "[leap] enabled" if s.leap.enabled else "[svr] runs"
             raise LearnerConfigError(f"{what} needs the learner's agent (--agent): its runs are what is replayed or expanded")
         if needs_task and self._task() is None:
             raise LearnerConfigError(
@@ -242,6 +246,7 @@ class LearnerService:
         self.check_setup()
         trainer = self._get_trainer()
         leap = self._leap_expand(trainer) if self.cfg.settings.leap.enabled else None
+        svr_runs = self._svr_runs(trainer) if self.cfg.settings.svr.enabled and self.cfg.settings.svr.problems_per_update else None
         self._set("training", f"version {trainer.version + 1}")
         batch = collect_samples(
             self.store,
@@ -252,13 +257,17 @@ class LearnerService:
         )
         samples = [s for s in batch.samples if not s.meta.get("eval") and (self.cfg.agent is None or s.meta.get("agent") == self.cfg.agent)]
         skipped = {**batch.counts.as_dict(), "eval_or_other_agent": len(batch.samples) - len(samples)}
+        samples, self_check_rewards = apply_self_check_rewards(samples, self.cfg.settings.svr, self.cfg.settings.svr_r1)
+        skipped["svr_adaptive"], skipped["self_check_unmeasured"] = self_check_rewards["adaptive"], self_check_rewards["unmeasured"]
         if not samples and not force:
             self._set("waiting", f"no settled samples yet ({batch.counts.deferred_trajectories} trajectories still settling)")
             return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
         metrics, rerollouts = self._train(trainer, samples, skipped)
         keep = self.cfg.settings.samples.max_staleness + 1
         leap_next = int(trainer.cursor.get(LEAP_NEXT, 0)) + (self.cfg.settings.leap.problems_per_update if leap is not None else 0)
+        svr_next = int(svr_runs["problems"][1]) if svr_runs is not None else int(trainer.cursor.get(SVR_NEXT, 0))
         trainer.cursor = {**batch.cursor.to_dict(), UPDATE_VERSIONS: [*_update_versions(trainer), trainer.version][-keep:], LEAP_NEXT: leap_next}
+        trainer.cursor[SVR_NEXT] = svr_next
         self._seen_since = batch.cursor.since
         trainer.save_checkpoint(self.dir / "checkpoints")
         record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict()}
@@ -266,6 +275,10 @@ class LearnerService:
             record["rerollouts"] = rerollouts
         if leap is not None:
             record["leap"] = leap
+        if svr_runs is not None:
+            record["svr_runs"] = svr_runs
+        if self.cfg.settings.svr.enabled or self.cfg.settings.svr_r1.enabled:
+            record["self_check_rewards"] = self_check_rewards
         self.status.version, self.status.updates, self.status.last_update_at = trainer.version, self.status.updates + 1, time.time()
         self.status.last_metrics = metrics.as_dict()
         if metrics.optimizer_step and publish:
@@ -411,6 +424,16 @@ class LearnerService:
         out = report.to_dict()
         return {k: out[k] for k in ("n_probed", "fraction_pruned", "expanded", "compile_calls", "elapsed_s")} | {"pruned": out["dcp"]["pruned"]}
 
+    def _svr_runs(self, trainer: Any) -> dict[str, Any]:
+        """SVR's fixed-horizon training runs of the next problems (``learner/svr_rollouts.py``); they train once they settle."""
+        assert self.cfg.agent is not None
+        first = int(trainer.cursor.get(SVR_NEXT, 0))
+        self._set("expanding", f"SVR: fixed-horizon runs of problems {first}..{first + self.cfg.settings.svr.problems_per_update - 1}")
+        return fixed_horizon_runs(
+            self.cfg.admin_url, self.cfg.admin_key, self.cfg.agent, self.cfg.settings.svr, first_problem=first,
+            sample_seed=trainer.version * 1000, concurrency=self.cfg.settings.rerollouts.concurrency,
+        )  # fmt: skip
+
     def _rollout_model(self) -> str:
         """The newest policy the runtime can serve: the family's newest published version (loaded if it is not), else the base model."""
         version = self._published_version()
@@ -474,8 +497,10 @@ class LearnerService:
             return {"decision": "passed", "reason": "no gate configured"}
         self._set("gating", f"{new} vs {champion or 'base'} on {self.cfg.gate_n} held-out problems")
         base = self._base_model_name()
-        new_rate = asyncio.run(self._success(new))
-        old_rate = asyncio.run(self._success(champion or base))
+        new_runs = asyncio.run(self._gate_runs(new))
+        old_runs = asyncio.run(self._gate_runs(champion or base))
+        new_rate = sum(bool(r.get("correct")) for r in new_runs) / len(new_runs)
+        old_rate = sum(bool(r.get("correct")) for r in old_runs) / len(old_runs)
         passed = new_rate >= old_rate - self.cfg.gate_tolerance
         return {
             "decision": "passed" if passed else "refused",
@@ -485,25 +510,28 @@ class LearnerService:
             "champion_success": old_rate,
             "tolerance": self.cfg.gate_tolerance,
             "n": self.cfg.gate_n,
+            # the adaptive agent's figures (mean turns, wrong-stop rate, ECE of its stated confidence): learner/svr_rollouts.py
+            "new_report": adaptive_report(new_runs),
+            "champion_report": adaptive_report(old_runs),
         }
 
-    async def _success(self, model: str) -> float:
+    async def _gate_runs(self, model: str) -> list[dict[str, Any]]:
         headers = {"Authorization": f"Bearer {self.cfg.admin_key}"}
         task = self._task()
         sem = asyncio.Semaphore(8)
         async with httpx.AsyncClient(base_url=self.cfg.admin_url, headers=headers, timeout=900) as client:
 
-            async def one(i: int) -> bool:
+            async def one(i: int) -> dict[str, Any]:
                 body: dict[str, Any] = {"problem_index": i, "seed": self.cfg.gate_seed, "model": model, "eval": True}
                 if task:
                     body["task"] = task
                 async with sem:
                     r = await client.post(f"/admin/agents/{self.cfg.agent}/runs", json=body)  # the admin API's runs: owned by "admin"
                 r.raise_for_status()
-                return bool(r.json().get("correct"))
+                out: dict[str, Any] = r.json()
+                return out
 
-            results = await asyncio.gather(*(one(i) for i in range(self.cfg.gate_n)))
-        return sum(results) / len(results)
+            return list(await asyncio.gather(*(one(i) for i in range(self.cfg.gate_n))))
 
     # ---- helpers -------------------------------------------------------------------------------
     def _get_trainer(self) -> Any:

@@ -441,3 +441,45 @@ def test_leap_runs_its_data_engine_before_each_update(tmp_path, tiny_model_path,
     with pytest.raises(Exception, match="needs the learner's agent"):
         LearnerService(replace(cfg, agent=None)).check_setup()
     svc.store.close()
+
+
+def test_svr_learner_makes_fixed_horizon_runs_scores_their_turns_and_gates_the_adaptive_agent(server, tiny_model_path):
+    # [svr]: before the update the learner runs problems x group fixed-horizon runs of its SVR agent (their turns stored with
+    # their self-checks) and scores every turn with the SVR turn reward; the gate measures the adaptive agent (ordinary runs)
+    # with its turns, wrong-stop rate and ECE. The tiny model is random: its 8-token turns never close the format, so every
+    # turn is an unparsable wrong answer, r = w_c*0 - format_penalty = -0.5, and the groups have no variance (no step)
+    agent = {**AGENT, "name": "svr-learn", "stop_policy": "svr", "stop_params": {"tau": 0.7}, "max_turns": 3, "adapter_family": "svrfam"}
+    assert admin(server, "POST", "/admin/agents", json=agent).status_code in (200, 201)
+    s = settings().model_dump()
+    s.update(
+        family="svrfam",
+        samples={"settle_s": 0},
+        trainer={**s["trainer"], "estimator": "turn_grpo", "estimator_params": {"source": "reward"}},
+        svr={"enabled": True, "problems_per_update": 2, "group": 2, "horizon": 2, "format_penalty": 0.5},
+    )
+    cfg = ServiceConfig(
+        data_dir=server.data_dir,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        settings=LearnerSettings.model_validate(s),
+        agent="svr-learn",
+        gate_n=2,
+        gate_tolerance=1.0,
+    )
+    svc = LearnerService(cfg)
+    record = svc.update(force=True)
+    assert record["svr_runs"]["runs"] == 4 and record["svr_runs"]["failed"] == 0 and record["svr_runs"]["problems"] == [0, 2]
+    assert record["self_check_rewards"]["scored"] == 8 and record["metrics"]["samples"] == 8  # 4 runs x 2 turns, none stopped early
+    assert record["self_check_rewards"]["reward_mean"] == pytest.approx(-0.5) and record["metrics"]["optimizer_step"] is False
+    trajs = [svc.store.get_trajectory(r["trajectory_id"]) for r in svc.store.list_trajectories(limit=50) if r["meta"].get("agent") == "svr-learn"]
+    fixed = [t for t in trajs if t.meta.get("horizon") == 2]
+    assert len(fixed) == 4 and all(
+        len(t.turns) == 2 and all(u.self_check is not None and u.self_check.correct is False for u in t.turns) for t in fixed
+    )
+    assert svc._get_trainer().cursor["svr_next_problem"] == 2  # the next update runs problems 2 and 3
+    base = svc._base_model_name()
+    gate = svc._gate(base, None)  # the adaptive agent's held-out runs (no early stop is forced here: ordinary runs)
+    assert gate["new_report"]["n"] == 2 and 1 <= gate["new_report"]["mean_turns"] <= 3 and gate["new_report"]["accuracy"] == 0.0
+    assert set(gate["new_report"]) >= {"accuracy", "mean_turns", "wrong_stop_rate", "ece", "brier"}
+    svc.store.close()
