@@ -105,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--agent", default="calc-agent", help="train on this agent's runs and gate with it ('' = all traffic, no gate)")
     run.add_argument("--task", default=None, help="the gate's task (default: the agent's)")
     run.add_argument(
-        "--config", type=Path, default=None, help="TOML/JSON with [lora], [trainer], [samples], [rerollouts], [leap] tables (learner.config)"
+        "--config",
+        type=Path,
+        default=None,
+        help="TOML/JSON with [lora], [trainer], [samples], [rerollouts], [leap], [svr], [svr_r1], [reves] tables (learner.config)",
     )
     run.add_argument("--min-new-trajectories", type=int, default=32, help="start an update after this many new rewarded trajectories")
     run.add_argument("--poll-s", type=float, default=10.0, help="seconds between scheduling rounds")
