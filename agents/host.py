@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from agents.config import AgentConfig
 from agents.loop import AgentLoop, Branch, BranchMismatch, RunResult
+from agents.reves import reves_run
 from agents.tasks import Problem, Task, get_task
 from memory.copilot import Copilot
 from memory.store import MemoryStore
@@ -49,6 +50,15 @@ class BranchRequest(BaseModel):
     kind: Literal["rtpo", "rtpo_refresh", "tcpo"] = Field(
         "rtpo", description="the learner's purpose: RTPO sibling, RTPO refresh of a backbone's continuation, or TCPO counterfactual"
     )
+
+
+class RevesRequest(BaseModel):
+    """``reves`` of a run (admin API only): a REVES repair or verification prompt on the run's task problem (``agents/reves.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["repair", "verify"] = Field(description="repair: fix the previous answer (task verifier); verify: judge it (verdict match)")
+    previous: str = Field(max_length=65_536, description="the model's previous full answer (repair) or the candidate answer to judge (verify)")
 
 
 class RunRequest(BaseModel):
@@ -83,6 +93,7 @@ class RunRequest(BaseModel):
     user: str | None = Field(None, description="the end user (the session key when no X-Session-Id header is sent)")
     eval: bool = Field(False, description="an evaluation run on held-out problems: recorded, rewarded, never trained on")
     branch: BranchRequest | None = Field(None, description="re-roll a recorded run of the same task problem from one of its turns (learner)")
+    reves: RevesRequest | None = Field(None, description="a REVES repair or verification prompt on the task problem (learner; admin only)")
     group: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$",
@@ -96,6 +107,8 @@ class RunRequest(BaseModel):
             raise ValueError("give exactly one of input, messages, or (task and) problem_index or problem_id")
         if self.branch is not None and (self.problem_index is None or self.eval):
             raise ValueError("branch: re-rollouts need the backbone's task problem (problem_index) and are never eval runs")
+        if self.reves is not None and ((self.problem_index is None and self.problem_id is None) or self.branch is not None):
+            raise ValueError("reves: a repair or verification prompt needs a task problem (problem_index or problem_id) and no branch")
         if self.messages is not None:
             for i, m in enumerate(self.messages):
                 if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
@@ -235,6 +248,8 @@ class ServedAgentImpl:
             raise ValueError(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}") from None
         if req.branch is not None and not admin:
             raise PermissionError("branch: re-rollouts are for the learner and admins (POST /admin/agents/{name}/runs)")
+        if req.reves is not None and not admin:
+            raise PermissionError("reves: augmentation prompts are for the learner and admins (POST /admin/agents/{name}/runs)")
         if req.task_options and not admin:
             # options set resources (a sandbox's time and memory, turn caps, problem sizes): the agent's own apply
             raise PermissionError("task_options are for admins (POST /admin/agents/{name}/runs); runs use the agent's configured options")
@@ -251,9 +266,12 @@ class ServedAgentImpl:
                 req = req.model_copy(update={"problem_index": index})
             assert req.problem_index is not None
             problem = await asyncio.to_thread(self._problems.get, task, req.problem_index, req.seed or 0)  # generating can take a while
+            prompt = problem.prompt
+            if req.reves is not None:  # the verify kind's label is the task verifier on the candidate: off the event loop
+                task, prompt = await asyncio.to_thread(reves_run, req.reves.kind, req.reves.previous, task, problem)
             if task is not loop.task:
                 loop = AgentLoop(self.config, loop.client, loop.tools, task=task, rewrite=loop.rewrite)
-            messages = [{"role": "user", "content": problem.prompt}]
+            messages = [{"role": "user", "content": prompt}]
         elif req.input is not None:
             messages = [{"role": "user", "content": req.input}]
         else:

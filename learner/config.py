@@ -279,6 +279,24 @@ class SVRR1Config(BaseModel):
     alpha: float = Field(0.0, ge=0.0, description="correction shaping: alpha * (last answer right - first answer right); 0 = off")
 
 
+class RevesConfig(BaseModel):
+    """REVES as the learner's data source (``learner/reves.py``): each round, the current policy answers the next training
+    items; an item it gets wrong goes through repair rounds (previous full answer + "incorrect") until it is recovered or
+    ``max_retries`` run out; a recovered item's k rounds become k repair and k verification prompts. The round's prompts
+    (augmented and original, ``augmented_share``) are then run ``group`` times each and train once they settle."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(False, description="run REVES augmentation and its training prompts before every update (needs the learner's agent)")
+    items_per_round: int = Field(8, ge=1, le=256, description="training items the current policy attempts (and repairs) per round")
+    max_retries: int = Field(8, ge=1, le=32, description="repair rounds per wrong item before it is given up (REVES: 8)")
+    prompts_per_round: int = Field(8, ge=1, le=256, description="training prompts run per round, augmented and original together")
+    augmented_share: float = Field(
+        0.5, ge=0.0, le=1.0, description="share of the round's training prompts that are REVES prompts (the rest: original problems)"
+    )
+    group: int = Field(4, ge=2, le=32, description="runs per training prompt (the GRPO group)")
+    seed: int = Field(0, ge=0, description="problem seed of the training items")
+
+
 class LearnerSettings(BaseModel):
     """Everything one learner process for one adapter family needs."""
 
@@ -291,6 +309,7 @@ class LearnerSettings(BaseModel):
     leap: LeapConfig = Field(default_factory=LeapConfig)
     svr: SVRConfig = Field(default_factory=SVRConfig)
     svr_r1: SVRR1Config = Field(default_factory=SVRR1Config)
+    reves: RevesConfig = Field(default_factory=RevesConfig)
 
     @model_validator(mode="after")
     def _self_check_rewards(self) -> LearnerSettings:

@@ -65,6 +65,7 @@ INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only fo
 UPDATE_VERSIONS = "update_versions"  # trainer.cursor key: the final version of each recent update (the staleness bound)
 LEAP_NEXT = "leap_next_problem"  # trainer.cursor key: the next problem index LEAP's data engine probes
 SVR_NEXT = "svr_next_problem"  # trainer.cursor key: the next training problem of SVR's fixed-horizon runs
+REVES_NEXT = "reves_next_item"  # trainer.cursor key: the next training item REVES augments
 
 
 class LearnerConfigError(ValueError):
@@ -228,8 +229,9 @@ class LearnerService:
         s = self.cfg.settings
         needs_task = s.rerollouts.enabled and s.trainer.estimator in ("rtpo", "tcpo")
         svr_runs = s.svr.enabled and s.svr.problems_per_update > 0
-        if (needs_task or s.leap.enabled or svr_runs) and self.cfg.agent is None:
-            what = f"estimator {s.trainer.estimator!r} with re-rollouts" if needs_task else "[leap] enabled" if s.leap.enabled else "[svr] runs"
+        engine = "[leap]" if s.leap.enabled else "[svr] runs" if svr_runs else "[reves]" if s.reves.enabled else None
+        if (needs_task or engine) and self.cfg.agent is None:
+            what = f"estimator {s.trainer.estimator!r} with re-rollouts" if needs_task else f"{engine} enabled"
             raise LearnerConfigError(f"{what} needs the learner's agent (--agent): its runs are what is replayed or expanded")
         if needs_task and self._task() is None:
             raise LearnerConfigError(
@@ -247,6 +249,7 @@ class LearnerService:
         trainer = self._get_trainer()
         leap = self._leap_expand(trainer) if self.cfg.settings.leap.enabled else None
         svr_runs = self._svr_runs(trainer) if self.cfg.settings.svr.enabled and self.cfg.settings.svr.problems_per_update else None
+        reves = self._reves_round(trainer) if self.cfg.settings.reves.enabled else None
         self._set("training", f"version {trainer.version + 1}")
         batch = collect_samples(
             self.store,
@@ -266,8 +269,10 @@ class LearnerService:
         keep = self.cfg.settings.samples.max_staleness + 1
         leap_next = int(trainer.cursor.get(LEAP_NEXT, 0)) + (self.cfg.settings.leap.problems_per_update if leap is not None else 0)
         svr_next = int(svr_runs["problems"][1]) if svr_runs is not None else int(trainer.cursor.get(SVR_NEXT, 0))
+        reves_next = int(trainer.cursor.get(REVES_NEXT, 0))
         trainer.cursor = {**batch.cursor.to_dict(), UPDATE_VERSIONS: [*_update_versions(trainer), trainer.version][-keep:], LEAP_NEXT: leap_next}
         trainer.cursor[SVR_NEXT] = svr_next
+        trainer.cursor[REVES_NEXT] = int(reves["items"][1]) if reves is not None else reves_next
         self._seen_since = batch.cursor.since
         trainer.save_checkpoint(self.dir / "checkpoints")
         record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict()}
@@ -277,6 +282,8 @@ class LearnerService:
             record["leap"] = leap
         if svr_runs is not None:
             record["svr_runs"] = svr_runs
+        if reves is not None:
+            record["reves"] = reves
         if self.cfg.settings.svr.enabled or self.cfg.settings.svr_r1.enabled:
             record["self_check_rewards"] = self_check_rewards
         self.status.version, self.status.updates, self.status.last_update_at = trainer.version, self.status.updates + 1, time.time()
@@ -432,6 +439,19 @@ class LearnerService:
         return fixed_horizon_runs(
             self.cfg.admin_url, self.cfg.admin_key, self.cfg.agent, self.cfg.settings.svr, first_problem=first,
             sample_seed=trainer.version * 1000, concurrency=self.cfg.settings.rerollouts.concurrency,
+        )  # fmt: skip
+
+    def _reves_round(self, trainer: Any) -> dict[str, Any]:
+        """REVES (``learner/reves.py``): augment the next items with the current policy, then run the round's prompts."""
+        from learner.reves import reves_round
+
+        assert self.cfg.agent is not None
+        rc = self.cfg.settings.reves
+        first = int(trainer.cursor.get(REVES_NEXT, 0))
+        self._set("expanding", f"REVES: augmenting items {first}..{first + rc.items_per_round - 1}")
+        return reves_round(
+            self.cfg.admin_url, self.cfg.admin_key, self.cfg.agent, rc, first_item=first, sample_seed=trainer.version * 1000,
+            model=self._rollout_model(), concurrency=self.cfg.settings.rerollouts.concurrency,
         )  # fmt: skip
 
     def _rollout_model(self) -> str:

@@ -483,3 +483,66 @@ def test_svr_learner_makes_fixed_horizon_runs_scores_their_turns_and_gates_the_a
     assert gate["new_report"]["n"] == 2 and 1 <= gate["new_report"]["mean_turns"] <= 3 and gate["new_report"]["accuracy"] == 0.0
     assert set(gate["new_report"]) >= {"accuracy", "mean_turns", "wrong_stop_rate", "ece", "brier"}
     svc.store.close()
+
+
+def test_reves_round_runs_its_repair_and_verification_prompts_through_the_runtime(server, tiny_model_path):
+    # the tiny model is random: it never solves basic_arithmetic, so each item gets its first attempt and max_retries repair
+    # runs (REVES prompts through the runs endpoint), is never recovered and contributes no record; the round's training
+    # prompts are then the original problems only
+    from learner.config import RevesConfig
+    from learner.reves import reves_round
+
+    cfg = RevesConfig(enabled=True, items_per_round=2, max_retries=2, prompts_per_round=2, augmented_share=0.5, group=2, seed=0)
+    out = reves_round(server.base_url, ADMIN, "learn-agent", cfg, first_item=0, sample_seed=0, model=None)
+    assert (out["items"], out["unrecovered"], out["recovered"], out["failed"]) == ([0, 2], 2, 0, 0)
+    assert out["records"] == {"repair": 0, "verify": 0} and out["original_prompts"] == 2 and out["training_runs"] == 4
+    runs = admin(server, "GET", "/admin/trajectories?limit=200").json()["data"]
+    augmentation = [r for r in runs if r["meta"].get("group") == "reves-augment"]
+    assert len(augmentation) == 2 * 3 and all(r["meta"]["eval"] for r in augmentation)  # 1 + 2 attempts per item, never trained on
+    repairs = [r for r in augmentation if r["meta"]["task"] == "reves-repair:basic_arithmetic"]
+    assert len(repairs) == 4
+
+    # a verification prompt: its reward is whether the boxed verdict matches the verifier on the candidate
+    body = {"problem_index": 0, "seed": 0, "max_turns": 1, "reves": {"kind": "verify", "previous": "<answer>-99999</answer>"}}
+    r = admin(server, "POST", "/admin/agents/learn-agent/runs", json=body)
+    assert r.status_code == 200, r.text
+    run = r.json()
+    assert run["task"] == "reves-verify:basic_arithmetic" and run["problem_index"] == 0
+    traj = admin(server, "GET", f"/admin/trajectories/{run['trajectory_id']}").json()
+    [reward] = [w for w in traj["rewards"] if w["target"] == "trajectory"]
+    assert reward["source"] == "verifier:reves-verify:basic_arithmetic" and "the candidate is wrong" in reward["comment"]
+    assert "Candidate Answer:\n<answer>-99999</answer>" in traj["turns"][0]["messages"][-1]["content"]
+    # only the learner and admins build REVES prompts: a client's verifier-scored prompt would be a trusted reward it wrote
+    denied = httpx.post(server.url + "/agents/learn-agent/runs", json=body, timeout=60)
+    assert denied.status_code == 403 and "reves" in denied.json()["error"]["message"]
+
+
+def test_reves_runs_each_update_from_the_next_items_with_the_current_policy(tmp_path, tiny_model_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import learner.reves as reves_mod
+
+    calls = []
+
+    def fake_round(url, key, agent, cfg, *, first_item, sample_seed, model, concurrency):
+        calls.append((agent, first_item, sample_seed, model, cfg.items_per_round))
+        return {"items": [first_item, first_item + cfg.items_per_round], "recovered": 1}
+
+    monkeypatch.setattr(reves_mod, "reves_round", fake_round)
+    s = settings().model_dump()
+    s["reves"] = {"enabled": True, "items_per_round": 3}
+    cfg = ServiceConfig(
+        data_dir=tmp_path,
+        admin_url="http://127.0.0.1:9",
+        admin_key="k",
+        base_model=tiny_model_path,
+        settings=LearnerSettings.model_validate(s),
+        agent="a",
+    )
+    svc = LearnerService(cfg)
+    monkeypatch.setattr(svc, "_rollout_model", lambda: "fam@4")
+    out = svc._reves_round(SimpleNamespace(version=4, cursor={"reves_next_item": 6}))
+    assert calls == [("a", 6, 4000, "fam@4", 3)] and out["items"] == [6, 9]
+    with pytest.raises(Exception, match=r"\[reves\] enabled needs the learner's agent"):
+        LearnerService(replace(cfg, agent=None)).check_setup()
+    svc.store.close()
