@@ -78,6 +78,7 @@ BUILTIN_AGENTS: tuple[dict[str, Any], ...] = (
         "stop_policy": "svr",
         "stop_params": {"tau": 0.7},
         "task": "calc_arith",
+        "adapter_family": "svr-lora",
     },
     {
         "name": "kernel-agent",

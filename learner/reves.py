@@ -222,4 +222,5 @@ def reves_round(
         "first_error": errors[0] if errors else None,
         "training_sampled_tokens": sum(int(r.get("completion_tokens") or 0) for r in runs),
         "training_reward_mean": sum(float(r.get("reward") or 0.0) for r in runs) / len(runs) if runs else None,
+        "trajectory_ids": [str(r["trajectory_id"]) for r in runs if r.get("trajectory_id")],
     }

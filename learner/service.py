@@ -250,6 +250,7 @@ class LearnerService:
         leap = self._leap_expand(trainer) if self.cfg.settings.leap.enabled else None
         svr_runs = self._svr_runs(trainer) if self.cfg.settings.svr.enabled and self.cfg.settings.svr.problems_per_update else None
         reves = self._reves_round(trainer) if self.cfg.settings.reves.enabled else None
+        self._await_recorded([*(svr_runs or {}).pop("trajectory_ids", []), *(reves or {}).pop("trajectory_ids", [])])
         self._set("training", f"version {trainer.version + 1}")
         batch = collect_samples(
             self.store,
@@ -453,6 +454,18 @@ class LearnerService:
             self.cfg.admin_url, self.cfg.admin_key, self.cfg.agent, rc, first_item=first, sample_seed=trainer.version * 1000,
             model=self._rollout_model(), concurrency=self.cfg.settings.rerollouts.concurrency,
         )  # fmt: skip
+
+    def _await_recorded(self, trajectory_ids: list[str], timeout_s: float = 30.0) -> None:
+        """Wait until the learner's own runs have their outcome stored (the recorder commits in the background), so
+        this update's sample window takes them whole; after ``timeout_s`` the stragglers are left to a later update."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(trajectory_ids)
+        while pending and time.monotonic() < deadline:
+            pending = [t for t in pending if not ((traj := self.store.get_trajectory(t)) and any(r.target == "trajectory" for r in traj.rewards))]
+            if pending:
+                time.sleep(0.1)
+        if pending:
+            log.warning("runs not recorded in time; a later update takes them", pending=len(pending))
 
     def _rollout_model(self) -> str:
         """The newest policy the runtime can serve: the family's newest published version (loaded if it is not), else the base model."""

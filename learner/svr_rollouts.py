@@ -43,6 +43,7 @@ def fixed_horizon_runs(
         "correct": sum(1 for r in runs if r.get("correct")),
         "sampled_tokens": sum(int(r.get("completion_tokens") or 0) for r in runs),
         "problems": [first_problem, first_problem + cfg.problems_per_update],
+        "trajectory_ids": [str(r["trajectory_id"]) for r in runs if r.get("trajectory_id")],
     }
 
 

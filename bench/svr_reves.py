@@ -1,0 +1,264 @@
+"""SVR training (before vs after) and REVES vs plain GRPO at equal sampled tokens, on one real ``serve.py`` (SmolLM2 by default).
+
+    .venv/bin/python bench/svr_reves.py --part svr   --budget 60000 --n-eval 64      # a full SVR run
+    .venv/bin/python bench/svr_reves.py --part reves --budget 60000 --n-eval 64      # a full REVES run
+    .venv/bin/python bench/svr_reves.py --minutes 18 --budget 6000 --n-eval 16       # what fits in a short shared-CPU slot
+    .venv/bin/python bench/svr_reves.py --model tiny --budget 400 --n-eval 4         # smoke run
+
+**SVR** (``[svr]``, ``learner/svr_rewards.py``). Two agents share one adapter family and differ only in the stop
+rule: ``svr`` (stop once the model says Correct with confidence ≥ τ) and ``fixed`` (``--horizon`` turns). Before
+training and after, both run the same ``--n-eval`` held-out problems (a seed no training run uses, same sampling
+seeds) as eval runs; reported per agent: accuracy (Wilson 95% CI), mean turns, the wrong-stop rate (verified
+stops whose answer was wrong), ECE and Brier of the final answer's stated P(correct) (bootstrap 95% CI over
+problems). Training: each update the learner runs ``--prompts`` new problems x ``--group`` fixed-horizon runs
+(``"horizon"``) and trains on their SVR turn rewards with per-turn-index GRPO; every new version serves at once
+(no gate), until the sampled training tokens reach ``--budget`` or the time is up. Targets (issue 22): wrong-stop
+≤ 0.5, ECE halved, SVR accuracy within 2 points of the fixed agent's, SVR mean turns ≤ 40% of the fixed horizon.
+
+**REVES vs plain GRPO** (``[reves]``, ``learner/reves.py``). Two adapter families on two single-turn answer agents.
+Plain GRPO: each update ``--prompts`` new problems x ``--group`` runs. REVES: each update the current policy attempts
+``--prompts`` items, repairs the wrong ones (up to ``--max-retries`` rounds), and trains on a mix of repair,
+verification and original prompts (``--augmented-share``). Both stop at the same sampled-token budget, counting
+everything they sampled (REVES's augmentation rollouts included). Reported on ``--n-eval`` held-out problems:
+pass@1 and sequential-revision success (solved within ``--sr-rounds`` repair rounds with binary "incorrect"
+feedback; REVES's own repair prompt), Wilson 95% CIs, and the paired difference (REVES − GRPO) with a bootstrap CI.
+
+Arms run one after the other on one server; other load on the machine hits them alike only roughly, which is
+why the tables carry CIs. Results go to ``bench/results/svr_reves.json``. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._rl_harness import add_agent, bootstrap_ci, rollouts, service, write_json  # noqa: E402
+from experiments.agent_eval import spawned_server  # noqa: E402
+from learner.reves import run_attempts  # noqa: E402
+from learner.runs_client import post_runs  # noqa: E402
+from learner.svr_rollouts import adaptive_report, calibration_error  # noqa: E402
+
+ADMIN = "bench-admin"
+HELDOUT_SEED = 4242
+
+
+def wilson(k: int, n: int) -> tuple[float, float]:
+    from agents.calibration import wilson_interval
+
+    return wilson_interval(k, n)
+
+
+def fmt(x: float | None, ci: tuple[float, float] | None = None) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.3f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci is not None else "")
+
+
+def eval_runs(url: str, agent: str, n: int, model: str, concurrency: int) -> list[dict[str, Any]]:
+    bodies = [{"problem_index": i, "seed": HELDOUT_SEED, "sample_seed": i, "model": model, "eval": True} for i in range(n)]
+    outs = post_runs(url, ADMIN, agent, bodies, concurrency=concurrency, timeout_s=1800.0)
+    return [o for o in outs if isinstance(o, dict)]
+
+
+def report_with_ci(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    r = adaptive_report(runs)
+    k = sum(bool(x.get("correct")) for x in runs)
+    r["accuracy_ci"] = wilson(k, len(runs)) if runs else None
+    stated = [(float(x["p_correct"]), bool(x.get("correct"))) for x in runs if isinstance(x.get("p_correct"), int | float)]
+    if len(stated) >= 2:
+        rng = random.Random(0)
+        eces = sorted(calibration_error(*zip(*[rng.choice(stated) for _ in stated], strict=True)) for _ in range(1000))  # type: ignore[arg-type]
+        r["ece_ci"] = (eces[25], eces[974])
+    return r
+
+
+def svr_part(url: str, args: argparse.Namespace, data: Path, deadline: float) -> dict[str, Any]:
+    family = "svr-bench"
+    common = {
+        "system_prompt": "You are a careful problem solver.",
+        "max_turns": args.horizon,
+        "max_tokens_per_turn": args.max_tokens,
+        "token_budget": args.horizon * args.max_tokens,
+        "task": args.task,
+        "temperature": 1.0,
+        "adapter_family": family,
+    }
+    add_agent(url, ADMIN, {**common, "name": "bench-svr", "stop_policy": "svr", "stop_params": {"tau": args.tau}})
+    add_agent(url, ADMIN, {**common, "name": "bench-svr-fixed", "stop_policy": "fixed", "stop_params": {"fmt": "svr", "tau": args.tau}})
+    base = json.loads(__import__("httpx").get(url + "/ready", timeout=30).text)["model"]
+
+    def evaluate(model: str) -> dict[str, Any]:
+        return {
+            "svr": report_with_ci(eval_runs(url, "bench-svr", args.n_eval, model, args.concurrency)),
+            "fixed": report_with_ci(eval_runs(url, "bench-svr-fixed", args.n_eval, model, args.concurrency)),
+        }
+
+    t0 = time.monotonic()
+    before = evaluate(base)
+    print(f"svr: before training ({time.monotonic() - t0:.0f} s): {json.dumps(before, default=str)}", flush=True)
+    settings = {
+        "family": family,
+        "lora": {"rank": 8, "alpha": 16},
+        "trainer": {"lr": args.lr, "progress": False, "estimator": "turn_grpo", "estimator_params": {"source": "reward"}, "epochs": 2},
+        "samples": {"settle_s": 0, "max_staleness": 64},
+        "svr": {"enabled": True, "tau": args.tau, "problems_per_update": args.prompts, "group": args.group, "horizon": args.horizon},
+    }
+    svc = service(url, ADMIN, data, args.model_path, "bench-svr", settings)  # the server's data folder: its store
+    tokens, updates, curve = 0, 0, []
+    while tokens < args.budget and time.monotonic() < deadline:
+        rec = svc.update(force=True)
+        tokens += int(rec.get("svr_runs", {}).get("sampled_tokens", 0))
+        updates += 1
+        curve.append({"update": updates, "tokens": tokens, "reward_mean": rec.get("self_check_rewards", {}).get("reward_mean"),
+                      "train_correct": rec.get("svr_runs", {}).get("correct"), "optimizer_step": rec["metrics"].get("optimizer_step")})  # fmt: skip
+        print(f"svr: update {updates}: {curve[-1]}", flush=True)
+    model = svc.status.champion or base
+    after = evaluate(model)
+    svc.store.close()
+    return {"before": before, "after": after, "model": model, "updates": updates, "sampled_tokens": tokens, "curve": curve}
+
+
+async def _sr(url: str, agent: str, model: str, n: int, rounds: int, concurrency: int) -> list[tuple[bool, bool]]:
+    """Per held-out problem: (pass@1, solved within ``rounds`` repair rounds with "incorrect" feedback)."""
+    attempt = run_attempts(url, ADMIN, agent, seed=HELDOUT_SEED, sample_seed=0, model=model, concurrency=concurrency)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> tuple[bool, bool]:
+        async with sem:
+            first = await attempt(i, None, 0)
+            if first is None or first.correct:
+                return bool(first and first.correct), bool(first and first.correct)
+            prev = first.text
+            for r in range(1, rounds + 1):
+                y = await attempt(i, prev, r)
+                if y is None:
+                    return False, False
+                if y.correct:
+                    return False, True
+                prev = y.text
+            return False, False
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def reves_part(url: str, args: argparse.Namespace, data: Path, deadline: float) -> dict[str, Any]:
+    base = json.loads(__import__("httpx").get(url + "/ready", timeout=30).text)["model"]
+    arms: dict[str, dict[str, Any]] = {}
+    per_arm_deadline = (deadline - time.monotonic()) / 2
+    for arm in ("grpo", "reves"):
+        family, agent = f"{arm}-bench", f"bench-{arm}"
+        add_agent(url, ADMIN, {"name": agent, "system_prompt": "You are a careful problem solver.", "max_turns": 1,
+                               "max_tokens_per_turn": args.max_tokens, "task": args.task, "temperature": 1.0, "adapter_family": family})  # fmt: skip
+        settings: dict[str, Any] = {
+            "family": family,
+            "lora": {"rank": 8, "alpha": 16},
+            "trainer": {"lr": args.lr, "progress": False, "epochs": 2},
+            "samples": {"settle_s": 0, "max_staleness": 64},
+        }
+        if arm == "reves":
+            settings["reves"] = {"enabled": True, "items_per_round": args.prompts, "max_retries": args.max_retries,
+                                 "prompts_per_round": args.prompts, "augmented_share": args.augmented_share, "group": args.group}  # fmt: skip
+        svc = service(url, ADMIN, data, args.model_path, agent, settings)
+        end = time.monotonic() + per_arm_deadline
+        tokens, updates, next_problem, curve = 0, 0, 0, []
+        while tokens < args.budget and time.monotonic() < end:
+            if arm == "grpo":
+                runs = rollouts(url, agent, args.task, list(range(next_problem, next_problem + args.prompts)), args.group, seed=updates)
+                next_problem += args.prompts
+                spent = sum(int(r.get("completion_tokens") or 0) for r in runs)
+                rec = svc.update(force=True)
+            else:
+                rec = svc.update(force=True)
+                rv = rec.get("reves", {})
+                spent = int(rv.get("sampled_tokens", 0)) + int(rv.get("training_sampled_tokens", 0))
+            tokens += spent
+            updates += 1
+            curve.append({"update": updates, "tokens": tokens, "reward_mean": rec["metrics"].get("reward_mean"), "reves": rec.get("reves")})
+            print(f"{arm}: update {updates}: tokens {tokens}, reward {curve[-1]['reward_mean']}, reves {rec.get('reves')}", flush=True)
+        model = svc.status.champion or base
+        res = asyncio.run(_sr(url, agent, model, args.n_eval, args.sr_rounds, args.concurrency))
+        svc.store.close()
+        arms[arm] = {"model": model, "updates": updates, "sampled_tokens": tokens, "curve": curve, "per_problem": res}
+    out: dict[str, Any] = {"arms": {}}
+    for arm, a in arms.items():
+        p1 = [x[0] for x in a["per_problem"]]
+        sr = [x[1] for x in a["per_problem"]]
+        out["arms"][arm] = {
+            **{k: a[k] for k in ("model", "updates", "sampled_tokens", "curve")},
+            "pass@1": sum(p1) / len(p1),
+            "pass@1_ci": wilson(sum(p1), len(p1)),
+            "sr": sum(sr) / len(sr),
+            "sr_ci": wilson(sum(sr), len(sr)),
+        }
+    for metric, j in (("pass@1", 0), ("sr", 1)):
+        diff = [float(r[j]) - float(g[j]) for r, g in zip(arms["reves"]["per_problem"], arms["grpo"]["per_problem"], strict=True)]
+        out[f"{metric}_diff"] = sum(diff) / len(diff)
+        out[f"{metric}_diff_ci"] = bootstrap_ci(diff)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=("svr", "reves", "both"), default="both")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--task", default="basic_arithmetic")
+    ap.add_argument("--n-eval", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=60_000, help="sampled training tokens per arm")
+    ap.add_argument("--minutes", type=float, default=600.0, help="stop training when this much time is used (evaluation still runs)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--horizon", type=int, default=3)
+    ap.add_argument("--tau", type=float, default=0.7)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-retries", type=int, default=3)
+    ap.add_argument("--sr-rounds", type=int, default=2)
+    ap.add_argument("--augmented-share", type=float, default=0.5)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--concurrency", type=int, default=16)
+    args = ap.parse_args()
+    models = ROOT / ".data" / "models"
+    cache = Path(__import__("os").environ.get("LOOPWISE_TEST_CACHE", str(models)))
+    args.model_path = cache / ("tiny" if args.model == "tiny" else "SmolLM2-135M-Instruct")
+    t0 = time.monotonic()
+    deadline = t0 + args.minutes * 60
+    out: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="svr-reves-") as tmp, spawned_server(args.model, ADMIN, data_dir=Path(tmp)) as url:
+        parts = ["svr", "reves"] if args.part == "both" else [args.part]
+        for k, part in enumerate(parts):
+            share = deadline if k == len(parts) - 1 else t0 + (deadline - t0) / len(parts)
+            out[part] = (svr_part if part == "svr" else reves_part)(url, args, Path(tmp), share)
+    out["elapsed_s"] = time.monotonic() - t0
+    write_json(ROOT / "bench" / "results" / "svr_reves.json", out)
+    if "svr" in out:
+        s = out["svr"]
+        print(f"\nSVR ({s['updates']} updates, {s['sampled_tokens']} sampled training tokens; held-out n={args.n_eval})")
+        print(f"{'':10} {'agent':6} {'accuracy [95% CI]':22} {'mean turns':>10} {'wrong-stop':>10} {'ECE [95% CI]':22} {'Brier':>6}")
+        for when in ("before", "after"):
+            for agent in ("svr", "fixed"):
+                r = s[when][agent]
+                print(f"{when:10} {agent:6} {fmt(r['accuracy'], r.get('accuracy_ci')):22} {fmt(r['mean_turns']):>10} "
+                      f"{fmt(r['wrong_stop_rate']):>10} {fmt(r['ece'], r.get('ece_ci')):22} {fmt(r['brier']):>6}")  # fmt: skip
+    if "reves" in out:
+        r = out["reves"]
+        print(f"\nREVES vs GRPO (held-out n={args.n_eval}; SR = solved within {args.sr_rounds} repair rounds)")
+        for arm, a in r["arms"].items():
+            print(
+                f"{arm:6} updates {a['updates']:3} tokens {a['sampled_tokens']:7}  pass@1 {fmt(a['pass@1'], a['pass@1_ci'])}  SR {fmt(a['sr'], a['sr_ci'])}"
+            )
+        print(f"REVES − GRPO: pass@1 {fmt(r['pass@1_diff'], r['pass@1_diff_ci'])}  SR {fmt(r['sr_diff'], r['sr_diff_ci'])}")
+    print(f"({out['elapsed_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
