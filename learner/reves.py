@@ -143,9 +143,12 @@ async def augment(problem_indices: Sequence[int], attempt: AttemptFn, max_retrie
     return report
 
 
-def run_attempts(base_url: str, api_key: str | None, agent: str, *, seed: int, sample_seed: int, model: str | None, **kw: Any) -> AttemptFn:
+def run_attempts(
+    base_url: str, api_key: str | None, agent: str, *, seed: int, sample_seed: int, model: str | None, concurrency: int = 8, **kw: Any
+) -> AttemptFn:
     """An :data:`AttemptFn` over the runs endpoint: one-turn eval runs (the first attempt on the problem's own prompt, then
-    REVES repair prompts), sampled by ``model`` (the current policy)."""
+    REVES repair prompts), sampled by ``model`` (the current policy), at most ``concurrency`` in flight over all items."""
+    sem = asyncio.Semaphore(max(1, concurrency))
 
     async def attempt(problem_index: int, previous: str | None, r: int) -> Attempt | None:
         body: dict[str, Any] = {
@@ -160,7 +163,8 @@ def run_attempts(base_url: str, api_key: str | None, agent: str, *, seed: int, s
             body["model"] = model
         if previous is not None:
             body["reves"] = {"kind": "repair", "previous": previous}
-        [out] = await post_runs_async(base_url, api_key, agent, [body], **kw)
+        async with sem:
+            [out] = await post_runs_async(base_url, api_key, agent, [body], **kw)
         if isinstance(out, str) or not out.get("steps"):
             return None
         return Attempt(text=str(out["steps"][-1].get("text") or ""), correct=bool(out.get("correct")), tokens=int(out.get("completion_tokens") or 0))
