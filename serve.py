@@ -34,6 +34,7 @@ from runtime.settings import (
     AgentSettings,
     EngineSettings,
     FeedbackSettings,
+    LearnerJob,
     LearnerProcessSettings,
     MemorySettings,
     RecorderSettings,
@@ -104,24 +105,52 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
     return Settings.model_validate(merged)
 
 
-def start_learner(settings: Settings, server: ServerSettings, model_path: Path, url: str, agents: Any, log_format: str) -> subprocess.Popen[bytes]:
-    """``python -m learner run`` for the configured family, logging into our stderr; stopped when we stop."""
-    from learner import logs
-
-    ls = settings.learner
-    agent = ls.agent if agents is not None and ls.agent in agents.names() else ""
+def learner_jobs(ls: LearnerProcessSettings, served_agents: set[str]) -> list[LearnerJob]:
+    """The learner processes to start: ``[[learner.jobs]]`` when given; else the one-family flags' learner (on its agent's
+    runs when that agent is served, else on all traffic) plus, next to an agent's learner, the chat learner (plain chat
+    traffic, one-off prompts against a running baseline: ``learner/baseline.py``)."""
+    if ls.jobs:
+        return list(ls.jobs)
+    agent = ls.agent if ls.agent in served_agents else ""
     if not agent:
         logging.getLogger("serve").warning(
             "learner agent %r is not served: the learner trains on all rewarded traffic, without an eval gate", ls.agent
         )
+    first = LearnerJob(
+        family=ls.family,
+        agent=agent,
+        min_new_trajectories=ls.min_new_trajectories,
+        gate_n=ls.gate_n,
+        ab_min_samples=ls.ab_min_samples,
+        ab_max_samples=ls.ab_max_samples,
+        config=ls.config,
+    )
+    jobs = [first]
+    if agent and ls.chat and ls.chat_family != ls.family:
+        jobs.append(LearnerJob(family=ls.chat_family, min_new_trajectories=16, gate_n=0, settings={"traffic": {"chat": True, "agents": []}}))
+    return jobs
+
+
+def start_learner(job: LearnerJob, settings: Settings, model_path: Path, url: str, log_format: str) -> subprocess.Popen[bytes]:
+    """``python -m learner run`` for one job, logging into our stderr; stopped when we stop."""
+    from learner import logs
+
+    server = settings.server
     cmd = [
         sys.executable, "-m", "learner", "run",
         "--data-dir", str(server.data_dir), "--admin-url", url, "--base-model", str(model_path),
-        "--family", ls.family, "--agent", agent, "--min-new-trajectories", str(ls.min_new_trajectories), "--gate-n", str(ls.gate_n),
-        "--ab-min-samples", str(ls.ab_min_samples), "--ab-max-samples", str(ls.ab_max_samples),
+        "--family", job.family, "--agent", job.agent, "--min-new-trajectories", str(job.min_new_trajectories),
+        "--gate-n", str(job.gate_n), "--ab-min-samples", str(job.ab_min_samples), "--ab-max-samples", str(job.ab_max_samples),
     ]  # fmt: skip
-    if ls.config is not None:
-        cmd += ["--config", str(ls.config)]
+    if job.settings:
+        tables = load_config_file(job.config) if job.config is not None else {}
+        tables |= job.settings
+        path = Path(server.data_dir) / "learner" / job.family / "job.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(tables))
+        cmd += ["--config", str(path)]
+    elif job.config is not None:
+        cmd += ["--config", str(job.config)]
     if settings.adapters.adapter_root is not None:
         cmd += ["--adapter-root", str(settings.adapters.adapter_root)]
     env = {**os.environ, "LOOPWISE_ADMIN_KEY": server.admin_key or "", "LOOPWISE_LEARNER_PARENT": str(os.getpid())}
@@ -132,7 +161,7 @@ def start_learner(settings: Settings, server: ServerSettings, model_path: Path, 
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
     logs.relay(proc.stdout, "learner-output")
-    logging.getLogger("serve").info("learner started (pid %d) for family %s", proc.pid, ls.family)
+    logging.getLogger("serve").info("learner started (pid %d) for family %s", proc.pid, job.family)
     return proc
 
 
@@ -180,7 +209,7 @@ def demo_args(argv: list[str]) -> tuple[list[str], bool]:
     rest = [a for a in argv if a != "--demo"]
     pre = ["--agent", json.dumps(DEMO_AGENT), "--learner", "--learner-agent", "demo-agent", "--learner-family", "calc-lora"]
     pre += ["--learner-min-trajectories", "32", "--learner-gate-n", "16", "--learner-config", str(DEMO_LEARNER_CONFIG)]
-    pre += ["--learner-ab-min-samples", "48", "--learner-ab-max-samples", "100"]
+    pre += ["--learner-ab-min-samples", "48", "--learner-ab-max-samples", "100", "--no-chat-learner"]
     return pre + rest, True
 
 
@@ -321,10 +350,9 @@ def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None
     config = uvicorn.Config(built.app, log_config=None, timeout_graceful_shutdown=5)
     uv = uvicorn.Server(config)
 
-    learner: subprocess.Popen[bytes] | None = None
+    learners: list[subprocess.Popen[bytes]] = []
 
     async def announce_then_serve() -> None:
-        nonlocal learner
         serving = asyncio.create_task(uv.serve(sockets=[sock]))
         while not uv.started and not serving.done():
             await asyncio.sleep(0.05)
@@ -334,7 +362,8 @@ def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None
             url = f"http://{'[' + local + ']' if ':' in local else local}:{port}"
             print(console_line(url, server.admin_key, with_key=sys.stdout.isatty()), flush=True)
             if settings.learner.enabled:
-                learner = start_learner(settings, server, model_path, url, agents, log_format)
+                served = set(agents.names()) if agents is not None else set()
+                learners.extend(start_learner(job, settings, model_path, url, log_format) for job in learner_jobs(settings.learner, served))
             if demo:
                 from experiments.demo_users import DemoUsers
 
@@ -345,12 +374,14 @@ def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None
     try:
         asyncio.run(announce_then_serve())
     finally:
-        if learner is not None and learner.poll() is None:
-            learner.terminate()
+        for proc in learners:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in learners:
             try:
-                learner.wait(timeout=20)
+                proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                learner.kill()
+                proc.kill()
     if not uv.started:
         sys.exit("error: the server did not start (see the log above)")
 

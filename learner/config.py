@@ -1,6 +1,7 @@
 """The learner's configuration: LoRA shape, trainer knobs and sample selection (frozen pydantic models).
 
-``LearnerSettings`` bundles them (plus ``RerolloutConfig`` and ``LeapConfig``); each component gets only its own part (``LoRAConfig`` and
+``LearnerSettings`` bundles them (plus ``TrafficFilter``, ``SingletonConfig``, ``RerolloutConfig`` and
+``LeapConfig``); each component gets only its own part (``LoRAConfig`` and
 ``TrainerConfig`` go to ``learner.trainer.LoRATrainer``, ``SampleConfig`` to
 ``learner.samples.collect_samples``). Every field has a description and a default meant for a
 small model on a shared CPU; validation fails at construction, before any model is loaded, and says
@@ -20,8 +21,8 @@ ESTIMATORS = ("grpo", "drgrpo", "rloo", "gigpo", "turn_grpo", "rtpo", "tcpo", "r
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-# the runtime's own evaluators first (clients cannot send verifier:* or judge:* rewards), then users' feedback, then the rest
-DEFAULT_REWARD_SOURCES = ("verifier:*", "judge:*", "feedback", "*")
+# the runtime's own evaluators first (clients cannot send verifier:*, judge:* or hook:* rewards), then users' feedback, then the rest
+DEFAULT_REWARD_SOURCES = ("verifier:*", "judge:*", "hook:*", "feedback", "*")
 
 
 class LoRAConfig(BaseModel):
@@ -177,7 +178,7 @@ class SampleConfig(BaseModel):
             "reward of the first matching pattern counts, and within one group every member is scored by the group's best "
             "source (members that only have a lower one lose that reward), so a verifier's rewards and a user's are never "
             "compared; sources matching no pattern are ignored. Default: the runtime's verifiers, then its judges, then "
-            "user feedback, then any other source"
+            "the learner's reward hooks, then user feedback, then any other source"
         ),
     )
     owners: tuple[str, ...] | None = Field(
@@ -194,6 +195,40 @@ class SampleConfig(BaseModel):
         if any(not isinstance(p, str) or not p.strip() for p in v) or len(set(v)) != len(v):
             raise ValueError("reward_sources must be distinct, non-empty source patterns (e.g. 'verifier:*', 'feedback')")
         return v
+
+
+class TrafficFilter(BaseModel):
+    """Which recorded traffic this learner trains on (``[traffic]``); several learners use disjoint filters.
+
+    A trajectory is this learner's when it passes every field that is set: its kind (an agent's run, or plain chat
+    traffic: a request to the base model or an adapter), its agent, the API key that made it (``owners``, in
+    ``[samples]``), the model name the client asked for, and the tag the client sent (``metadata.tag`` of a chat
+    completion). Turns outside the filter are counted as ``other_traffic``."""
+
+    model_config = _FROZEN
+    chat: bool = Field(True, description="train on plain chat traffic (requests that named no agent)")
+    agents: list[str] | None = Field(None, description="train on these agents' runs; None = every agent's, [] = no agent's")
+    models: list[str] | None = Field(
+        None, description="only requests that asked for one of these model names (base name, alias, family@N); None = any"
+    )
+    tags: list[str] | None = Field(None, description="only requests whose client tag (chat metadata 'tag') is one of these; None = any")
+
+
+class SingletonConfig(BaseModel):
+    """What a group of one trajectory (a one-off prompt: live chat rarely repeats one) learns from (``[singletons]``).
+
+    - ``baseline``: REINFORCE with a running baseline per key (agent or ``chat``, the client's tag, the reward source):
+      ``A = (x - m) / s`` with ``m`` and ``s`` the key's exponentially weighted mean and std of the rewards seen
+      *before* this one (``learner/baseline.py`` states the rule, its variance and its bias).
+    - ``drop``: a singleton gets advantage 0 (the estimators' own rule: a lone reward carries no relative signal).
+    """
+
+    model_config = _FROZEN
+    mode: Literal["baseline", "drop"] = Field("baseline", description="baseline | drop (see the class docstring)")
+    baseline_decay: float = Field(
+        0.98, ge=0.0, lt=1.0, description="baseline: the running mean's decay (plain average over the first 1/(1-decay) rewards, then EMA)"
+    )
+    baseline_norm_by_std: bool = Field(True, description="baseline: divide by the running std once it is positive (GRPO's scale)")
 
 
 class RerolloutConfig(BaseModel):
@@ -305,6 +340,8 @@ class LearnerSettings(BaseModel):
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     samples: SampleConfig = Field(default_factory=SampleConfig)
+    traffic: TrafficFilter = Field(default_factory=TrafficFilter)
+    singletons: SingletonConfig = Field(default_factory=SingletonConfig)
     rerollouts: RerolloutConfig = Field(default_factory=RerolloutConfig)
     leap: LeapConfig = Field(default_factory=LeapConfig)
     svr: SVRConfig = Field(default_factory=SVRConfig)

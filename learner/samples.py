@@ -46,6 +46,8 @@ whole or not at all, because its outcome reward is the outcome of all its turns:
   trainer had ``max_staleness`` updates ago, counting updates it held during an A/B experiment;
 - ``other_family``: a trajectory with a turn of another family's adapter (kept with ``include_other_families``);
 - ``other_owner``: a trajectory made by an API key outside ``owners`` (when set: train only on the keys you trust);
+- ``other_traffic``: a trajectory outside the learner's traffic filter (``TrafficFilter``: chat or agent, which agent,
+  the model name the client asked for, the client's tag; :func:`traffic_match`);
 - ``grammar_unrecorded``: a trajectory with a constrained turn recorded without its grammar's spec (older
   records): it cannot be scored under the distribution it was sampled from;
 - ``no_reward``: a trajectory with no reward from a training source at all (NaN/None are never 0); a
@@ -74,7 +76,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
-from learner.config import SampleConfig
+from learner.config import SampleConfig, TrafficFilter
 from learner.records import Reward, Trajectory, TurnCheck, context_sha256
 
 if TYPE_CHECKING:
@@ -152,6 +154,7 @@ class SkipCounts:
     stale: int = 0
     other_family: int = 0
     other_owner: int = 0  # made by an owner outside ``SampleConfig.owners``
+    other_traffic: int = 0  # outside the learner's ``TrafficFilter``
     no_reward: int = 0
     no_tokens: int = 0
     stale_trajectories: int = 0
@@ -206,6 +209,33 @@ def group_id_of(trajectory: Trajectory) -> str:
     if first.prefix_key:
         return f"prompt:{first.prefix_key}"
     return "ctx:" + hashlib.sha256(array("i", first.context_ids).tobytes()).hexdigest()[:32]
+
+
+def request_meta(traj: Trajectory) -> dict[str, Any]:
+    """The trajectory's meta plus what its first turn's request said: ``request_model`` (the name the client asked for)
+    and ``tag`` (the client's ``metadata.tag``), when the meta does not already hold them."""
+    meta = dict(traj.meta)
+    if traj.turns:
+        sampling = traj.turns[0].sampling
+        for key, name in (("request_model", "model"), ("tag", "tag")):
+            if sampling.get(name) is not None:
+                meta.setdefault(key, sampling[name])
+    return meta
+
+
+def traffic_match(meta: dict[str, Any], filt: TrafficFilter | None) -> bool:
+    """Whether a trajectory (its :func:`request_meta`) is in a learner's traffic: every set field of ``filt`` must pass."""
+    if filt is None:
+        return True
+    agent = meta.get("agent")
+    if agent:
+        if filt.agents is not None and agent not in filt.agents:
+            return False
+    elif not filt.chat:
+        return False
+    if filt.models is not None and meta.get("request_model") not in filt.models:
+        return False
+    return filt.tags is None or meta.get("tag") in filt.tags
 
 
 def _finite(x: float | None) -> float | None:
@@ -266,6 +296,7 @@ def collect_samples(
     current_version: int | None = None,
     min_version: int | None = None,
     now: float | None = None,
+    traffic: TrafficFilter | None = None,
 ) -> SampleBatch:
     """Build the samples of every settled trajectory past ``cursor`` (module docstring: window, skips, groups, sources).
 
@@ -301,6 +332,9 @@ def collect_samples(
             continue
         if cfg.owners is not None and traj.owner not in cfg.owners:
             counts.other_owner += len(traj.turns)
+            continue
+        if not traffic_match(request_meta(traj), traffic):
+            counts.other_traffic += len(traj.turns)
             continue
         samples += trajectory_samples(traj, family=family, min_version=min_version, cfg=cfg, counts=counts)
     samples = resolve_sources(samples, cfg.reward_sources, counts)
@@ -368,7 +402,7 @@ def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: 
                 trajectory_reward=traj_pick[0] if traj_pick else None,
                 temperature=_temperature(turn.sampling),
                 created_at=turn.created_at,
-                meta=dict(traj.meta),
+                meta=request_meta(traj),
                 grammar=grammar,
                 reward_source=pick[1] if pick else None,
                 trajectory_reward_source=traj_pick[1] if traj_pick else None,

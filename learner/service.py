@@ -48,11 +48,13 @@ import structlog
 
 from learner._files import sha256_file
 from learner.advantages import Advantages
-from learner.config import LearnerSettings
+from learner.baseline import GROUP_ESTIMATORS, apply_to_singletons
+from learner.config import LearnerSettings, TrafficFilter
 from learner.publish import MANIFEST_FILE, AdminError, RuntimeAdmin, adapter_path, clean_staging, publish_adapter
+from learner.reasons import unused_reasons
 from learner.records import Trajectory
 from learner.rerollout import BranchRunner, PointRuns, counterfactual_scores, plan_rtpo, refresh_point, rtpo_estimator_input, tcpo_branch_points
-from learner.samples import Cursor, Sample, SkipCounts, collect_samples, trajectory_samples
+from learner.samples import Cursor, Sample, SkipCounts, collect_samples, traffic_match, trajectory_samples
 from learner.store import db_path, open_store
 from learner.svr_rewards import apply_self_check_rewards
 from learner.svr_rollouts import adaptive_report, fixed_horizon_runs
@@ -66,6 +68,7 @@ UPDATE_VERSIONS = "update_versions"  # trainer.cursor key: the final version of 
 LEAP_NEXT = "leap_next_problem"  # trainer.cursor key: the next problem index LEAP's data engine probes
 SVR_NEXT = "svr_next_problem"  # trainer.cursor key: the next training problem of SVR's fixed-horizon runs
 REVES_NEXT = "reves_next_item"  # trainer.cursor key: the next training item REVES augments
+BASELINE = "singleton_baseline"  # trainer.cursor key: the running baselines of one-off prompts (learner/baseline.py)
 
 
 class LearnerConfigError(ValueError):
@@ -125,6 +128,8 @@ class Status:
     last_update_at: float | None = None
     last_metrics: dict[str, Any] = field(default_factory=dict)
     last_gate: dict[str, Any] = field(default_factory=dict)
+    last_reasons: dict[str, Any] = field(default_factory=dict)  # what the last update could not use, and why (learner/reasons.py)
+    traffic: dict[str, Any] = field(default_factory=dict)  # the traffic filter this learner trains on
     pid: int = field(default_factory=os.getpid)
     updated_at: float = field(default_factory=time.time)
 
@@ -138,7 +143,12 @@ class LearnerService:
         self.adapter_root = cfg.adapter_root or Path(cfg.data_dir) / "adapters"
         self.store = open_store(cfg.store or db_path(cfg.data_dir))
         self.admin = RuntimeAdmin(cfg.admin_url, cfg.admin_key)
-        self.status = Status(self.family)
+        s = cfg.settings.traffic
+        # --agent names the one agent this learner trains (and gates) on; otherwise the [traffic] table decides
+        self.traffic = TrafficFilter(chat=False, agents=[cfg.agent], models=s.models, tags=s.tags) if cfg.agent else s
+        self.status = Status(self.family, traffic=self.traffic.model_dump())
+        self._baseline_state: dict[str, Any] | None = None  # the singleton baselines after this update's step
+        self._warmup: set[str] = set()
         self._trainer: Any = None  # built on the first update: idle learners hold no model
         self._held = False  # a version trained during an experiment waits to be published
         self._stop = False
@@ -258,25 +268,39 @@ class LearnerService:
             min_version=self._staleness_floor(trainer),
             cursor=Cursor.from_dict(trainer.cursor),
             cfg=self.cfg.settings.samples,
+            traffic=self.traffic,
         )
-        samples = [s for s in batch.samples if not s.meta.get("eval") and (self.cfg.agent is None or s.meta.get("agent") == self.cfg.agent)]
-        skipped = {**batch.counts.as_dict(), "eval_or_other_agent": len(batch.samples) - len(samples)}
+        samples = batch.samples
+        skipped = batch.counts.as_dict()
         samples, self_check_rewards = apply_self_check_rewards(samples, self.cfg.settings.svr, self.cfg.settings.svr_r1)
         skipped["svr_adaptive"], skipped["self_check_unmeasured"] = self_check_rewards["adaptive"], self_check_rewards["unmeasured"]
         if not samples and not force:
-            self._set("waiting", f"no settled samples yet ({batch.counts.deferred_trajectories} trajectories still settling)")
+            why = unused_reasons(skipped, [], [])
+            self.status.last_reasons = why
+            self._set("waiting", f"no settled samples yet: {why['top'] or 'no rewarded trajectories'}")
             return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
-        metrics, rerollouts = self._train(trainer, samples, skipped)
+        self._baseline_state, self._warmup = None, set()
+        metrics, rerollouts, advantages, used = self._train(trainer, samples, skipped)
+        why = unused_reasons(skipped, used, advantages, warmup=self._warmup) | {"trained": metrics.trained_samples}
         keep = self.cfg.settings.samples.max_staleness + 1
         leap_next = int(trainer.cursor.get(LEAP_NEXT, 0)) + (self.cfg.settings.leap.problems_per_update if leap is not None else 0)
         svr_next = int(svr_runs["problems"][1]) if svr_runs is not None else int(trainer.cursor.get(SVR_NEXT, 0))
-        reves_next = int(trainer.cursor.get(REVES_NEXT, 0))
-        trainer.cursor = {**batch.cursor.to_dict(), UPDATE_VERSIONS: [*_update_versions(trainer), trainer.version][-keep:], LEAP_NEXT: leap_next}
-        trainer.cursor[SVR_NEXT] = svr_next
-        trainer.cursor[REVES_NEXT] = int(reves["items"][1]) if reves is not None else reves_next
+        reves_next = int(reves["items"][1]) if reves is not None else int(trainer.cursor.get(REVES_NEXT, 0))
+        baseline = self._baseline_state if self._baseline_state is not None else trainer.cursor.get(BASELINE, {})
+        trainer.cursor = {
+            **batch.cursor.to_dict(),
+            UPDATE_VERSIONS: [*_update_versions(trainer), trainer.version][-keep:],
+            LEAP_NEXT: leap_next,
+            SVR_NEXT: svr_next,
+            REVES_NEXT: reves_next,
+            BASELINE: baseline,
+        }
         self._seen_since = batch.cursor.since
         trainer.save_checkpoint(self.dir / "checkpoints")
-        record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict()}
+        record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict(), "unused": why}
+        self.status.last_reasons = why
+        if why["top"]:
+            log.info("unused data", top_reason=why["top"], trained=why["trained"], **why["counts"])
         if rerollouts is not None:
             record["rerollouts"] = rerollouts
         if leap is not None:
@@ -297,8 +321,9 @@ class LearnerService:
             record["gate"] = {"decision": "held", "reason": f"experiment {self.status.experiment} is running: published once it decides"}
             self._set("ab", f"version {trainer.version} trained, held until experiment {self.status.experiment} decides")
         else:
-            record["gate"] = {"decision": "skipped", "reason": "no optimizer step (no samples, or every group had zero reward variance)"}
-            self._set("idle", f"version {trainer.version}: no optimizer step")
+            reason = why["top"] or "no samples"
+            record["gate"] = {"decision": "skipped", "reason": f"no optimizer step: {reason}"}
+            self._set("idle", f"version {trainer.version}: nothing learned; top reason: {reason}")
         with open(self.dir / "history.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         self._plot()
@@ -315,18 +340,29 @@ class LearnerService:
         self._plot()
 
     # ---- training: samples → advantages (estimator) → trainer step, with re-rollouts for rtpo / tcpo ---
-    def _train(self, trainer: Any, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any] | None]:
+    def _train(self, trainer: Any, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any] | None, list[float], list[Sample]]:
         """One update's optimizer work: advantages from the configured estimator, then the trainer's step; RTPO
-        sweeps its turns in reverse with siblings, TCPO first scores counterfactuals (``learner/rerollout.py`` plans both)."""
+        sweeps its turns in reverse with siblings, TCPO first scores counterfactuals (``learner/rerollout.py`` plans both).
+        One-off prompts (singleton groups) get the running baseline (``learner/baseline.py``) when ``[singletons]`` says so.
+
+        Returns the step's metrics, the re-rollouts' report, and the advantages with the samples they belong to (for
+        ``learner/reasons.py``; none for RTPO's and TCPO's several steps)."""
         rr = self.cfg.settings.rerollouts
         tcfg = self.cfg.settings.trainer
         if samples and rr.enabled and self.cfg.agent is not None and tcfg.estimator in ("rtpo", "tcpo"):
             runner = BranchRunner(self.cfg.admin_url, self.cfg.admin_key, agent=self.cfg.agent, store=self.store, concurrency=rr.concurrency)
             if tcfg.estimator == "rtpo":
-                return self._rtpo_sweep(trainer, runner, samples, skipped)
-            return self._tcpo_step(trainer, runner, samples, skipped)
+                m, info = self._rtpo_sweep(trainer, runner, samples, skipped)
+            else:
+                m, info = self._tcpo_step(trainer, runner, samples, skipped)
+            return m, info, [], []  # several steps' advantages: the reasons count the sample builder's losses only
         advantages = estimate(samples, tcfg.estimator, tcfg.estimator_params)
-        return trainer.step(samples, advantages, skipped=skipped), None
+        sc = self.cfg.settings.singletons
+        if sc.mode == "baseline" and tcfg.estimator in GROUP_ESTIMATORS:
+            advantages, self._baseline_state, self._warmup = apply_to_singletons(
+                samples, advantages, trainer.cursor.get(BASELINE), decay=sc.baseline_decay, norm_by_std=sc.baseline_norm_by_std
+            )
+        return trainer.step(samples, advantages, skipped=skipped), None, list(advantages), samples
 
     def _rtpo_sweep(self, trainer: Any, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any]]:
         """RTPO (``docs/methods.md#rtpo``): K branch turns per backbone, m siblings each, optimizer steps latest turns first.
@@ -593,15 +629,16 @@ class LearnerService:
             self._seen_since = 0.0
 
     def _count_new(self) -> int:
-        """New rewarded trajectories of the agent that have settled (the sample builder would take them now)."""
+        """New rewarded trajectories of this learner's traffic that have settled (the sample builder would take them now).
+
+        The traffic's kind and agent are checked here; its model names and tags (on the turns) when the update reads them."""
         settled = time.time() - self.cfg.settings.samples.settle_s
         rows = self.store.list_trajectories(limit=100_000, since=self._seen_since, rewarded=True)
+        kind = self.traffic.model_copy(update={"models": None, "tags": None})
         return sum(
             1
             for r in rows
-            if not r["meta"].get("eval")
-            and (self.cfg.agent is None or r["meta"].get("agent") == self.cfg.agent)
-            and (r["last_turn_at"] or 0) < settled
+            if not r["meta"].get("eval") and not r["meta"].get("rerollout") and traffic_match(r["meta"], kind) and (r["last_turn_at"] or 0) < settled
         )
 
     def _staleness_floor(self, trainer: Any) -> int:

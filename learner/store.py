@@ -645,11 +645,12 @@ class SqliteStore:
 
     # -- reads ---------------------------------------------------------------------------------------
 
-    def turns_for_completion(self, completion_id: str, owner: str | None = None) -> list[str]:
-        """The turn ids of a completion's choices (only ``owner``'s, when given)."""
+    def turns_for_completion(self, completion_id: str, owner: str | None = None, choice_index: int | None = None) -> list[str]:
+        """The turn ids of a completion's choices (only ``owner``'s, when given; only choice ``choice_index``'s, when given)."""
         rows = self._conn().execute(
-            "SELECT turn_id FROM turns WHERE completion_id = ? AND (? IS NULL OR owner = ?) ORDER BY choice_index, rowid",
-            (completion_id, owner, owner),
+            "SELECT turn_id FROM turns WHERE completion_id = ? AND (? IS NULL OR owner = ?) AND (? IS NULL OR choice_index = ?)"
+            " ORDER BY choice_index, rowid",
+            (completion_id, owner, owner, choice_index, choice_index),
         )
         return [r[0] for r in rows]
 

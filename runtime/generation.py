@@ -105,6 +105,7 @@ class GenRequest:
     prompt_text: str | None = None  # the raw prompt as text, for records (with prompt_ids)
     messages_param: str = "messages"
     session_id: str | None = None  # the session to record in (else X-Session-Id, else user); e.g. a chained response's
+    tag: str | None = None  # the client's tag (chat ``metadata.tag``), recorded for learners' traffic filters
 
     @property
     def tools_on(self) -> bool:
@@ -193,6 +194,7 @@ class Prepared:
     want_logprobs: bool = False
     api: str = "chat.completions"
     completion_tokens: int = 0  # filled in as the choices finish
+    tag: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -313,6 +315,7 @@ class Generation:
             slots=self.recorder.assign(session_id, messages, req.n, owner) if self.recorder is not None else None,
             want_logprobs=req.logprobs,
             api=req.api,
+            tag=req.tag,
         )
 
     # ---- non-streamed ----------------------------------------------------------------------
@@ -387,6 +390,8 @@ class Generation:
                 # kind and spec: the learner re-applies the mask, so its logprobs are of the distribution that was sampled
                 "grammar": {"kind": sp.grammar.kind, "spec": sp.grammar.spec} if sp.grammar else None,
                 "api": prep.api,
+                "model": prep.model,  # the name the client asked for (base, alias, family@N); learners' traffic filters read it
+                "tag": prep.tag,
             },
             tool_calls=[ToolCallRecord(id=c.id, name=c.name, arguments=c.arguments) for c in choice.tool_calls],
             finish_reason=choice.finish_reason if res.finish_reason != "abort" else "abort",

@@ -169,6 +169,8 @@ class ChatCompletionRequest(_In):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI's metadata (at most 16 string pairs); loopwise records ``tag``, which a learner's traffic filter can select
+    metadata: dict[str, str] | None = None
     response_format: ResponseFormat | None = None
     # legacy function calling: mapped to tools / tool_choice (``serving_chat.to_internal``)
     functions: list[FunctionDef] | None = Field(None, min_length=1, max_length=128)
@@ -186,6 +188,8 @@ class ChatCompletionRequest(_In):
 
     @model_validator(mode="after")
     def _cross_field(self) -> ChatCompletionRequest:
+        if self.metadata is not None and (len(self.metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in self.metadata.items())):
+            raise FieldError("metadata", "metadata holds at most 16 pairs, keys of at most 64 characters and values of at most 512")
         if self.functions or self.function_call is not None:
             self._legacy_functions()
         if self.top_logprobs and not self.logprobs:
@@ -302,6 +306,7 @@ class FeedbackRequest(_In):
     trajectory_id: str | None = None
     turn_id: str | None = None
     completion_id: str | None = None
+    choice_index: int | None = Field(None, ge=0, le=127)  # with completion_id: reward only that choice's turn
     reward: float | None = None
     turn_rewards: dict[str, float] | None = None
     source: str = Field("feedback", min_length=1, max_length=200)
@@ -315,6 +320,8 @@ class FeedbackRequest(_In):
             raise FieldError("trajectory_id", "give exactly one of trajectory_id, turn_id or completion_id")
         if targets and self.reward is None:
             raise FieldError("reward", "reward is required")
+        if self.choice_index is not None and self.completion_id is None:
+            raise FieldError("choice_index", "choice_index selects a choice of a completion: give it with completion_id")
         values = [self.reward] if self.reward is not None else []
         values += list((self.turn_rewards or {}).values())
         if any(not math.isfinite(v) for v in values):

@@ -64,6 +64,7 @@ def to_internal(req: ChatCompletionRequest) -> GenRequest:
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         user=req.user,
+        tag=(req.metadata or {}).get("tag"),
     )
 
 

@@ -332,6 +332,19 @@ class MemorySettings(_Frozen):
     max_chars: int = Field(16_000, ge=1, description="longest memory text the store accepts", json_schema_extra={"flag": "--memory-max-chars"})
 
 
+class LearnerJob(_Frozen):
+    """One learner process: one adapter family, trained on the traffic its settings' ``[traffic]`` table selects."""
+
+    family: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="the adapter family it publishes (family@N)")
+    agent: str = Field("", description="train on this agent's runs and gate with it ('' = the [traffic] filter, no gate)")
+    min_new_trajectories: int = Field(32, ge=1, description="new rewarded trajectories that start an update")
+    gate_n: int = Field(32, ge=0, description="held-out problems per side in the eval gate (with an agent)")
+    ab_min_samples: int = Field(64, ge=2, description="rewards per arm before the A/B experiment may decide")
+    ab_max_samples: int = Field(256, ge=0, description="an undecided A/B experiment ends at this many rewards per arm (0 = no cap)")
+    config: Path | None = Field(None, description="a learner config file; the tables in settings override its tables")
+    settings: dict[str, Any] = Field(default_factory=dict, description="learner config tables ([traffic], [singletons], [trainer], ...)")
+
+
 class LearnerProcessSettings(_Frozen):
     """The learner process ``serve.py`` starts (``python -m learner run``); see ``learner/service.py``."""
 
@@ -354,6 +367,43 @@ class LearnerProcessSettings(_Frozen):
     config: Path | None = Field(
         None, description="learner config ([lora], [trainer], [samples], [rerollouts] tables)", json_schema_extra={"flag": "--learner-config"}
     )
+    chat: bool = Field(
+        True,
+        description=(
+            "also start a learner for plain chat traffic (family chat_family, one-off prompts against a running baseline) next to the "
+            "agent's; off, or when the learner agent is not served, the one learner trains on all traffic"
+        ),
+        json_schema_extra={"flag": "--chat-learner"},
+    )
+    chat_family: str = Field(
+        "chat-lora",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="the chat learner's adapter family",
+        json_schema_extra={"flag": "--chat-family"},
+    )
+    jobs: tuple[LearnerJob, ...] = Field(
+        (),
+        description=(
+            "several learners, one per adapter family, each with its own traffic filter: [[learner.jobs]] tables (family, agent, "
+            "min_new_trajectories, gate_n, ab_min_samples, ab_max_samples, config, and [learner.jobs.settings] with the learner's "
+            "tables: [traffic], [singletons], [trainer], ...); given, they replace the one-family flags and the chat learner"
+        ),
+        json_schema_extra={"flag": "--learner-job"},
+    )
+
+    @field_validator("jobs", mode="before")
+    @classmethod
+    def _json_jobs(cls, v: Any) -> Any:
+        if isinstance(v, str | dict):
+            v = [v]
+        return [json.loads(x) if isinstance(x, str) else x for x in v] if isinstance(v, list | tuple) else v
+
+    @model_validator(mode="after")
+    def _distinct_families(self) -> LearnerProcessSettings:
+        families = [j.family for j in self.jobs]
+        if len(set(families)) != len(families):
+            raise ValueError(f"[[learner.jobs]] need distinct families (one learner per adapter family), got {families}")
+        return self
 
 
 class Settings(BaseSettings):

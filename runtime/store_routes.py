@@ -4,10 +4,13 @@
   "turn_rewards"?: {turn_id: reward}, "source"?, "comment"?, "idempotency_key"?}``. Rewards may come
   at any later time, only for the caller's own records: unknown ids and other keys' ids are both 404;
   rewards outside ``[-max_abs_reward, max_abs_reward]`` (or not finite) are 400; ``source`` is a plain
-  name, and ``verifier:*`` / ``judge:*`` are reserved for the runtime's own evaluators (403); each key
+  name, and ``verifier:*`` / ``judge:*`` / ``hook:*`` are reserved for the runtime's evaluators and the learner's scorers (403); each key
   may send ``per_minute`` feedback requests a minute (429 with ``Retry-After`` beyond); a repeated
   idempotency key (per key) is stored once (the answer says ``"duplicate": true``). A ``completion_id``
-  rewards each of its turns.
+  rewards each of its choices' turns, or with ``choice_index`` that choice's turn only. How each form reaches
+  training (the rule): a turn reward is part of its trajectory's reward stream, so on a one-turn trajectory
+  (a plain chat completion; each of ``n`` choices is its own one-turn trajectory) it is that trajectory's
+  outcome; see ``learner/advantages.py`` and the README.
 - ``DELETE /v1/sessions/{key}`` (API key): deletes the caller's own session completely.
 - ``POST /admin/feedback`` (admin key; the console's): the same body, on any owner's records, any plain
   source, no rate limit; each reward belongs to the owner of what it rewards.
@@ -90,7 +93,7 @@ def check_admin_key(request: Request, admin_key: str | None) -> None:
         )
 
 
-RESERVED_SOURCES = ("verifier:", "judge:")  # the runtime's own evaluators; never a client's word
+RESERVED_SOURCES = ("verifier:", "judge:", "hook:")  # the runtime's evaluators and the learner's judges and reward hooks; never a client's word
 SOURCE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 
 
@@ -181,7 +184,9 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
         elif fb.completion_id is not None:
             if rec.is_pending(fb.completion_id):
                 await rec.flush()
-            turn_ids = await rec.call(rec.store.turns_for_completion, fb.completion_id, owner)
+            turn_ids = await rec.call(rec.store.turns_for_completion, fb.completion_id, owner, fb.choice_index)
+            if not turn_ids and fb.choice_index is not None and await rec.call(rec.store.turns_for_completion, fb.completion_id, owner):
+                raise APIError(404, f"completion {fb.completion_id!r} has no choice {fb.choice_index}", param="choice_index", code="not_found")
             if not turn_ids:
                 raise APIError(404, f"unknown completion_id {fb.completion_id!r}", param="completion_id", code="not_found")
             for tid in turn_ids:

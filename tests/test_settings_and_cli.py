@@ -257,3 +257,26 @@ def test_loopwise_serve_is_serve_py_and_export_is_the_learners_export(tmp_path: 
     assert [json.loads(line)["turn_id"] for line in out.stdout.splitlines()] == ["turn-2"]
     missing = loopwise("learner", "export", "--format", "jsonl", "--db", str(tmp_path / "none.db"))
     assert missing.returncode == 2 and "no interaction store" in missing.stderr
+
+
+def test_learner_jobs_from_flags_and_tables(tmp_path):
+    """No jobs: the agent's learner plus the chat learner; an agent that is not served: one learner on all traffic;
+    [[learner.jobs]]: exactly those, with their own traffic filters."""
+    from serve import learner_jobs, settings_from_args
+
+    default = learner_jobs(settings_from_args([]).learner, {"calc-agent"})
+    assert [(j.family, j.agent) for j in default] == [("calc-lora", "calc-agent"), ("chat-lora", "")]
+    assert default[1].settings == {"traffic": {"chat": True, "agents": []}} and default[1].gate_n == 0
+    assert [(j.family, j.agent) for j in learner_jobs(settings_from_args([]).learner, set())] == [("calc-lora", "")]
+    assert len(learner_jobs(settings_from_args(["--no-chat-learner"]).learner, {"calc-agent"})) == 1
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        '[[learner.jobs]]\nfamily = "support-lora"\n[learner.jobs.settings.traffic]\ntags = ["support"]\n'
+        '[[learner.jobs]]\nfamily = "sales-lora"\n[learner.jobs.settings.traffic]\ntags = ["sales"]\n'
+    )
+    jobs = learner_jobs(settings_from_args(["--config", str(cfg)]).learner, {"calc-agent"})
+    assert [(j.family, j.settings["traffic"]["tags"]) for j in jobs] == [("support-lora", ["support"]), ("sales-lora", ["sales"])]
+    job = '{"family": "x", "settings": {"singletons": {"mode": "drop"}}}'
+    assert learner_jobs(settings_from_args(["--learner-job", job]).learner, set())[0].settings == {"singletons": {"mode": "drop"}}
+    with pytest.raises(ValueError, match="distinct families"):
+        settings_from_args(["--learner-job", job, "--learner-job", job])

@@ -178,6 +178,13 @@ def test_serve_starts_the_learner_and_keeps_the_admin_api_closed_to_others(start
         time.sleep(1)
     status = json.loads(status_file.read_text())
     assert status["family"] == "calc-lora" and status["state"] == "waiting"  # it reached the admin API and the store
+    assert status["traffic"]["agents"] == ["calc-agent"] and status["traffic"]["chat"] is False
+    # next to the agent's learner, serve.py starts the chat learner: plain chat traffic, one-off prompts against a baseline
+    chat_file = learner_dir(data, "chat-lora") / "status.json"
+    while not chat_file.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    chat = json.loads(chat_file.read_text())
+    assert chat["traffic"] == {"chat": True, "agents": [], "models": None, "tags": None} and chat["state"] == "waiting"
     # no --admin-key: the learner holds an internal key; to anyone else the admin API is disabled
     r = httpx.get(server.base_url + "/admin/stats", headers={"Authorization": "Bearer guess"}, timeout=30)
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
@@ -186,6 +193,7 @@ def test_serve_starts_the_learner_and_keeps_the_admin_api_closed_to_others(start
     while json.loads(status_file.read_text())["state"] != "stopped" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert json.loads(status_file.read_text())["state"] == "stopped"  # the learner stops with the server
+    assert json.loads(chat_file.read_text())["state"] == "stopped"
 
 
 MULTI_AGENT = {

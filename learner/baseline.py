@@ -1,0 +1,133 @@
+"""A running baseline for one-off prompts: REINFORCE with a per-key baseline, so singleton groups still learn.
+
+    adv, state = running_baseline(turn_samples, keys, state, decay=0.98, norm_by_std=True)
+
+Live chat rarely repeats a prompt, so its groups (``learner.samples``: one per opening request) are
+singletons, and a group estimator gives a lone reward advantage 0. Here every singleton trajectory is
+compared with what the same *key* earned before: the key is the traffic kind (the agent, or ``chat``),
+the client's tag and the reward source (a verifier's 0/1 and a user's thumbs never share a baseline).
+
+The rule, per trajectory in the order given (oldest first; each trajectory once, its turns share the
+advantage, as GRPO's trajectory score; ``x`` is its score, the sum of its reward stream):
+
+    n == 0:  A = 0                                  (no baseline yet: the first reward only seeds it)
+    else:    A = (x - m) / s   if norm_by_std and s > 0,   else   A = x - m
+    then     a = max(1 / (n + 1), 1 - decay);  d = x - m;  m += a d;  v = (1 - a) (v + a d^2);  s = sqrt(v);  n += 1
+
+``m`` and ``v`` are the key's exponentially weighted mean and variance (a plain average and population
+variance over the first ``1 / (1 - decay)`` rewards, then an EMA). The state is kept across updates (in the
+trainer's checkpoint), so the baseline carries over.
+
+Bias and variance: the baseline of a trajectory never includes its own reward, only rewards of earlier,
+independently sampled trajectories, so it does not depend on the sampled action and the policy gradient
+stays unbiased (REINFORCE with baseline; Williams 1992; Sutton & Barto 2018, 13.4). The dividing ``s`` is a
+positive per-key scale, not a per-sample one. The variance is higher than a per-prompt group mean's: the
+baseline ignores how hard *this* prompt is (a hard prompt's reward lands below ``m`` whatever the answer),
+and ``m`` lags a policy that is improving (its advantages then run positive until it catches up). More
+traffic per key reduces both.
+
+:func:`apply_to_singletons` puts it into an update: the group estimator's advantages stay for every group of two
+or more trajectories, and each singleton trajectory's turns get the baseline advantage instead of the 0 a group
+of one gets.
+
+Not here: the group estimators (``learner.advantages``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from learner.advantages import Advantages
+    from learner.samples import Sample
+
+__all__ = ["GROUP_ESTIMATORS", "apply_to_singletons", "baseline_key", "running_baseline"]
+
+# estimators that give a group of one trajectory advantage 0 (their baseline is the group): the baseline replaces that 0
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "gigpo", "turn_grpo")
+
+
+def baseline_key(meta: dict[str, Any], tag: str | None, source: str | None) -> str:
+    """``<agent or chat>|<tag or ->|<reward source>``: the traffic whose rewards one baseline averages."""
+    return f"{meta.get('agent') or 'chat'}|{tag or '-'}|{source or '-'}"
+
+
+def running_baseline(
+    scores: Sequence[float], keys: Sequence[str], state: dict[str, dict[str, float]] | None, *, decay: float, norm_by_std: bool = True
+) -> tuple[list[float], dict[str, dict[str, float]], list[bool]]:
+    """One advantage per trajectory score (same order), the updated state, and per score whether its key had no baseline yet.
+
+    ``state`` maps a key to ``{"n", "mean", "var"}``; it is copied, never changed in place."""
+    if len(scores) != len(keys):
+        raise ValueError(f"need one key per score, got {len(keys)} keys for {len(scores)} scores")
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay must be in [0, 1), got {decay}")
+    out_state = {k: dict(v) for k, v in (state or {}).items()}
+    adv: list[float] = []
+    warmup: list[bool] = []
+    for x, key in zip(scores, keys, strict=True):
+        if not math.isfinite(x):
+            raise ValueError(f"score {x!r} is not finite")
+        st = out_state.setdefault(key, {"n": 0, "mean": 0.0, "var": 0.0})
+        n, m, v = int(st["n"]), float(st["mean"]), float(st["var"])
+        warmup.append(n == 0)
+        if n == 0:
+            adv.append(0.0)
+        else:
+            s = math.sqrt(v)
+            adv.append((x - m) / s if norm_by_std and s > 1e-12 else x - m)
+        a = max(1.0 / (n + 1), 1.0 - decay)
+        d = x - m
+        st.update(n=n + 1, mean=m + a * d, var=(1.0 - a) * (v + a * d * d))
+    return adv, out_state, warmup
+
+
+def trajectory_score(samples: Sequence[Sample]) -> float | None:
+    """The reward stream's sum of one trajectory's samples (``learner.advantages``: turn rewards plus the outcome)."""
+    given = [s.reward for s in samples if s.reward is not None]
+    outcome = samples[0].trajectory_reward
+    if not given and outcome is None:
+        return None
+    return sum(given) + (outcome or 0.0)
+
+
+def apply_to_singletons(
+    samples: Sequence[Sample], advantages: Advantages, state: dict[str, dict[str, float]] | None, *, decay: float, norm_by_std: bool
+) -> tuple[Advantages, dict[str, dict[str, float]], set[str]]:
+    """The estimator's ``advantages`` with every singleton trajectory's turns set to its running-baseline advantage.
+
+    Singleton trajectories are taken oldest first (by their last turn), each once. Returns the new advantages (stats:
+    the singletons that got a baseline no longer count as zero-spread groups), the new state, and the ids of the
+    trajectories whose key had no baseline yet (advantage 0)."""
+    from learner.advantages import Advantages
+
+    by_group: dict[str, dict[str, list[int]]] = {}
+    for i, s in enumerate(samples):
+        by_group.setdefault(s.group_id, {}).setdefault(s.trajectory_id, []).append(i)
+    singles: list[tuple[float, str, float, list[int]]] = []  # (last turn time, key, score, sample indices)
+    for trajs in by_group.values():
+        if len(trajs) != 1:
+            continue
+        [idx] = trajs.values()
+        members = [samples[i] for i in idx]
+        score = trajectory_score(members)
+        if score is None or not math.isfinite(score):
+            continue
+        first = members[0]
+        source = first.trajectory_reward_source or next((m.reward_source for m in members if m.reward_source), None)
+        singles.append((max(m.created_at for m in members), baseline_key(first.meta, first.meta.get("tag"), source), score, idx))
+    singles.sort(key=lambda t: t[0])
+    adv, new_state, warm = running_baseline([t[2] for t in singles], [t[1] for t in singles], state, decay=decay, norm_by_std=norm_by_std)
+    values = list(advantages)
+    warmup: set[str] = set()
+    for (_, _, _, idx), a, w in zip(singles, adv, warm, strict=True):
+        for i in idx:
+            values[i] = a
+        if w:
+            warmup.add(samples[idx[0]].trajectory_id)
+    seeded = sum(1 for w in warm if not w)
+    stats = dataclasses.replace(advantages.stats, n_zero_std_groups=max(0, advantages.stats.n_zero_std_groups - seeded))
+    return Advantages(values, stats), new_state, warmup

@@ -1,0 +1,171 @@
+"""Learning from ordinary chat traffic: every feedback form trains, one-off prompts get a running baseline, and
+an update that learns nothing says why.
+
+The traffic is real: chat completions through the app's HTTP surface (the ``openai`` client, in process, a
+scripted engine at the engine edge with the tiny model's tokenizer) recorded in a real SQLite store, feedback
+through ``POST /v1/feedback``; the samples are read back with ``collect_samples`` and stepped by a real
+``LoRATrainer`` on the tiny model. Expected advantages are hand-computed from the definitions.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from learner.baseline import apply_to_singletons, running_baseline
+from learner.config import LearnerSettings, SampleConfig, TrafficFilter
+from learner.reasons import unused_reasons
+from learner.samples import Cursor, collect_samples
+from learner.service import LearnerService, ServiceConfig
+from learner.update import estimate
+from tests.runtime._inproc import InProc, scripted_app
+
+REPLIES = ["yes", "no", "maybe", "sure", "never", "often", "rarely", "always"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture
+def srv(tokenizer, tmp_path):
+    count = {"n": 0}
+
+    def reply(*_: Any, **__: Any) -> str:
+        count["n"] += 1
+        return REPLIES[count["n"] % len(REPLIES)]
+
+    app, engine, store = scripted_app(tokenizer, reply, tmp_path)
+    s = InProc(app)
+    s.store, s.data = store, tmp_path
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_path):
+    from learner.config import LoRAConfig, TrainerConfig
+    from learner.trainer import LoRATrainer
+
+    return LoRATrainer(tiny_model_path, TrainerConfig(lr=1e-3, progress=False), LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def client(s: InProc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url, api_key="user-key", http_client=s.client, max_retries=0)
+
+
+def chat(s: InProc, prompt: str, n: int = 1, **kw: Any) -> Any:
+    return client(s).chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], n=n, max_tokens=4, **kw)
+
+
+def feedback(s: InProc, **body: Any) -> None:
+    r = s.client.post("/v1/feedback", json=body, headers={"Authorization": "Bearer user-key"})
+    assert r.status_code == 200, r.text
+
+
+def ids(resp: Any) -> dict[str, Any]:
+    return resp.model_extra["loopwise"]
+
+
+def collect(s: InProc, **cfg: Any) -> Any:
+    return collect_samples(s.store, family="chat-lora", cursor=Cursor(), cfg=SampleConfig(settle_s=0, **cfg), current_version=0)
+
+
+def test_every_feedback_form_trains(srv, trainer):
+    """turn_id, trajectory_id, completion_id + choice_index, and completion_id alone: each gives a group with spread."""
+    r = chat(srv, "by turn", n=4)
+    for c, v in zip(ids(r)["choices"], [1, 0, 1, 0], strict=True):
+        feedback(srv, turn_id=c["turn_id"], reward=v)
+    r = chat(srv, "by trajectory", n=4)
+    for c, v in zip(ids(r)["choices"], [1, 0, 1, 0], strict=True):
+        feedback(srv, trajectory_id=c["trajectory_id"], reward=v)
+    r = chat(srv, "by choice", n=4)
+    for i, v in enumerate([1, 0, 1, 0]):
+        feedback(srv, completion_id=r.id, choice_index=i, reward=v)
+    for v in (1, 0):  # the same prompt twice, each completion (both its choices) rated as a whole
+        feedback(srv, completion_id=chat(srv, "by completion", n=2).id, reward=v)
+    bad = srv.client.post("/v1/feedback", json={"completion_id": r.id, "choice_index": 9, "reward": 1}, headers={"Authorization": "Bearer user-key"})
+    assert bad.status_code == 404 and bad.json()["error"]["param"] == "choice_index"
+
+    batch = collect(srv)
+    assert len(batch.samples) == 16 and len({s.group_id for s in batch.samples}) == 4  # one group per prompt, each choice its own trajectory
+    adv = estimate(batch.samples, "grpo")
+    # GRPO on [1, 0, 1, 0] (and [1, 1, 0, 0]): mean 1/2, unbiased std sqrt(1/3), so A = +-(1/2) / sqrt(1/3) = +-sqrt(3)/2
+    for s, a in zip(batch.samples, adv, strict=True):
+        value = s.trajectory_reward if s.trajectory_reward is not None else s.reward
+        assert a == pytest.approx(math.sqrt(3) / 2 if value == 1 else -math.sqrt(3) / 2, abs=1e-5)
+    m = trainer.step(batch.samples, adv, skipped=batch.counts.as_dict())
+    assert m.optimizer_step and m.trained_samples == 16
+
+
+def test_running_baseline_by_hand():
+    """decay 0.5: a = max(1/(n+1), 1/2); scores 2, 0, 4 of one key."""
+    adv, state, warm = running_baseline([2.0, 0.0, 4.0], ["k", "k", "k"], None, decay=0.5)
+    # 2: no baseline (A 0) -> m 2, v 0;  0: s = 0 so A = 0 - 2 = -2 -> a 1/2, m 1, v 1/2 (0 + 1/2 * 4) = 1;
+    # 4: A = (4 - 1) / 1 = 3 -> a 1/2, m 5/2, v 1/2 (1 + 1/2 * 9) = 11/4
+    assert adv == pytest.approx([0.0, -2.0, 3.0]) and warm == [True, False, False]
+    assert state == {"k": {"n": 3, "mean": pytest.approx(2.5), "var": pytest.approx(2.75)}}
+    # keys never share a baseline, and the state carries over between calls
+    adv, state2, warm = running_baseline([1.0, 5.0], ["other", "k"], state, decay=0.5, norm_by_std=False)
+    assert adv == pytest.approx([0.0, 2.5]) and warm == [True, False] and state["k"]["n"] == 3  # input state untouched
+
+
+def test_one_off_prompts_learn_with_the_baseline(srv, trainer):
+    """Three distinct prompts (singleton groups), rewarded 1, 0, 1 by turn_id: advantages 0 (seeds), -1, +1."""
+    for prompt, v in (("first", 1.0), ("second", 0.0), ("third", 1.0)):
+        feedback(srv, turn_id=ids(chat(srv, prompt))["turn_id"], reward=v)
+    batch = collect(srv)
+    samples = sorted(batch.samples, key=lambda s: s.created_at)
+    est = estimate(samples, "grpo")
+    assert list(est) == [0.0, 0.0, 0.0]  # a group of one carries no relative signal
+    adv, state, warmup = apply_to_singletons(samples, est, None, decay=0.98, norm_by_std=True)
+    # 1: seeds m = 1; 0: s = 0 so A = 0 - 1 = -1, then m = 1/2, v = 1/2 (0 + 1/2 * 1) = 1/4; 1: A = (1 - 1/2) / (1/2) = +1
+    assert list(adv) == pytest.approx([0.0, -1.0, 1.0])
+    assert warmup == {samples[0].trajectory_id} and state["chat|-|feedback"]["n"] == 3
+    assert adv.stats.n_zero_std_groups == 1  # only the seeding singleton still counts as a group without spread
+    m = trainer.step(samples, adv)
+    assert m.optimizer_step and m.trained_samples == 2
+    why = unused_reasons({}, samples, adv, warmup=warmup)
+    assert why["counts"] == {"baseline_warmup": 1} and why["trained"] == 2
+
+
+def test_traffic_filters_by_kind_model_and_tag(srv):
+    feedback(srv, turn_id=ids(chat(srv, "tagged", metadata={"tag": "support"}))["turn_id"], reward=1.0)
+    feedback(srv, turn_id=ids(chat(srv, "untagged"))["turn_id"], reward=1.0)
+    support = TrafficFilter(tags=["support"])
+    pick = collect_samples(srv.store, family="f", cursor=Cursor(), cfg=SampleConfig(settle_s=0), current_version=0, traffic=support)
+    assert [s.meta["tag"] for s in pick.samples] == ["support"] and pick.counts.other_traffic == 1
+    assert pick.samples[0].meta["request_model"] == "tiny"
+    none = collect_samples(srv.store, family="f", cursor=Cursor(), cfg=SampleConfig(settle_s=0), current_version=0, traffic=TrafficFilter(chat=False))
+    assert none.samples == [] and none.counts.other_traffic == 2
+    other_model = TrafficFilter(models=["someone-else"])
+    assert collect_samples(srv.store, family="f", cursor=Cursor(), cfg=SampleConfig(settle_s=0), current_version=0, traffic=other_model).samples == []
+
+
+def test_an_update_that_learns_nothing_says_why(srv, tiny_model_path):
+    """Singleton chat traffic with [singletons] mode = 'drop': no step, and the status names one-off prompts."""
+    for p in ("alpha", "beta", "gamma"):
+        feedback(srv, turn_id=ids(chat(srv, p))["turn_id"], reward=1.0)
+    chat(srv, "never rated")
+    settings = LearnerSettings.model_validate(
+        {
+            "family": "chat-lora",
+            "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "trainer": {"progress": False},
+            "samples": {"settle_s": 0},
+            "singletons": {"mode": "drop"},
+        }
+    )
+    cfg = ServiceConfig(data_dir=srv.data, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=settings, gate_n=0)
+    svc = LearnerService(cfg)
+    record = svc.update()
+    assert record["metrics"]["optimizer_step"] is False
+    assert record["unused"]["counts"] == {"singleton": 3, "no_reward": 1} and record["unused"]["top_key"] == "singleton"
+    assert "one-off prompts" in record["gate"]["reason"] and "one-off prompts" in svc.status.detail
+    assert svc.status.last_reasons["top_key"] == "singleton"
