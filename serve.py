@@ -253,6 +253,7 @@ class Built:
     model_path: Path
     server: ServerSettings  # with the learner's internal admin key when the learner runs without --admin-key
     agents: Any
+    learner_jobs: list[LearnerJob]  # the learner processes ``main`` starts once the server listens (none without --learner)
 
 
 def build(settings: Settings) -> Built:
@@ -322,6 +323,7 @@ def build(settings: Settings) -> Built:
 
     memory = MemoryStore(memory_db_path(server.data_dir), max_chars=settings.memory.max_chars, keep_versions=settings.memory.keep_versions)
     agents = build_agents(settings.agents, memory)
+    jobs = learner_jobs(settings.learner, set(agents.names()) if agents is not None else set()) if settings.learner.enabled else []
     app = create_app(
         server,
         settings.engine,
@@ -335,14 +337,15 @@ def build(settings: Settings) -> Built:
         adapter_settings=adapter_settings,
         agents=agents,
         learner_enabled=settings.learner.enabled,
+        learner_families=[j.family for j in jobs],
         memory=memory,
     )
-    return Built(app, engine, model_id, model_path, server, agents)
+    return Built(app, engine, model_id, model_path, server, agents, jobs)
 
 
 def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None:
     """Serve ``built.app`` with uvicorn on the configured address, announce it, start the learner (and the demo users)."""
-    server, model_id, model_path, agents = built.server, built.model_id, built.model_path, built.agents
+    server, model_id, model_path = built.server, built.model_id, built.model_path
     sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((server.host, server.port))
@@ -361,9 +364,7 @@ def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None
             local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             url = f"http://{'[' + local + ']' if ':' in local else local}:{port}"
             print(console_line(url, server.admin_key, with_key=sys.stdout.isatty()), flush=True)
-            if settings.learner.enabled:
-                served = set(agents.names()) if agents is not None else set()
-                learners.extend(start_learner(job, settings, model_path, url, log_format) for job in learner_jobs(settings.learner, served))
+            learners.extend(start_learner(job, settings, model_path, url, log_format) for job in built.learner_jobs)
             if demo:
                 from experiments.demo_users import DemoUsers
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from learner.advantages import Advantages
     from learner.samples import Sample
 
-__all__ = ["GROUP_ESTIMATORS", "apply_to_singletons", "baseline_key", "running_baseline"]
+__all__ = ["GROUP_ESTIMATORS", "apply_to_singletons", "baseline_key", "running_baseline", "trajectory_score"]
 
 # estimators that give a group of one trajectory advantage 0 (their baseline is the group): the baseline replaces that 0
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "gigpo", "turn_grpo")

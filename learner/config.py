@@ -220,15 +220,48 @@ class SingletonConfig(BaseModel):
     - ``baseline``: REINFORCE with a running baseline per key (agent or ``chat``, the client's tag, the reward source):
       ``A = (x - m) / s`` with ``m`` and ``s`` the key's exponentially weighted mean and std of the rewards seen
       *before* this one (``learner/baseline.py`` states the rule, its variance and its bias).
+    - ``complete``: group completion by re-rollout: the learner samples ``group_size - 1`` siblings from the turn's
+      exact recorded context through the runtime and scores the whole group with ``scorer`` (``learner/group_completion.py``);
+      one-off trajectories it does not complete (multi-turn ones, failed ones, beyond ``max_turns_per_update``) get the baseline.
     - ``drop``: a singleton gets advantage 0 (the estimators' own rule: a lone reward carries no relative signal).
     """
 
     model_config = _FROZEN
-    mode: Literal["baseline", "drop"] = Field("baseline", description="baseline | drop (see the class docstring)")
+    mode: Literal["baseline", "complete", "drop"] = Field("baseline", description="baseline | complete | drop (see the class docstring)")
     baseline_decay: float = Field(
         0.98, ge=0.0, lt=1.0, description="baseline: the running mean's decay (plain average over the first 1/(1-decay) rewards, then EMA)"
     )
     baseline_norm_by_std: bool = Field(True, description="baseline: divide by the running std once it is positive (GRPO's scale)")
+    group_size: int = Field(4, ge=2, le=16, description="complete: G, the group size; G-1 siblings are sampled per rewarded one-off turn")
+    max_turns_per_update: int = Field(16, ge=1, le=1024, description="complete: most one-off turns completed per update (newest first)")
+    scorer: Literal["hook", "judge"] = Field("hook", description="complete: who scores the group: the reward hook or an LLM judge")
+    hook: str | None = Field(
+        None,
+        description=(
+            "complete with scorer 'hook': an http(s) URL (POSTed {messages, completions}, answers {scores}) or 'module:function' "
+            "(called with messages, completions; returns one float per completion); rewards are recorded as source hook:<name>"
+        ),
+    )
+    judge_model: str | None = Field(
+        None,
+        description="complete with scorer 'judge': a model the runtime serves (base name, alias, family@N) that scores the whole group in one call",
+    )
+    judge_rubric: str = Field(
+        "Score how well each candidate answers the user: correct, helpful and concise.",
+        max_length=4000,
+        description="judge: the rubric the judge is given (RULER-style relative scoring of the group)",
+    )
+    timeout_s: float = Field(120.0, gt=0, description="complete: seconds one sibling request, hook call or judge call may take")
+
+    @model_validator(mode="after")
+    def _scorer_named(self) -> SingletonConfig:
+        if self.mode == "complete" and self.scorer == "hook" and not self.hook:
+            raise ValueError("[singletons] mode = 'complete' with scorer = 'hook' needs hook = 'https://...' or 'module:function'")
+        if self.mode == "complete" and self.scorer == "judge" and not self.judge_model:
+            raise ValueError("[singletons] mode = 'complete' with scorer = 'judge' needs judge_model (a model the runtime serves)")
+        if self.hook and not (self.hook.startswith(("http://", "https://")) or ":" in self.hook):
+            raise ValueError(f"hook must be an http(s) URL or 'module:function', got {self.hook!r}")
+        return self
 
 
 class RerolloutConfig(BaseModel):

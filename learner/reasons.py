@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from learner.baseline import trajectory_score
 from learner.samples import Sample
 
 __all__ = ["REASONS", "unused_reasons"]
@@ -30,6 +31,7 @@ REASONS: dict[str, str] = {
     "singleton": "one-off prompts: a group of one trajectory has nothing to compare with (set [singletons] mode = 'baseline')",
     "baseline_warmup": "the running baseline's first reward for its key only seeds the baseline",
     "equal_rewards": "equal rewards within each group: nothing to prefer",
+    "at_group_mean": "a reward exactly at its group's mean (advantage 0 by definition; nothing is lost)",
     "excluded": "unscorable rewards (NaN) in the estimator",
     "stale": "stale: produced by a version more than max_staleness updates older than the trainer's",
     "other_family": "produced by another adapter family",
@@ -54,11 +56,17 @@ def unused_reasons(
 
     ``advantages`` are the final ones (after any singleton baseline); ``warmup`` holds the trajectory ids whose
     running baseline was not seeded yet (``learner.baseline``). A zero-advantage turn counts as ``baseline_warmup``
-    if its trajectory is in ``warmup``, else ``singleton`` if its group has one trajectory, else ``equal_rewards``."""
+    if its trajectory is in ``warmup``, else ``singleton`` if its group has one trajectory, else ``equal_rewards`` if its
+    group's scores are all equal, else ``at_group_mean`` (its score is the group's mean: 0 by definition)."""
     counts: dict[str, int] = {k: int(v) for k, v in skipped.items() if k in REASONS and v}
     trajs: dict[str, set[str]] = {}
+    members: dict[str, list[Sample]] = {}
     for s in samples:
         trajs.setdefault(s.group_id, set()).add(s.trajectory_id)
+        members.setdefault(s.trajectory_id, []).append(s)
+    scores: dict[str, set[float | None]] = {}
+    for ss in members.values():
+        scores.setdefault(ss[0].group_id, set()).add(trajectory_score(ss))
     for s, a in zip(samples, advantages, strict=True):
         if a != 0.0:
             continue
@@ -66,8 +74,10 @@ def unused_reasons(
             key = "baseline_warmup"
         elif len(trajs[s.group_id]) == 1:
             key = "singleton"
-        else:
+        elif len(scores[s.group_id]) == 1:
             key = "equal_rewards"
+        else:
+            key = "at_group_mean"
         counts[key] = counts.get(key, 0) + 1
     trained = sum(1 for a in advantages if a != 0.0)
     top_key = max(counts, key=lambda k: counts[k]) if counts else None

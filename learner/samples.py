@@ -11,7 +11,7 @@ which the trainer re-applies), its turn index, trajectory id, group id, the envi
 (meta ``state_keys``, for GiGPO) and rewards.
 
 **Rewards and their sources** (``SampleConfig.reward_sources``, patterns in precedence order; default
-``verifier:*``, ``judge:*``, ``feedback``, ``*``). For each turn and each trajectory the reward used is
+``verifier:*``, ``judge:*``, ``hook:*``, ``feedback``, ``*``). For each turn and each trajectory the reward used is
 the newest one of the first pattern any of its rewards match; a source matching no pattern never
 trains. Then, within a group, every member is scored by the group's best source (separately for
 trajectory rewards and turn rewards): a member whose only reward comes from a lower-ranked source loses

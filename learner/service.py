@@ -118,7 +118,7 @@ class ServiceConfig:
 @dataclass
 class Status:
     family: str
-    state: str = "idle"  # idle | waiting | expanding | training | publishing | gating | ab | stopped | error
+    state: str = "idle"  # idle | waiting | expanding | completing | training | publishing | gating | ab | stopped | error
     detail: str = ""
     version: int = 0  # the latest version trained
     champion: str | None = None
@@ -243,6 +243,14 @@ class LearnerService:
         if (needs_task or engine) and self.cfg.agent is None:
             what = f"estimator {s.trainer.estimator!r} with re-rollouts" if needs_task else f"{engine} enabled"
             raise LearnerConfigError(f"{what} needs the learner's agent (--agent): its runs are what is replayed or expanded")
+        sc = s.singletons
+        if sc.mode == "complete" and sc.scorer == "hook" and sc.hook and not sc.hook.startswith(("http://", "https://")):
+            from learner.group_completion import load_hook
+
+            try:
+                load_hook(sc.hook)
+            except (ImportError, ValueError) as exc:
+                raise LearnerConfigError(f"[singletons] hook {sc.hook!r} cannot be loaded: {exc}") from exc
         if needs_task and self._task() is None:
             raise LearnerConfigError(
                 f"estimator {s.trainer.estimator!r} re-rolls task runs scored by a verifier, but agent {self.cfg.agent!r} has no task: "
@@ -302,7 +310,7 @@ class LearnerService:
         if why["top"]:
             log.info("unused data", top_reason=why["top"], trained=why["trained"], **why["counts"])
         if rerollouts is not None:
-            record["rerollouts"] = rerollouts
+            record["group_completion" if "completed_groups" in rerollouts or "group_completion" in rerollouts else "rerollouts"] = rerollouts
         if leap is not None:
             record["leap"] = leap
         if svr_runs is not None:
@@ -356,13 +364,41 @@ class LearnerService:
             else:
                 m, info = self._tcpo_step(trainer, runner, samples, skipped)
             return m, info, [], []  # several steps' advantages: the reasons count the sample builder's losses only
-        advantages = estimate(samples, tcfg.estimator, tcfg.estimator_params)
         sc = self.cfg.settings.singletons
-        if sc.mode == "baseline" and tcfg.estimator in GROUP_ESTIMATORS:
+        info: dict[str, Any] | None = None
+        if sc.mode == "complete" and tcfg.estimator in GROUP_ESTIMATORS:
+            samples, info = self._complete_groups(trainer, samples)
+        advantages = estimate(samples, tcfg.estimator, tcfg.estimator_params)
+        if sc.mode in ("baseline", "complete") and tcfg.estimator in GROUP_ESTIMATORS:  # "complete": what it did not complete
             advantages, self._baseline_state, self._warmup = apply_to_singletons(
                 samples, advantages, trainer.cursor.get(BASELINE), decay=sc.baseline_decay, norm_by_std=sc.baseline_norm_by_std
             )
-        return trainer.step(samples, advantages, skipped=skipped), None, list(advantages), samples
+        return trainer.step(samples, advantages, skipped=skipped), info, list(advantages), samples
+
+    def _complete_groups(self, trainer: Any, samples: list[Sample]) -> tuple[list[Sample], dict[str, Any]]:
+        """Group completion (``learner/group_completion.py``): the one-off one-turn trajectories' samples are replaced by
+        their completed groups (the original and ``group_size - 1`` siblings sampled by the newest policy, all scored by
+        the configured hook or judge)."""
+        from learner.group_completion import GroupCompleter
+
+        sc = self.cfg.settings.singletons
+        candidates = GroupCompleter.candidates(samples)
+        if not candidates:
+            return samples, {"group_completion": "no one-off turns"}
+        self._set("completing", f"group completion: {min(len(candidates), sc.max_turns_per_update)} one-off turns x {sc.group_size - 1} siblings")
+        model = self._rollout_model()
+
+        async def run() -> Any:
+            headers = {"Authorization": f"Bearer {self.cfg.admin_key}"}
+            async with httpx.AsyncClient(base_url=self.cfg.admin_url, headers=headers, timeout=sc.timeout_s) as client:
+                completer = GroupCompleter(client, self.store, cfg=sc, family=self.family, samples_cfg=self.cfg.settings.samples)
+                return await completer.complete(candidates, model=model, seed=trainer.version + 1)
+
+        report = asyncio.run(run())
+        done = set(report.completed)
+        info = {"model": model, **report.as_dict()}
+        log.info("group completion", **info)
+        return [s for s in samples if s.trajectory_id not in done] + report.samples, info
 
     def _rtpo_sweep(self, trainer: Any, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any]]:
         """RTPO (``docs/methods.md#rtpo``): K branch turns per backbone, m siblings each, optimizer steps latest turns first.

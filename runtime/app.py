@@ -34,7 +34,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -65,6 +65,7 @@ from runtime.memory_routes import MemoryBackend, install_memory_routes
 from runtime.metrics import Metrics, ReplicaCollector
 from runtime.recorder import ANONYMOUS, Recorder
 from runtime.registry_sync import RegistrySync, StoreListener
+from runtime.replay_routes import install_replay_routes
 from runtime.response_store import ResponseStore
 from runtime.serving import Gateway
 from runtime.serving_chat import install_chat_routes
@@ -95,6 +96,7 @@ def create_app(
     agents: AgentHost | None = None,
     learner_enabled: bool = False,
     memory: MemoryBackend | None = None,
+    learner_families: Collection[str] = (),
 ) -> FastAPI:
     metrics = metrics or Metrics(engine.stats)
     admission = Admission(admission_settings or AdmissionSettings(), unlimited_owners=(PUBLIC_OWNER, ADMIN_OWNER))
@@ -121,6 +123,7 @@ def create_app(
         model_type = getattr(getattr(getattr(engine, "model", None), "config", None), "model_type", None)
         formatter = ChatFormatter(tokenizer, model_type=model_type, parser=server.tool_call_parser)
         app.state.generation = Generation(engine, formatter, model_id, engine_settings.default_max_tokens, metrics, recorder=recorder)
+        app.state.generation_unrecorded = Generation(engine, formatter, model_id, engine_settings.default_max_tokens, metrics)
         if agents is not None:
             agents.bind(LocalRuntimeClient(engine, formatter, registry, recorder, model_id, route=_route, metrics=metrics))
         background: list[asyncio.Task[None]] = [asyncio.create_task(traffic.run())]
@@ -202,6 +205,13 @@ def create_app(
     install_completions_routes(app, gateway, server.max_body_bytes)
     install_embeddings_routes(app, gateway, model_id, server.max_body_bytes)
 
+    def unrecorded_generation() -> Generation:
+        return app.state.generation_unrecorded  # type: ignore[no-any-return]
+
+    route = lambda model, session, user: _route(model, session, user)  # noqa: E731
+    unrecorded = Gateway(unrecorded_generation, route, registry, metrics, None, admission=admission)
+    install_replay_routes(app, gateway, unrecorded, recorder, server.admin_key, server.max_body_bytes)
+
     # /v1 takes API keys only: the admin key opens /admin and is not an API key (runtime/identity.py)
     app.add_middleware(_RequestContext, keys=KeyRing(server.api_keys, server.admin_key), metrics=metrics, routes=app.router.routes)
     if server.cors_origins:  # outermost: a browser's preflight is answered before authentication
@@ -224,6 +234,8 @@ def create_app(
         assert target is not None
         if kind == "version":
             return registry.acquire(target)
+        if target in learner_families and target not in registry.aliases():
+            return None  # a family a learner trains, before its first champion: the base model serves it
         arm = experiments.route(target, session, user) if experiments is not None else None
         if arm is not None:
             with contextlib.suppress(AdapterNotFound):  # an arm unloaded mid-experiment: serve the champion
@@ -243,7 +255,7 @@ def create_app(
     def _model_ids() -> list[tuple[str, str]]:
         ids = [(model_id, "loopwise")]
         ids += [(a["name"], model_id) for a in registry.list() if a.get("state", "ready") == "ready"]
-        ids += [(family, model_id) for family in registry.aliases()]
+        ids += [(family, model_id) for family in dict.fromkeys([*registry.aliases(), *learner_families])]
         ids += [(name, "loopwise-agent") for name in (agents.names() if agents is not None else [])]
         return ids
 

@@ -118,8 +118,9 @@ def test_running_baseline_by_hand():
 
 def test_one_off_prompts_learn_with_the_baseline(srv, trainer):
     """Three distinct prompts (singleton groups), rewarded 1, 0, 1 by turn_id: advantages 0 (seeds), -1, +1."""
-    for prompt, v in (("first", 1.0), ("second", 0.0), ("third", 1.0)):
-        feedback(srv, turn_id=ids(chat(srv, prompt))["turn_id"], reward=v)
+    for prompt, v in (("first", 1.0), ("second", 0.0), ("third", 1.0)):  # as the README's example posts it
+        r = client(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=4)
+        client(srv).post("/feedback", body={"turn_id": r.model_extra["loopwise"]["turn_id"], "reward": v}, cast_to=object)
     batch = collect(srv)
     samples = sorted(batch.samples, key=lambda s: s.created_at)
     est = estimate(samples, "grpo")

@@ -185,6 +185,12 @@ def test_serve_starts_the_learner_and_keeps_the_admin_api_closed_to_others(start
         time.sleep(1)
     chat = json.loads(chat_file.read_text())
     assert chat["traffic"] == {"chat": True, "agents": [], "models": None, "tags": None} and chat["state"] == "waiting"
+    # before its first version, a learner's family is served by the base model (clients can ask for it from the start)
+    assert "chat-lora" in {m["id"] for m in httpx.get(server.url + "/models", timeout=30).json()["data"]}
+    r = httpx.post(
+        server.url + "/chat/completions", json={"model": "chat-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["loopwise"]["adapter"] is None
     # no --admin-key: the learner holds an internal key; to anyone else the admin API is disabled
     r = httpx.get(server.base_url + "/admin/stats", headers={"Authorization": "Bearer guess"}, timeout=30)
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
@@ -554,3 +560,32 @@ def test_reves_runs_each_update_from_the_next_items_with_the_current_policy(tmp_
     with pytest.raises(Exception, match=r"\[reves\] enabled needs the learner's agent"):
         LearnerService(replace(cfg, agent=None)).check_setup()
     svc.store.close()
+
+
+def test_group_completion_trains_one_off_chat_turns(server, tiny_model_path):
+    """Two one-off chat prompts with feedback: the learner samples 2 siblings of each from the recorded context
+    through the runtime, the hook scores each group 0, 1, 2, and GRPO trains the 4 members with advantage +-1."""
+    for p in ("first one-off", "second one-off"):
+        r = httpx.post(
+            server.url + "/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": p}], "max_tokens": 4}, timeout=60
+        )
+        fb = httpx.post(server.url + "/feedback", json={"turn_id": r.json()["loopwise"]["turn_id"], "reward": 1.0}, timeout=60)
+        assert fb.status_code == 200, fb.text
+    s = settings().model_dump()
+    s.update(family="gc", traffic={"chat": True, "agents": []})
+    s["samples"]["reward_sources"] = ["hook:*", "feedback"]
+    s["singletons"] = {"mode": "complete", "scorer": "hook", "hook": "tests.learner.test_group_completion:rank_by_position", "group_size": 3}
+    cfg = ServiceConfig(
+        data_dir=server.data_dir,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        settings=LearnerSettings.model_validate(s),
+        gate_n=0,
+    )
+    record = LearnerService(cfg).update()
+    assert record["group_completion"]["completed_groups"] == 2 and record["group_completion"]["siblings"] == 4
+    # GRPO on [0, 1, 2]: mean 1, std 1, so A = -1, 0, +1; the middle member of each group has nothing to learn
+    assert record["metrics"]["optimizer_step"] is True and record["metrics"]["trained_samples"] == 4
+    assert record["unused"]["counts"]["at_group_mean"] == 2
+    assert admin(server, "GET", "/admin/adapters").json()["aliases"]["gc"] == "gc@1"

@@ -1,0 +1,245 @@
+"""Group completion for one-off chat turns: siblings from the exact recorded context, scored with the original.
+
+    completer = GroupCompleter(client, store, cfg=singletons, family="chat-lora")
+    report = asyncio.run(completer.complete(samples, model="chat-lora@3", seed=7))
+    report.samples   # the completed groups' samples (original + G-1 siblings, each with the scorer's reward)
+
+A live one-off prompt is a group of one: nothing to compare it with. For each rewarded one-turn trajectory
+whose group is a singleton (newest first, at most ``max_turns_per_update``), the learner asks the runtime for
+``G - 1`` siblings sampled from the turn's exact recorded context ids with its recorded sampling
+(``POST /admin/turns/{turn_id}/siblings``, admin only; the runtime records them as re-rollouts, outside the
+live sample stream), then scores the whole group of ``G`` answers with one scorer:
+
+- a **reward hook**, the user's own reward code: ``module:function`` (called as ``fn(messages, completions)``,
+  sync or async, returning one number per completion) or an ``http(s)`` URL (POSTed
+  ``{"messages": [...], "completions": ["...", ...]}``, answering ``{"scores": [...]}``). It scores the
+  original too, so the group is scored by one function and one source (``hook:<name>``);
+- an **LLM judge**: any model or adapter the runtime serves (``POST /admin/chat/completions``, not recorded),
+  given the conversation once and all ``G`` answers, and asked for a score between 0 and 1 for each in one
+  call, as ART's RULER does (relative scoring is easier than absolute, and GRPO only needs the order and
+  spacing within a group; Corbitt 2025, "RULER: Easy Mode for RL Rewards"); source ``judge:<model>``.
+
+The scores are recorded as trajectory rewards under that source through ``POST /admin/feedback`` (so the
+console shows them and they outlive the update), then the group's samples are built from the store with
+that source only, so a user's thumbs on the original and the scorer's numbers are never mixed in one
+group. A group whose scorer fails (an error, a wrong count, a non-finite number) is left out and counted.
+
+Not here: the runtime side (``runtime/replay_routes.py``), advantages (the configured estimator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import structlog
+
+from learner.config import SampleConfig, SingletonConfig
+from learner.records import Trajectory
+from learner.samples import Sample, SkipCounts, trajectory_samples
+
+log = structlog.get_logger(__name__)
+
+JUDGE_SYSTEM = (
+    "You compare several candidate replies to the same conversation. Give each candidate a score between 0 and 1. "
+    "Grading standard: {rubric} A reply that does what the user asked must score clearly higher than one that does not; "
+    "if one candidate is only slightly better than another, keep their scores close. "
+    'Answer only with JSON: {{"scores": [{{"id": 1, "score": 0.5}}, ...]}}, one entry per candidate id.'
+)
+JUDGE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "scores": {
+            "type": "array",
+            "items": {"type": "object", "properties": {"id": {"type": "integer"}, "score": {"type": "number"}}, "required": ["id", "score"]},
+        }
+    },
+    "required": ["scores"],
+}
+
+
+class ScorerError(RuntimeError):
+    """A scorer did not give one finite score per completion."""
+
+
+def source_name(prefix: str, name: str) -> str:
+    """``judge:<name>`` / ``hook:<name>`` with the characters a reward source may hold (``runtime/store_routes.py``)."""
+    return f"{prefix}:{re.sub(r'[^A-Za-z0-9_.:-]', '_', name)[:190]}"
+
+
+def load_hook(spec: str) -> Callable[..., Any]:
+    """``module:function`` → the function (imported once); URLs are called over HTTP instead."""
+    module, _, name = spec.partition(":")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"reward hook {spec!r}: {module} has no function {name!r}")
+    return fn
+
+
+def _scores(values: Any, n: int, who: str) -> list[float]:
+    if not isinstance(values, list | tuple) or len(values) != n:
+        raise ScorerError(f"{who} returned {values!r}: need a list of {n} numbers")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise ScorerError(f"{who} returned {v!r}: need finite numbers")
+        out.append(float(v))
+    return out
+
+
+def judge_messages(messages: Sequence[dict[str, Any]], completions: Sequence[str], rubric: str) -> list[dict[str, str]]:
+    """The judge's prompt: the conversation once, then every candidate reply with its id (1-based)."""
+    convo = json.dumps([{"role": m.get("role"), "content": m.get("content")} for m in messages], ensure_ascii=False)
+    candidates = "\n\n".join(f'<candidate id="{i}">\n{text}\n</candidate>' for i, text in enumerate(completions, start=1))
+    return [
+        {"role": "system", "content": JUDGE_SYSTEM.format(rubric=rubric)},
+        {"role": "user", "content": f"<conversation>\n{convo}\n</conversation>\n\n{candidates}"},
+    ]
+
+
+def parse_judge(text: str, n: int) -> list[float]:
+    """One score per candidate id 1..n from the judge's JSON (clipped to [0, 1]); ScorerError when any is missing."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ScorerError(f"the judge's answer is not JSON: {text[:200]!r}") from exc
+    items = data.get("scores") if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        raise ScorerError(f"the judge's answer has no scores list: {text[:200]!r}")
+    by_id: dict[int, float] = {}
+    for it in items:
+        if isinstance(it, dict) and isinstance(it.get("id"), int) and isinstance(it.get("score"), int | float) and math.isfinite(it["score"]):
+            by_id.setdefault(it["id"], min(1.0, max(0.0, float(it["score"]))))
+    missing = [i for i in range(1, n + 1) if i not in by_id]
+    if missing:
+        raise ScorerError(f"the judge scored no candidate {missing}: {text[:200]!r}")
+    return [by_id[i] for i in range(1, n + 1)]
+
+
+@dataclass
+class CompletionReport:
+    samples: list[Sample] = field(default_factory=list)  # the completed groups (original + siblings), scorer's rewards
+    completed: list[str] = field(default_factory=list)  # trajectory ids of the originals whose group was completed
+    siblings: int = 0
+    failed: int = 0  # groups left out (sibling request or scorer failed)
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"completed_groups": len(self.completed), "siblings": self.siblings, "failed": self.failed, "errors": self.errors[:5]}
+
+
+class GroupCompleter:
+    def __init__(self, client: httpx.AsyncClient, store: Any, *, cfg: SingletonConfig, family: str, samples_cfg: SampleConfig) -> None:
+        self.client = client  # the runtime's admin API (base URL and admin key set)
+        self.store = store
+        self.cfg = cfg
+        self.family = family
+        self.samples_cfg = samples_cfg
+        if cfg.scorer == "judge":
+            assert cfg.judge_model is not None
+            self.source = source_name("judge", cfg.judge_model)
+            self._hook: Callable[..., Any] | None = None
+        else:
+            assert cfg.hook is not None
+            url = cfg.hook.startswith(("http://", "https://"))
+            self._hook = None if url else load_hook(cfg.hook)
+            self.source = source_name("hook", re.sub(r"^https?://", "", cfg.hook) if url else cfg.hook)
+
+    @staticmethod
+    def candidates(samples: Sequence[Sample]) -> list[Sample]:
+        """The samples group completion applies to: one-turn trajectories alone in their group (oldest first)."""
+        per_group: dict[str, set[str]] = {}
+        turns: dict[str, int] = {}
+        for s in samples:
+            per_group.setdefault(s.group_id, set()).add(s.trajectory_id)
+            turns[s.trajectory_id] = turns.get(s.trajectory_id, 0) + 1
+        return [s for s in samples if len(per_group[s.group_id]) == 1 and turns[s.trajectory_id] == 1 and s.turn_index == 0]
+
+    async def complete(self, candidates: Sequence[Sample], *, model: str, seed: int) -> CompletionReport:
+        report = CompletionReport()
+        chosen = sorted(candidates, key=lambda s: s.created_at, reverse=True)[: self.cfg.max_turns_per_update]
+        results = await asyncio.gather(*(self._one(s, model=model, seed=seed * 1000 + i) for i, s in enumerate(chosen)), return_exceptions=True)
+        for s, res in zip(chosen, results, strict=True):
+            if isinstance(res, BaseException):
+                report.failed += 1
+                report.errors.append(f"{s.turn_id}: {res}")
+                log.warning("group completion failed", turn_id=s.turn_id, error=str(res))
+                continue
+            report.samples += res
+            report.completed.append(s.trajectory_id)
+            report.siblings += len({x.trajectory_id for x in res}) - 1
+        return report
+
+    async def _one(self, original: Sample, *, model: str, seed: int) -> list[Sample]:
+        g = self.cfg.group_size
+        body = {"n": g - 1, "model": model, "seed": seed}
+        r = await self.client.post(f"/admin/turns/{original.turn_id}/siblings", json=body, timeout=self.cfg.timeout_s)
+        if r.is_error:
+            raise ScorerError(f"siblings: HTTP {r.status_code} {r.text[:200]}")
+        sibling_ids = [d["trajectory_id"] for d in r.json()["data"]]
+        orig = await asyncio.to_thread(self.store.get_trajectory, original.trajectory_id)
+        sibs = [await asyncio.to_thread(self.store.get_trajectory, t) for t in sibling_ids]
+        if orig is None or any(t is None or not t.turns for t in sibs):
+            raise ScorerError("the original or a sibling is not in the store")
+        group: list[Trajectory] = [orig, *[t for t in sibs if t is not None]]
+        messages = orig.turns[0].messages
+        texts = [t.turns[0].output_text or "" for t in group]
+        scores = await self.score(messages, texts)
+        for traj, score in zip(group, scores, strict=True):
+            fb = await self.client.post(
+                "/admin/feedback", json={"trajectory_id": traj.trajectory_id, "reward": score, "source": self.source}, timeout=self.cfg.timeout_s
+            )
+            if fb.is_error:
+                raise ScorerError(f"recording the score: HTTP {fb.status_code} {fb.text[:200]}")
+        only = self.samples_cfg.model_copy(update={"reward_sources": [self.source]})
+        out: list[Sample] = []
+        for tid in [t.trajectory_id for t in group]:
+            traj = await asyncio.to_thread(self.store.get_trajectory, tid)
+            assert traj is not None
+            # siblings are fresh by construction; the original passed the live stream's staleness check already
+            out += trajectory_samples(traj, family=self.family, min_version=0, cfg=only, counts=SkipCounts())
+        gid = original.group_id
+        return [s if s.group_id == gid else _regroup(s, gid) for s in out]
+
+    async def score(self, messages: Sequence[dict[str, Any]], completions: Sequence[str]) -> list[float]:
+        """One score per completion from the configured scorer (``ScorerError`` when it gives anything else)."""
+        n = len(completions)
+        if self.cfg.scorer == "judge":
+            body = {
+                "model": self.cfg.judge_model,
+                "messages": judge_messages(messages, completions, self.cfg.judge_rubric),
+                "temperature": 0,
+                "max_tokens": 24 * n + 16,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "scores", "schema": JUDGE_SCHEMA}},
+            }
+            r = await self.client.post("/admin/chat/completions", json=body, timeout=self.cfg.timeout_s)
+            if r.is_error:
+                raise ScorerError(f"judge: HTTP {r.status_code} {r.text[:200]}")
+            return parse_judge(r.json()["choices"][0]["message"]["content"] or "", n)
+        assert self.cfg.hook is not None
+        if self._hook is None:
+            async with httpx.AsyncClient(timeout=self.cfg.timeout_s) as hc:
+                r = await hc.post(self.cfg.hook, json={"messages": list(messages), "completions": list(completions)})
+            if r.is_error:
+                raise ScorerError(f"hook {self.cfg.hook}: HTTP {r.status_code} {r.text[:200]}")
+            body = r.json()
+            return _scores(body.get("scores") if isinstance(body, dict) else None, n, f"hook {self.cfg.hook}")
+        if inspect.iscoroutinefunction(self._hook):
+            values = await asyncio.wait_for(self._hook(list(messages), list(completions)), self.cfg.timeout_s)
+        else:
+            values = await asyncio.wait_for(asyncio.to_thread(self._hook, list(messages), list(completions)), self.cfg.timeout_s)
+        return _scores(values, n, f"hook {self.cfg.hook}")
+
+
+def _regroup(s: Sample, group_id: str) -> Sample:
+    import dataclasses
+
+    return dataclasses.replace(s, group_id=group_id)

@@ -1,0 +1,120 @@
+"""Admin-only generation for the learner: siblings of a recorded chat turn, and unrecorded chat completions (judges).
+
+- ``POST /admin/turns/{turn_id}/siblings`` ``{"n", "model"?, "seed"?}``: ``n`` new completions sampled from the
+  turn's exact recorded context token ids (no re-templating, no re-tokenizing) with its recorded sampling
+  (temperature, top_p, max new tokens, stop strings, decoding grammar) by ``model`` (base name, alias or
+  ``family@N``; default the base model). Each is recorded as a one-turn trajectory owned by ``admin`` with the
+  original's messages (so it joins the original's group) and meta ``rerollout`` / ``branch_of`` /
+  ``branch_turn``, which keeps it out of the live sample stream (``learner.samples``): the learner update that
+  asked for it trains on it (group completion, ``learner/group_completion.py``). Answers
+  ``{"data": [{"trajectory_id", "turn_id", "text"}]}``; 404 for an unknown turn, 409 when recording is off.
+- ``POST /admin/chat/completions``: a chat completion (the ``/v1`` body) that is not recorded, for the learner's
+  LLM judge (any model or adapter the runtime serves) and other admin work that must never become training data.
+
+Both are the admin's (DESIGN.md 13: replays of recorded contexts are for the learner and admins only).
+
+Not here: the generation path itself (``runtime/generation.py``, ``runtime/serving.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from runtime.engine import EngineError, Grammar
+from runtime.errors import APIError, from_engine, from_validation
+from runtime.generation import GenRequest
+from runtime.http_body import read_json
+from runtime.identity import ADMIN_OWNER, set_owner
+from runtime.openai_schemas import ChatCompletionRequest
+from runtime.recorder import Recorder
+from runtime.serving import Gateway
+from runtime.serving_chat import completion_body, to_internal
+from runtime.store_routes import check_admin_key
+
+MAX_SIBLINGS = 16
+SESSION = "rerollouts"  # the admin's session the siblings are recorded in
+
+
+def install_replay_routes(
+    app: FastAPI, gateway: Gateway, unrecorded: Gateway, recorder: Recorder | None, admin_key: str | None, max_body: int
+) -> None:
+    @app.post("/admin/turns/{turn_id}/siblings")
+    async def siblings(turn_id: str, request: Request) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        if recorder is None:
+            raise APIError(409, "recording is off on this server (started with --no-record)", code="recording_disabled")
+        body = await read_json(request, max_body)
+        n, model, seed = body.get("n", 1), body.get("model"), body.get("seed")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SIBLINGS:
+            raise APIError(400, f"n must be an integer from 1 to {MAX_SIBLINGS}", param="n", code="invalid_value")
+        if model is not None and not isinstance(model, str):
+            raise APIError(400, "model must be a string", param="model", code="invalid_value")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**62):
+            raise APIError(400, "seed must be a non-negative integer", param="seed", code="invalid_value")
+        if recorder.is_pending(turn_id):
+            await recorder.flush()
+        turn = await recorder.call(recorder.store.get_turn, turn_id)
+        if turn is None:
+            raise APIError(404, f"unknown turn_id {turn_id!r}", param="turn_id", code="not_found")
+        svc = gateway._generation()
+        sp = turn.sampling
+        req = GenRequest(
+            model=model or svc.model_id,
+            messages=[],
+            api="admin.siblings",
+            n=n,
+            temperature=float(sp.get("temperature", 1.0)),
+            top_p=float(sp.get("top_p", 1.0)),
+            max_tokens=int(sp.get("max_new_tokens") or svc.default_max_tokens),
+            stop=tuple(sp.get("stop") or ()),
+            seed=seed,
+            prompt_ids=tuple(turn.context_ids),
+            prompt_text="",
+        )
+        set_owner(request.scope, ADMIN_OWNER)
+        t0 = time.perf_counter()
+        lease = gateway._acquire(req.model, SESSION, None)
+        try:
+            prep = svc.prepare(req, request.state.request_id, SESSION, adapter=lease.name if lease else None, id_prefix="sibl-", owner=ADMIN_OWNER)
+            prep.messages = list(turn.messages)  # recorded with the original's messages: same prefix key, same group
+            g = sp.get("grammar")
+            if isinstance(g, dict) and g.get("kind") in ("json_schema", "json_object", "ebnf"):
+                grammar = Grammar(kind=g["kind"], spec=str(g.get("spec") or ""))
+                prep.engine_reqs = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, grammar=grammar)) for r in prep.engine_reqs]
+                await gateway._compile_grammar(prep, ADMIN_OWNER, svc)
+            choices = await svc.complete(prep)
+        except EngineError as exc:
+            raise from_engine(exc) from exc
+        finally:
+            gateway._release(lease, lease.name if lease else None, t0, 0)
+        await recorder.flush()
+        assert prep.slots is not None
+        meta = {"rerollout": True, "branch_of": turn.trajectory_id, "branch_turn": turn_id, "kind": "group_completion"}
+        for slot in prep.slots:
+            await recorder.call(recorder.store.set_trajectory_meta, slot.trajectory_id, meta)
+        return {
+            "object": "list",
+            "data": [{"trajectory_id": s.trajectory_id, "turn_id": s.turn_id, "text": c.text} for s, c in zip(prep.slots, choices, strict=True)],
+        }
+
+    @app.post("/admin/chat/completions")
+    async def admin_chat(request: Request) -> Response:
+        check_admin_key(request, admin_key)
+        body = await read_json(request, max_body)
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+        if req.stream:
+            raise APIError(400, "the admin's chat completions are not streamed", param="stream", code="invalid_value")
+        set_owner(request.scope, ADMIN_OWNER)
+        out = await unrecorded.run(request, to_internal(req), stream=False, id_prefix="chatcmpl-")
+        if out is None:
+            return Response(status_code=499)
+        return JSONResponse(completion_body(out))
