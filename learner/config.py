@@ -1,7 +1,7 @@
 """The learner's configuration: LoRA shape, trainer knobs and sample selection (frozen pydantic models).
 
-``LearnerSettings`` bundles them (plus ``TrafficFilter``, ``SingletonConfig``, ``RerolloutConfig`` and
-``LeapConfig``); each component gets only its own part (``LoRAConfig`` and
+``LearnerSettings`` bundles them (plus ``TrafficFilter``, ``SingletonConfig``, ``RerolloutConfig``,
+``LeapConfig`` and ``ParityConfig``); each component gets only its own part (``LoRAConfig`` and
 ``TrainerConfig`` go to ``learner.trainer.LoRATrainer``, ``SampleConfig`` to
 ``learner.samples.collect_samples``). Every field has a description and a default meant for a
 small model on a shared CPU; validation fails at construction, before any model is loaded, and says
@@ -264,6 +264,16 @@ class SingletonConfig(BaseModel):
         return self
 
 
+class ParityConfig(BaseModel):
+    """The logprob parity probe after each load (``learner/parity.py``): served vs trainer logprobs on recorded turns."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(True, description="score a fixed probe of recorded turns with the served version and the trainer after every load")
+    turns: int = Field(4, ge=1, le=64, description="recorded turns in the probe (the same ones every time, chosen at the first probe)")
+    max_tokens: int = Field(16, ge=1, le=256, description="output tokens of each probe turn that are compared")
+    threshold: float = Field(0.1, gt=0, description="refuse the version when the mean absolute logprob difference (nats per token) exceeds this")
+
+
 class RerolloutConfig(BaseModel):
     """Re-rollouts from stored contexts (``learner/rerollout.py``): RTPO sparse reverse trees, TCPO counterfactuals.
 
@@ -380,6 +390,16 @@ class LearnerSettings(BaseModel):
     svr: SVRConfig = Field(default_factory=SVRConfig)
     svr_r1: SVRR1Config = Field(default_factory=SVRR1Config)
     reves: RevesConfig = Field(default_factory=RevesConfig)
+
+    parity: ParityConfig = Field(default_factory=ParityConfig)
+    restart_from_champion: bool = Field(
+        True,
+        description=(
+            "when a version is refused (eval gate, parity probe) or rolled back by its A/B experiment, the next update starts "
+            "from the champion's weights (the base model before the first champion) with a fresh optimizer, instead of "
+            "descending the rejected line; a version trained meanwhile on that line is dropped (learner/service.py)"
+        ),
+    )
 
     @model_validator(mode="after")
     def _self_check_rewards(self) -> LearnerSettings:

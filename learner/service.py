@@ -118,7 +118,7 @@ class ServiceConfig:
 @dataclass
 class Status:
     family: str
-    state: str = "idle"  # idle | waiting | expanding | completing | training | publishing | gating | ab | stopped | error
+    state: str = "idle"  # idle | waiting | expanding | completing | training | publishing | probing | gating | ab | stopped | error
     detail: str = ""
     version: int = 0  # the latest version trained
     champion: str | None = None
@@ -129,6 +129,9 @@ class Status:
     last_metrics: dict[str, Any] = field(default_factory=dict)
     last_gate: dict[str, Any] = field(default_factory=dict)
     last_reasons: dict[str, Any] = field(default_factory=dict)  # what the last update could not use, and why (learner/reasons.py)
+    last_parity: dict[str, Any] = field(default_factory=dict)  # the parity probe of the last loaded version (learner/parity.py)
+    challenger: str | None = None  # the version in the running experiment
+    restarts: int = 0  # times the trainer restarted from the champion after a rejected version
     traffic: dict[str, Any] = field(default_factory=dict)  # the traffic filter this learner trains on
     pid: int = field(default_factory=os.getpid)
     updated_at: float = field(default_factory=time.time)
@@ -147,6 +150,8 @@ class LearnerService:
         # --agent names the one agent this learner trains (and gates) on; otherwise the [traffic] table decides
         self.traffic = TrafficFilter(chat=False, agents=[cfg.agent], models=s.models, tags=s.tags) if cfg.agent else s
         self.status = Status(self.family, traffic=self.traffic.model_dump())
+        self._restart = False  # a version was rejected: the next update starts from the champion's weights
+        self._trained: list[Sample] = []  # the last update's samples (the parity probe picks its turns among them)
         self._baseline_state: dict[str, Any] | None = None  # the singleton baselines after this update's step
         self._warmup: set[str] = set()
         self._trainer: Any = None  # built on the first update: idle learners hold no model
@@ -265,6 +270,8 @@ class LearnerService:
         published; ``tick`` publishes the newest held version once the experiment has decided."""
         self.check_setup()
         trainer = self._get_trainer()
+        if self._restart:
+            self._restart_from_champion(trainer)
         leap = self._leap_expand(trainer) if self.cfg.settings.leap.enabled else None
         svr_runs = self._svr_runs(trainer) if self.cfg.settings.svr.enabled and self.cfg.settings.svr.problems_per_update else None
         reves = self._reves_round(trainer) if self.cfg.settings.reves.enabled else None
@@ -289,6 +296,7 @@ class LearnerService:
             return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
         self._baseline_state, self._warmup = None, set()
         metrics, rerollouts, advantages, used = self._train(trainer, samples, skipped)
+        self._trained = used
         why = unused_reasons(skipped, used, advantages, warmup=self._warmup) | {"trained": metrics.trained_samples}
         keep = self.cfg.settings.samples.max_staleness + 1
         leap_next = int(trainer.cursor.get(LEAP_NEXT, 0)) + (self.cfg.settings.leap.problems_per_update if leap is not None else 0)
@@ -566,12 +574,27 @@ class LearnerService:
         published = publish_adapter(trainer.model, self.adapter_root, self.family, version, meta={"metrics": self.status.last_metrics})
         self.admin.load(published.path, self.family, version, sha256=published.manifest_sha256)
         new = published.name
+        parity = self._parity(trainer, new)
+        pc = self.cfg.settings.parity
+        if parity is not None and parity["mean_abs_logp_diff"] is not None and parity["mean_abs_logp_diff"] > pc.threshold:
+            gate = {
+                "decision": "refused",
+                "reason": f"parity: served and trainer logprobs differ by {parity['mean_abs_logp_diff']:.3g} nats/token (> {pc.threshold:g})",
+                "new": new,
+                "parity": parity,
+            }
+            self.status.last_gate = gate
+            self._unload(new)
+            self._rejected(new, "refused by the parity probe")
+            return gate
         champion = self._champion()
         gate = self._gate(new, champion)
+        if parity is not None:
+            gate["parity"] = parity
         self.status.last_gate = gate
         if gate["decision"] == "refused":
             self._unload(new)
-            self._set("idle", f"{new} refused by the eval gate")
+            self._rejected(new, "refused by the eval gate")
         elif champion is None:
             self.admin.set_alias(self.family, new)
             self.status.champion = new
@@ -592,9 +615,34 @@ class LearnerService:
                     "auto_rollback": True,
                 }
             )
-            self.status.experiment = name
+            self.status.experiment, self.status.challenger = name, new
             self._set("ab", f"experiment {name}: {champion} vs {new}")
         return gate
+
+    def _parity(self, trainer: Any, model: str) -> dict[str, Any] | None:
+        """The logprob parity probe of a just-loaded version (``learner/parity.py``); None when it is off or has no turns yet."""
+        from learner.parity import parity_probe, probe_turns
+
+        pc = self.cfg.settings.parity
+        if not pc.enabled:
+            return None
+        turn_ids = probe_turns(self.dir, self.store, self._trained, pc.turns)
+        if not turn_ids:
+            return None
+        self._set("probing", f"logprob parity of {model} on {len(turn_ids)} recorded turns")
+        headers = {"Authorization": f"Bearer {self.cfg.admin_key}"}
+        with httpx.Client(base_url=self.cfg.admin_url, headers=headers, timeout=300) as client:
+            report = parity_probe(client, self.store, trainer, model=model, turn_ids=turn_ids, max_tokens=pc.max_tokens)
+        report["model"] = model
+        self.status.last_parity = report
+        log.info("parity probe", **report)
+        return report
+
+    def _rejected(self, version: str, why: str) -> None:
+        """A version was refused or rolled back: with ``restart_from_champion`` the next update starts from the champion."""
+        restart = self.cfg.settings.restart_from_champion
+        self._restart = restart
+        self._set("idle", f"{version} {why}" + ("; the next update starts from the champion's weights" if restart else ""))
 
     def _gate(self, new: str, champion: str | None) -> dict[str, Any]:
         """Held-out success of the new version vs the champion (or the base model), through the runs endpoint."""
@@ -723,8 +771,32 @@ class LearnerService:
             return True
         # a promotion's winner is the champion now; "champion" is the one the experiment started with
         self.status.champion = state.get("winner") or state.get("champion") or self.status.champion
-        self.status.experiment = None
+        challenger, self.status.experiment, self.status.challenger = self.status.challenger, None, None
+        if state.get("status") == "rolled_back" and challenger is not None:
+            if self._held and self.cfg.settings.restart_from_champion:
+                self._held = False  # trained on from the rolled-back version: that line is dropped
+                log.info("dropping the version held during the experiment: it descends from the rolled-back one", rolled_back=challenger)
+            self._rejected(challenger, "was rolled back by its experiment")
         return False
+
+    def _restart_from_champion(self, trainer: Any) -> None:
+        """Load the champion's published LoRA (the base model's identity LoRA before any champion), fresh optimizer."""
+        from safetensors.torch import load_file
+
+        self._restart = False
+        champion = self._champion()
+        state = None
+        if champion is not None:
+            _, _, v = champion.partition("@")
+            folder = adapter_path(self.adapter_root, self.family, int(v))
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                log.warning("the champion's adapter files are missing; continuing from the trainer's own weights", champion=champion)
+                return
+            state = load_file(str(files[0]))
+        trainer.restart_from(state)
+        self.status.restarts += 1
+        log.info("restarted from the champion", champion=champion or "base", version=trainer.version)
 
     def _unload(self, name: str) -> None:
         try:

@@ -464,6 +464,27 @@ class LoRATrainer:
         a = np.asarray(advantages, dtype=np.float64)
         m.adv_mean, m.adv_std = float(a.mean()), float(a.std())
 
+    def restart_from(self, lora_state: Mapping[str, torch.Tensor] | None) -> None:
+        """Continue from other LoRA weights with a fresh optimizer and scheduler (the learner's restart from its champion).
+
+        ``lora_state`` is a published adapter's state dict (``peft``'s keys, as ``save_pretrained`` writes them); None
+        starts from the base model again (a fresh LoRA initialisation: B = 0, so the adapter is the identity). The
+        version counter and the data cursor are kept: versions are never reused."""
+        if lora_state is None:
+            for module in self.model.modules():
+                if hasattr(module, "reset_lora_parameters") and "default" in getattr(module, "lora_A", {}):
+                    module.reset_lora_parameters("default", True)
+        else:
+            result = set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in lora_state.items()})
+            missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+            if missing:
+                raise ValueError(f"the adapter to restart from lacks {len(missing)} LoRA weights of this trainer (e.g. {missing[0]})")
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        cfg, warm = self.cfg, self.cfg.warmup_steps
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
+        log.info("restarted from other weights", base_only=lora_state is None, version=self.version)
+
     # -- checkpoints --------------------------------------------------------------------------------
 
     def lora_state(self) -> dict[str, torch.Tensor]:

@@ -1,13 +1,18 @@
 """Admin-only generation for the learner: siblings of a recorded chat turn, and unrecorded chat completions (judges).
 
-- ``POST /admin/turns/{turn_id}/siblings`` ``{"n", "model"?, "seed"?}``: ``n`` new completions sampled from the
+- ``POST /admin/turns/{turn_id}/siblings`` ``{"n", "model"?, "seed"?, "record"?, "temperature"?, "max_tokens"?}``:
+  ``n`` new completions sampled from the
   turn's exact recorded context token ids (no re-templating, no re-tokenizing) with its recorded sampling
   (temperature, top_p, max new tokens, stop strings, decoding grammar) by ``model`` (base name, alias or
   ``family@N``; default the base model). Each is recorded as a one-turn trajectory owned by ``admin`` with the
   original's messages (so it joins the original's group) and meta ``rerollout`` / ``branch_of`` /
   ``branch_turn``, which keeps it out of the live sample stream (``learner.samples``): the learner update that
   asked for it trains on it (group completion, ``learner/group_completion.py``). Answers
-  ``{"data": [{"trajectory_id", "turn_id", "text"}]}``; 404 for an unknown turn, 409 when recording is off.
+  ``{"data": [{"trajectory_id", "turn_id", "text", "output_ids", "logprobs"}]}`` (``logprobs``: the engine's
+  sampling logprob of each output token, a final stop token left out); 404 for an unknown turn, 409 when
+  recording is off. ``"record": false`` records nothing (no ids in the answer): the learner's logprob parity
+  probe (``learner/parity.py``) decodes greedily (``"temperature": 0``) from recorded contexts that way;
+  ``temperature`` and ``max_tokens`` replace the recorded ones.
 - ``POST /admin/chat/completions``: a chat completion (the ``/v1`` body) that is not recorded, for the learner's
   LLM judge (any model or adapter the runtime serves) and other admin work that must never become training data.
 
@@ -50,7 +55,14 @@ def install_replay_routes(
         if recorder is None:
             raise APIError(409, "recording is off on this server (started with --no-record)", code="recording_disabled")
         body = await read_json(request, max_body)
-        n, model, seed = body.get("n", 1), body.get("model"), body.get("seed")
+        n, model, seed, record = body.get("n", 1), body.get("model"), body.get("seed"), body.get("record", True)
+        temperature, max_tokens = body.get("temperature"), body.get("max_tokens")
+        if not isinstance(record, bool):
+            raise APIError(400, "record must be true or false", param="record", code="invalid_value")
+        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature <= 2):
+            raise APIError(400, "temperature must be a number from 0 to 2", param="temperature", code="invalid_value")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096):
+            raise APIError(400, "max_tokens must be an integer from 1 to 4096", param="max_tokens", code="invalid_value")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SIBLINGS:
             raise APIError(400, f"n must be an integer from 1 to {MAX_SIBLINGS}", param="n", code="invalid_value")
         if model is not None and not isinstance(model, str):
@@ -62,18 +74,19 @@ def install_replay_routes(
         turn = await recorder.call(recorder.store.get_turn, turn_id)
         if turn is None:
             raise APIError(404, f"unknown turn_id {turn_id!r}", param="turn_id", code="not_found")
-        svc = gateway._generation()
+        svc = (gateway if record else unrecorded)._generation()
         sp = turn.sampling
         req = GenRequest(
             model=model or svc.model_id,
             messages=[],
             api="admin.siblings",
             n=n,
-            temperature=float(sp.get("temperature", 1.0)),
+            temperature=float(sp.get("temperature", 1.0) if temperature is None else temperature),
             top_p=float(sp.get("top_p", 1.0)),
-            max_tokens=int(sp.get("max_new_tokens") or svc.default_max_tokens),
+            max_tokens=max_tokens or int(sp.get("max_new_tokens") or svc.default_max_tokens),
             stop=tuple(sp.get("stop") or ()),
             seed=seed,
+            logprobs=True,
             prompt_ids=tuple(turn.context_ids),
             prompt_text="",
         )
@@ -93,15 +106,14 @@ def install_replay_routes(
             raise from_engine(exc) from exc
         finally:
             gateway._release(lease, lease.name if lease else None, t0, 0)
-        await recorder.flush()
-        assert prep.slots is not None
-        meta = {"rerollout": True, "branch_of": turn.trajectory_id, "branch_turn": turn_id, "kind": "group_completion"}
-        for slot in prep.slots:
-            await recorder.call(recorder.store.set_trajectory_meta, slot.trajectory_id, meta)
-        return {
-            "object": "list",
-            "data": [{"trajectory_id": s.trajectory_id, "turn_id": s.turn_id, "text": c.text} for s, c in zip(prep.slots, choices, strict=True)],
-        }
+        data = [{"text": c.text, "output_ids": list(c.output_ids), "logprobs": [lp["logprob"] for lp in c.logprobs or []]} for c in choices]
+        if prep.slots is not None:
+            await recorder.flush()
+            meta = {"rerollout": True, "branch_of": turn.trajectory_id, "branch_turn": turn_id, "kind": "group_completion"}
+            for slot, d in zip(prep.slots, data, strict=True):
+                await recorder.call(recorder.store.set_trajectory_meta, slot.trajectory_id, meta)
+                d.update(trajectory_id=slot.trajectory_id, turn_id=slot.turn_id)
+        return {"object": "list", "data": data}
 
     @app.post("/admin/chat/completions")
     async def admin_chat(request: Request) -> Response:

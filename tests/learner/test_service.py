@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from learner.config import LearnerSettings
 from learner.service import REQUEST_FILE, LearnerService, ServiceConfig, learner_dir
@@ -589,3 +590,86 @@ def test_group_completion_trains_one_off_chat_turns(server, tiny_model_path):
     assert record["metrics"]["optimizer_step"] is True and record["metrics"]["trained_samples"] == 4
     assert record["unused"]["counts"]["at_group_mean"] == 2
     assert admin(server, "GET", "/admin/adapters").json()["aliases"]["gc"] == "gc@1"
+
+
+def chat_service(server, tiny_model_path, family: str, **more) -> LearnerService:
+    s = settings().model_dump()
+    s.update({"family": family, "traffic": {"chat": True, "agents": []}, **more})
+    s["trainer"]["lr"] = 1e-2  # a visible change in one step, so a wrong scale shows
+    cfg = ServiceConfig(
+        data_dir=server.log_path.parent,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        settings=LearnerSettings.model_validate(s),
+        gate_n=0,
+    )
+    return LearnerService(cfg)
+
+
+def chat_traffic(server, tag: str, n: int = 4) -> None:
+    """One prompt answered n times (one group), rewarded 1, 0, 1, 0 by turn_id, tagged for one learner's filter."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"tell me about {tag}"}], "max_tokens": 6, "n": n, "metadata": {"tag": tag}}
+    r = httpx.post(server.url + "/chat/completions", json=body, timeout=60)
+    for i, c in enumerate(r.json()["loopwise"]["choices"]):
+        httpx.post(server.url + "/feedback", json={"turn_id": c["turn_id"], "reward": float(i % 2 == 0)}, timeout=60).raise_for_status()
+
+
+def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(server, tiny_model_path, monkeypatch):
+    import learner.service as service_mod
+
+    chat_traffic(server, "parity")
+    svc = chat_service(server, tiny_model_path, "par", traffic={"chat": True, "agents": [], "tags": ["parity"]}, parity={"threshold": 0.05})
+    record = svc.update()
+    parity = record["gate"]["parity"]
+    assert record["gate"]["decision"] == "passed" and parity["tokens"] > 0 and parity["mean_abs_logp_diff"] < 0.05
+    assert svc.status.last_parity["model"] == "par@1"
+
+    real = service_mod.publish_adapter
+
+    def wrong_scale(model, *a, **kw):  # the adapter's config says alpha x 8: the runtime applies 8x the trained update
+        cfg = model.peft_config["default"]
+        alpha = cfg.lora_alpha
+        cfg.lora_alpha = alpha * 8
+        try:
+            return real(model, *a, **kw)
+        finally:
+            cfg.lora_alpha = alpha
+
+    monkeypatch.setattr(service_mod, "publish_adapter", wrong_scale)
+    chat_traffic(server, "parity")
+    record = svc.update()
+    assert record["gate"]["decision"] == "refused" and record["gate"]["reason"].startswith("parity:")
+    assert record["gate"]["parity"]["mean_abs_logp_diff"] > 0.05
+    assert "par@2" not in {a["name"] for a in admin(server, "GET", "/admin/adapters").json()["data"]}
+    assert svc._restart is True  # the next update starts from the champion, par@1
+
+    # the next update starts from the champion's (par@1's) weights with a fresh optimizer, not from the refused par@2's
+    from safetensors.torch import load_file
+
+    champion = load_file(str(server.log_path.parent / "adapters" / "par" / "v1" / "adapter_model.safetensors"))
+    trainer = svc._get_trainer()
+    assert any(not torch.equal(trainer.lora_state()[k], champion[k]) for k in champion)  # it had moved on to par@2
+    record = svc.update()  # no new traffic: no step, so the weights are exactly where the update started
+    assert record["metrics"]["optimizer_step"] is False and svc.status.restarts == 1 and not trainer.optimizer.state
+    assert all(torch.equal(trainer.lora_state()[k], champion[k]) for k in champion)
+
+    # an experiment that rolls its challenger back does the same, and drops the version trained on meanwhile
+    svc.status.experiment, svc.status.challenger, svc._held = "par-v3", "par@3", True
+    monkeypatch.setattr(svc.admin, "experiment_status", lambda name: {"status": "rolled_back", "champion": "par@1"})
+    assert svc._experiment_running("par-v3") is False
+    assert svc._restart is True and svc._held is False and svc.status.champion == "par@1" and "rolled back" in svc.status.detail
+
+
+def test_two_learners_with_disjoint_filters_each_train_only_their_own_traffic(server, tiny_model_path):
+    chat_traffic(server, "support")
+    chat_traffic(server, "sales")
+    records = {}
+    for tag in ("support", "sales"):
+        svc = chat_service(server, tiny_model_path, f"{tag}-lora", traffic={"chat": True, "agents": [], "tags": [tag]}, parity={"enabled": False})
+        records[tag] = svc.update()
+    for tag, record in records.items():  # each: its own group of 4 (rewards 1, 0, 1, 0: all advantages non-zero), the other's counted out
+        assert record["metrics"]["trained_samples"] == 4, (tag, record["unused"])
+        assert record["unused"]["counts"]["other_traffic"] >= 4
+    statuses = {s["family"]: s for s in admin(server, "GET", "/admin/learner").json()["data"]}
+    assert statuses["support-lora"]["traffic"]["tags"] == ["support"] and statuses["sales-lora"]["traffic"]["tags"] == ["sales"]
