@@ -21,7 +21,11 @@ One update:
    (``"eval": true``, so the learner never trains on them). A version that regresses by more than
    ``gate_tolerance`` is unloaded.
 5. **A/B**: the first passing version becomes the champion (alias set); later ones enter an experiment
-   against the champion with auto-promote and auto-rollback on the task's verifier reward.
+   against the champion with auto-promote and auto-rollback on the task's verifier reward (without an agent
+   task, as for chat traffic: on the users' ``feedback``).
+6. **Rejected lines are not descended**: a version refused by the gate or the parity probe, or rolled back by
+   its experiment, makes the next update start from the champion's weights with a fresh optimizer
+   (``restart_from_champion``).
 
 State for people: ``<data-dir>/learner/<family>/status.json`` (served by ``GET /admin/learner``),
 ``history.jsonl`` (one line per update) and ``reward.png`` (reward per update).
@@ -608,7 +612,9 @@ class LearnerService:
                     "family": self.family,
                     "arms": [{"adapter": champion, "weight": 1}, {"adapter": new, "weight": 1}],
                     "sticky": "session",
-                    "metric": f"verifier:{task}" if task else None,
+                    # the agent task's verifier; a learner without one (chat traffic) is judged by the users' own feedback,
+                    # the rewards it trains on (an experiment's default, the runtime's trusted sources, would never see any)
+                    "metric": f"verifier:{task}" if task else "feedback",
                     "min_samples": self.cfg.ab_min_samples,
                     "max_samples": self.cfg.ab_max_samples,
                     "auto_promote": True,

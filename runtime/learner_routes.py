@@ -91,6 +91,11 @@ class LearnerCollector:
         running = GaugeMetricFamily("loopwise_learner_running", "1 while the learner keeps its status fresh", labels=["family"])
         updates = CounterMetricFamily("loopwise_learner_updates", "updates run by the learner", labels=["family"])
         gauges = {k: GaugeMetricFamily(name, doc, labels=["family"]) for k, (name, doc) in LEARNER_GAUGES.items()}
+        parity = GaugeMetricFamily(
+            "loopwise_learner_parity_logp_diff",
+            "mean absolute difference of served and trainer logprobs (nats/token) on the parity probe of the last loaded version",
+            labels=["family"],
+        )
         for st in statuses:
             fam = str(st["family"])
             version.add_metric([fam], float(st.get("version") or 0))
@@ -100,6 +105,10 @@ class LearnerCollector:
                 v = (st.get("last_metrics") or {}).get(k)
                 if isinstance(v, int | float):
                     g.add_metric([fam], float(v))
+            p = (st.get("last_parity") or {}).get("mean_abs_logp_diff")
+            if isinstance(p, int | float):
+                parity.add_metric([fam], float(p))
+        yield parity
         yield version
         yield running
         yield updates

@@ -624,6 +624,8 @@ def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(serve
     parity = record["gate"]["parity"]
     assert record["gate"]["decision"] == "passed" and parity["tokens"] > 0 and parity["mean_abs_logp_diff"] < 0.05
     assert svc.status.last_parity["model"] == "par@1"
+    prom = httpx.get(server.base_url + "/metrics", timeout=30).text
+    assert f'loopwise_learner_parity_logp_diff{{family="par"}} {parity["mean_abs_logp_diff"]}' in prom
 
     real = service_mod.publish_adapter
 
