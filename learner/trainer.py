@@ -352,7 +352,9 @@ class LoRATrainer:
         if not any(a != 0.0 for a in adv):
             self.version += 1
             m.version, m.step_s = self.version, time.perf_counter() - t0
-            log.warning("all advantages are zero (zero-variance groups): optimizer step skipped", version=self.version, samples=len(samples))
+            log.warning(
+                "all advantages are zero: optimizer step skipped (see the update's unused reasons)", version=self.version, samples=len(samples)
+            )
             self._bits_cache.clear()
             return m
         m.trained_samples = len(chosen)

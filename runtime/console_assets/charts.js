@@ -300,6 +300,9 @@
       if (num(m.frac_reward_zero_std) !== null && m.frac_reward_zero_std > 0) out.push(`${Math.round(m.frac_reward_zero_std * 100)}% of groups had equal rewards (nothing to learn from)`);
       const skipped = m.skipped && typeof m.skipped === "object" ? Object.entries(m.skipped).filter(([, n]) => num(n)) : [];
       if (skipped.length) out.push("skipped: " + skipped.map(([k, n]) => `${k.replace(/_/g, " ")} ${n}`).join(", "));
+      const unused = last.unused && typeof last.unused === "object" ? last.unused : null;
+      if (unused && unused.top) out.push(`top reason data went unused: ${unused.top}`);
+      if (gate.parity && num(gate.parity.mean_abs_logp_diff) !== null) out.push(`logprob parity: ${fmt(gate.parity.mean_abs_logp_diff, 4)} nats/token`);
       if (gate.decision) out.push(`gate: ${gate.decision}${gate.reason ? " (" + gate.reason + ")" : ""}` + (num(gate.new_success) !== null ? `: held-out ${fmt(gate.new_success, 2)} vs ${gate.champion || "champion"} ${fmt(gate.champion_success, 2)}` : ""));
     }
     if (!out.length) out.push("no update yet");
