@@ -67,6 +67,7 @@ from learner.update import checkpoint_and_publish, estimate
 log = structlog.get_logger(__name__)
 
 REQUEST_FILE = "update.request"
+RESTART_FILE = "restart.request"  # a version was rejected: the next update starts from the champion (survives a learner restart)
 INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only for an RTPO sweep's siblings
 UPDATE_VERSIONS = "update_versions"  # trainer.cursor key: the final version of each recent update (the staleness bound)
 LEAP_NEXT = "leap_next_problem"  # trainer.cursor key: the next problem index LEAP's data engine probes
@@ -154,7 +155,8 @@ class LearnerService:
         # --agent names the one agent this learner trains (and gates) on; otherwise the [traffic] table decides
         self.traffic = TrafficFilter(chat=False, agents=[cfg.agent], models=s.models, tags=s.tags) if cfg.agent else s
         self.status = Status(self.family, traffic=self.traffic.model_dump())
-        self._restart = False  # a version was rejected: the next update starts from the champion's weights
+        self._restart = (self.dir / RESTART_FILE).exists()  # a version was rejected: the next update starts from the champion's weights
+        self._rejected_names: set[str] = set()  # versions refused or rolled back: never used for re-rollouts
         self._trained: list[Sample] = []  # the last update's samples (the parity probe picks its turns among them)
         self._baseline_state: dict[str, Any] | None = None  # the singleton baselines after this update's step
         self._warmup: set[str] = set()
@@ -557,6 +559,8 @@ class LearnerService:
         if version == 0:
             return self._base_model_name()
         name = f"{self.family}@{version}"
+        if name in self._rejected_names and self.cfg.settings.restart_from_champion:
+            return self._champion() or self._base_model_name()  # the trainer restarted from the champion: sample from it
         loaded = {a["name"] for a in self.admin.list_adapters().get("data", [])}
         if name not in loaded:  # e.g. refused by the gate and unloaded: still the weights the trainer continues from
             path = adapter_path(self.adapter_root, self.family, version)
@@ -648,6 +652,9 @@ class LearnerService:
         """A version was refused or rolled back: with ``restart_from_champion`` the next update starts from the champion."""
         restart = self.cfg.settings.restart_from_champion
         self._restart = restart
+        self._rejected_names.add(version)
+        if restart:
+            (self.dir / RESTART_FILE).touch()
         self._set("idle", f"{version} {why}" + ("; the next update starts from the champion's weights" if restart else ""))
 
     def _gate(self, new: str, champion: str | None) -> dict[str, Any]:
@@ -790,6 +797,7 @@ class LearnerService:
         from safetensors.torch import load_file
 
         self._restart = False
+        (self.dir / RESTART_FILE).unlink(missing_ok=True)
         champion = self._champion()
         state = None
         if champion is not None:

@@ -645,6 +645,8 @@ def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(serve
     assert record["gate"]["parity"]["mean_abs_logp_diff"] > 0.05
     assert "par@2" not in {a["name"] for a in admin(server, "GET", "/admin/adapters").json()["data"]}
     assert svc._restart is True  # the next update starts from the champion, par@1
+    assert LearnerService(svc.cfg)._restart is True  # also after a learner restart
+    assert svc._rollout_model() == "par@1"  # re-rollouts are never sampled from the refused version
 
     # the next update starts from the champion's (par@1's) weights with a fresh optimizer, not from the refused par@2's
     from safetensors.torch import load_file
@@ -654,6 +656,7 @@ def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(serve
     assert any(not torch.equal(trainer.lora_state()[k], champion[k]) for k in champion)  # it had moved on to par@2
     record = svc.update()  # no new traffic: no step, so the weights are exactly where the update started
     assert record["metrics"]["optimizer_step"] is False and svc.status.restarts == 1 and not trainer.optimizer.state
+    assert not (svc.dir / "restart.request").exists()
     assert all(torch.equal(trainer.lora_state()[k], champion[k]) for k in champion)
 
     # an experiment that rolls its challenger back does the same, and drops the version trained on meanwhile
