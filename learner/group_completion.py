@@ -15,8 +15,9 @@ live sample stream), then scores the whole group of ``G`` answers with one score
   ``{"messages": [...], "completions": ["...", ...]}``, answering ``{"scores": [...]}``). It scores the
   original too, so the group is scored by one function and one source (``hook:<name>``);
 - an **LLM judge**: any model or adapter the runtime serves (``POST /admin/chat/completions``, not recorded),
-  given the conversation once and all ``G`` answers, and asked for a score between 0 and 1 for each in one
-  call, as ART's RULER does (relative scoring is easier than absolute, and GRPO only needs the order and
+  given the conversation once and all ``G`` answers, and asked for a score of each in one call (an integer
+  0-10 per candidate under a JSON-schema grammar, so even a small judge answers in form; reward = score / 10),
+  as ART's RULER does (relative scoring is easier than absolute, and GRPO only needs the order and
   spacing within a group; Corbitt 2025, "RULER: Easy Mode for RL Rewards"); source ``judge:<model>``.
 
 The scores are recorded as trajectory rewards under that source through ``POST /admin/feedback`` (so the
@@ -49,21 +50,19 @@ from learner.samples import Sample, SkipCounts, trajectory_samples
 log = structlog.get_logger(__name__)
 
 JUDGE_SYSTEM = (
-    "You compare several candidate replies to the same conversation. Give each candidate a score between 0 and 1. "
-    "Grading standard: {rubric} A reply that does what the user asked must score clearly higher than one that does not; "
-    "if one candidate is only slightly better than another, keep their scores close. "
-    'Answer only with JSON: {{"scores": [{{"id": 1, "score": 0.5}}, ...]}}, one entry per candidate id.'
+    "You compare several candidate replies to the same conversation. Give each candidate a score from 0 (useless) to "
+    "10 (perfect). Grading standard: {rubric} A reply that does what the user asked must score clearly higher than one "
+    "that does not; if one candidate is only slightly better than another, keep their scores close. "
+    'Answer only with JSON: {{"candidate_1": <score>, "candidate_2": <score>, ...}}, one entry per candidate.'
 )
-JUDGE_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "scores": {
-            "type": "array",
-            "items": {"type": "object", "properties": {"id": {"type": "integer"}, "score": {"type": "number"}}, "required": ["id", "score"]},
-        }
-    },
-    "required": ["scores"],
-}
+SCALE = 10  # the judge answers integers 0..SCALE (a grammar-constrained enum: a small judge cannot wander off), rewards are score / SCALE
+
+
+def judge_schema(n: int) -> dict[str, Any]:
+    """The judge's output format: exactly one integer score 0..10 per candidate, keys in candidate order."""
+    score = {"type": "integer", "enum": list(range(SCALE + 1))}
+    keys = [f"candidate_{i}" for i in range(1, n + 1)]
+    return {"type": "object", "properties": dict.fromkeys(keys, score), "required": keys, "additionalProperties": False}
 
 
 class ScorerError(RuntimeError):
@@ -106,22 +105,24 @@ def judge_messages(messages: Sequence[dict[str, Any]], completions: Sequence[str
 
 
 def parse_judge(text: str, n: int) -> list[float]:
-    """One score per candidate id 1..n from the judge's JSON (clipped to [0, 1]); ScorerError when any is missing."""
+    """Candidate i's reward from the judge's JSON: ``candidate_i`` / 10, clipped to [0, 1]; ScorerError when one is missing."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ScorerError(f"the judge's answer is not JSON: {text[:200]!r}") from exc
-    items = data.get("scores") if isinstance(data, dict) else None
-    if not isinstance(items, list):
-        raise ScorerError(f"the judge's answer has no scores list: {text[:200]!r}")
-    by_id: dict[int, float] = {}
-    for it in items:
-        if isinstance(it, dict) and isinstance(it.get("id"), int) and isinstance(it.get("score"), int | float) and math.isfinite(it["score"]):
-            by_id.setdefault(it["id"], min(1.0, max(0.0, float(it["score"]))))
-    missing = [i for i in range(1, n + 1) if i not in by_id]
+    if not isinstance(data, dict):
+        raise ScorerError(f"the judge's answer is not a JSON object: {text[:200]!r}")
+    out: list[float] = []
+    missing: list[int] = []
+    for i in range(1, n + 1):
+        v = data.get(f"candidate_{i}")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            missing.append(i)
+        else:
+            out.append(min(1.0, max(0.0, float(v) / SCALE)))
     if missing:
         raise ScorerError(f"the judge scored no candidate {missing}: {text[:200]!r}")
-    return [by_id[i] for i in range(1, n + 1)]
+    return out
 
 
 @dataclass
@@ -217,8 +218,8 @@ class GroupCompleter:
                 "model": self.cfg.judge_model,
                 "messages": judge_messages(messages, completions, self.cfg.judge_rubric),
                 "temperature": 0,
-                "max_tokens": 24 * n + 16,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "scores", "schema": JUDGE_SCHEMA}},
+                "max_tokens": 12 * n + 16,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "scores", "schema": judge_schema(n)}},
             }
             r = await self.client.post("/admin/chat/completions", json=body, timeout=self.cfg.timeout_s)
             if r.is_error:

@@ -43,10 +43,8 @@ REASONS: dict[str, str] = {
     "grammar_unrecorded": "constrained turns recorded without their grammar",
     "no_tokens": "turns without output tokens to train on",
     "surplus": "beyond max_trajectories for one update",
-    "eval": "evaluation runs (never trained on)",
-    "rerollout": "re-rollouts of earlier updates (trained by the update that asked for them)",
-    "draft": "T2PO drafts (discarded by design)",
 }
+# skips that lose nothing (evaluation runs, re-rollouts trained by the update that asked for them, T2PO drafts): not reasons
 
 
 def unused_reasons(

@@ -18,12 +18,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from learner.config import SampleConfig, SingletonConfig
-from learner.group_completion import GroupCompleter, ScorerError, judge_messages, parse_judge
+from learner.group_completion import GroupCompleter, ScorerError, judge_messages, judge_schema, parse_judge
 from learner.samples import Cursor, collect_samples
 from tests.runtime._inproc import InProc, scripted_app
 
 ADMIN = "gc-admin"
-JUDGE = {"scores": [{"id": 1, "score": 0.2}, {"id": 2, "score": 0.9}, {"id": 3, "score": 0.5}, {"id": 4, "score": 0.1}]}
+JUDGE = {"candidate_1": 2, "candidate_2": 9, "candidate_3": 5, "candidate_4": 1}  # scores 0..10: rewards 0.2, 0.9, 0.5, 0.1
 
 
 def length_reward(messages: list[dict[str, Any]], completions: list[str]) -> list[float]:
@@ -130,9 +130,11 @@ def test_admin_replay_endpoints_are_the_admins(srv):
 def test_judge_prompt_and_parsing():
     msgs = judge_messages([{"role": "user", "content": "2+2?"}], ["4", "5"], "Correct answers win.")
     assert "Correct answers win." in msgs[0]["content"] and '<candidate id="2">\n5\n</candidate>' in msgs[1]["content"]
-    assert parse_judge('{"scores": [{"id": 2, "score": 1.7}, {"id": 1, "score": -1}]}', 2) == [0.0, 1.0]  # clipped to [0, 1]
+    assert parse_judge('{"candidate_2": 17, "candidate_1": 5}', 2) == [0.5, 1.0]  # score / 10, clipped to [0, 1]
     with pytest.raises(ScorerError, match=r"no candidate \[2\]"):
-        parse_judge('{"scores": [{"id": 1, "score": 0.5}]}', 2)
+        parse_judge('{"candidate_1": 5}', 2)
+    schema = judge_schema(3)
+    assert schema["required"] == ["candidate_1", "candidate_2", "candidate_3"] and schema["properties"]["candidate_1"]["enum"] == list(range(11))
     with pytest.raises(ScorerError):
         parse_judge("I think the first one", 2)
 
