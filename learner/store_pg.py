@@ -413,11 +413,12 @@ class PostgresStore:
 
     # -- reads ---------------------------------------------------------------------------------------
 
-    def turns_for_completion(self, completion_id: str, owner: str | None = None) -> list[str]:
+    def turns_for_completion(self, completion_id: str, owner: str | None = None, choice_index: int | None = None) -> list[str]:
         with self._tx() as conn:
             rows = conn.execute(
-                "SELECT turn_id FROM turns WHERE completion_id = %(c)s AND (%(o)s::text IS NULL OR owner = %(o)s) ORDER BY choice_index, seq",
-                {"c": completion_id, "o": owner},
+                "SELECT turn_id FROM turns WHERE completion_id = %(c)s AND (%(o)s::text IS NULL OR owner = %(o)s)"
+                " AND (%(i)s::int IS NULL OR choice_index = %(i)s) ORDER BY choice_index, seq",
+                {"c": completion_id, "o": owner, "i": choice_index},
             ).fetchall()
         return [r[0] for r in rows]
 

@@ -307,6 +307,8 @@ def test_turns_for_completion_ordered_by_choice(store: SqliteStore) -> None:
     store.append_turns([*choices, make_turn(4, completion="other")])
     assert store.turns_for_completion("cmpl-n") == ["turn-2", "turn-3", "turn-1"]
     assert store.turns_for_completion("missing") == []
+    assert store.turns_for_completion("cmpl-n", choice_index=1) == ["turn-3"]
+    assert store.turns_for_completion("cmpl-n", choice_index=5) == []
 
 
 # -- listing ---------------------------------------------------------------------------------------------
