@@ -185,8 +185,10 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
             if rec.is_pending(fb.completion_id):
                 await rec.flush()
             turn_ids = await rec.call(rec.store.turns_for_completion, fb.completion_id, owner, fb.choice_index)
-            if not turn_ids and fb.choice_index is not None and await rec.call(rec.store.turns_for_completion, fb.completion_id, owner):
-                raise APIError(404, f"completion {fb.completion_id!r} has no choice {fb.choice_index}", param="choice_index", code="not_found")
+            if not turn_ids and fb.choice_index is not None:
+                others: list[str] = await rec.call(rec.store.turns_for_completion, fb.completion_id, owner)
+                if others:
+                    raise APIError(404, f"completion {fb.completion_id!r} has no choice {fb.choice_index}", param="choice_index", code="not_found")
             if not turn_ids:
                 raise APIError(404, f"unknown completion_id {fb.completion_id!r}", param="completion_id", code="not_found")
             for tid in turn_ids:
