@@ -131,11 +131,13 @@ def learner_jobs(ls: LearnerProcessSettings, served_agents: set[str]) -> list[Le
     return jobs
 
 
-def start_learner(job: LearnerJob, settings: Settings, model_path: Path, url: str, log_format: str) -> subprocess.Popen[bytes]:
-    """``python -m learner run`` for one job, logging into our stderr; stopped when we stop."""
+def start_learner(
+    job: LearnerJob, settings: Settings, server: ServerSettings, model_path: Path, url: str, log_format: str
+) -> subprocess.Popen[bytes]:
+    """``python -m learner run`` for one job, logging into our stderr; stopped when we stop (``server``: as built, with the
+    learner's internal admin key when none was given)."""
     from learner import logs
 
-    server = settings.server
     cmd = [
         sys.executable, "-m", "learner", "run",
         "--data-dir", str(server.data_dir), "--admin-url", url, "--base-model", str(model_path),
@@ -364,7 +366,7 @@ def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None
             local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             url = f"http://{'[' + local + ']' if ':' in local else local}:{port}"
             print(console_line(url, server.admin_key, with_key=sys.stdout.isatty()), flush=True)
-            learners.extend(start_learner(job, settings, model_path, url, log_format) for job in built.learner_jobs)
+            learners.extend(start_learner(job, settings, server, model_path, url, log_format) for job in built.learner_jobs)
             if demo:
                 from experiments.demo_users import DemoUsers
 

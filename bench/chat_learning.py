@@ -42,8 +42,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from experiments.agent_eval import spawned_server  # noqa: E402
 from agents.tasks import get_task  # noqa: E402
+from experiments.agent_eval import spawned_server  # noqa: E402
 from learner._files import sha256_file  # noqa: E402
 from learner.publish import MANIFEST_FILE  # noqa: E402
 

@@ -16,7 +16,7 @@
 - ``POST /admin/chat/completions``: a chat completion (the ``/v1`` body) that is not recorded, for the learner's
   LLM judge (any model or adapter the runtime serves) and other admin work that must never become training data.
 
-Both are the admin's (DESIGN.md 13: replays of recorded contexts are for the learner and admins only).
+Both are the admin's: replays of recorded contexts are for the learner and admins only (no client reads another owner's recorded context).
 
 Not here: the generation path itself (``runtime/generation.py``, ``runtime/serving.py``).
 """

@@ -597,7 +597,7 @@ def chat_service(server, tiny_model_path, family: str, **more) -> LearnerService
     s.update({"family": family, "traffic": {"chat": True, "agents": []}, **more})
     s["trainer"]["lr"] = 1e-2  # a visible change in one step, so a wrong scale shows
     cfg = ServiceConfig(
-        data_dir=server.log_path.parent,
+        data_dir=server.data_dir,
         admin_url=server.base_url,
         admin_key=ADMIN,
         base_model=tiny_model_path,
@@ -651,7 +651,7 @@ def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(serve
     # the next update starts from the champion's (par@1's) weights with a fresh optimizer, not from the refused par@2's
     from safetensors.torch import load_file
 
-    champion = load_file(str(server.log_path.parent / "adapters" / "par" / "v1" / "adapter_model.safetensors"))
+    champion = load_file(str(server.data_dir / "adapters" / "par" / "v1" / "adapter_model.safetensors"))
     trainer = svc._get_trainer()
     assert any(not torch.equal(trainer.lora_state()[k], champion[k]) for k in champion)  # it had moved on to par@2
     record = svc.update()  # no new traffic: no step, so the weights are exactly where the update started
