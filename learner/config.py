@@ -390,7 +390,6 @@ class LearnerSettings(BaseModel):
     svr: SVRConfig = Field(default_factory=SVRConfig)
     svr_r1: SVRR1Config = Field(default_factory=SVRR1Config)
     reves: RevesConfig = Field(default_factory=RevesConfig)
-
     parity: ParityConfig = Field(default_factory=ParityConfig)
     restart_from_champion: bool = Field(
         True,
