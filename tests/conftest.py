@@ -87,7 +87,7 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=45)  # serve.py waits up to 20 s for its learners to finish their round
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

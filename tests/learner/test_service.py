@@ -197,7 +197,7 @@ def test_serve_starts_the_learner_and_keeps_the_admin_api_closed_to_others(start
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
     server.stop()
     deadline = time.monotonic() + 30
-    while json.loads(status_file.read_text())["state"] != "stopped" and time.monotonic() < deadline:
+    while {json.loads(f.read_text())["state"] for f in (status_file, chat_file)} != {"stopped"} and time.monotonic() < deadline:
         time.sleep(0.5)
     assert json.loads(status_file.read_text())["state"] == "stopped"  # the learner stops with the server
     assert json.loads(chat_file.read_text())["state"] == "stopped"
