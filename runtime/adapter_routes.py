@@ -28,18 +28,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from runtime.adapters import (
-    AdapterCapacity,
-    AdapterError,
-    AdapterExists,
-    AdapterInUse,
-    AdapterInvalid,
-    AdapterNotFound,
-    AdapterRef,
-    AdapterRegistry,
-    resolve_adapter_path,
-    validate_adapter,
-)
+from runtime.adapter_names import AdapterCapacity, AdapterError, AdapterExists, AdapterInUse, AdapterInvalid, AdapterNotFound, AdapterRef
+from runtime.adapter_registry import AdapterRegistry
+from runtime.adapter_validation import resolve_adapter_path, validate_adapter
 from runtime.engine import AdapterError as EngineAdapterError
 from runtime.engine import EngineError
 from runtime.errors import APIError, from_engine, from_validation

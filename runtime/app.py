@@ -48,8 +48,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from runtime.adapter_names import AdapterNotFound, AdapterRef, parse_model_name
+from runtime.adapter_registry import AdapterRegistry
 from runtime.adapter_routes import adapter_validator, evaluate_forever, install_adapter_routes
-from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry, base_shapes_of, parse_model_name
+from runtime.adapter_validation import base_shapes_of
 from runtime.admission import Admission
 from runtime.agent_api import AgentHost, LocalRuntimeClient
 from runtime.agent_routes import install_agent_routes

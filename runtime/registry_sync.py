@@ -29,7 +29,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from runtime.adapters import AdapterError, AdapterRef, AdapterRegistry
+from runtime.adapter_names import AdapterError, AdapterRef
+from runtime.adapter_registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
 

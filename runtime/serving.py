@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from runtime.adapters import AdapterNotFound, AdapterRef, AdapterRegistry
+from runtime.adapter_names import AdapterNotFound, AdapterRef
+from runtime.adapter_registry import AdapterRegistry
 from runtime.admission import Admission
 from runtime.agent_api import AgentHost, UnknownModel
 from runtime.engine import EngineError

@@ -112,7 +112,7 @@ def test_the_scanner_resolves_from_imports_and_sees_nested_ones(tmp_path: Path) 
         ("agents", "experiments.agent_eval", False),
         ("learner", "tools.cuda.api", True),
         ("learner", "agents.tasks", False),
-        ("learner", "runtime.adapters", False),
+        ("learner", "runtime.adapter_validation", False),
         ("learner", "torch", True),
     ],
 )

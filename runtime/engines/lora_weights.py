@@ -4,7 +4,7 @@
 
 ``read_lora`` is meant to run on a worker thread (``asyncio.to_thread``), never the engine's scheduler
 thread: it reads ``adapter_config.json`` and ``adapter_model.safetensors``, refuses LoRA variants we do
-not serve (DoRA, ``modules_to_save``, LoRA biases, ...; the list is ``runtime.adapters.unsupported_lora_features``),
+not serve (DoRA, ``modules_to_save``, LoRA biases, ...; the list is ``runtime.adapter_validation.unsupported_lora_features``),
 maps every ``lora_A``/``lora_B`` pair to a base ``nn.Linear``, checks the shapes, and returns per module
 ``a_t`` (in, r) and ``b_t`` (r, out) with the LoRA scale folded into ``b_t``, in the base weight's dtype
 and device, contiguous. What is left for the scheduler thread is a few dict insertions
@@ -18,7 +18,7 @@ stored as (r, in)/(out, r) either way, and only ``nn.Linear`` bases are served h
 ``layers_to_transform``/``layers_pattern`` need nothing either: a folder only holds weights for the
 layers it adapts.
 
-Not here: embedding LoRA, quantized bases, the registry's path/hash checks (``runtime.adapters.validate_adapter``).
+Not here: embedding LoRA, quantized bases, the registry's path/hash checks (``runtime.adapter_validation.validate_adapter``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.adapters import CONFIG_FILE, WEIGHTS_FILE, unsupported_lora_features
+from runtime.adapter_validation import CONFIG_FILE, WEIGHTS_FILE, unsupported_lora_features
 from runtime.engine import AdapterError
 
 _KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.[^.]+)?\.weight$")

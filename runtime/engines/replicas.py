@@ -16,7 +16,7 @@ server gets the same failure handling.
 - **Adapters**: loads and unloads go to every replica that is up, concurrently. A replica that refuses a
   load (not a transport failure) rolls it back everywhere and the error propagates, so the registry
   stays unchanged; replicas that are down get the adapter when they return. Aliases are resolved by the
-  registry above (``runtime/adapters.py``) before a request gets here, so a flip reaches every replica.
+  registry above (``runtime/adapter_registry.py``) before a request gets here, so a flip reaches every replica.
 - **Monitor**: one task per replica probes it every ``health_interval_s`` (``HTTPEngine.probe``: cheap,
   and for vLLM it lists the server's adapters). A refused connection takes a replica out; probes that
   time out or fail do after three in a row, unless the replica handed out tokens within the last probe

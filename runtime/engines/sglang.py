@@ -14,7 +14,7 @@ fresh adapter names, transport failures, engine request ids). This module holds 
   (``/get_server_info`` says which). Either way the engine yields only new tokens. SGLang's ``text``
   field is not used (the core decodes the ids locally);
 - adapters: ``POST /load_lora_adapter`` / ``POST /unload_lora_adapter`` (``LoRAUpdateOutput`` bodies);
-  the registry (``runtime/adapters.py``) drains in-flight requests before unload and caps loaded
+  the registry (``runtime/adapter_registry.py``) drains in-flight requests before unload and caps loaded
   adapters at SGLang's ``--max-loras-per-batch`` − 1 (``serve.py``);
 - health: ``GET /health_generate`` (a one-token generate inside SGLang); info: ``/get_model_info``,
   ``/get_server_info``.

@@ -28,7 +28,8 @@ from learner.publish import (
     publish_files,
     verify_manifest,
 )
-from runtime.adapters import AdapterInvalid, validate_adapter
+from runtime.adapter_names import AdapterInvalid
+from runtime.adapter_validation import validate_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.adapters import (
+from runtime.adapter_names import (
     AdapterCapacity,
     AdapterError,
     AdapterExists,
@@ -24,11 +24,10 @@ from runtime.adapters import (
     AdapterInvalid,
     AdapterNotFound,
     AdapterRef,
-    AdapterRegistry,
-    base_shapes_of,
     parse_model_name,
-    validate_adapter,
 )
+from runtime.adapter_registry import AdapterRegistry
+from runtime.adapter_validation import base_shapes_of, validate_adapter
 
 
 # ---------------------------------------------------------------- fixtures
@@ -89,13 +88,16 @@ def test_module_import_does_not_load_torch_or_safetensors() -> None:
     import subprocess
     import sys
 
-    code = "import sys, runtime.adapters; print('torch' in sys.modules, 'safetensors' in sys.modules)"
+    code = (
+        "import sys, runtime.adapter_names, runtime.adapter_validation, runtime.adapter_registry;"
+        " print('torch' in sys.modules, 'safetensors' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 
 
 def test_base_name_mismatch_only_warns(adapter: Path, base_shapes, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="runtime.adapters"):
+    with caplog.at_level(logging.WARNING, logger="runtime.adapter_validation"):
         check(adapter, base_shapes, base_name_or_path="/elsewhere/tiny")
     assert "/elsewhere/tiny" in caplog.text
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from runtime.adapters import AdapterRef
+from runtime.adapter_names import AdapterRef
 from tests.runtime._inproc import InProc, scripted_app
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -11,7 +11,8 @@ import pytest
 
 from learner.records import Reward, Turn
 from learner.store import SqliteStore
-from runtime.adapters import AdapterRef, AdapterRegistry
+from runtime.adapter_names import AdapterRef
+from runtime.adapter_registry import AdapterRegistry
 from runtime.experiments import ExperimentConfig, ExperimentError, Experiments
 
 

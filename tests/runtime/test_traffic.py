@@ -138,7 +138,7 @@ def test_agent_model_calls_count_per_adapter(tiny_model_path, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from runtime.adapters import AdapterRegistry
+    from runtime.adapter_registry import AdapterRegistry
     from runtime.agent_api import LocalRuntimeClient
     from runtime.chat_format import ChatFormatter
     from runtime.engine import SamplingParams

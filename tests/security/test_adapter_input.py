@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.adapters import AdapterInvalid, base_shapes_of, validate_adapter
+from runtime.adapter_names import AdapterInvalid
+from runtime.adapter_validation import base_shapes_of, validate_adapter
 from tests.security._app import ADMIN, auth, served
 
 

@@ -1,0 +1,244 @@
+"""Checks a PEFT LoRA folder against the base model *before* the engine is asked to load it.
+
+What it does: ``validate_adapter`` reads ``adapter_config.json`` (a supported LoRA variant, rank within the
+server's maximum, finite scales, target modules that exist in the base model), the tensor shapes in
+``adapter_model.safetensors`` against the base model's linear layers (``base_shapes_of``), the hashes in the
+publisher's ``manifest.json`` (or of the weights file alone), and that no path escapes the adapter root.
+``resolve_adapter_path`` and ``unsupported_lora_features`` are the pieces other modules reuse.
+
+What it does not: load or route anything (``runtime/adapter_registry.py``), or parse model names
+(``runtime/adapter_names.py``). Importing it does not import torch or safetensors; ``validate_adapter``
+imports safetensors when it reads a weights file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from runtime._files import sha256_file
+from runtime.adapter_names import AdapterInvalid
+
+logger = logging.getLogger(__name__)
+
+_LORA_KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
+CONFIG_FILE, WEIGHTS_FILE, MANIFEST_FILE = "adapter_config.json", "adapter_model.safetensors", "manifest.json"
+
+
+def base_shapes_of(model: Any) -> dict[str, tuple[int, int]]:
+    """``{module name: (out_features, in_features)}`` for every linear-like module of a loaded model."""
+    return {
+        name: (int(m.out_features), int(m.in_features))
+        for name, m in model.named_modules()
+        if name and hasattr(m, "in_features") and hasattr(m, "out_features")
+    }
+
+
+MAX_PATH_CHARS = 4096
+MAX_PATTERN_CHARS = 256  # a target_modules regex or a rank/alpha pattern key
+MAX_ALPHA = 65536.0
+
+
+def _inside(path: Path, root: Path | None, what: str) -> Path:
+    text = str(path)
+    if "\x00" in text or len(text) > MAX_PATH_CHARS:
+        raise AdapterInvalid(f"{what} must be at most {MAX_PATH_CHARS} characters without NUL bytes")
+    try:
+        resolved = path.resolve()
+    except (OSError, ValueError, RuntimeError) as exc:  # too long, a symlink loop, ...
+        raise AdapterInvalid(f"{what} {text[:200]!r} cannot be resolved: {exc}") from None
+    if root is not None and not resolved.is_relative_to(root.resolve()):
+        raise AdapterInvalid(f"{what} {path} resolves to {resolved}, outside the adapter root {root}")
+    return resolved
+
+
+def resolve_adapter_path(path: Path, adapter_root: Path | None) -> Path:
+    """The absolute, symlink-free folder ``path`` names (inside ``adapter_root`` when given); ``AdapterInvalid`` if unusable."""
+    return _inside(Path(path), adapter_root, "adapter path")
+
+
+def _base_module(name: str, base_shapes: Mapping[str, tuple[int, int]]) -> str | None:
+    if name in base_shapes:
+        return name
+    hits = [b for b in base_shapes if b.endswith("." + name) or name.endswith("." + b)]
+    return hits[0] if len(hits) == 1 else None
+
+
+# LoRA variants the embedded engine does not serve (nor SGLang's LoRA manager): config key → why.
+_UNSUPPORTED = {
+    "use_dora": "DoRA (use_dora) needs a magnitude vector per module",
+    "modules_to_save": "modules_to_save replaces whole base modules",
+    "lora_bias": "lora_bias adds a bias to lora_B",
+    "trainable_token_indices": "trainable_token_indices changes embedding rows",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "target_parameters": "target_parameters (LoRA on raw parameters)",
+    "layer_replication": "layer_replication changes the base model's layers",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "kasa_config": "KaSA (kasa_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "velora_config": "VeLoRA (velora_config)",
+}
+
+
+def unsupported_lora_features(config: Mapping[str, Any]) -> list[str]:
+    """What in a PEFT LoRA config cannot be served as plain ``y += scale * B(A(x))``; empty when servable."""
+    bad = [why for key, why in _UNSUPPORTED.items() if config.get(key)]
+    if config.get("bias", "none") != "none":
+        bad.append(f"bias={config.get('bias')!r} trains base-model biases")
+    return bad
+
+
+def validate_adapter(
+    path: Path,
+    *,
+    base_shapes: Mapping[str, tuple[int, int]],
+    max_rank: int,
+    adapter_root: Path | None = None,
+    base_name_or_path: str | None = None,
+    expected_sha256: str | None = None,
+) -> dict[str, Any]:
+    """Check a PEFT LoRA folder against the base model; return its parsed ``adapter_config.json``.
+
+    ``base_shapes`` maps every base module name to ``(out_features, in_features)`` (see
+    ``base_shapes_of``); its keys are also the names ``target_modules`` must match (by suffix, or by
+    ``re.fullmatch`` when ``target_modules`` is a string, as in PEFT). A ``base_model_name_or_path`` that
+    differs from ``base_name_or_path`` only logs a warning: paths differ between machines.
+
+    Hashes: when ``manifest.json`` exists (``{"files": {relpath: sha256}}`` or ``{"files": [{"path",
+    "sha256"}]}``, written last by the publisher) every listed file must match it, the weights file must be
+    listed, and ``expected_sha256`` is the manifest's own hash; without a manifest ``expected_sha256`` is
+    the hash of ``adapter_model.safetensors``. Embedding LoRA tensors are not shape-checked.
+    """
+    path = Path(path)
+    root = _inside(path, adapter_root, "adapter path")
+    try:
+        root.exists()
+    except OSError as exc:
+        raise AdapterInvalid(f"adapter path {str(path)[:200]!r} is unusable: {exc.strerror}") from None
+    if not root.exists():
+        raise AdapterInvalid(f"adapter path {path} does not exist")
+    if not root.is_dir():
+        raise AdapterInvalid(f"adapter path {path} is not a directory")
+    cfg_path, weights = _inside(root / CONFIG_FILE, adapter_root, CONFIG_FILE), _inside(root / WEIGHTS_FILE, adapter_root, WEIGHTS_FILE)
+    if not cfg_path.is_file():
+        raise AdapterInvalid(f"{path} has no {CONFIG_FILE}")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (ValueError, OSError) as exc:
+        raise AdapterInvalid(f"{CONFIG_FILE} in {path} is not a JSON object: {exc}") from exc
+    if not isinstance(config, dict):
+        raise AdapterInvalid(f"{CONFIG_FILE} in {path} is not a JSON object")
+    if config.get("peft_type") != "LORA":
+        raise AdapterInvalid(f"peft_type is {config.get('peft_type')!r}; only 'LORA' adapters are served")
+    if bad := unsupported_lora_features(config):
+        raise AdapterInvalid(f"adapter {path} uses LoRA features that are not served: {'; '.join(bad)}")
+    ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+    if not all(isinstance(r, int) and 0 < r for r in ranks):
+        raise AdapterInvalid(f"LoRA rank {config.get('r')!r} (rank_pattern {config.get('rank_pattern')}) is not a positive integer")
+    if max(ranks) > max_rank:
+        raise AdapterInvalid(f"LoRA rank {max(ranks)} exceeds the server's max rank {max_rank}")
+    _check_scales(config)
+    declared = config.get("base_model_name_or_path")
+    if base_name_or_path and declared and declared != base_name_or_path:
+        logger.warning("adapter %s was trained on %r; serving it on %r", path, declared, base_name_or_path)
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        _check_pattern(targets, "target_modules")
+        if not any(re.fullmatch(targets, m) for m in base_shapes):
+            raise AdapterInvalid(f"target_modules regex {targets!r} matches no module of the base model")
+    elif not targets or not isinstance(targets, list):
+        raise AdapterInvalid(f"target_modules must be a non-empty list or a regex, got {targets!r}")
+    else:
+        missing = [t for t in targets if not any(m == t or m.endswith("." + str(t)) for m in base_shapes)]
+        if missing:
+            raise AdapterInvalid(f"target_modules {missing} match no module of the base model")
+    if not weights.is_file():
+        raise AdapterInvalid(f"{path} has no {WEIGHTS_FILE}")
+    _check_tensors(weights, base_shapes)
+    _check_hashes(root, weights, adapter_root, expected_sha256)
+    return config
+
+
+def _check_pattern(pattern: str, what: str) -> None:
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise AdapterInvalid(f"{what} pattern is longer than {MAX_PATTERN_CHARS} characters")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise AdapterInvalid(f"{what} pattern {pattern!r} is not a valid regular expression: {exc}") from None
+
+
+def _check_scales(config: Mapping[str, Any]) -> None:
+    """``lora_alpha`` and ``alpha_pattern`` values are finite numbers within ``MAX_ALPHA`` (the scale is alpha / r:
+    NaN or 1e30 would make every output of the adapter NaN); pattern keys are valid, short regular expressions."""
+    alphas = [("lora_alpha", config.get("lora_alpha", 8))]
+    for field in ("alpha_pattern", "rank_pattern"):
+        patterns = config.get(field) or {}
+        if not isinstance(patterns, dict):
+            raise AdapterInvalid(f"{field} must be an object of pattern: value")
+        for key in patterns:
+            _check_pattern(str(key), field)
+        if field == "alpha_pattern":
+            alphas += [(field, v) for v in patterns.values()]
+    for field, alpha in alphas:
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or abs(alpha) > MAX_ALPHA:
+            raise AdapterInvalid(f"{field} must be a finite number of at most {MAX_ALPHA:g} in magnitude, got {alpha!r}")
+
+
+def _check_tensors(weights: Path, base_shapes: Mapping[str, tuple[int, int]]) -> None:
+    from safetensors import safe_open  # lazy: keeps the module import light
+
+    try:
+        with safe_open(str(weights), framework="numpy") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as exc:  # SafetensorError, OSError, ...: all mean "can't read it"
+        raise AdapterInvalid(f"{WEIGHTS_FILE} is unreadable or corrupt: {exc}") from exc
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        if m := _LORA_KEY_RE.match(key):
+            pairs.setdefault(m["module"], {})[m["part"]] = shape
+    if not pairs:
+        raise AdapterInvalid(f"{WEIGHTS_FILE} holds no lora_A/lora_B weights")
+    for module, parts in pairs.items():
+        base = _base_module(module, base_shapes)
+        if base is None:
+            raise AdapterInvalid(f"{WEIGHTS_FILE} has LoRA weights for {module!r}, which is not a module of the base model")
+        a, b = parts.get("lora_A"), parts.get("lora_B")
+        if a is None or b is None or len(a) != 2 or len(b) != 2:
+            raise AdapterInvalid(f"{module}: need 2-D lora_A and lora_B, got lora_A={a} lora_B={b}")
+        out_f, in_f = base_shapes[base]
+        if a[1] != in_f:
+            raise AdapterInvalid(f"{module}: lora_A in-features {a[1]} != base in-features {in_f} (built for another base model?)")
+        if b[0] != out_f:
+            raise AdapterInvalid(f"{module}: lora_B out-features {b[0]} != base out-features {out_f} (built for another base model?)")
+        if a[0] != b[1]:
+            raise AdapterInvalid(f"{module}: lora_A rank {a[0]} != lora_B rank {b[1]}")
+
+
+def _check_hashes(root: Path, weights: Path, adapter_root: Path | None, expected: str | None) -> None:
+    manifest = root / MANIFEST_FILE
+    if not manifest.exists():
+        if expected and sha256_file(weights) != expected.lower():
+            raise AdapterInvalid(f"sha256 of {WEIGHTS_FILE} does not match the expected {expected}")
+        return
+    manifest = _inside(manifest, adapter_root, MANIFEST_FILE)
+    if expected and sha256_file(manifest) != expected.lower():
+        raise AdapterInvalid(f"sha256 of {MANIFEST_FILE} does not match the expected {expected}")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        listed = dict(files) if isinstance(files, dict) else {e["path"]: e["sha256"] for e in files}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise AdapterInvalid(f"{MANIFEST_FILE} is malformed (want {{'files': {{path: sha256}}}}): {exc}") from exc
+    if WEIGHTS_FILE not in listed:
+        raise AdapterInvalid(f"{MANIFEST_FILE} does not list {WEIGHTS_FILE}")
+    for rel, digest in listed.items():
+        file = _inside(root / rel, root, f"{MANIFEST_FILE} entry")
+        if not file.is_file() or sha256_file(file) != str(digest).lower():
+            raise AdapterInvalid(f"{rel} is missing or does not match its sha256 in {MANIFEST_FILE}")
