@@ -8,8 +8,8 @@ p-value over time and the decisions. It draws them with the console's own chart 
 report and the live console show the same pictures.
 
 The data is read from files only, the way the runtime serves it: ``<data-dir>/learner/*/status.json``
-and ``history.jsonl`` (every update) and the experiments in the interaction store (``--db``, default
-``<data-dir>/interactions.db``), with each arm's rewards since the experiment started summarised as
+and ``history.jsonl`` (every update) and the A/B experiments (``runtime/experiments_store.py``) in the
+interaction store's database (``--db``, default ``<data-dir>/interactions.db``), with each arm's rewards since the experiment started summarised as
 ``GET /admin/experiments/{name}`` does (mean, 95% t-interval, Welch's test for reference; the
 always-valid p-values are the stored ones).
 
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from learner.store import SqliteStore
+from runtime.experiments_store import ExperimentStore
 
 ASSETS = ("charts.js", "console.css")
 
@@ -80,7 +81,7 @@ def experiments(store: SqliteStore) -> list[dict[str, Any]]:
     from scipy import stats
 
     out = []
-    for name, config, state in store.load_experiments():
+    for name, config, state in ExperimentStore(store).load():
         champion = state.get("champion")
         obs = {a["adapter"]: store.arm_observations(a["adapter"], state.get("started_at", 0.0), config.get("metric")) for a in config.get("arms", [])}
         arms = []

@@ -30,6 +30,9 @@ What it does:
   table, ``secure_delete`` overwrites the freed content, and ``delete_session`` truncates the WAL
   (``wal_checkpoint(TRUNCATE)``) so no copy of the deleted pages is left in the ``-wal`` file.
 
+- ``transaction(write=...)``, ``placeholder`` and ``dialect`` let a module that owns a table of its own in this
+  file use the store's connections: the A/B experiments' table (``runtime/experiments_store.py``).
+
 - ``open_store(spec)``: the store a ``--store`` value names: a ``postgresql://`` URL opens
   ``learner.store_pg.PostgresStore`` (same public methods, same tables and columns, BYTEA for the packed
   arrays), anything else is an SQLite file path.
@@ -177,17 +180,9 @@ def _v2_unique_idempotency_key(conn: sqlite3.Connection) -> None:
 
 
 def _v3_experiments(conn: sqlite3.Connection) -> None:
-    # A/B experiments (config + running state and decisions) live beside the turns, so they survive
-    # restarts; turns get an (adapter, created_at) index for per-arm statistics.
-    conn.execute(
-        """CREATE TABLE experiments (
-            name TEXT PRIMARY KEY,
-            config TEXT NOT NULL,
-            state TEXT NOT NULL,
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL
-        )"""
-    )
+    # Turns get an (adapter, created_at) index for the A/B experiments' per-arm statistics. Version 3 also
+    # created the experiments table itself; it now belongs to runtime/experiments_store.py, which creates it
+    # when it is missing (a file migrated before then has it already, with the same columns).
     conn.execute("CREATE INDEX turns_adapter ON turns (adapter, created_at)")
 
 
@@ -466,6 +461,24 @@ class SqliteStore:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+
+    placeholder = "?"
+    dialect = "sqlite"
+
+    @contextmanager
+    def transaction(self, *, write: bool = False) -> Iterator[sqlite3.Connection]:
+        """This thread's connection in one transaction (``write``: ``BEGIN IMMEDIATE``), for tables other modules own
+        in this file (``runtime/experiments_store.py``)."""
+        if write:
+            with self._write() as conn:
+                yield conn
+            return
+        conn = self._conn()
+        conn.execute("BEGIN")
+        try:
+            yield conn
+        finally:
+            conn.execute("COMMIT")
 
     def close(self) -> None:
         self._closed = True
@@ -787,21 +800,7 @@ class SqliteStore:
             if len(rows) < page_size:
                 return
 
-    # ---- experiments -------------------------------------------------------------------------
-    def save_experiment(self, name: str, config: dict[str, Any], state: dict[str, Any]) -> None:
-        """Create or update an experiment's config and state (experiments are not turn data: they change)."""
-        now = time.time()
-        with self._write() as conn:
-            conn.execute(
-                """INSERT INTO experiments (name, config, state, created_at, updated_at) VALUES (?, ?, ?, ?, ?)
-                   ON CONFLICT(name) DO UPDATE SET config = excluded.config, state = excluded.state, updated_at = excluded.updated_at""",
-                (name, _json(config), _json(state), now, now),
-            )
-
-    def load_experiments(self) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-        rows = self._conn().execute("SELECT name, config, state FROM experiments ORDER BY created_at").fetchall()
-        return [(r[0], json.loads(r[1]), json.loads(r[2])) for r in rows]
-
+    # ---- the A/B experiments' per-arm data (their config and state: runtime/experiments_store.py) ----
     def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[float]]:
         """For one adapter version since ``since``: the rewards on its turns and on the trajectories it served (a
         verifier's outcome reward is on the trajectory), of one ``source``, or with ``source=None`` of the trusted

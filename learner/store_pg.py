@@ -8,7 +8,7 @@ What it does:
   side by side; several runtime processes may append to one database at once.
 - Same tables, columns, semantics and public methods as ``learner.store.SqliteStore`` (sessions keyed by
   owner + name, append-only turns whose re-insert is a no-op, rewards only on the owner's own records,
-  idempotency keys unique per owner, experiments, the adapter registry's shared state). Token arrays are
+  idempotency keys unique per owner, the adapter registry's shared state). Token arrays are
   the same packed little-endian bytes in ``BYTEA`` columns (``bench/store_ingest.py --postgres`` measures
   them against native ``int4[]``/``real[]``/``smallint[]`` arrays); insertion order is a ``BIGSERIAL`` ``seq``
   (SQLite's rowid). A batch of turns is one transaction, sent in pipeline mode (one round trip).
@@ -127,13 +127,6 @@ def _initial_v5(conn: psycopg.Connection) -> None:
             comment TEXT,
             idempotency_key TEXT,
             owner TEXT NOT NULL DEFAULT 'public'
-        )""",
-        """CREATE TABLE experiments (
-            name TEXT PRIMARY KEY,
-            config TEXT NOT NULL,
-            state TEXT NOT NULL,
-            created_at DOUBLE PRECISION NOT NULL,
-            updated_at DOUBLE PRECISION NOT NULL
         )""",
         "CREATE INDEX trajectories_session ON trajectories (owner, session_id)",
         "CREATE INDEX trajectories_created ON trajectories (created_at)",
@@ -255,6 +248,16 @@ class PostgresStore:
         with self._pool.connection() as conn:
             if snapshot:
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            yield conn
+
+    placeholder = "%s"
+    dialect = "postgresql"
+
+    @contextmanager
+    def transaction(self, *, write: bool = False) -> Iterator[psycopg.Connection]:
+        """One pooled connection in one transaction, for tables other modules own in this database
+        (``runtime/experiments_store.py``); ``write`` is accepted for the SQLite store's interface."""
+        with self._tx() as conn:
             yield conn
 
     def close(self) -> None:
@@ -556,21 +559,6 @@ class PostgresStore:
                 }
             if len(rows) < page_size:
                 return
-
-    # ---- experiments -------------------------------------------------------------------------
-    def save_experiment(self, name: str, config: dict[str, Any], state: dict[str, Any]) -> None:
-        now = time.time()
-        with self._tx() as conn:
-            conn.execute(
-                """INSERT INTO experiments (name, config, state, created_at, updated_at) VALUES (%s, %s, %s, %s, %s)
-                   ON CONFLICT (name) DO UPDATE SET config = excluded.config, state = excluded.state, updated_at = excluded.updated_at""",
-                (name, _json(config), _json(state), now, now),
-            )
-
-    def load_experiments(self) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-        with self._tx() as conn:
-            rows = conn.execute("SELECT name, config, state FROM experiments ORDER BY created_at").fetchall()
-        return [(r[0], json.loads(r[1]), json.loads(r[2])) for r in rows]
 
     # ---- the adapter registry's shared state ---------------------------------------------------
     def save_registry(self, kind: str, name: str, value: dict[str, Any] | None) -> None:

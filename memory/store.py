@@ -26,7 +26,7 @@ when reading) is refused with :class:`StaleMemory` if the document changed or wa
 
 **File.** A sibling of the interaction store (``interactions.db``), not its tables: the two have their
 own schema versions (``PRAGMA user_version`` + ordered migrations, each in one ``BEGIN IMMEDIATE``
-transaction, as ``learner/store.py`` does) and memory deletion never touches the interaction store.
+transaction: this module's ``migrate``) and memory deletion never touches the interaction store.
 One connection guarded by a lock (memory operations are small and rare next to turn recording); call it
 from worker threads in async code.
 
@@ -47,8 +47,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-from learner import store as _store
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +138,29 @@ def _v1_initial(conn: sqlite3.Connection) -> None:
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1_initial,)
 
 
-SchemaTooNew = _store.SchemaTooNew  # the database was written by a newer loopwise
+class SchemaTooNew(RuntimeError):
+    """The memory database was written by a newer loopwise (its schema version is past this code's)."""
 
 
 def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Connection], None]] = MIGRATIONS) -> int:
-    """Apply the missing migrations in order, one transaction each (``conn`` in autocommit mode): the
-    interaction store's runner (``learner.store.migrate``), over this database's own migrations."""
-    return _store.migrate(conn, migrations)
+    """Apply the missing ``migrations`` in order, each with its version bump in one ``BEGIN IMMEDIATE`` transaction
+    (so two processes opening the file never migrate twice); the final version. ``conn`` in autocommit mode."""
+    while True:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]  # re-read under the write lock
+            if version > len(migrations):
+                raise SchemaTooNew(f"memory database schema version {version} is newer than this code's {len(migrations)}")
+            if version == len(migrations):
+                conn.execute("COMMIT")
+                return int(version)
+            migrations[version](conn)
+            conn.execute(f"PRAGMA user_version = {version + 1}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
 
 _COLUMNS = "owner, scope, version, text, created_at, method, adapter, trajectory_id, turn_id, copilot_trajectory_id, copilot_turn_id, meta"

@@ -17,9 +17,10 @@ to that arm, and once every challenger is rolled back the experiment ends (``rol
 ``inconclusive`` (the champion stays), so an A/B between near-equal versions cannot run forever.
 Each change of a challenger's p-value is kept in ``p_history`` (time, p, both arms' n; at most
 ``P_HISTORY_MAX`` points, thinned evenly), so the p-value can be drawn over time.
-Config, state and every decision are saved in the store, so experiments survive restarts; on a store
-shared by several runtimes each of them re-reads them every sync (``runtime/registry_sync.py``), so they
-route a family alike, and a decision taken on one (the later write wins) is followed by all.
+Config, state and every decision are saved in the store (``runtime/experiments_store.py``), so experiments
+survive restarts; on a store shared by several runtimes each of them re-reads them every sync
+(``runtime/registry_sync.py``), so they route a family alike, and a decision taken on one (the later write
+wins) is followed by all.
 
 Not here: HTTP (``store_routes``/``app``), loading adapters (``adapters.AdapterRegistry``).
 """
@@ -34,6 +35,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.experiment_stats import decide, summarize, welch_t_test
+from runtime.experiments_store import ExperimentDatabase, ExperimentStore
 from runtime.routing import Arm, assign_arm
 
 log = logging.getLogger(__name__)
@@ -73,9 +75,9 @@ class ExperimentConfig(BaseModel):
         return self
 
 
-class _Store(Protocol):
-    def save_experiment(self, name: str, config: dict[str, Any], state: dict[str, Any]) -> None: ...
-    def load_experiments(self) -> list[tuple[str, dict[str, Any], dict[str, Any]]]: ...
+class _Store(ExperimentDatabase, Protocol):
+    """The interaction store: the database that keeps the experiments (``ExperimentStore``) and answers the arms' data."""
+
     def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[float]]: ...
 
 
@@ -91,10 +93,11 @@ class ExperimentError(ValueError):
 class Experiments:
     def __init__(self, store: _Store, registry: _Registry) -> None:
         self.store = store
+        self.saved = ExperimentStore(store)
         self.registry = registry
         self.configs: dict[str, ExperimentConfig] = {}
         self.states: dict[str, dict[str, Any]] = {}
-        self.apply_stored(store.load_experiments())
+        self.apply_stored(self.saved.load())
 
     def apply_stored(self, rows: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> None:
         """Take the experiments as stored (at start-up; on a shared store, every sync: another runtime may have
@@ -131,7 +134,7 @@ class Experiments:
             raise ExperimentError(f"the family alias {cfg.family!r} must point at one of the arms (it points at {champion})")
         state = {"status": "running", "champion": champion, "started_at": time.time(), "stopped_arms": [], "p_values": {}, "decisions": []}
         self.configs[cfg.name], self.states[cfg.name] = cfg, state
-        self.store.save_experiment(cfg.name, cfg.model_dump(), state)
+        self.saved.save(cfg.name, cfg.model_dump(), state)
         return self.status(cfg.name)
 
     def route(self, family: str, session_key: str, user_key: str | None) -> str | None:
@@ -151,7 +154,7 @@ class Experiments:
         if state["status"] == "running":
             state["status"] = "stopped"
             state["decisions"].append({"time": time.time(), "action": "stop", "arm": None, "reason": "stopped by an admin"})
-            self.store.save_experiment(name, self.configs[name].model_dump(), state)
+            self.saved.save(name, self.configs[name].model_dump(), state)
         return self.status(name)
 
     def promote(self, name: str, arm: str, reason: str = "promoted by an admin") -> dict[str, Any]:
@@ -161,7 +164,7 @@ class Experiments:
         self.registry.set_alias(cfg.family, arm)
         state.update(status="promoted", winner=arm)
         state["decisions"].append({"time": time.time(), "action": "promote", "arm": arm, "reason": reason})
-        self.store.save_experiment(name, cfg.model_dump(), state)
+        self.saved.save(name, cfg.model_dump(), state)
         return self.status(name)
 
     def _observations(self, cfg: ExperimentConfig, adapter: str, since: float) -> dict[str, list[float]]:
@@ -197,7 +200,7 @@ class Experiments:
                 changed = True
         changed = self._end_if_over(cfg, state, obs) or changed
         if changed:
-            self.store.save_experiment(name, cfg.model_dump(), state)
+            self.saved.save(name, cfg.model_dump(), state)
         return self.status(name, obs)
 
     @staticmethod

@@ -115,7 +115,7 @@ class RegistrySync:
                 except AdapterError as exc:
                     log.warning("cannot follow the shared store's alias %s → %s yet: %s", family, target, exc)
         if self.experiments is not None:
-            self.experiments.apply_stored(await asyncio.to_thread(self.store.load_experiments))
+            self.experiments.apply_stored(await asyncio.to_thread(self.experiments.saved.load))
 
     async def _load(self, name: str, value: dict[str, Any]) -> None:
         family, _, version = name.partition("@")

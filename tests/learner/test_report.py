@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from learner.store import SqliteStore
+from runtime.experiments_store import ExperimentStore
 from tests.runtime.test_experiments import add_rewards
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -49,7 +50,7 @@ def make_run(d: Path) -> None:
     t0 = time.time() - 600
     state = {"status": "running", "champion": "f@1", "started_at": 0.0, "stopped_arms": [], "p_values": {"f@2": 0.42}, "decisions": []}
     state["p_history"] = {"f@2": [{"t": t0 + 60, "p": 0.9, "n_champion": 4, "n": 4}, {"t": t0 + 300, "p": 0.42, "n_champion": 5, "n": 4}]}
-    store.save_experiment("f-ab", config, state)
+    ExperimentStore(store).save("f-ab", config, state)
     store.close()
 
 

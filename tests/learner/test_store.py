@@ -1,5 +1,5 @@
 """The interaction store on both backends (``store`` is parametrised over SQLite and PostgreSQL): round trips,
-atomic batches, concurrent reads, rewards, stitching lookups, listing, deletion, pruning, experiments, the
+atomic batches, concurrent reads, rewards, stitching lookups, listing, deletion, pruning, the
 registry's shared state, migrations (each backend's own: from an empty database and from the previous schema),
 and the ``python -m learner export`` CLI."""
 
@@ -20,6 +20,7 @@ import pytest
 from learner import store as store_mod
 from learner.records import Reward, ToolCallRecord, Turn, TurnCheck, TurnTimings
 from learner.store import MIGRATIONS, SCHEMA_VERSION, SqliteStore, UnknownTarget, db_path
+from runtime.experiments_store import ExperimentStore
 
 ROOT = Path(__file__).resolve().parents[2]
 # the columns before version 7 added self-checks, and before version 5 added owners: what genuine older files hold
@@ -536,23 +537,19 @@ def test_export_cli_errors(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "not a Unix time" in proc.stderr
 
 
-def test_migrates_a_genuine_v2_database_to_v3_with_experiments(tmp_path: Path) -> None:
+def test_migrates_a_genuine_v2_database(tmp_path: Path) -> None:
     path = tmp_path / "v2.db"
     conn = sqlite3.connect(path, isolation_level=None)
     assert store_mod.migrate(conn, MIGRATIONS[:2]) == 2
-    assert "experiments" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     turns = [make_turn(i, index=i) for i in range(4)]
     conn.executemany(f"INSERT INTO turns ({OLD_TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [old_turn_row(t) for t in turns])
     conn.close()
     s = SqliteStore(path)
     assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
     assert [s.get_turn(t.turn_id) for t in turns] == turns
-    assert s.load_experiments() == []
-    s.save_experiment("exp1", {"family": "f", "arms": ["f@1", "f@2"]}, {"decision": "continue"})
-    s.save_experiment("exp1", {"family": "f", "arms": ["f@1", "f@2"]}, {"decision": "promote", "winner": "f@2"})
-    assert s.load_experiments() == [("exp1", {"family": "f", "arms": ["f@1", "f@2"]}, {"decision": "promote", "winner": "f@2"})]
+    indexes = {r[0] for r in s._conn().execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert "turns_adapter" in indexes  # version 3's index for the A/B experiments' per-arm statistics
     s.close()
-    assert SqliteStore(path).load_experiments()[0][2]["winner"] == "f@2"  # survives reopening
 
 
 def test_arm_observations_by_adapter_and_source(store) -> None:
@@ -650,7 +647,7 @@ def test_migrates_a_genuine_v4_database_to_owners(tmp_path: Path) -> None:
     s.close()
 
 
-# -- both backends: deletion, experiments, the registry's shared state, racing writers ---------------------
+# -- both backends: deletion, the registry's shared state, racing writers ---------------------
 
 
 def test_delete_session_removes_every_row(store) -> None:
@@ -675,15 +672,8 @@ def test_delete_session_removes_every_row(store) -> None:
     assert store.delete_trajectories(["traj-k", "traj-k"]) == 2 and store.stats()["turns"] == 0
 
 
-def test_experiments_and_registry_state_round_trip(store) -> None:
-    assert store.load_experiments() == [] and store.load_registry() == {"adapter": {}, "alias": {}}
-    store.save_experiment("exp1", {"family": "f"}, {"status": "running"})
-    store.save_experiment("exp1", {"family": "f"}, {"status": "promoted", "winner": "f@2"})
-    store.save_experiment("exp2", {"family": "g"}, {"status": "running"})
-    assert store.load_experiments() == [
-        ("exp1", {"family": "f"}, {"status": "promoted", "winner": "f@2"}),
-        ("exp2", {"family": "g"}, {"status": "running"}),
-    ]
+def test_registry_state_round_trip(store) -> None:
+    assert store.load_registry() == {"adapter": {}, "alias": {}}
     store.save_registry("adapter", "f@1", {"path": "/a/f/v1", "sha256": "aa"})
     store.save_registry("adapter", "f@2", {"path": "/a/f/v2", "sha256": "bb"})
     store.save_registry("alias", "f", {"target": "f@1"})
@@ -746,10 +736,15 @@ def test_pg_migrates_the_previous_schema(pg_url: str) -> None:
         conn.execute("INSERT INTO sessions VALUES ('public', 'sess-a', 1.0)")
         conn.execute("INSERT INTO trajectories (trajectory_id, session_id, created_at) VALUES ('traj-a', 'sess-a', 1.0)")
         conn.execute(f"INSERT INTO turns ({V6_TURN_COLUMNS}) VALUES ({', '.join(['%s'] * 23)})", v6_turn_row(t))
+        # the experiments table as version 5 created it before runtime/experiments_store.py owned it, with a row
+        conn.execute(
+            """CREATE TABLE experiments (name TEXT PRIMARY KEY, config TEXT NOT NULL, state TEXT NOT NULL,
+                                         created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL)"""
+        )
         conn.execute("INSERT INTO experiments VALUES ('e', '{}', '{\"status\": \"running\"}', 1.0, 1.0)")
     s = PostgresStore(pg_url)
     assert s.schema_version == 7 and s.get_turn("turn-1") == t and s.find_continuation("sess-a", "c1").turn_id == "turn-1"
-    assert s.load_experiments() == [("e", {}, {"status": "running"})]
+    assert ExperimentStore(s).load() == [("e", {}, {"status": "running"})]
     s.save_registry("alias", "f", {"target": "f@1"})
     assert s.load_registry()["alias"] == {"f": {"target": "f@1"}}
     s.close()
@@ -849,7 +844,7 @@ def test_export_cli_reads_a_postgres_store(pg_url: str, tmp_path: Path) -> None:
     rows = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [r["turn_id"] for r in rows] == ["turn-2"] and rows[0]["context_ids"] == expected.context_ids and rows[0]["reward"] == 0.5
     s = PostgresStore(pg_url)
-    s.save_experiment("e1", {"family": "f", "arms": [{"adapter": "f@1"}, {"adapter": "f@2"}]}, {"status": "running", "started_at": 0.0})
+    ExperimentStore(s).save("e1", {"family": "f", "arms": [{"adapter": "f@1"}, {"adapter": "f@2"}]}, {"status": "running", "started_at": 0.0})
     s.close()
     rep = subprocess.run(
         [sys.executable, "-m", "learner", "report", "--data-dir", str(tmp_path), "--store", pg_url, "--out", str(tmp_path / "r.html")],
