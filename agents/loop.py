@@ -1,5 +1,9 @@
 """The agent loop: a state machine over exact token ids (generate → parse → run tools → observe → decide).
 
+The run's state, its phases and the one rule that ends it are ``agents/run_state.py`` (``RunState``, ``Phase``,
+``ending``); ``AgentLoop`` has one handler per phase (``_begin``, ``_generate_turn``, ``_score``, ``_replay``,
+``_act``, ``_observe``) and ``_run`` drives them until ``ending`` says stop.
+
 One run is one trajectory. Every model call is one recorded turn: its context ids are exactly what the
 engine was given, its output ids exactly what it produced (loss mask 1); tool results, policy feedback
 and T²PO's forced text live only in later turns' contexts, so they are never trained on.
@@ -62,17 +66,18 @@ import copy
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import structlog
 
 from agents.config import AgentConfig
 from agents.policies import make_policy
 from agents.prompts import format_grammar
+from agents.run_state import Phase, RunState, ending
 from agents.self_checks import fixed_horizon, turn_check
-from agents.stop import StopDecision, StopPolicy, TurnView
+from agents.stop import StopPolicy, TurnView
 from agents.t2po import T2POCounters, intervention_text, thinking_open, token_uncertainty, turn_uncertainty
 from agents.tasks import Env, Problem, Task
 from learner.records import Reward, ToolCallRecord, Turn, TurnCheck, TurnTimings, context_sha256, new_id
@@ -339,7 +344,7 @@ class AgentLoop:
                 log.debug("no version of the family yet; serving the agent's model", family=self.config.adapter_family)
         return self.client.acquire(self.config.model or self.client.model_id, route_key)
 
-    # ---- the state machine ----------------------------------------------------------------------
+    # ---- the state machine (agents/run_state.py: the state, the phases, when a run ends) ----------------
     async def _run(
         self,
         policy: StopPolicy,
@@ -356,12 +361,31 @@ class AgentLoop:
         group: str | None = None,
         horizon: int | None = None,
     ) -> RunResult:
-        cfg = self.config
         if branch is not None:
             self._check_branch(branch, max_turns)
-        t0 = time.perf_counter()
-        run_id = f"run-{uuid.uuid4().hex}"
-        trajectory_id = new_id("traj")
+        s = self._start(policy, lease, messages, session_id, request_id, problem, seed, max_turns, branch)
+        phase = Phase.BEGIN
+        while (stop := ending(s, phase)) is None:
+            phase = await self._phases[phase](self, s)
+        s.stop_reason, s.finish = stop.reason, stop.finish
+        if stop.answered:
+            s.msgs += [{"role": "assistant", "content": s.text}]
+        if not s.branched:
+            assert branch is not None
+            where = f"branch of {branch.of or 'a trajectory'} at turn {branch.turn}"
+            raise BranchMismatch(f"{where}: the replayed run stopped at turn {s.turn} ({s.stop_reason})")
+        result = self._result(s, await self._answer(s), eval_run, problem_ref, group)
+        result.horizon = horizon
+        await self._finish(result)
+        return result
+
+    def _start(
+        self, policy: StopPolicy, lease: Lease, messages: list[dict[str, Any]], session_id: str, request_id: str, problem: Problem | None,
+        seed: int | None, max_turns: int, branch: Branch | None,
+    ) -> RunState:  # fmt: skip
+        """The run's first context: the agent's system prompt (with the caller's system messages), the conversation,
+        the environment's first observation; a branch must start from its backbone's exact first context."""
+        cfg = self.config
         env: Env | None = self.task.make_env(problem) if self.task is not None and problem is not None else None
         system = self.system_prompt(policy)
         extra_system = "\n\n".join(m.get("content") or "" for m in messages if m["role"] == "system")
@@ -379,223 +403,247 @@ class AgentLoop:
                 f"branch of {branch.of or 'a trajectory'}: the run's first context differs from the recorded one (the agent's configuration "
                 "or the problem changed)"
             )
-        prompt_tokens = len(ctx.ids)
-        history: list[TurnView] = []
-        steps: list[StepRecord] = []
-        counters = T2POCounters()
-        state_keys: list[str | None] = []
-        completion_tokens = 0
-        parent: str | None = None
-        drift_turns = 0
-        prev_u: float | None = None
-        decision: StopDecision | None = None
-        stop_reason = "max_turns"
-        env_reward = 0.0
-        env_done = False
-        env_info: dict[str, Any] = {}
-        finish = "stop"
         spec = format_grammar(policy.fmt) if cfg.constrain_format and not self.tool_names and not cfg.t2po.thinking_intervention else None
-        grammar = Grammar("ebnf", spec) if spec else None
-        turn = 0
-        branched = branch is None
-        replayed_tokens = 0
-        client_calls: list[Any] = []  # calls to the client's tools: they end the run
-        client_text = ""
-        res: GenerateResult | None = None
-        while turn < max_turns:
-            if self.rewrite is not None and (new_msgs := self.rewrite(msgs, turn)) is not None:
-                msgs = new_msgs
-                ctx.advance(turn - 1, [], self.client.render(msgs, self.tool_schemas).token_ids)
-            room = self.client.max_model_len - len(ctx.ids)
-            budget = cfg.token_budget - completion_tokens
-            if room < 2 or budget < 1:
-                stop_reason, finish = ("context_full" if room < 2 else "token_budget"), "length"
-                break
-            sampling = SamplingParams(
-                max_new_tokens=max(1, min(cfg.max_tokens_per_turn, budget, room - 1)),
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                seed=None if seed is None else seed * 1000 + turn,
-                logprobs=True,
-                top_logprobs=cfg.t2po.top_logprobs if (cfg.t2po.thinking_intervention or cfg.t2po.turn_resample) else 0,
-                grammar=grammar,
-            )
-            state_keys.append(_state_key(env))  # the state this turn acts in (replayed turns too: indices are absolute)
-            forced = branch is not None and turn < branch.turn
-            if branch is not None and turn == branch.turn:
-                if context_sha256(ctx.ids) != branch.context_sha256:
-                    where = f"branch of {branch.of or 'a trajectory'} at turn {turn}"
-                    raise BranchMismatch(f"{where}: the replayed context differs from the recorded one")
-                branched, parent = True, branch.parent_turn_id
-            if forced:
-                assert branch is not None
-                res, intervened, mask = self._replayed(ctx.ids, branch.backbone[turn], f"{request_id}-t{turn}"), False, None
-            else:
-                res, intervened, mask = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}", policy)
-            u = _turn_uncertainty(res.logprobs, mask)
-            drafts = 0
-            while cfg.t2po.turn_resample and not forced and not intervened and u is not None and cfg.t2po.resample(prev_u, u, drafts):
-                await self._record_draft(res, ctx.ids, lease, session_id, run_id, parent, turn, msgs, grammar)
-                drafts += 1
-                counters.resamples += 1
-                completion_tokens += len(res.output_ids)
-                sampling = replace(sampling, seed=(sampling.seed or 0) + 7919 * drafts)  # keeps the grammar as it is
-                res, intervened, mask = await self._generate(ctx.ids, sampling, lease, f"{request_id}-t{turn}-r{drafts}", policy)
-                u = _turn_uncertainty(res.logprobs, mask)
-            prev_u = u if u is not None else prev_u
-            completion_tokens += len(res.output_ids)  # replayed turns count against the budget, as in the backbone
-            replayed_tokens += len(res.output_ids) if forced else 0
-            counters.interventions += int(intervened)
-            turn_id = new_id("turn")
-            text = res.text
-            step = StepRecord(
-                turn, turn_id, res.text, len(res.output_ids), res.finish_reason, uncertainty=u, intervened=intervened, drafts_discarded=drafts,
-                replayed=forced,
-            )  # fmt: skip
-            steps.append(step)
-
-            calls = self.client.parse_tool_calls(text, self.tool_names).tool_calls if self.tool_names else []
-            if not forced:
-                check = turn_check(policy.fmt, text, tool_calls=len(calls), task=self.task, problem=problem, env=env)
-                step.correct = check.correct if check is not None else None
-                await self._record(
-                    res, ctx.ids, turn_id, lease, session_id, run_id, parent, turn, msgs, calls, res.finish_reason, trajectory_id, grammar, mask,
-                    check,
-                )  # fmt: skip
-                parent = turn_id
-            client_calls = [c for c in calls if c.name in self.client_tool_names]
-            if client_calls:  # the client runs these tools: the run ends here, the call is the answer
-                client_text = self.client.parse_tool_calls(text, self.tool_names).content or ""
-                history.append(TurnView(text=text, tool_calls=len(calls)))
-                msgs += [{"role": "assistant", "content": text}]
-                stop_reason = "client_tool_call"
-                break
-            if self.task is not None and problem is not None:
-                step.process_score = self.task.process_score(problem, text)
-                if step.process_score is not None and not forced:
-                    await self.client.reward(
-                        Reward(target="turn", target_id=turn_id, value=float(step.process_score), source=f"verifier:{self.task.name}:process")
-                    )
-            assistant: dict[str, Any] = {"role": "assistant", "content": text}
-            if forced:
-                assert branch is not None
-                ended, reward = self._replay_step(branch, turn, text, calls, env, policy, history, max_turns, step)
-                env_reward += reward
-                if ended is not None:  # the backbone cannot have stopped before the branch turn: refused below
-                    stop_reason = ended
-                    msgs += [assistant]
-                    break
-                nxt = branch.backbone[turn + 1]
-                msgs = [dict(m) for m in nxt.messages]
-                ctx.advance(turn, res.output_ids, list(nxt.context_ids))
-                turn += 1
-                continue
-            observations: list[dict[str, Any]] = []
-            if calls:
-                for call in calls:
-                    result = await self.tools.call(call.name, call.arguments)
-                    step.tool_calls.append(
-                        ToolEvent(
-                            call.id, call.name, call.arguments, result.content, result.ok, result.error_kind, dict(result.flags), result.elapsed_s
-                        )
-                    )
-                    observations.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result.content})
-            history.append(TurnView(text=text, tool_calls=len(calls)))
-            if env is not None and not calls:
-                env_step = env.step(text)
-                env_reward += env_step.reward
-                env_info = env_step.info
-                step.observation = env_step.observation
-                step.info = json_safe(env_step.info)
-                if env_step.done:
-                    env_done = True
-                    stop_reason = "env_done"
-                    msgs += [assistant]
-                    break
-                observations.append({"role": "user", "content": env_step.observation})
-                decision = None
-            else:
-                decision = policy.decide(history, max_turns)
-                step.decision = decision.reason
-                step.format_failure = decision.format_failure
-                if decision.check is not None:
-                    step.verdict, step.confidence = decision.check.verdict, decision.check.confidence
-                if decision.stop:
-                    stop_reason = decision.reason
-                    msgs += [assistant]
-                    break
-                if decision.feedback:
-                    observations.append({"role": "user", "content": decision.feedback})
-                    step.observation = decision.feedback
-            if not observations:  # nothing to say back (e.g. fixed policy without feedback): ask to go on
-                observations.append({"role": "user", "content": "Continue."})
-                step.observation = "Continue."
-            obs_ids = self._observation_ids(msgs, res, observations)
-            msgs += [assistant, *observations]
-            ctx.advance(turn, res.output_ids, [*ctx.ids, *res.output_ids, *obs_ids])
-            if self.client.render(msgs, self.tool_schemas).token_ids != tuple(ctx.ids):
-                drift_turns += 1
-            turn += 1
-
-        if not branched:
-            assert branch is not None
-            where = f"branch of {branch.of or 'a trajectory'} at turn {branch.turn}"
-            raise BranchMismatch(f"{where}: the replayed run stopped at turn {turn} ({stop_reason})")
-
-        # ---- the answer and its verification
-        if not client_calls and (decision is None or not decision.stop):
-            final = policy.decide(history, len(history)) if history else None
-            if final is not None and env is None:
-                decision = final
-        answer = decision.answer if decision is not None and decision.answer is not None else (history[-1].text if history else "")
-        if client_calls:
-            answer = client_text
-        elif self.finalize is not None and env is None and res is not None:
-            fin = await self._finalize(ctx, msgs, res, lease, session_id, run_id, parent, len(steps), trajectory_id)
-            steps.append(fin.step)
-            completion_tokens += len(fin.res.output_ids)
-            parent = fin.step.turn_id
-            answer, client_calls = fin.answer, fin.calls
-            if fin.res.finish_reason == "length":
-                steps[-1].finish_reason = "length"
-        if stop_reason == "max_turns" and decision is not None and decision.stop:
-            stop_reason = decision.reason
-        if steps and steps[-1].finish_reason == "length":
-            finish = "length"  # the answer's turn was cut by its token limit
-        result = RunResult(
-            run_id=run_id,
-            trajectory_id=trajectory_id,
-            agent=cfg.name,
-            answer=answer,
-            stop_reason=stop_reason,
-            steps=steps,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens - replayed_tokens,
-            trainable=ctx.intact,
-            broken_at=ctx.broken_at,
-            drift_turns=drift_turns,
-            adapter=lease.adapter,
-            elapsed_s=time.perf_counter() - t0,
-            format_failures=sum(s.format_failure for s in steps),
-            p_correct=decision.p_correct if decision is not None else None,
-            t2po=counters.as_dict(),
-            state_keys=state_keys if any(k is not None for k in state_keys) else [],
-            last_turn_id=parent,
-            finish_reason=finish,
-            eval=eval_run,
-            tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in client_calls],
-            info=json_safe(env_info) if env_info else None,
+        return RunState(
+            run_id=f"run-{uuid.uuid4().hex}",
+            trajectory_id=new_id("traj"),
+            request_id=request_id,
+            session_id=session_id,
+            lease=lease,
+            policy=policy,
+            problem=problem,
+            env=env,
+            branch=branch,
+            max_turns=max_turns,
+            seed=seed,
+            grammar=Grammar("ebnf", spec) if spec else None,
+            t0=time.perf_counter(),
+            msgs=msgs,
+            ctx=ctx,
+            prompt_tokens=len(ctx.ids),
+            counters=T2POCounters(),
+            branched=branch is None,
         )
-        result.group, result.horizon = group, horizon
+
+    async def _begin(self, s: RunState) -> Phase:
+        """A turn starts: a ``rewrite`` hook may replace the messages (checked against the prefix invariant); the room
+        left in the context window and in the token budget is measured (``ending`` stops the run without either)."""
+        if self.rewrite is not None and (new_msgs := self.rewrite(s.msgs, s.turn)) is not None:
+            s.msgs = new_msgs
+            s.ctx.advance(s.turn - 1, [], self.client.render(s.msgs, self.tool_schemas).token_ids)
+        s.room = self.client.max_model_len - len(s.ctx.ids)
+        s.budget = self.config.token_budget - s.completion_tokens
+        return Phase.GENERATE
+
+    async def _generate_turn(self, s: RunState) -> Phase:
+        """The turn's output: replayed from the backbone before a branch's turn, else sampled (T²PO may cut its
+        thinking or regenerate it); then recorded (sampled turns only) and its tool calls parsed. A call to one of
+        the client's tools ends the run (``ending``)."""
+        cfg, branch, turn = self.config, s.branch, s.turn
+        sampling = SamplingParams(
+            max_new_tokens=max(1, min(cfg.max_tokens_per_turn, s.budget, s.room - 1)),
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            seed=None if s.seed is None else s.seed * 1000 + turn,
+            logprobs=True,
+            top_logprobs=cfg.t2po.top_logprobs if (cfg.t2po.thinking_intervention or cfg.t2po.turn_resample) else 0,
+            grammar=s.grammar,
+        )
+        s.state_keys.append(_state_key(s.env))  # the state this turn acts in (replayed turns too: indices are absolute)
+        s.forced = branch is not None and turn < branch.turn
+        if branch is not None and turn == branch.turn:
+            if context_sha256(s.ctx.ids) != branch.context_sha256:
+                where = f"branch of {branch.of or 'a trajectory'} at turn {turn}"
+                raise BranchMismatch(f"{where}: the replayed context differs from the recorded one")
+            s.branched, s.parent = True, branch.parent_turn_id
+        rid = f"{s.request_id}-t{turn}"
+        if s.forced:
+            assert branch is not None
+            res, intervened, s.mask = self._replayed(s.ctx.ids, branch.backbone[turn], rid), False, None
+        else:
+            res, intervened, s.mask = await self._generate(s.ctx.ids, sampling, s.lease, rid, s.policy)
+        u = _turn_uncertainty(res.logprobs, s.mask)
+        drafts = 0
+        while cfg.t2po.turn_resample and not s.forced and not intervened and u is not None and cfg.t2po.resample(s.prev_u, u, drafts):
+            await self._record_draft(res, s.ctx.ids, s.lease, s.session_id, s.run_id, s.parent, turn, s.msgs, s.grammar)
+            drafts += 1
+            s.counters.resamples += 1
+            s.completion_tokens += len(res.output_ids)
+            sampling = replace(sampling, seed=(sampling.seed or 0) + 7919 * drafts)  # keeps the grammar as it is
+            res, intervened, s.mask = await self._generate(s.ctx.ids, sampling, s.lease, f"{rid}-r{drafts}", s.policy)
+            u = _turn_uncertainty(res.logprobs, s.mask)
+        s.res = res
+        s.prev_u = u if u is not None else s.prev_u
+        s.completion_tokens += len(res.output_ids)  # replayed turns count against the budget, as in the backbone
+        s.replayed_tokens += len(res.output_ids) if s.forced else 0
+        s.counters.interventions += int(intervened)
+        turn_id = new_id("turn")
+        s.steps.append(
+            StepRecord(
+                turn, turn_id, res.text, len(res.output_ids), res.finish_reason, uncertainty=u, intervened=intervened, drafts_discarded=drafts,
+                replayed=s.forced,
+            )
+        )  # fmt: skip
+        s.calls = self.client.parse_tool_calls(res.text, self.tool_names).tool_calls if self.tool_names else []
+        if not s.forced:
+            check = turn_check(s.policy.fmt, res.text, tool_calls=len(s.calls), task=self.task, problem=s.problem, env=s.env)
+            s.step.correct = check.correct if check is not None else None
+            await self._record(
+                res, s.ctx.ids, turn_id, s.lease, s.session_id, s.run_id, s.parent, turn, s.msgs, s.calls, res.finish_reason, s.trajectory_id,
+                s.grammar, s.mask, check,
+            )  # fmt: skip
+            s.parent = turn_id
+        s.client_calls = [c for c in s.calls if c.name in self.client_tool_names]
+        if s.client_calls:  # the client runs these tools: the run ends here, the call is the answer
+            s.client_text = self.client.parse_tool_calls(res.text, self.tool_names).content or ""
+            s.history.append(TurnView(text=res.text, tool_calls=len(s.calls)))
+        return Phase.SCORE
+
+    async def _score(self, s: RunState) -> Phase:
+        """The task's per-turn process score, recorded as a reward on a sampled turn."""
+        if self.task is not None and s.problem is not None:
+            step = s.step
+            step.process_score = self.task.process_score(s.problem, s.text)
+            if step.process_score is not None and not s.forced:
+                source = f"verifier:{self.task.name}:process"
+                await self.client.reward(Reward(target="turn", target_id=step.turn_id, value=float(step.process_score), source=source))
+        return Phase.REPLAY if s.forced else Phase.ACT
+
+    async def _replay(self, s: RunState) -> Phase:
+        """What followed a replayed turn, from the record (``_replay_step``); the next context is the recorded one."""
+        assert s.branch is not None and s.res is not None
+        ended, reward = self._replay_step(s.branch, s.turn, s.text, s.calls, s.env, s.policy, s.history, s.max_turns, s.step)
+        s.env_reward += reward
+        if ended is not None:  # the backbone cannot have stopped before the branch turn: refused after the run
+            s.replay_end = ended
+            return Phase.BEGIN
+        nxt = s.branch.backbone[s.turn + 1]
+        s.msgs = [dict(m) for m in nxt.messages]
+        s.ctx.advance(s.turn, s.res.output_ids, list(nxt.context_ids))
+        s.turn += 1
+        return Phase.BEGIN
+
+    async def _act(self, s: RunState) -> Phase:
+        """The turn's tool calls run (errors become observations); a turn without calls steps the environment, if the
+        run has one, else goes to the stop policy, whose feedback becomes the next user message."""
+        step, s.observations = s.step, []
+        for call in s.calls:
+            result = await self.tools.call(call.name, call.arguments)
+            step.tool_calls.append(
+                ToolEvent(call.id, call.name, call.arguments, result.content, result.ok, result.error_kind, dict(result.flags), result.elapsed_s)
+            )
+            s.observations.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result.content})
+        s.history.append(TurnView(text=s.text, tool_calls=len(s.calls)))
+        if s.env is not None and not s.calls:
+            env_step = s.env.step(s.text)
+            s.env_reward += env_step.reward
+            s.env_info = env_step.info
+            step.observation = env_step.observation
+            step.info = json_safe(env_step.info)
+            s.env_done = env_step.done
+            if not env_step.done:
+                s.observations.append({"role": "user", "content": env_step.observation})
+                s.decision = None
+            return Phase.OBSERVE
+        decision = s.decision = s.policy.decide(s.history, s.max_turns)
+        step.decision = decision.reason
+        step.format_failure = decision.format_failure
+        if decision.check is not None:
+            step.verdict, step.confidence = decision.check.verdict, decision.check.confidence
+        if not decision.stop and decision.feedback:
+            s.observations.append({"role": "user", "content": decision.feedback})
+            step.observation = decision.feedback
+        return Phase.OBSERVE
+
+    async def _observe(self, s: RunState) -> Phase:
+        """The observations join the conversation; the next context is this one + the output + the template's tokens
+        around the observations (the prefix invariant), and a full re-render that differs counts as drift."""
+        assert s.res is not None
+        if not s.observations:  # nothing to say back (e.g. fixed policy without feedback): ask to go on
+            s.observations.append({"role": "user", "content": "Continue."})
+            s.step.observation = "Continue."
+        obs_ids = self._observation_ids(s.msgs, s.res, s.observations)
+        s.msgs += [{"role": "assistant", "content": s.text}, *s.observations]
+        s.ctx.advance(s.turn, s.res.output_ids, [*s.ctx.ids, *s.res.output_ids, *obs_ids])
+        if self.client.render(s.msgs, self.tool_schemas).token_ids != tuple(s.ctx.ids):
+            s.drift_turns += 1
+        s.turn += 1
+        return Phase.BEGIN
+
+    _phases: ClassVar[dict[Phase, Callable[[AgentLoop, RunState], Awaitable[Phase]]]] = {
+        Phase.BEGIN: _begin,
+        Phase.GENERATE: _generate_turn,
+        Phase.SCORE: _score,
+        Phase.REPLAY: _replay,
+        Phase.ACT: _act,
+        Phase.OBSERVE: _observe,
+    }
+
+    async def _answer(self, s: RunState) -> str:
+        """The run's answer: the client's tool call, else the stop policy's (asked again over the whole history when it
+        did not stop the run, except in an environment), else the last turn's text; with ``finalize``, one more turn
+        under the request's grammar gives it."""
+        if not s.client_calls and (s.decision is None or not s.decision.stop):
+            final = s.policy.decide(s.history, len(s.history)) if s.history else None
+            if final is not None and s.env is None:
+                s.decision = final
+        decision = s.decision
+        answer = decision.answer if decision is not None and decision.answer is not None else (s.history[-1].text if s.history else "")
+        if s.client_calls:
+            answer = s.client_text
+        elif self.finalize is not None and s.env is None and s.res is not None:
+            fin = await self._finalize(s.ctx, s.msgs, s.res, s.lease, s.session_id, s.run_id, s.parent, len(s.steps), s.trajectory_id)
+            s.steps.append(fin.step)
+            s.completion_tokens += len(fin.res.output_ids)
+            s.parent = fin.step.turn_id
+            answer, s.client_calls = fin.answer, fin.calls
+            if fin.res.finish_reason == "length":
+                s.steps[-1].finish_reason = "length"
+        if s.stop_reason == "max_turns" and decision is not None and decision.stop:
+            s.stop_reason = decision.reason
+        if s.steps and s.steps[-1].finish_reason == "length":
+            s.finish = "length"  # the answer's turn was cut by its token limit
+        return answer
+
+    def _result(self, s: RunState, answer: str, eval_run: bool, problem_ref: tuple[int, int] | None, group: str | None) -> RunResult:
+        """The run as the runs endpoint reports it, with the task's verdict: an environment's episode reward (or the
+        outcome its last step reports), else the verifier on the answer."""
+        branch, decision = s.branch, s.decision
+        result = RunResult(
+            run_id=s.run_id,
+            trajectory_id=s.trajectory_id,
+            agent=self.config.name,
+            answer=answer,
+            stop_reason=s.stop_reason,
+            steps=s.steps,
+            prompt_tokens=s.prompt_tokens,
+            completion_tokens=s.completion_tokens - s.replayed_tokens,
+            trainable=s.ctx.intact,
+            broken_at=s.ctx.broken_at,
+            drift_turns=s.drift_turns,
+            adapter=s.lease.adapter,
+            elapsed_s=time.perf_counter() - s.t0,
+            format_failures=sum(x.format_failure for x in s.steps),
+            p_correct=decision.p_correct if decision is not None else None,
+            t2po=s.counters.as_dict(),
+            state_keys=s.state_keys if any(k is not None for k in s.state_keys) else [],
+            last_turn_id=s.parent,
+            finish_reason=s.finish,
+            eval=eval_run,
+            tool_calls=[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in s.client_calls],
+            info=json_safe(s.env_info) if s.env_info else None,
+        )
+        result.group = group
         if problem_ref is not None:
             result.problem_index, result.problem_seed = problem_ref
         if branch is not None:
             result.branch_of, result.branch_turn, result.anchor, result.rerollout = branch.of, branch.turn, branch.context_sha256, branch.kind
-        if self.task is not None and problem is not None:
-            result.task, result.task_key, result.problem_id = self.task.name, self.task.task_key(problem), problem.id
-            if env is not None:
-                reward = min(1.0, max(0.0, env_reward))
-                correct: bool | None = env_done and reward >= 1.0
+        if self.task is not None and s.problem is not None:
+            result.task, result.task_key, result.problem_id = self.task.name, self.task.task_key(s.problem), s.problem.id
+            if s.env is not None:
+                env_info = s.env_info
+                reward = min(1.0, max(0.0, s.env_reward))
+                correct: bool | None = s.env_done and reward >= 1.0
                 # an environment may report its own outcome in the last step's info: "correct" (True/False, or None when
                 # it could not be measured, e.g. a kernel on a machine without a GPU), the "reward" to record (e.g.
                 # Kevin's uncapped 0.3 + speedup, or LEAP's 1/0) and a "score" ranking runs of one problem (meta score)
@@ -608,9 +656,8 @@ class AgentLoop:
                     result.score = float(env_info["score"])
                 result.reward, result.correct, result.verdict_detail = reward, correct, "episode reward"
             else:
-                verdict = self.task.verify(problem, answer)
+                verdict = self.task.verify(s.problem, answer)
                 result.reward, result.correct, result.verdict_detail = verdict.reward, verdict.correct, verdict.detail
-        await self._finish(result)
         return result
 
     # ---- pieces ---------------------------------------------------------------------------------
