@@ -62,7 +62,8 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="serve.py", description="loopwise: OpenAI-compatible serving with an online learning loop")
+    # prog: argparse's default, the name this process was started as (``serve.py``, or ``loopwise serve`` from ``cli``)
+    parser = argparse.ArgumentParser(description="loopwise: OpenAI-compatible serving with an online learning loop")
     parser.add_argument("--config", type=Path, help="TOML or JSON config file: one table per section below ([server], [engine], ...)")
     parser.add_argument(
         "--demo",
@@ -540,6 +541,7 @@ def cli(argv: list[str] | None = None) -> None:
         return
     target, prefix, _ = COMMANDS[args[0]]
     module, _, func = target.partition(":")
+    sys.argv[0] = f"loopwise {args[0]}"  # the program name a command's own --help and errors show
     code = getattr(importlib.import_module(module), func)([*prefix, *args[1:]])
     sys.exit(code or 0)
 

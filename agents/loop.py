@@ -68,7 +68,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, TypeGuard
 
 import structlog
 
@@ -703,7 +703,7 @@ class AgentLoop:
         """A recorded turn played back as the store holds it (output ids, text and logprobs as generated)."""
         out = tuple(turn.output_ids)
         lps = tuple(TokenLogprob(t, lp) for t, lp in zip(out, turn.logprobs, strict=True)) if len(turn.logprobs) == len(out) else ()
-        finish = "length" if turn.finish_reason == "length" else "stop"
+        finish: Literal["stop", "length"] = "length" if turn.finish_reason == "length" else "stop"
         return GenerateResult(request_id=rid, prompt_ids=tuple(ids), output_ids=out, text=turn.output_text, finish_reason=finish, logprobs=lps)
 
     def _replay_step(
@@ -906,7 +906,7 @@ def _turn_uncertainty(lps: Sequence[TokenLogprob], mask: Sequence[int] | None = 
     return turn_uncertainty([token_uncertainty(lp.logprob, lp.top) for lp in sampled])
 
 
-def _finite_number(x: Any) -> bool:
+def _finite_number(x: Any) -> TypeGuard[int | float]:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 

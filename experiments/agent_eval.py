@@ -140,14 +140,15 @@ async def run_all(args: argparse.Namespace, url: str, agent: str) -> list[dict[s
                 r = await client.post(f"/v1/agents/{agent}/runs", json=body)
             if r.status_code != 200:
                 raise SystemExit(f"error: run {i} failed with {r.status_code}: {r.text[:500]}")
-            return r.json()
+            answer: dict[str, Any] = r.json()
+            return answer
 
         return list(await asyncio.gather(*(one(i) for i in range(args.n))))
 
 
 def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The summary of a list of run results (``RunResult.to_dict()`` objects)."""
-    summary = summarize(
+    summary: dict[str, Any] = summarize(
         [bool(r.get("correct")) for r in runs],
         confidences=[r.get("p_correct") for r in runs],
         turns=[int(r["turns"]) for r in runs],

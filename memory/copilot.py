@@ -69,7 +69,9 @@ class RunOutcome(Protocol):
     reward: float | None
     correct: bool | None
     task_key: str | None
-    steps: Sequence[Any]
+
+    @property
+    def steps(self) -> Sequence[Any]: ...
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,18 @@ class Interaction:
 
 
 class MemoryMethod(Protocol):
-    name: str  # "none" | "append-all" | "reflection" | "memopilot"
-    needs_model: bool
-    response_schema: dict[str, Any] | None  # JSON schema the model's reply is decoded under (None: free text)
+    @property
+    def name(self) -> str:
+        """``none``, ``append-all``, ``reflection`` or ``memopilot``."""
+        ...
+
+    @property
+    def needs_model(self) -> bool: ...
+
+    @property
+    def response_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the model's reply is decoded under (None: free text)."""
+        ...
 
     def prompt(self, memory: str, interaction: Interaction) -> list[dict[str, str]] | None:
         """Chat messages for the model call; None when the method makes no model call."""

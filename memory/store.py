@@ -166,7 +166,7 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Con
 _COLUMNS = "owner, scope, version, text, created_at, method, adapter, trajectory_id, turn_id, copilot_trajectory_id, copilot_turn_id, meta"
 
 
-def _from_row(r: tuple) -> MemoryVersion:
+def _from_row(r: tuple[Any, ...]) -> MemoryVersion:
     prov = Provenance(
         method=r[5], adapter=r[6], trajectory_id=r[7], turn_id=r[8], copilot_trajectory_id=r[9], copilot_turn_id=r[10], meta=json.loads(r[11])
     )

@@ -243,7 +243,12 @@ def test_loopwise_lists_its_commands_and_refuses_unknown_ones() -> None:
 
 def test_loopwise_serve_is_serve_py_and_export_is_the_learners_export(tmp_path: Path) -> None:
     plain = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert loopwise("serve", "--help").stdout == plain.stdout
+    served = loopwise("serve", "--help").stdout
+    assert plain.stdout.startswith("usage: serve.py [-h]") and served.startswith("usage: loopwise serve [-h]")  # each names itself
+    # the same flags and help: everything after the usage lines
+    assert served[served.index("\n\n") :] == plain.stdout[plain.stdout.index("\n\n") :]
+    bad = loopwise("serve", "--no-such-flag")
+    assert bad.returncode == 2 and "loopwise serve: error: unrecognized arguments: --no-such-flag" in bad.stderr
     from learner.records import Reward
     from learner.store import SqliteStore, db_path
     from tests.learner.test_store import make_turn

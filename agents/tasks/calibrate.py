@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.no_grad():
                     out = model.generate(**enc, **gen_kwargs)
                 for p, row in zip(chunk, out[:, enc["input_ids"].shape[1] :], strict=True):
-                    reply = tok.decode(row, skip_special_tokens=True)
+                    reply = str(tok.decode(row, skip_special_tokens=True))
                     verdict = task.verify(p, reply)
                     correct += verdict.correct
                     log.debug("calibrate.reply", problem=p.id, correct=verdict.correct, detail=verdict.detail, reply=reply[-200:])

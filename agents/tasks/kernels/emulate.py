@@ -37,6 +37,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from . import KernelTaskSpec, kernel_tasks
@@ -189,7 +190,7 @@ def nvcc_bundle(specs: Sequence[KernelTaskSpec], *, arch: str | None = None, tim
     return cuda_compile(bundle_source(specs, emulate_cuda=False), arch=arch, timeout_s=timeout_s)
 
 
-def _build_emulated(specs: Sequence[KernelTaskSpec], work: Path):  # -> module
+def _build_emulated(specs: Sequence[KernelTaskSpec], work: Path) -> ModuleType:
     name = f"kernels_emu_{int(time.time())}"
     src = work / f"{name}.cpp"
     src.write_text(bundle_source(specs, emulate_cuda=True))
