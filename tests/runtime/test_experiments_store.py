@@ -58,8 +58,10 @@ def _old_file(tmp_path: Path) -> Path:
 
 
 def test_a_file_written_before_the_move_keeps_its_experiments_turns_and_registry(tmp_path: Path) -> None:
-    s = SqliteStore(_old_file(tmp_path))
-    assert s.schema_version == SCHEMA_VERSION == 6  # nothing to migrate
+    path = _old_file(tmp_path)
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 6
+    s = SqliteStore(path)
+    assert s.schema_version == SCHEMA_VERSION  # migrated from 6 as any file is
     [(name, config, state)] = ExperimentStore(s).load()
     assert (name, config["family"], state["champion"], state["started_at"]) == ("f-ab", "f", "f@1", 1_700_000_000.0)
     assert s.get_turn("turn-2").adapter == "lora-v3" and s.load_registry()["alias"] == {"f": {"target": "f@1"}}
