@@ -34,7 +34,7 @@ def turn_check(
     solution = check.solution if check.format_ok and check.solution is not None else (check.solution or extract_final_answer(text) or None)
     correct = task.verify(problem, solution or "").correct if task is not None and problem is not None else None
     return TurnCheck(
-        format=fmt,  # type: ignore[arg-type]
+        format=fmt,
         solution=solution,
         verdict=check.verdict,
         confidence=check.confidence,
