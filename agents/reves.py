@@ -51,7 +51,7 @@ def parse_verdict(text: str) -> bool | None:
     """The last ``\\boxed{True}`` / ``\\boxed{False}`` in ``text`` (case-insensitive), else a bare ``True``/``False`` answer; None if neither."""
     found = _BOXED.findall(text)
     if found:
-        return found[-1].lower() == "true"
+        return str(found[-1]).lower() == "true"
     bare = text.strip().strip(".").lower()
     return {"true": True, "false": False}.get(bare)
 
