@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import sys
@@ -49,6 +50,9 @@ from learner.svr_rollouts import adaptive_report, calibration_error  # noqa: E40
 
 ADMIN = "bench-admin"
 HELDOUT_SEED = 4242
+# small enough for a shared 24 GB machine: LoRA on q/v, 1024-token micro-batches with activation checkpointing, bf16 matmuls
+LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+TRAINER = {"progress": False, "epochs": 2, "micro_batch_tokens": 1024, "activation_checkpointing": True, "autocast": "bfloat16"}
 
 
 def wilson(k: int, n: int) -> tuple[float, float]:
@@ -107,8 +111,8 @@ def svr_part(url: str, args: argparse.Namespace, data: Path, deadline: float) ->
     print(f"svr: before training ({time.monotonic() - t0:.0f} s): {json.dumps(before, default=str)}", flush=True)
     settings = {
         "family": family,
-        "lora": {"rank": 8, "alpha": 16},
-        "trainer": {"lr": args.lr, "progress": False, "estimator": "turn_grpo", "estimator_params": {"source": "reward"}, "epochs": 2},
+        "lora": LORA,
+        "trainer": {**TRAINER, "lr": args.lr, "estimator": "turn_grpo", "estimator_params": {"source": "reward"}},
         "samples": {"settle_s": 0, "max_staleness": 64},
         "svr": {"enabled": True, "tau": args.tau, "problems_per_update": args.prompts, "group": args.group, "horizon": args.horizon},
     }
@@ -124,6 +128,8 @@ def svr_part(url: str, args: argparse.Namespace, data: Path, deadline: float) ->
     model = svc.status.champion or base
     after = evaluate(model)
     svc.store.close()
+    svc._trainer = None  # one model in memory at a time
+    gc.collect()
     return {"before": before, "after": after, "model": model, "updates": updates, "sampled_tokens": tokens, "curve": curve}
 
 
@@ -160,8 +166,8 @@ def reves_part(url: str, args: argparse.Namespace, data: Path, deadline: float) 
                                "max_tokens_per_turn": args.max_tokens, "task": args.task, "temperature": 1.0, "adapter_family": family})  # fmt: skip
         settings: dict[str, Any] = {
             "family": family,
-            "lora": {"rank": 8, "alpha": 16},
-            "trainer": {"lr": args.lr, "progress": False, "epochs": 2},
+            "lora": LORA,
+            "trainer": {**TRAINER, "lr": args.lr},
             "samples": {"settle_s": 0, "max_staleness": 64},
         }
         if arm == "reves":
@@ -185,8 +191,10 @@ def reves_part(url: str, args: argparse.Namespace, data: Path, deadline: float) 
             curve.append({"update": updates, "tokens": tokens, "reward_mean": rec["metrics"].get("reward_mean"), "reves": rec.get("reves")})
             print(f"{arm}: update {updates}: tokens {tokens}, reward {curve[-1]['reward_mean']}, reves {rec.get('reves')}", flush=True)
         model = svc.status.champion or base
-        res = asyncio.run(_sr(url, agent, model, args.n_eval, args.sr_rounds, args.concurrency))
         svc.store.close()
+        svc._trainer = None
+        gc.collect()
+        res = asyncio.run(_sr(url, agent, model, args.n_eval, args.sr_rounds, args.concurrency))
         arms[arm] = {"model": model, "updates": updates, "sampled_tokens": tokens, "curve": curve, "per_problem": res}
     out: dict[str, Any] = {"arms": {}}
     for arm, a in arms.items():
@@ -224,6 +232,7 @@ def main() -> None:
     ap.add_argument("--augmented-share", type=float, default=0.5)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1, help="the server's CPU threads (1 on a shared 2-core machine: README, Speed on CPU)")
     args = ap.parse_args()
     models = ROOT / ".data" / "models"
     cache = Path(__import__("os").environ.get("LOOPWISE_TEST_CACHE", str(models)))
@@ -233,7 +242,10 @@ def main() -> None:
     out: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="svr-reves-") as tmp, spawned_server(args.model, ADMIN, data_dir=Path(tmp)) as url:
+    with (
+        tempfile.TemporaryDirectory(prefix="svr-reves-") as tmp,
+        spawned_server(args.model, ADMIN, ["--threads", str(args.threads)], data_dir=Path(tmp)) as url,
+    ):
         parts = ["svr", "reves"] if args.part == "both" else [args.part]
         for k, part in enumerate(parts):
             share = deadline if k == len(parts) - 1 else t0 + (deadline - t0) / len(parts)
