@@ -1,6 +1,6 @@
 """SVR training (before vs after) and REVES vs plain GRPO at equal sampled tokens, on one real ``serve.py`` (SmolLM2 by default).
 
-    .venv/bin/python bench/svr_reves.py --part svr   --budget 60000 --n-eval 64      # a full SVR run
+    .venv/bin/python bench/svr_reves.py --part svr   --budget 60000 --n-eval 64      # a full SVR run (one-step calc_arith, no tool)
     .venv/bin/python bench/svr_reves.py --part reves --budget 60000 --n-eval 64      # a full REVES run
     .venv/bin/python bench/svr_reves.py --minutes 18 --budget 6000 --n-eval 16       # what fits in a short shared-CPU slot
     .venv/bin/python bench/svr_reves.py --model tiny --budget 400 --n-eval 4         # smoke run
@@ -93,6 +93,7 @@ def svr_part(url: str, args: argparse.Namespace, data: Path, deadline: float) ->
         "max_tokens_per_turn": args.max_tokens,
         "token_budget": args.horizon * args.max_tokens,
         "task": args.task,
+        "task_options": args.task_options,
         "temperature": 1.0,
         "adapter_family": family,
     }
@@ -163,7 +164,8 @@ def reves_part(url: str, args: argparse.Namespace, data: Path, deadline: float) 
     for arm in ("grpo", "reves"):
         family, agent = f"{arm}-bench", f"bench-{arm}"
         add_agent(url, ADMIN, {"name": agent, "system_prompt": "You are a careful problem solver.", "max_turns": 1,
-                               "max_tokens_per_turn": args.max_tokens, "task": args.task, "temperature": 1.0, "adapter_family": family})  # fmt: skip
+                               "max_tokens_per_turn": args.max_tokens, "task": args.task, "task_options": args.task_options, "temperature": 1.0,
+                               "adapter_family": family})  # fmt: skip
         settings: dict[str, Any] = {
             "family": family,
             "lora": LORA,
@@ -218,7 +220,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=("svr", "reves", "both"), default="both")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--task", default="basic_arithmetic")
+    ap.add_argument("--task", default="calc_arith")
+    ap.add_argument("--task-options", type=json.loads, default={"n_ops": 1, "use_tools": False}, help="the agents' task options (JSON)")
     ap.add_argument("--n-eval", type=int, default=64)
     ap.add_argument("--budget", type=int, default=60_000, help="sampled training tokens per arm")
     ap.add_argument("--minutes", type=float, default=600.0, help="stop training when this much time is used (evaluation still runs)")
