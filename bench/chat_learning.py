@@ -44,8 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from agents.tasks import get_task  # noqa: E402
 from experiments.agent_eval import spawned_server  # noqa: E402
-from learner._files import sha256_file  # noqa: E402
-from learner.publish import MANIFEST_FILE  # noqa: E402
+from learner.adapter_manifest import manifest_sha256  # noqa: E402
 
 FAMILY, BASE = "chat-lora", "bench-base"
 TRAIN_SEED, HELDOUT_SEED = 0, 4242
@@ -162,7 +161,7 @@ def run_arm(arm: str, args: argparse.Namespace, task: Any, spec_file: Path) -> d
         models = [base]
         for v in sorted(pick):
             path = data / "adapters" / FAMILY / f"v{v}"
-            body = {"path": str(path), "family": FAMILY, "version": v, "sha256": sha256_file(path / MANIFEST_FILE)}
+            body = {"path": str(path), "family": FAMILY, "version": v, "sha256": manifest_sha256(path)}
             httpx.post(f"{url}/admin/adapters", headers=admin, json=body, timeout=300).raise_for_status()
             models.append(f"{FAMILY}@{v}")
         success = asyncio.run(heldout(url, models, held, task, args.max_tokens))

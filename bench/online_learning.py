@@ -38,8 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from experiments.agent_eval import spawned_server  # noqa: E402
-from learner._files import sha256_file  # noqa: E402
-from learner.publish import MANIFEST_FILE  # noqa: E402
+from learner.adapter_manifest import manifest_sha256  # noqa: E402
 from learner.store import SqliteStore  # noqa: E402
 from serve import DEMO_AGENT  # noqa: E402
 
@@ -134,7 +133,7 @@ def main() -> int:
                 continue
             version = int(name.split("@")[1])
             path = data / "adapters" / FAMILY / f"v{version}"
-            sha = sha256_file(path / MANIFEST_FILE)
+            sha = manifest_sha256(path)
             body = {"path": str(path), "family": FAMILY, "version": version, "sha256": sha}
             httpx.post(f"{url}/admin/adapters", headers=admin, json=body, timeout=300).raise_for_status()
             arms.append(name)

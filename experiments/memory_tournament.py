@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import itertools
 import json
 import math
@@ -378,7 +377,8 @@ def base_model_name(client: httpx.Client) -> str:
 
 def load_memopilot(url: str, admin_key: str | None, adapter_root: Path, version: int) -> None:
     """Load ``adapter_root/memopilot/v<version>`` as ``memopilot@version`` unless the server already has it."""
-    from learner.publish import MANIFEST_FILE, RuntimeAdmin, adapter_path
+    from learner.adapter_manifest import manifest_sha256
+    from learner.publish import RuntimeAdmin, adapter_path
 
     if not admin_key:
         raise SystemExit("error: loading a memopilot adapter needs --admin-key (or --spawn)")
@@ -386,8 +386,7 @@ def load_memopilot(url: str, admin_key: str | None, adapter_root: Path, version:
         if any(a.get("name") == f"memopilot@{version}" for a in admin.list_adapters()["data"]):
             return
         path = adapter_path(adapter_root, "memopilot", version).resolve()
-        digest = hashlib.sha256((path / MANIFEST_FILE).read_bytes()).hexdigest()
-        admin.load(path, "memopilot", version, sha256=digest)
+        admin.load(path, "memopilot", version, sha256=manifest_sha256(path))
 
 
 async def play_all(

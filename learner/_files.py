@@ -1,19 +1,10 @@
-"""File helpers shared by checkpoints (``trainer``) and adapter publishing (``publish``): hashing, fsync,
-and whether the process that owns a temp folder is still alive."""
+"""File helpers shared by checkpoints (``trainer``) and adapter publishing (``publish``): fsync, and whether
+the process that owns a temp folder is still alive. The file hash is ``learner.adapter_manifest.sha256_file``."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fsync_path(path: Path) -> None:

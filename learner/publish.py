@@ -20,9 +20,10 @@ manifest last, fsync the files and the folder, re-verify the staged files agains
 makes it fail, so a published version is never overwritten) and fsync the parent. A crash or error at
 any point leaves at most a staging folder, never a partial ``v<version>``; the failing call removes its
 own staging folder, and ``clean_staging`` (run at the start of every publish and by the learner at
-start-up) removes those of dead processes. ``runtime.adapters.validate_adapter`` checks the manifest
+start-up) removes those of dead processes. ``runtime.adapter_validation.validate_adapter`` checks the manifest
 hashes before the runtime loads anything, and the manifest's own sha256 pins the version in
-``POST /admin/adapters``.
+``POST /admin/adapters``. The file names, the manifest model and the hash are the publish contract in
+``learner/adapter_manifest.py``, which the runtime's validator reads too.
 
 ``RuntimeAdmin`` is a small synchronous httpx client of the runtime's admin API (adapters, aliases,
 experiments). Only idempotent calls (GET, the alias PUT) are retried, a bounded number of times,
@@ -39,7 +40,6 @@ Not here: training, evaluation gates, deciding promotion. This module imports ne
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -52,15 +52,21 @@ from typing import Any, Protocol
 import httpx
 import structlog
 
-from learner._files import fsync_path, sha256_file, writer_alive
+from learner._files import fsync_path, writer_alive
+from learner.adapter_manifest import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    WEIGHTS_FILE,
+    AdapterManifest,
+    ManifestError,
+    manifest_sha256,
+    sha256_file,
+)
 
 log = structlog.get_logger(__name__)
 
 STAGING_DIR = ".staging"
-MANIFEST_FILE = "manifest.json"  # the name runtime.adapters.validate_adapter reads
-WEIGHTS_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "adapter_config.json"
-MANIFEST_FORMAT = 1
 
 
 class PublishError(RuntimeError):
@@ -108,14 +114,13 @@ def _staged_files(folder: Path) -> list[Path]:
 def verify_manifest(folder: Path) -> dict[str, str]:
     """The manifest's ``files`` after checking every listed file's sha256; raises ``PublishError``."""
     try:
-        files = json.loads((folder / MANIFEST_FILE).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise PublishError(f"{folder / MANIFEST_FILE} is missing or malformed: {exc}") from exc
-    for rel, digest in files.items():
-        file = folder / rel
-        if not file.is_file() or sha256_file(file) != digest:
-            raise PublishError(f"{file} is missing or does not match its sha256 in {MANIFEST_FILE}")
-    return dict(files)
+        manifest = AdapterManifest.read(folder / MANIFEST_FILE)
+    except ManifestError as exc:
+        raise PublishError(f"{folder}: {exc}") from exc
+    bad = manifest.mismatched(folder)
+    if bad:
+        raise PublishError(f"{folder / bad[0]} is missing or does not match its sha256 in {MANIFEST_FILE}")
+    return dict(manifest.files)
 
 
 def clean_staging(adapter_root: Path) -> list[Path]:
@@ -155,14 +160,16 @@ def publish_files(
         missing = {CONFIG_FILE, WEIGHTS_FILE} - files.keys()
         if missing:
             raise PublishError(f"the adapter writer did not produce {sorted(missing)} in {staging}")
-        manifest = {**(meta or {}), "format": MANIFEST_FORMAT, "family": family, "version": version, "created_at": time.time(), "files": files}
+        manifest = AdapterManifest.model_validate(
+            {**(meta or {}), "format": MANIFEST_FORMAT, "family": family, "version": version, "created_at": time.time(), "files": files}
+        )
         for p in _staged_files(staging):
             fsync_path(p)
-        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))  # last
+        (staging / MANIFEST_FILE).write_text(manifest.dump())  # last
         fsync_path(staging / MANIFEST_FILE)
         fsync_path(staging)
         verify_manifest(staging)  # what is renamed is exactly what was hashed
-        manifest_sha = sha256_file(staging / MANIFEST_FILE)
+        manifest_sha = manifest_sha256(staging)
         final.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.rename(staging, final)

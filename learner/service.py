@@ -50,11 +50,11 @@ from typing import Any
 import httpx
 import structlog
 
-from learner._files import sha256_file
+from learner.adapter_manifest import manifest_sha256
 from learner.advantages import Advantages
 from learner.baseline import GROUP_ESTIMATORS, apply_to_singletons
 from learner.config import LearnerSettings, TrafficFilter
-from learner.publish import MANIFEST_FILE, AdminError, RuntimeAdmin, adapter_path, clean_staging, publish_adapter
+from learner.publish import AdminError, RuntimeAdmin, adapter_path, clean_staging, publish_adapter
 from learner.reasons import unused_reasons
 from learner.records import Trajectory
 from learner.rerollout import BranchRunner, PointRuns, counterfactual_scores, plan_rtpo, refresh_point, rtpo_estimator_input, tcpo_branch_points
@@ -564,7 +564,7 @@ class LearnerService:
         loaded = {a["name"] for a in self.admin.list_adapters().get("data", [])}
         if name not in loaded:  # e.g. refused by the gate and unloaded: still the weights the trainer continues from
             path = adapter_path(self.adapter_root, self.family, version)
-            self.admin.load(path, self.family, version, sha256=sha256_file(path / MANIFEST_FILE))
+            self.admin.load(path, self.family, version, sha256=manifest_sha256(path))
         return name
 
     def _publish_intermediate(self, trainer: Any) -> str:

@@ -81,7 +81,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from learner._files import fsync_path, sha256_file, writer_alive
+from learner._files import fsync_path, writer_alive
+from learner.adapter_manifest import sha256_file
 from learner.config import LoRAConfig, TrainerConfig
 from learner.distributed import allreduce_grads, allreduce_sums, world
 from learner.grammar_mask import GrammarMasks, GrammarReplayError, unpack_bitmask

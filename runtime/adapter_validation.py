@@ -21,13 +21,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime._files import sha256_file
+from learner.adapter_manifest import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, AdapterManifest, ManifestError, sha256_file
 from runtime.adapter_names import AdapterInvalid
 
 logger = logging.getLogger(__name__)
 
 _LORA_KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
-CONFIG_FILE, WEIGHTS_FILE, MANIFEST_FILE = "adapter_config.json", "adapter_model.safetensors", "manifest.json"
 
 
 def base_shapes_of(model: Any) -> dict[str, tuple[int, int]]:
@@ -112,9 +111,9 @@ def validate_adapter(
     differs from ``base_name_or_path`` only logs a warning: paths differ between machines.
 
     Hashes: when ``manifest.json`` exists (``{"files": {relpath: sha256}}`` or ``{"files": [{"path",
-    "sha256"}]}``, written last by the publisher) every listed file must match it, the weights file must be
-    listed, and ``expected_sha256`` is the manifest's own hash; without a manifest ``expected_sha256`` is
-    the hash of ``adapter_model.safetensors``. Embedding LoRA tensors are not shape-checked.
+    "sha256"}]}``, written last by the publisher; the model is ``learner.adapter_manifest.AdapterManifest``)
+    every listed file must match it, the weights file must be listed, and ``expected_sha256`` is the manifest's
+    own hash; without a manifest ``expected_sha256`` is the hash of ``adapter_model.safetensors``. Embedding LoRA tensors are not shape-checked.
     """
     path = Path(path)
     root = _inside(path, adapter_root, "adapter path")
@@ -232,13 +231,13 @@ def _check_hashes(root: Path, weights: Path, adapter_root: Path | None, expected
     if expected and sha256_file(manifest) != expected.lower():
         raise AdapterInvalid(f"sha256 of {MANIFEST_FILE} does not match the expected {expected}")
     try:
-        files = json.loads(manifest.read_text())["files"]
-        listed = dict(files) if isinstance(files, dict) else {e["path"]: e["sha256"] for e in files}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise AdapterInvalid(f"{MANIFEST_FILE} is malformed (want {{'files': {{path: sha256}}}}): {exc}") from exc
-    if WEIGHTS_FILE not in listed:
+        listed = AdapterManifest.read(manifest)
+    except ManifestError as exc:
+        raise AdapterInvalid(str(exc)) from exc
+    if WEIGHTS_FILE not in listed.files:
         raise AdapterInvalid(f"{MANIFEST_FILE} does not list {WEIGHTS_FILE}")
-    for rel, digest in listed.items():
-        file = _inside(root / rel, root, f"{MANIFEST_FILE} entry")
-        if not file.is_file() or sha256_file(file) != str(digest).lower():
-            raise AdapterInvalid(f"{rel} is missing or does not match its sha256 in {MANIFEST_FILE}")
+    for rel in listed.files:
+        _inside(root / rel, root, f"{MANIFEST_FILE} entry")
+    bad = listed.mismatched(root)
+    if bad:
+        raise AdapterInvalid(f"{bad[0]} is missing or does not match its sha256 in {MANIFEST_FILE}")

@@ -2,7 +2,7 @@
 
 What each library package may import from the project:
 
-- ``runtime`` → ``learner.records`` (the record types it writes)
+- ``runtime`` → ``learner.records`` (the record types it writes), ``learner.adapter_manifest`` (the publish contract it reads)
 - ``tools`` → nothing
 - ``memory`` → the runtime's client protocol, ``learner.records``
 - ``agents`` → the runtime's client protocol, ``tools``, ``memory``, ``learner.records``
@@ -26,9 +26,10 @@ DRIVERS = ("serve", "experiments", "bench", "tests")  # may import anything; not
 PROJECT = {*LIBRARY, *DRIVERS}
 RUNTIME_CLIENT = ("runtime.agent_api", "runtime.engine", "runtime.identity")  # what agents and memory call the runtime through
 RECORDS = ("learner.records",)
+PUBLISH_CONTRACT = ("learner.adapter_manifest",)  # a published adapter's file names, manifest model and the file hash
 
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
-    "runtime": RECORDS,
+    "runtime": (*RECORDS, *PUBLISH_CONTRACT),
     "tools": (),
     "memory": (*RUNTIME_CLIENT, *RECORDS),
     "agents": (*RUNTIME_CLIENT, *RECORDS, "tools", "memory"),
@@ -99,6 +100,8 @@ def test_the_scanner_resolves_from_imports_and_sees_nested_ones(tmp_path: Path) 
     [
         ("runtime", "learner.records", True),
         ("runtime", "learner.store", False),
+        ("runtime", "learner.adapter_manifest", True),
+        ("runtime", "learner.publish", False),
         ("runtime", "agents.loop", False),
         ("tools", "runtime.engine", False),
         ("memory", "runtime.agent_api", True),

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.adapter_validation import CONFIG_FILE, WEIGHTS_FILE, unsupported_lora_features
+from learner.adapter_manifest import CONFIG_FILE, WEIGHTS_FILE
+from runtime.adapter_validation import unsupported_lora_features
 from runtime.engine import AdapterError
 
 _KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
