@@ -616,7 +616,7 @@ def chat_traffic(server, tag: str, n: int = 4) -> None:
 
 
 def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(server, tiny_model_path, monkeypatch):
-    import learner.service as service_mod
+    import learner.release as release_mod  # where the service publishes
 
     chat_traffic(server, "parity")
     svc = chat_service(server, tiny_model_path, "par", traffic={"chat": True, "agents": [], "tags": ["parity"]}, parity={"threshold": 0.05})
@@ -627,7 +627,7 @@ def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(serve
     prom = httpx.get(server.base_url + "/metrics", timeout=30).text
     assert f'loopwise_learner_parity_logp_diff{{family="par"}} {parity["mean_abs_logp_diff"]}' in prom
 
-    real = service_mod.publish_adapter
+    real = release_mod.publish_adapter
 
     def wrong_scale(model, *a, **kw):  # the adapter's config says alpha x 8: the runtime applies 8x the trained update
         cfg = model.peft_config["default"]
@@ -638,7 +638,7 @@ def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(serve
         finally:
             cfg.lora_alpha = alpha
 
-    monkeypatch.setattr(service_mod, "publish_adapter", wrong_scale)
+    monkeypatch.setattr(release_mod, "publish_adapter", wrong_scale)
     chat_traffic(server, "parity")
     record = svc.update()
     assert record["gate"]["decision"] == "refused" and record["gate"]["reason"].startswith("parity:")

@@ -1,0 +1,217 @@
+"""Releasing a trained version: publish, load, parity probe, eval gate, champion and A/B, and rejections.
+
+``Release._publish_and_gate`` publishes ``family@N`` (``learner/publish.py``), loads it into the runtime,
+probes logprob parity (``learner/parity.py``), runs the held-out eval gate against the champion through the
+runs endpoint, and then makes the first passing version the champion (alias) or starts an A/B experiment
+against the champion. ``_experiment_running`` follows that experiment to its decision; a version refused by
+the parity probe or the gate, or rolled back, is rejected: with ``restart_from_champion`` the next update
+starts from the champion's weights (``_restart_from_champion``). ``_publish_intermediate`` publishes an
+RTPO sweep's step for its next re-rollouts (no gate, no alias); ``_publish_held`` releases a version trained
+while an experiment ran.
+
+Not here: the publish protocol and the admin client (``learner/publish.py``), the experiment's statistics
+(the runtime's ``runtime/experiments.py``), when a release happens (``learner/scheduler.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import structlog
+
+from learner.publish import AdminError, adapter_path, publish_adapter
+from learner.reward_plot import plot_rewards
+from learner.service_state import INTERMEDIATE, RESTART_FILE, ServiceState
+from learner.svr_rollouts import adaptive_report
+from learner.update import checkpoint_and_publish
+
+log = structlog.get_logger(__name__)
+
+
+class Release(ServiceState):
+    """Publish, gate, champion and A/B (mixed into ``LearnerService``)."""
+
+    def _publish_held(self) -> None:
+        """Publish and gate the version trained while an experiment ran (one history line, no new metrics)."""
+        trainer = self._get_trainer()
+        self._held = False
+        record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": {}, "held": True}
+        record["gate"] = self._publish_and_gate(trainer)
+        with open(self.dir / "history.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        plot_rewards(self.dir, self.family)
+
+    def _publish_intermediate(self, trainer: Any) -> str:
+        """Checkpoint, publish and load the trainer's current weights for the next step's re-rollouts (no gate, no alias).
+
+        The checkpoint comes first and keeps the update's old data cursor: a learner killed after this publish
+        resumes at this version (never publishing it a second time with other weights) and redoes the update."""
+        ckpt = self.dir / "checkpoints"
+        published = checkpoint_and_publish(trainer, ckpt, self.adapter_root, self.family, meta={INTERMEDIATE: True}, admin=self.admin)
+        return published.name
+
+    def _publish_and_gate(self, trainer: Any) -> dict[str, Any]:
+        version = trainer.version
+        self._set("publishing", f"{self.family}@{version}")
+        published = publish_adapter(trainer.model, self.adapter_root, self.family, version, meta={"metrics": self.status.last_metrics})
+        self.admin.load(published.path, self.family, version, sha256=published.manifest_sha256)
+        new = published.name
+        parity = self._parity(trainer, new)
+        pc = self.cfg.settings.parity
+        if parity is not None and parity["mean_abs_logp_diff"] is not None and parity["mean_abs_logp_diff"] > pc.threshold:
+            gate = {
+                "decision": "refused",
+                "reason": f"parity: served and trainer logprobs differ by {parity['mean_abs_logp_diff']:.3g} nats/token (> {pc.threshold:g})",
+                "new": new,
+                "parity": parity,
+            }
+            self.status.last_gate = gate
+            self._unload(new)
+            self._rejected(new, "refused by the parity probe")
+            return gate
+        champion = self._champion()
+        gate = self._gate(new, champion)
+        if parity is not None:
+            gate["parity"] = parity
+        self.status.last_gate = gate
+        if gate["decision"] == "refused":
+            self._unload(new)
+            self._rejected(new, "refused by the eval gate")
+        elif champion is None:
+            self.admin.set_alias(self.family, new)
+            self.status.champion = new
+            self._set("idle", f"{new} is the first champion")
+        else:
+            name = f"{self.family}-v{version}"
+            task = self._task()
+            self.admin.create_experiment(
+                {
+                    "name": name,
+                    "family": self.family,
+                    "arms": [{"adapter": champion, "weight": 1}, {"adapter": new, "weight": 1}],
+                    "sticky": "session",
+                    # the agent task's verifier; a learner without one (chat traffic) is judged by the users' own feedback,
+                    # the rewards it trains on (an experiment's default, the runtime's trusted sources, would never see any)
+                    "metric": f"verifier:{task}" if task else "feedback",
+                    "min_samples": self.cfg.ab_min_samples,
+                    "max_samples": self.cfg.ab_max_samples,
+                    "auto_promote": True,
+                    "auto_rollback": True,
+                }
+            )
+            self.status.experiment, self.status.challenger = name, new
+            self._set("ab", f"experiment {name}: {champion} vs {new}")
+        return gate
+
+    def _parity(self, trainer: Any, model: str) -> dict[str, Any] | None:
+        """The logprob parity probe of a just-loaded version (``learner/parity.py``); None when it is off or has no turns yet."""
+        from learner.parity import parity_probe, probe_turns
+
+        pc = self.cfg.settings.parity
+        if not pc.enabled:
+            return None
+        turn_ids = probe_turns(self.dir, self.store, self._trained, pc.turns)
+        if not turn_ids:
+            return None
+        self._set("probing", f"logprob parity of {model} on {len(turn_ids)} recorded turns")
+        headers = {"Authorization": f"Bearer {self.cfg.admin_key}"}
+        with httpx.Client(base_url=self.cfg.admin_url, headers=headers, timeout=300) as client:
+            report = parity_probe(client, self.store, trainer, model=model, turn_ids=turn_ids, max_tokens=pc.max_tokens)
+        report["model"] = model
+        self.status.last_parity = report
+        log.info("parity probe", **report)
+        return report
+
+    def _rejected(self, version: str, why: str) -> None:
+        """A version was refused or rolled back: with ``restart_from_champion`` the next update starts from the champion."""
+        restart = self.cfg.settings.restart_from_champion
+        self._restart = restart
+        self._rejected_names.add(version)
+        if restart:
+            (self.dir / RESTART_FILE).touch()
+        self._set("idle", f"{version} {why}" + ("; the next update starts from the champion's weights" if restart else ""))
+
+    def _gate(self, new: str, champion: str | None) -> dict[str, Any]:
+        """Held-out success of the new version vs the champion (or the base model), through the runs endpoint."""
+        if self.cfg.agent is None or self.cfg.gate_n <= 0:
+            return {"decision": "passed", "reason": "no gate configured"}
+        self._set("gating", f"{new} vs {champion or 'base'} on {self.cfg.gate_n} held-out problems")
+        base = self._base_model_name()
+        new_runs = asyncio.run(self._gate_runs(new))
+        old_runs = asyncio.run(self._gate_runs(champion or base))
+        new_rate = sum(bool(r.get("correct")) for r in new_runs) / len(new_runs)
+        old_rate = sum(bool(r.get("correct")) for r in old_runs) / len(old_runs)
+        passed = new_rate >= old_rate - self.cfg.gate_tolerance
+        return {
+            "decision": "passed" if passed else "refused",
+            "new": new,
+            "champion": champion or base,
+            "new_success": new_rate,
+            "champion_success": old_rate,
+            "tolerance": self.cfg.gate_tolerance,
+            "n": self.cfg.gate_n,
+            # the adaptive agent's figures (mean turns, wrong-stop rate, ECE of its stated confidence): learner/svr_rollouts.py
+            "new_report": adaptive_report(new_runs),
+            "champion_report": adaptive_report(old_runs),
+        }
+
+    async def _gate_runs(self, model: str) -> list[dict[str, Any]]:
+        headers = {"Authorization": f"Bearer {self.cfg.admin_key}"}
+        task = self._task()
+        sem = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(base_url=self.cfg.admin_url, headers=headers, timeout=900) as client:
+
+            async def one(i: int) -> dict[str, Any]:
+                body: dict[str, Any] = {"problem_index": i, "seed": self.cfg.gate_seed, "model": model, "eval": True}
+                if task:
+                    body["task"] = task
+                async with sem:
+                    r = await client.post(f"/admin/agents/{self.cfg.agent}/runs", json=body)  # the admin API's runs: owned by "admin"
+                r.raise_for_status()
+                out: dict[str, Any] = r.json()
+                return out
+
+            return list(await asyncio.gather(*(one(i) for i in range(self.cfg.gate_n))))
+
+    def _experiment_running(self, name: str) -> bool:
+        try:
+            state = self.admin.experiment_status(name)
+        except AdminError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        if state.get("status") == "running":
+            return True
+        # a promotion's winner is the champion now; "champion" is the one the experiment started with
+        self.status.champion = state.get("winner") or state.get("champion") or self.status.champion
+        challenger, self.status.experiment, self.status.challenger = self.status.challenger, None, None
+        if state.get("status") == "rolled_back" and challenger is not None:
+            if self._held and self.cfg.settings.restart_from_champion:
+                self._held = False  # trained on from the rolled-back version: that line is dropped
+                log.info("dropping the version held during the experiment: it descends from the rolled-back one", rolled_back=challenger)
+            self._rejected(challenger, "was rolled back by its experiment")
+        return False
+
+    def _restart_from_champion(self, trainer: Any) -> None:
+        """Load the champion's published LoRA (the base model's identity LoRA before any champion), fresh optimizer."""
+        from safetensors.torch import load_file
+
+        self._restart = False
+        (self.dir / RESTART_FILE).unlink(missing_ok=True)
+        champion = self._champion()
+        state = None
+        if champion is not None:
+            _, _, v = champion.partition("@")
+            folder = adapter_path(self.adapter_root, self.family, int(v))
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                log.warning("the champion's adapter files are missing; continuing from the trainer's own weights", champion=champion)
+                return
+            state = load_file(str(files[0]))
+        trainer.restart_from(state)
+        self.status.restarts += 1
+        log.info("restarted from the champion", champion=champion or "base", version=trainer.version)

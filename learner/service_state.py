@@ -1,0 +1,165 @@
+"""What the learner service's jobs share: its configuration, its status, and the state and helpers they all use.
+
+``ServiceConfig`` (what ``python -m learner run`` and ``serve.py`` pass in), ``Status`` (what
+``GET /admin/learner`` shows, written to ``status.json`` by ``ServiceState._set``), the file and cursor keys,
+and ``ServiceState``: the attributes ``LearnerService.__init__`` sets, read by the jobs in
+``learner/scheduler.py``, ``learner/rollout_steps.py`` and ``learner/release.py``, and the small queries of the
+runtime they all make (the champion, the agent's task, the base model's name, the newest published version).
+
+Not here: any job itself (scheduling, training, publishing); those modules hold them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+
+from learner.config import LearnerSettings, TrafficFilter
+from learner.publish import AdminError, RuntimeAdmin
+from learner.samples import Sample
+
+log = structlog.get_logger(__name__)
+
+REQUEST_FILE = "update.request"
+RESTART_FILE = "restart.request"  # a version was rejected: the next update starts from the champion (survives a learner restart)
+INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only for an RTPO sweep's siblings
+UPDATE_VERSIONS = "update_versions"  # trainer.cursor key: the final version of each recent update (the staleness bound)
+LEAP_NEXT = "leap_next_problem"  # trainer.cursor key: the next problem index LEAP's data engine probes
+SVR_NEXT = "svr_next_problem"  # trainer.cursor key: the next training problem of SVR's fixed-horizon runs
+REVES_NEXT = "reves_next_item"  # trainer.cursor key: the next training item REVES augments
+BASELINE = "singleton_baseline"  # trainer.cursor key: the running baselines of one-off prompts (learner/baseline.py)
+
+
+class LearnerConfigError(ValueError):
+    """The learner's settings cannot work with this runtime (e.g. re-rollouts for an agent without a task)."""
+
+
+def learner_dir(data_dir: Path, family: str) -> Path:
+    return Path(data_dir) / "learner" / family
+
+
+@dataclass
+class ServiceConfig:
+    data_dir: Path
+    admin_url: str
+    admin_key: str
+    base_model: Path
+    settings: LearnerSettings
+    agent: str | None = None  # the agent whose runs train the family (and that the gate evaluates)
+    task: str | None = None  # the gate's task (default: the agent's)
+    adapter_root: Path | None = None  # default <data-dir>/adapters (the runtime's default)
+    min_new_trajectories: int = 32
+    poll_s: float = 10.0
+    gate_n: int = 32
+    gate_seed: int = 100_000  # held-out problems: a seed the live traffic and demo never use
+    gate_tolerance: float = 0.05
+    ab_min_samples: int = 64
+    ab_max_samples: int | None = 256  # an undecided experiment ends here (the champion stays), so training goes on being published
+    store: str | None = None  # the interaction store's URL or file (default <data-dir>/interactions.db)
+
+
+@dataclass
+class Status:
+    family: str
+    state: str = "idle"  # idle | waiting | expanding | completing | training | publishing | probing | gating | ab | stopped | error
+    detail: str = ""
+    version: int = 0  # the latest version trained
+    champion: str | None = None
+    experiment: str | None = None
+    new_trajectories: int = 0
+    updates: int = 0
+    last_update_at: float | None = None
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+    last_gate: dict[str, Any] = field(default_factory=dict)
+    last_reasons: dict[str, Any] = field(default_factory=dict)  # what the last update could not use, and why (learner/reasons.py)
+    last_parity: dict[str, Any] = field(default_factory=dict)  # the parity probe of the last loaded version (learner/parity.py)
+    challenger: str | None = None  # the version in the running experiment
+    restarts: int = 0  # times the trainer restarted from the champion after a rejected version
+    traffic: dict[str, Any] = field(default_factory=dict)  # the traffic filter this learner trains on
+    pid: int = field(default_factory=os.getpid)
+    updated_at: float = field(default_factory=time.time)
+
+
+class ServiceState:
+    """The state ``LearnerService.__init__`` sets and every job reads; the helpers several jobs use."""
+
+    cfg: ServiceConfig
+    family: str
+    dir: Path  # <data-dir>/learner/<family>: checkpoints, history.jsonl, status.json, reward.png
+    adapter_root: Path
+    store: Any  # the interaction store (SQLite or PostgreSQL: learner/store.py, learner/store_pg.py)
+    admin: RuntimeAdmin
+    traffic: TrafficFilter
+    status: Status
+    _restart: bool  # a version was rejected: the next update starts from the champion's weights
+    _rejected_names: set[str]  # versions refused or rolled back: never used for re-rollouts
+    _trained: list[Sample]  # the last update's samples (the parity probe picks its turns among them)
+    _baseline_state: dict[str, Any] | None  # the singleton baselines after this update's step
+    _warmup: set[str]
+    _trainer: Any  # built on the first update: idle learners hold no model
+    _held: bool  # a version trained during an experiment waits to be published
+    _stop: bool
+    _busy: bool  # inside a scheduling round (an update, a publish, a gate)
+    _seen_since: float
+    _checked: bool
+    _parent: int | None
+
+    def _get_trainer(self) -> Any:
+        if self._trainer is None:
+            from learner.distributed import RankZeroTrainer, world
+            from learner.trainer import LoRATrainer  # torch + peft: only once there is something to train
+
+            s = self.cfg.settings
+            # with --nproc N, the workers build, resume and step in lockstep with this trainer (learner/distributed.py)
+            factory = RankZeroTrainer if world()[1] > 1 else LoRATrainer
+            self._trainer = factory(self.cfg.base_model, s.trainer, s.lora)
+            if self._trainer.load_checkpoint(self.dir / "checkpoints") is not None:
+                log.info("resumed from checkpoint", version=self._trainer.version)
+        return self._trainer
+
+    def _published_version(self) -> int:
+        """The family's newest published version (0 before the first): what the runtime may be serving."""
+        versions = [int(p.name[1:]) for p in (self.adapter_root / self.family).glob("v*") if p.name[1:].isdigit()]
+        return max(versions, default=0)
+
+    def _task(self) -> str | None:
+        """The gate's and the A/B metric's task: configured, else the agent's own."""
+        if self.cfg.task is None and self.cfg.agent is not None:
+            agents = self.admin._call("GET", "/admin/agents", idempotent=True).get("data", [])
+            self.cfg.task = next((a.get("task") for a in agents if a.get("name") == self.cfg.agent), None)
+        return self.cfg.task
+
+    def _champion(self) -> str | None:
+        aliases = self.admin.list_adapters().get("aliases", {})
+        target = aliases.get(self.family)
+        return target if isinstance(target, str) else None
+
+    def _base_model_name(self) -> str:
+        r = httpx.get(f"{self.cfg.admin_url}/ready", timeout=30)
+        r.raise_for_status()
+        return str(r.json()["model"])
+
+    def _unload(self, name: str) -> None:
+        try:
+            self.admin._call("DELETE", f"/admin/adapters/{name}", idempotent=True)
+        except AdminError as exc:
+            log.warning("could not unload a refused version", adapter=name, error=str(exc))
+
+    def _set(self, state: str, detail: str) -> None:
+        self.status.state, self.status.detail, self.status.updated_at = state, detail, time.time()
+        tmp = self.dir / "status.json.tmp"
+        tmp.write_text(json.dumps(asdict(self.status)))
+        os.replace(tmp, self.dir / "status.json")
+
+
+def _update_versions(trainer: Any) -> list[int]:
+    """The trainer's version at the end of each of the last updates (oldest first), as its checkpoint keeps them."""
+    v = trainer.cursor.get(UPDATE_VERSIONS)
+    return [int(x) for x in v] if isinstance(v, list) else []
