@@ -396,7 +396,7 @@ class LearnerSettings(BaseModel):
         description=(
             "when a version is refused (eval gate, parity probe) or rolled back by its A/B experiment, the next update starts "
             "from the champion's weights (the base model before the first champion) with a fresh optimizer, instead of "
-            "descending the rejected line; a version trained meanwhile on that line is dropped (learner/service.py)"
+            "descending the rejected line; a version trained meanwhile on that line is dropped (learner/release.py)"
         ),
     )
 

@@ -12,7 +12,7 @@ the mean absolute difference of the per-token logprobs is the metric (TRL logs t
 raw logits (greedy decoding), so an honest load differs by float noise only; a wrong LoRA scale (alpha/r), a
 wrong dtype or a missing target module shows up as a large difference before any user is served by it.
 
-Not here: what the learner does with a refused version (``learner/service.py``).
+Not here: what the learner does with a refused version (``learner/release.py``).
 """
 
 from __future__ import annotations

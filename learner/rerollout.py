@@ -26,7 +26,7 @@ Planning (pure; the service executes the plan: runs, estimator, trainer, publish
   can be replayed; :func:`counterfactual_scores` collects the verifier's scores of their one-step
   alternatives (:func:`counterfactual_score`: the step's process score, else the run's reward).
 
-Not here: running the sweep against the trainer (``learner/service.py``), advantages (``learner.advantages``).
+Not here: running the sweep against the trainer (``learner/rollout_steps.py``), advantages (``learner.advantages``).
 """
 
 from __future__ import annotations

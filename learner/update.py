@@ -6,8 +6,9 @@
 
 or, for the common case, ``metrics, adv = update(trainer, samples)`` (estimate + step with the trainer's
 configured estimator). Every trainer of the project goes through these functions: the learner process
-(``learner/service.py``, including RTPO's reverse sweep and TCPO's counterfactual step, whose re-rollouts
-are planned in ``learner/rerollout.py``) and the memory copilot's trainer (``experiments/memory_train.py``).
+(``learner/service.py``, with RTPO's reverse sweep and TCPO's counterfactual step in
+``learner/rollout_steps.py``, their re-rollouts planned in ``learner/rerollout.py``) and the memory copilot's
+trainer (``experiments/memory_train.py``).
 
 The order is a rule, not a convention: the checkpoint of version N is written before ``family@N`` is
 published, so a learner killed in between resumes at N and never publishes a second, different N
