@@ -55,8 +55,11 @@ import sys
 import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+from pydantic import BaseModel, ValidationError
+
+from learner.config import ScheduleConfig
 from learner.store import DEFAULT_DB_NAME, SqliteStore, db_path, is_postgres_url, open_store
 
 FORMATS = ("jsonl",)
@@ -75,6 +78,22 @@ def parse_time(text: str) -> float:
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()
+
+
+def add_model_flags(parser: Any, model: type[BaseModel]) -> None:
+    """One flag per field of ``model`` that names its ``flag``: the field's type, default and description, as ``serve.py`` does."""
+    for name, field in model.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if not extra.get("flag"):
+            continue
+        kind = next((t for t in (get_args(field.annotation) or (field.annotation,)) if t in (int, float, str)), str)
+        parser.add_argument(
+            str(extra["flag"]),
+            dest=name,
+            type=kind,
+            default=field.default,
+            help=f"{field.description}" + ("" if field.default is None else f" (default: {field.default})"),
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,22 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--admin-key", default=os.environ.get("LOOPWISE_ADMIN_KEY"), help="the runtime's admin key (or LOOPWISE_ADMIN_KEY)")
     run.add_argument("--base-model", type=Path, required=True, help="the served base model's folder")
     run.add_argument("--family", default="calc-lora", help="adapter family to train (published as family@N)")
-    run.add_argument("--agent", default="calc-agent", help="train on this agent's runs and gate with it ('' = all traffic, no gate)")
-    run.add_argument("--task", default=None, help="the gate's task (default: the agent's)")
     run.add_argument(
         "--config",
         type=Path,
         default=None,
         help="TOML/JSON with [lora], [trainer], [samples], [rerollouts], [leap], [svr], [svr_r1], [reves] tables (learner.config)",
     )
-    run.add_argument("--min-new-trajectories", type=int, default=32, help="start an update after this many new rewarded trajectories")
-    run.add_argument("--poll-s", type=float, default=10.0, help="seconds between scheduling rounds")
-    run.add_argument("--gate-n", type=int, default=32, help="held-out problems per side in the eval gate (0 = no gate)")
-    run.add_argument("--gate-tolerance", type=float, default=0.05, help="refuse a version whose held-out success is lower by more than this")
-    run.add_argument("--ab-min-samples", type=int, default=64, help="min_samples of the A/B experiment against the champion")
-    run.add_argument(
-        "--ab-max-samples", type=int, default=256, help="an A/B still undecided with this many rewards per arm ends, the champion stays (0 = no cap)"
-    )
+    add_model_flags(run.add_argument_group("schedule (learner.config.ScheduleConfig)"), ScheduleConfig)
     run.add_argument("--once", action="store_true", help="run one update now and exit")
     run.add_argument(
         "--nproc", type=int, default=1, help="data-parallel ranks on this host (torch.distributed: gloo on CPU, nccl on GPU); rank 0 publishes"
@@ -143,6 +153,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.ab_min_samples < 2 or 0 < args.ab_max_samples < args.ab_min_samples:
         print(f"error: need 2 <= --ab-min-samples <= --ab-max-samples (or 0), got {args.ab_min_samples} and {args.ab_max_samples}", file=sys.stderr)
+        return 2
+    try:
+        ScheduleConfig.model_validate({k: getattr(args, k) for k in ScheduleConfig.model_fields if hasattr(args, k)})
+    except ValidationError as exc:
+        print(f"error: learner schedule: {exc}", file=sys.stderr)
         return 2
     data: dict = {"family": args.family}
     if args.config is not None:

@@ -7,7 +7,11 @@
 small model on a shared CPU; validation fails at construction, before any model is loaded, and says
 what to set instead.
 
-Not here: the runtime's settings, the scheduler (when to train), the eval gate or A/B policy.
+``ScheduleConfig`` is the process's own part: when to update (the scheduler's thresholds) and how a version is
+released (gate size and tolerance, the A/B experiment's sample bounds); the learner's command line and the
+runtime's ``[learner]`` settings are built from it.
+
+Not here: the runtime's other settings, the scheduler itself, the eval gate or A/B policy.
 Importing this module does not import torch.
 """
 
@@ -373,6 +377,52 @@ class RevesConfig(BaseModel):
     )
     group: int = Field(4, ge=2, le=32, description="runs per training prompt (the GRPO group)")
     seed: int = Field(0, ge=0, description="problem seed of the training items")
+
+
+class ScheduleConfig(BaseModel):
+    """When one learner updates and how its versions are released: the process-level settings.
+
+    Declared once here: ``python -m learner run``'s flags are generated from these fields (``flag`` names the
+    flag), and the runtime's ``[learner]`` settings and ``[[learner.jobs]]`` tables take their defaults,
+    bounds and help from them (``runtime/settings.py``)."""
+
+    model_config = _FROZEN
+    agent: str = Field(
+        "calc-agent", description="train on this agent's runs and gate with it ('' = all traffic, no gate)", json_schema_extra={"flag": "--agent"}
+    )
+    task: str | None = Field(None, description="the gate's task (default: the agent's)", json_schema_extra={"flag": "--task"})
+    min_new_trajectories: int = Field(
+        32, ge=1, description="start an update after this many new rewarded trajectories", json_schema_extra={"flag": "--min-new-trajectories"}
+    )
+    poll_s: float = Field(10.0, gt=0, description="seconds between scheduling rounds", json_schema_extra={"flag": "--poll-s"})
+    gate_n: int = Field(32, ge=0, description="held-out problems per side in the eval gate (0 = no gate)", json_schema_extra={"flag": "--gate-n"})
+    gate_seed: int = Field(100_000, description="the gate's problem seed: held-out problems the live traffic and demo never use")
+    gate_tolerance: float = Field(
+        0.05, ge=0, description="refuse a version whose held-out success is lower by more than this", json_schema_extra={"flag": "--gate-tolerance"}
+    )
+    ab_min_samples: int = Field(
+        64,
+        ge=2,
+        description="rewards per arm before the A/B experiment against the champion may decide",
+        json_schema_extra={"flag": "--ab-min-samples"},
+    )
+    ab_max_samples: int = Field(
+        256,
+        ge=0,
+        description="an A/B experiment still undecided at this many rewards per arm ends and the champion stays (0 = no cap)",
+        json_schema_extra={"flag": "--ab-max-samples"},
+    )
+
+    @model_validator(mode="after")
+    def _ab_bounds(self) -> ScheduleConfig:
+        if 0 < self.ab_max_samples < self.ab_min_samples:
+            raise ValueError(f"need ab_min_samples <= ab_max_samples (or 0), got {self.ab_min_samples} and {self.ab_max_samples}")
+        return self
+
+
+def schedule_default(name: str) -> Any:
+    """The declared default of one ``ScheduleConfig`` field (for the dataclasses and settings that carry it)."""
+    return ScheduleConfig.model_fields[name].default
 
 
 class LearnerSettings(BaseModel):

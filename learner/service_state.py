@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import structlog
 
-from learner.config import LearnerSettings, TrafficFilter
+from learner.config import LearnerSettings, TrafficFilter, schedule_default
 from learner.publish import AdminError, RuntimeAdmin
 from learner.samples import Sample
 
@@ -55,13 +55,14 @@ class ServiceConfig:
     agent: str | None = None  # the agent whose runs train the family (and that the gate evaluates)
     task: str | None = None  # the gate's task (default: the agent's)
     adapter_root: Path | None = None  # default <data-dir>/adapters (the runtime's default)
-    min_new_trajectories: int = 32
-    poll_s: float = 10.0
-    gate_n: int = 32
-    gate_seed: int = 100_000  # held-out problems: a seed the live traffic and demo never use
-    gate_tolerance: float = 0.05
-    ab_min_samples: int = 64
-    ab_max_samples: int | None = 256  # an undecided experiment ends here (the champion stays), so training goes on being published
+    # the schedule: declared (defaults, bounds, meaning) once, in learner.config.ScheduleConfig
+    min_new_trajectories: int = schedule_default("min_new_trajectories")
+    poll_s: float = schedule_default("poll_s")
+    gate_n: int = schedule_default("gate_n")
+    gate_seed: int = schedule_default("gate_seed")
+    gate_tolerance: float = schedule_default("gate_tolerance")
+    ab_min_samples: int = schedule_default("ab_min_samples")
+    ab_max_samples: int | None = schedule_default("ab_max_samples")  # None = no cap
     store: str | None = None  # the interaction store's URL or file (default <data-dir>/interactions.db)
 
 

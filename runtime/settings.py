@@ -7,6 +7,8 @@ short names, e.g. ``LOOPWISE_PORT``), an optional TOML/JSON config file (``LOOPW
 
 ``serve.py``'s flags are generated from the fields of every sub-model (name, help text, default;
 ``json_schema_extra={"flag": ...}`` renames one, e.g. ``--sglang-url``), so there is no second list to keep in sync.
+The learner's schedule (when it updates, its gate and A/B bounds) is declared once, in ``learner.config.ScheduleConfig``:
+``[learner]`` and ``[[learner.jobs]]`` take those fields (default, bounds, help) from it.
 
 Not here: validation that needs the model loaded (context length, vocabulary) — the engine does that.
 """
@@ -19,7 +21,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from learner.config import ScheduleConfig
 
 
 class _Frozen(BaseModel):
@@ -332,15 +337,20 @@ class MemorySettings(_Frozen):
     max_chars: int = Field(16_000, ge=1, description="longest memory text the store accepts", json_schema_extra={"flag": "--memory-max-chars"})
 
 
+def _schedule(name: str, flag: str | None = None) -> Any:
+    """A learner field as ``learner.config.ScheduleConfig`` declares it (default, bounds, help), under ``flag`` here."""
+    return FieldInfo.merge_field_infos(ScheduleConfig.model_fields[name], json_schema_extra={"flag": flag} if flag else None)
+
+
 class LearnerJob(_Frozen):
     """One learner process: one adapter family, trained on the traffic its settings' ``[traffic]`` table selects."""
 
     family: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="the adapter family it publishes (family@N)")
     agent: str = Field("", description="train on this agent's runs and gate with it ('' = the [traffic] filter, no gate)")
-    min_new_trajectories: int = Field(32, ge=1, description="new rewarded trajectories that start an update")
-    gate_n: int = Field(32, ge=0, description="held-out problems per side in the eval gate (with an agent)")
-    ab_min_samples: int = Field(64, ge=2, description="rewards per arm before the A/B experiment may decide")
-    ab_max_samples: int = Field(256, ge=0, description="an undecided A/B experiment ends at this many rewards per arm (0 = no cap)")
+    min_new_trajectories: int = _schedule("min_new_trajectories")
+    gate_n: int = _schedule("gate_n")
+    ab_min_samples: int = _schedule("ab_min_samples")
+    ab_max_samples: int = _schedule("ab_max_samples")
     config: Path | None = Field(None, description="a learner config file; the tables in settings override its tables")
     settings: dict[str, Any] = Field(default_factory=dict, description="learner config tables ([traffic], [singletons], [trainer], ...)")
 
@@ -349,21 +359,12 @@ class LearnerProcessSettings(_Frozen):
     """The learner process ``serve.py`` starts (``python -m learner run``); see ``learner/service.py``."""
 
     enabled: bool = Field(True, description="start the learner process next to the server", json_schema_extra={"flag": "--learner"})
-    agent: str = Field("calc-agent", description="the agent whose rewarded runs train the family", json_schema_extra={"flag": "--learner-agent"})
+    agent: str = _schedule("agent", "--learner-agent")
     family: str = Field("calc-lora", description="the adapter family the learner publishes", json_schema_extra={"flag": "--learner-family"})
-    min_new_trajectories: int = Field(
-        32, ge=1, description="new rewarded trajectories that start an update", json_schema_extra={"flag": "--learner-min-trajectories"}
-    )
-    gate_n: int = Field(32, ge=0, description="held-out problems per side in the eval gate", json_schema_extra={"flag": "--learner-gate-n"})
-    ab_min_samples: int = Field(
-        64, ge=2, description="rewards per arm before the A/B experiment may decide", json_schema_extra={"flag": "--learner-ab-min-samples"}
-    )
-    ab_max_samples: int = Field(
-        256,
-        ge=0,
-        description="an A/B experiment undecided at this many rewards per arm ends and the champion stays (0 = no cap)",
-        json_schema_extra={"flag": "--learner-ab-max-samples"},
-    )
+    min_new_trajectories: int = _schedule("min_new_trajectories", "--learner-min-trajectories")
+    gate_n: int = _schedule("gate_n", "--learner-gate-n")
+    ab_min_samples: int = _schedule("ab_min_samples", "--learner-ab-min-samples")
+    ab_max_samples: int = _schedule("ab_max_samples", "--learner-ab-max-samples")
     config: Path | None = Field(
         None, description="learner config ([lora], [trainer], [samples], [rerollouts] tables)", json_schema_extra={"flag": "--learner-config"}
     )

@@ -2,7 +2,8 @@
 
 What each library package may import from the project:
 
-- ``runtime`` → ``learner.records`` (the record types it writes), ``learner.adapter_manifest`` (the publish contract it reads)
+- ``runtime`` → ``learner.records`` (the record types it writes), ``learner.adapter_manifest`` (the publish contract it reads),
+  ``learner.config`` (the learner's settings, which the runtime's settings embed)
 - ``tools`` → nothing
 - ``memory`` → the runtime's client protocol, ``learner.records``
 - ``agents`` → the runtime's client protocol, ``tools``, ``memory``, ``learner.records``
@@ -27,9 +28,10 @@ PROJECT = {*LIBRARY, *DRIVERS}
 RUNTIME_CLIENT = ("runtime.agent_api", "runtime.engine", "runtime.identity")  # what agents and memory call the runtime through
 RECORDS = ("learner.records",)
 PUBLISH_CONTRACT = ("learner.adapter_manifest",)  # a published adapter's file names, manifest model and the file hash
+LEARNER_SETTINGS = ("learner.config",)  # the runtime's [learner] settings embed the learner's own (pydantic only)
 
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
-    "runtime": (*RECORDS, *PUBLISH_CONTRACT),
+    "runtime": (*RECORDS, *PUBLISH_CONTRACT, *LEARNER_SETTINGS),
     "tools": (),
     "memory": (*RUNTIME_CLIENT, *RECORDS),
     "agents": (*RUNTIME_CLIENT, *RECORDS, "tools", "memory"),

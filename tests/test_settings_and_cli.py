@@ -285,3 +285,31 @@ def test_learner_jobs_from_flags_and_tables(tmp_path):
     assert learner_jobs(settings_from_args(["--learner-job", job]).learner, set())[0].settings == {"singletons": {"mode": "drop"}}
     with pytest.raises(ValueError, match="distinct families"):
         settings_from_args(["--learner-job", job, "--learner-job", job])
+
+
+def test_the_learner_schedule_is_declared_once_in_learner_config(capsys) -> None:
+    """``python -m learner run``'s flags and the runtime's [learner] / [[learner.jobs]] fields come from ScheduleConfig."""
+    import pydantic
+
+    from learner.__main__ import build_parser, main
+    from learner.config import ScheduleConfig
+    from runtime.settings import LearnerJob, LearnerProcessSettings
+
+    args = build_parser().parse_args(["run", "--base-model", "m", "--gate-n", "3", "--poll-s", "0.5", "--agent", ""])
+    assert (args.gate_n, args.poll_s, args.agent, args.min_new_trajectories, args.ab_max_samples, args.task) == (3, 0.5, "", 32, 256, None)
+    flagged = {n for n, f in ScheduleConfig.model_fields.items() if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("flag")}
+    assert flagged == {"agent", "task", "min_new_trajectories", "poll_s", "gate_n", "gate_tolerance", "ab_min_samples", "ab_max_samples"}
+    # the model's bounds apply on the command line (before anything is loaded) and in the server's settings
+    assert main(["run", "--base-model", "m", "--admin-key", "k", "--gate-n", "-1"]) == 2
+    assert "gate_n" in capsys.readouterr().err
+    with pytest.raises(pydantic.ValidationError, match="greater than or equal to 1"):
+        LearnerJob(family="f", min_new_trajectories=0)
+    with pytest.raises(pydantic.ValidationError, match="greater than or equal to 2"):
+        LearnerProcessSettings(ab_min_samples=1)
+    ls, job = LearnerProcessSettings(), LearnerJob(family="f")
+    schedule = ScheduleConfig()
+    assert (ls.agent, ls.min_new_trajectories, ls.gate_n, ls.ab_min_samples, ls.ab_max_samples) == (
+        schedule.agent, schedule.min_new_trajectories, schedule.gate_n, schedule.ab_min_samples, schedule.ab_max_samples,
+    )  # fmt: skip
+    assert (job.agent, job.min_new_trajectories) == ("", 32)  # a job trains on its [traffic] filter unless it names an agent
+    assert LearnerProcessSettings.model_fields["gate_n"].description == ScheduleConfig.model_fields["gate_n"].description
