@@ -62,13 +62,18 @@ def loop(start_server, tmp_path_factory, tiny_model_path):
     hostile = {"model": "tiny", "messages": [{"role": "user", "content": HOSTILE}], "max_tokens": 3}
     r = httpx.post(server.url + "/chat/completions", json=hostile, timeout=60)
     assert r.status_code == 200
-    # the learner process: wait for its status, then ask for an update (no samples: it says why it did not train)
+
+    # the learner process: wait for its status, then ask for an update (no samples: it says why it did not train);
+    # two learners start (calc-lora and the chat learner) and either may write its status first
+    def calc_learner() -> dict | None:
+        return next((x for x in admin(server, "GET", "/admin/learner").json()["data"] if x["family"] == "calc-lora"), None)
+
     deadline = time.monotonic() + 120
-    while not admin(server, "GET", "/admin/learner").json()["data"]:
+    while calc_learner() is None:
         assert time.monotonic() < deadline, server.log()
         time.sleep(0.5)
     admin(server, "POST", "/admin/learner/update", json={"family": "calc-lora"})
-    while not admin(server, "GET", "/admin/learner").json()["data"][0].get("history"):
+    while not (calc_learner() or {}).get("history"):
         assert time.monotonic() < deadline, server.log()
         time.sleep(0.5)
     return server
