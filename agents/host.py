@@ -25,9 +25,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agents.config import AgentConfig
-from agents.loop import AgentLoop, Branch, BranchMismatch, RunResult
+from agents.loop import AgentLoop, Branch, BranchMismatch, RunResult, Segment
 from agents.reves import reves_run
 from agents.tasks import Problem, Task, get_task
+from agents.tasks.variants import signature, synthesize, variant_seed
+from learner.records import Trajectory, Turn
 from memory.copilot import Copilot
 from memory.store import MemoryStore
 from runtime.agent_api import AgentAnswer, RunNotFound, RuntimeClient
@@ -47,8 +49,12 @@ class BranchRequest(BaseModel):
     context_sha256: str | None = Field(
         None, pattern=r"^[0-9a-f]{64}$", description="optional check: sha256 of the backbone's context ids at turn t (int32 little-endian)"
     )
-    kind: Literal["rtpo", "rtpo_refresh", "tcpo"] = Field(
-        "rtpo", description="the learner's purpose: RTPO sibling, RTPO refresh of a backbone's continuation, or TCPO counterfactual"
+    kind: Literal["rtpo", "rtpo_refresh", "tcpo", "patr"] = Field(
+        "rtpo",
+        description=(
+            "the learner's purpose: RTPO sibling, RTPO refresh of a backbone's continuation, TCPO counterfactual, or a PATR tree "
+            "segment (with segment; the backbone is a PATR path and turn may be its length: continue a paused path)"
+        ),
     )
 
 
@@ -59,6 +65,15 @@ class RevesRequest(BaseModel):
 
     kind: Literal["repair", "verify"] = Field(description="repair: fix the previous answer (task verifier); verify: judge it (verdict match)")
     previous: str = Field(max_length=65_536, description="the model's previous full answer (repair) or the candidate answer to judge (verify)")
+
+
+class SegmentRequest(BaseModel):
+    """``segment`` of a run (admin API only): a PATR tree segment (``agents.loop.Segment``): sample at most ``turns`` turns, then pause."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tree: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$", description="the tree's id (meta patr_tree)")
+    turns: int = Field(1, ge=1, le=64, description="turns to sample before pausing")
 
 
 class RunRequest(BaseModel):
@@ -94,6 +109,7 @@ class RunRequest(BaseModel):
     eval: bool = Field(False, description="an evaluation run on held-out problems: recorded, rewarded, never trained on")
     branch: BranchRequest | None = Field(None, description="re-roll a recorded run of the same task problem from one of its turns (learner)")
     reves: RevesRequest | None = Field(None, description="a REVES repair or verification prompt on the task problem (learner; admin only)")
+    segment: SegmentRequest | None = Field(None, description="a PATR tree segment: sample some turns, then pause (learner)")
     group: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$",
@@ -109,11 +125,29 @@ class RunRequest(BaseModel):
             raise ValueError("branch: re-rollouts need the backbone's task problem (problem_index) and are never eval runs")
         if self.reves is not None and ((self.problem_index is None and self.problem_id is None) or self.branch is not None):
             raise ValueError("reves: a repair or verification prompt needs a task problem (problem_index or problem_id) and no branch")
+        if self.segment is not None and (self.problem_index is None or self.eval):
+            raise ValueError("segment: PATR segments need a task problem (problem_index) and are never eval runs")
+        if self.branch is not None and (self.branch.kind == "patr") != (self.segment is not None):
+            raise ValueError("branch: kind 'patr' continues a PATR path and needs segment; other kinds cannot have one")
         if self.messages is not None:
             for i, m in enumerate(self.messages):
                 if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
                     raise ValueError(f"messages[{i}] must be {{'role': 'system'|'user'|'assistant', 'content': str}}")
         return self
+
+
+class VariantsRequest(BaseModel):
+    """The body of ``POST /admin/agents/{name}/variants``: RODS's synthesis for one problem (``agents/tasks/variants.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str | None = Field(None, description="the task (default: the agent's)")
+    problem_index: int = Field(ge=0, le=100_000)
+    seed: int = Field(0, ge=0)
+    k: int = Field(4, ge=1, le=32, description="variants wanted")
+    variant_seed: int | None = Field(None, ge=0, description="the problem seed searched for variants (default: derived from the problem's id)")
+    max_candidates: int = Field(256, ge=1, le=1024, description="problems of variant_seed looked at, at most")
+    exclude: list[str] = Field(default_factory=list, max_length=4096, description="problem ids that are not new (already in the pool)")
 
 
 class ProblemCache:
@@ -246,8 +280,8 @@ class ServedAgentImpl:
             err = exc.errors()[0]
             where = ".".join(str(x) for x in err.get("loc", ()))
             raise ValueError(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}") from None
-        if req.branch is not None and not admin:
-            raise PermissionError("branch: re-rollouts are for the learner and admins (POST /admin/agents/{name}/runs)")
+        if (req.branch is not None or req.segment is not None) and not admin:
+            raise PermissionError("branch, segment: re-rollouts are for the learner and admins (POST /admin/agents/{name}/runs)")
         if req.reves is not None and not admin:
             raise PermissionError("reves: augmentation prompts are for the learner and admins (POST /admin/agents/{name}/runs)")
         if req.task_options and not admin:
@@ -277,7 +311,7 @@ class ServedAgentImpl:
         else:
             messages = list(req.messages or [])
         # eval runs and re-rollouts (whose context must hash like the recorded one) neither read nor rewrite memory
-        use_memory = self.copilot is not None and not req.eval and req.branch is None
+        use_memory = self.copilot is not None and not req.eval and req.branch is None and req.segment is None
         ticket = await self.copilot.prepare(messages, session_id=session_id) if use_memory and self.copilot is not None else None
         result = await loop.run(
             ticket.messages if ticket else messages,
@@ -292,6 +326,7 @@ class ServedAgentImpl:
             problem_ref=(req.problem_index, req.seed or 0) if problem is not None and req.problem_index is not None else None,
             group=req.group,
             horizon=req.horizon,
+            segment=Segment(req.segment.tree, req.segment.turns) if req.segment is not None else None,
         )
         if ticket is not None and self.copilot is not None:
             self.copilot.after(ticket, messages, result)
@@ -300,6 +335,25 @@ class ServedAgentImpl:
         if problem is not None:
             out["problem"] = {"id": problem.id, "prompt": problem.prompt, "answer": _jsonable(problem.answer)}
         return out
+
+    async def variants(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Up to ``k`` variants of a task problem with its structure, each validated by the task's verifier (``agents/tasks/variants.py``)."""
+        try:
+            req = VariantsRequest.model_validate(body)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            raise ValueError(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}") from None
+        name = req.task or self.config.task
+        if name is None:
+            raise ValueError("variants need a task (the agent has none configured)")
+        task = self._tasks(name, dict(self.config.task_options))
+        problem = await asyncio.to_thread(self._problems.get, task, req.problem_index, req.seed)
+        seed = req.variant_seed if req.variant_seed is not None else variant_seed(problem.id)
+        synth = await asyncio.to_thread(
+            synthesize, task, problem, k=req.k, seed=seed, max_candidates=req.max_candidates, exclude=frozenset(req.exclude)
+        )
+        return {**synth.to_dict(), "problem": {"id": problem.id, "signature": signature(task, problem)}, "variant_seed": seed}
 
     async def _branch(self, req: RunRequest) -> Branch:
         """The recorded backbone of ``req.branch``, checked: this agent's trainable run of the same task problem."""
@@ -310,17 +364,48 @@ class ServedAgentImpl:
             raise RunNotFound(f"branch: no recorded trajectory {b.trajectory_id!r}")
         m = traj.meta
         where = f"branch of {b.trajectory_id}"
-        if m.get("agent") != self.name or m.get("rerollout") or m.get("eval") or m.get("trainable", True) is False:
-            raise BranchMismatch(f"{where}: not a trainable run of agent {self.name!r} (branches, eval runs and broken runs are not replayed)")
+        patr = b.kind == "patr"
+        if (
+            m.get("agent") != self.name
+            or (m.get("rerollout") != "patr" if patr else m.get("rerollout"))
+            or m.get("eval")
+            or m.get("trainable", True) is False
+        ):
+            what = "a PATR segment" if patr else "a trainable run"
+            raise BranchMismatch(f"{where}: not {what} of agent {self.name!r} (other branches, eval runs and broken runs are not replayed)")
         task = req.task or self.config.task
         if (m.get("task"), m.get("problem_index"), m.get("problem_seed") or 0) != (task, req.problem_index, req.seed or 0):
             raise BranchMismatch(f"{where}: it ran task {m.get('task')!r} problem {m.get('problem_index')} (seed {m.get('problem_seed') or 0})")
-        if not b.turn < len(traj.turns):
-            raise BranchMismatch(f"{where}: turn {b.turn} is past its {len(traj.turns)} turns")
-        branch = Branch(backbone=tuple(traj.turns[: b.turn + 1]), turn=b.turn, of=traj.trajectory_id, kind=b.kind)
+        turns = await self._patr_path(traj, where) if patr else list(traj.turns)
+        pending = None
+        if patr and b.turn == len(turns):
+            if not m.get("paused") or not isinstance(m.get("pending"), list):
+                raise BranchMismatch(f"{where}: the path ended (only a paused PATR path continues at its end)")
+            pending = tuple(dict(x) for x in m["pending"])
+        elif not b.turn < len(turns):
+            raise BranchMismatch(f"{where}: turn {b.turn} is past its {len(turns)} turns")
+        branch = Branch(backbone=tuple(turns[: b.turn + 1]), turn=b.turn, of=traj.trajectory_id, kind=b.kind, pending=pending)
         if b.context_sha256 is not None and b.context_sha256 != branch.context_sha256:
             raise BranchMismatch(f"{where}: context_sha256 differs from the recorded context at turn {b.turn}")
         return branch
+
+    async def _patr_path(self, traj: Trajectory, where: str) -> list[Turn]:
+        """A PATR path's turns from the root: each segment's ancestors (meta ``branch_of``, same tree) up to its branch turn, then its own."""
+        segments = [traj]
+        while segments[-1].meta.get("branch_of"):
+            if len(segments) > 64:
+                raise BranchMismatch(f"{where}: the PATR path is longer than 64 segments")
+            parent = await self.loop.client.trajectory(str(segments[-1].meta["branch_of"]))
+            if parent is None or parent.meta.get("rerollout") != "patr" or parent.meta.get("patr_tree") != traj.meta.get("patr_tree"):
+                raise BranchMismatch(f"{where}: an ancestor of the PATR path is missing or not a segment of its tree")
+            segments.append(parent)
+        turns: list[Turn] = []
+        for seg in reversed(segments):
+            start = int(seg.meta.get("branch_turn") or 0) if seg.meta.get("branch_of") else 0
+            turns = turns[:start] + list(seg.turns)
+        if [t.index for t in turns] != list(range(len(turns))):
+            raise BranchMismatch(f"{where}: the PATR path's turns do not line up")
+        return turns
 
 
 class Host:

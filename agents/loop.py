@@ -45,6 +45,16 @@ turn ``t-1`` and whose meta names the backbone (``branch_of``, ``branch_turn``, 
 context's sha256, ``rerollout`` = the learner's purpose). The learner uses this for RTPO siblings and
 TCPO counterfactuals (``learner/rerollout.py``). T²PO-intervened backbones cannot be replayed.
 
+**Segments (PATR's tree rollouts).** A run with a :class:`Segment` samples at most ``segment.turns`` turns
+and then *pauses*: stop reason ``paused``, no answer and no verifier reward; the observation that would
+follow its last turn is recorded in its meta (``pending``) with the task's process score of the prefix
+(``prefix_score``, the task's ``score_prefix``), and the trajectory is marked ``rerollout = "patr"`` with
+its tree id (``patr_tree``). A branch of such a path (the host resolves the chain of segments into one
+backbone) may start at the path's end (``turn`` = its length): every recorded turn is replayed and the
+observation after the last one is the recorded ``pending`` one (the environment is stepped and must
+agree; no tool runs again), so the continued context is byte-for-byte what one uninterrupted run would
+have had. ``learner/patr.py`` grows its trees this way.
+
 **Verification.** When the run names a task problem, the task's verifier scores the final answer and
 the reward is attached to the trajectory (source ``verifier:<task>``); per-turn process scores go on
 the turns (``verifier:<task>:process``). Environment tasks (FrozenLake) answer each action turn with
@@ -103,6 +113,7 @@ class Branch:
     turn: int  # the branch turn: turns 0..turn-1 are replayed from ``backbone``, sampling starts here
     of: str | None = None  # the backbone's trajectory id
     kind: str = "rtpo"  # why the learner branched (recorded as meta ``rerollout``)
+    pending: tuple[dict[str, Any], ...] | None = None  # continuing a paused path (turn == len(backbone)): what followed its last turn
 
     @property
     def parent_turn_id(self) -> str | None:
@@ -110,9 +121,17 @@ class Branch:
         return self.backbone[self.turn - 1].turn_id if self.turn else None
 
     @property
-    def context_sha256(self) -> str:
-        """The id of the backbone's context at the branch turn (recorded as meta ``anchor``)."""
-        return context_sha256(self.backbone[self.turn].context_ids)
+    def context_sha256(self) -> str | None:
+        """The id of the backbone's context at the branch turn (recorded as meta ``anchor``); None when continuing a paused path."""
+        return context_sha256(self.backbone[self.turn].context_ids) if self.turn < len(self.backbone) else None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Sample at most ``turns`` turns, then pause (module docstring: segments); ``tree`` is the PATR tree's id."""
+
+    tree: str
+    turns: int = 1
 
 
 class BranchMismatch(RunConflict):
@@ -216,6 +235,9 @@ class RunResult:
     score: float | None = None  # an environment's own uncapped score (LEAP's rank key), when it reports one
     info: dict[str, Any] | None = None  # the environment's last structured report (the last step's ``info``), so no caller parses prose
     horizon: int | None = None  # a fixed-horizon training run (``agents/self_checks.py``): no early stop
+    prefix_score: float | None = None  # a segment's process score of the run so far (the task's score_prefix)
+    pending: list[dict[str, Any]] | None = None  # a paused segment: the observation messages that follow its last turn
+    patr_tree: str | None = None  # a segment's tree id
 
     @property
     def turns(self) -> int:
@@ -311,6 +333,7 @@ class AgentLoop:
         problem_ref: tuple[int, int] | None = None,
         group: str | None = None,
         horizon: int | None = None,
+        segment: Segment | None = None,
     ) -> RunResult:
         """Run to a stop. ``messages``: the conversation so far (system messages are merged after the agent's).
 
@@ -318,7 +341,8 @@ class AgentLoop:
         ``problem_ref``: ``(problem_index, problem_seed)`` of ``problem``, recorded so the learner can branch the run.
         ``group``: a learner group tag (meta ``group``): runs of one problem with different tags are never compared.
         ``horizon``: a fixed-horizon training run of exactly ``horizon`` turns (budgets permitting), with the agent's
-        format and feedback but no early stop (``agents.self_checks.fixed_horizon``; meta ``horizon``)."""
+        format and feedback but no early stop (``agents.self_checks.fixed_horizon``; meta ``horizon``).
+        ``segment``: sample at most ``segment.turns`` turns, then pause (module docstring: segments)."""
         cfg = self.config
         policy = self.policy() if horizon is None else fixed_horizon(self.policy())
         request_id = request_id or uuid.uuid4().hex
@@ -327,7 +351,7 @@ class AgentLoop:
         try:
             result = await self._run(
                 policy, lease, messages, session_id, request_id, problem, seed, horizon or max_turns or cfg.max_turns, eval_run, branch, problem_ref,
-                group, horizon,
+                group, horizon, segment,
             )  # fmt: skip
         finally:
             self.client.release(lease)
@@ -360,10 +384,13 @@ class AgentLoop:
         problem_ref: tuple[int, int] | None = None,
         group: str | None = None,
         horizon: int | None = None,
+        segment: Segment | None = None,
     ) -> RunResult:
         if branch is not None:
             self._check_branch(branch, max_turns)
         s = self._start(policy, lease, messages, session_id, request_id, problem, seed, max_turns, branch)
+        if segment is not None:  # pause after segment.turns sampled turns (``ending``)
+            s.segment, s.pause_at = segment, (branch.turn if branch is not None else 0) + segment.turns
         phase = Phase.BEGIN
         while (stop := ending(s, phase)) is None:
             phase = await self._phases[phase](self, s)
@@ -452,7 +479,7 @@ class AgentLoop:
         s.state_keys.append(_state_key(s.env))  # the state this turn acts in (replayed turns too: indices are absolute)
         s.forced = branch is not None and turn < branch.turn
         if branch is not None and turn == branch.turn:
-            if context_sha256(s.ctx.ids) != branch.context_sha256:
+            if branch.context_sha256 is not None and context_sha256(s.ctx.ids) != branch.context_sha256:
                 where = f"branch of {branch.of or 'a trajectory'} at turn {turn}"
                 raise BranchMismatch(f"{where}: the replayed context differs from the recorded one")
             s.branched, s.parent = True, branch.parent_turn_id
@@ -517,6 +544,9 @@ class AgentLoop:
         if ended is not None:  # the backbone cannot have stopped before the branch turn: refused after the run
             s.replay_end = ended
             return Phase.BEGIN
+        if s.turn + 1 == len(s.branch.backbone):  # the end of a paused path: the observation recorded when it paused
+            s.observations = [dict(m) for m in s.branch.pending or ()]
+            return Phase.OBSERVE
         nxt = s.branch.backbone[s.turn + 1]
         s.msgs = [dict(m) for m in nxt.messages]
         s.ctx.advance(s.turn, s.res.output_ids, list(nxt.context_ids))
@@ -564,6 +594,7 @@ class AgentLoop:
             s.step.observation = "Continue."
         obs_ids = self._observation_ids(s.msgs, s.res, s.observations)
         s.msgs += [{"role": "assistant", "content": s.text}, *s.observations]
+        s.pending = list(s.observations)  # what a segment that pauses here records
         s.ctx.advance(s.turn, s.res.output_ids, [*s.ctx.ids, *s.res.output_ids, *obs_ids])
         if self.client.render(s.msgs, self.tool_schemas).token_ids != tuple(s.ctx.ids):
             s.drift_turns += 1
@@ -582,7 +613,9 @@ class AgentLoop:
     async def _answer(self, s: RunState) -> str:
         """The run's answer: the client's tool call, else the stop policy's (asked again over the whole history when it
         did not stop the run, except in an environment), else the last turn's text; with ``finalize``, one more turn
-        under the request's grammar gives it."""
+        under the request's grammar gives it. A paused segment has no answer yet."""
+        if s.stop_reason == "paused":
+            return ""
         if not s.client_calls and (s.decision is None or not s.decision.stop):
             final = s.policy.decide(s.history, len(s.history)) if s.history else None
             if final is not None and s.env is None:
@@ -638,9 +671,16 @@ class AgentLoop:
             result.problem_index, result.problem_seed = problem_ref
         if branch is not None:
             result.branch_of, result.branch_turn, result.anchor, result.rerollout = branch.of, branch.turn, branch.context_sha256, branch.kind
+        paused = s.stop_reason == "paused"
+        if s.segment is not None:
+            result.patr_tree, result.pending = s.segment.tree, (json_safe(s.pending) if paused else None)
         if self.task is not None and s.problem is not None:
             result.task, result.task_key, result.problem_id = self.task.name, self.task.task_key(s.problem), s.problem.id
-            if s.env is not None:
+            if s.segment is not None:
+                result.prefix_score = _prefix_score(self.task, s.problem, s.env, [x.text for x in s.steps], done=not paused)
+            if paused:
+                pass  # no verdict yet: the path goes on in a later run
+            elif s.env is not None:
                 env_info = s.env_info
                 reward = min(1.0, max(0.0, s.env_reward))
                 correct: bool | None = s.env_done and reward >= 1.0
@@ -696,7 +736,8 @@ class AgentLoop:
             raise ValueError("branch: runs of agents with T²PO cannot be replayed exactly")
         if branch.turn >= max_turns:
             raise ValueError(f"branch: turn {branch.turn} is not below max_turns {max_turns}")
-        if not 0 <= branch.turn < len(branch.backbone) or [t.index for t in branch.backbone] != list(range(len(branch.backbone))):
+        end = len(branch.backbone) + (1 if branch.pending is not None else 0)  # a paused path continues at its end
+        if not 0 <= branch.turn < end or [t.index for t in branch.backbone] != list(range(len(branch.backbone))):
             raise ValueError(f"branch: turn {branch.turn} is not one of the backbone's {len(branch.backbone)} turns")
 
     def _replayed(self, ids: Sequence[int], turn: Turn, rid: str) -> GenerateResult:
@@ -714,8 +755,10 @@ class AgentLoop:
         recorded output (its state must follow the backbone) and must answer what was recorded. Returns the stop
         reason if the run would end here (a backbone never ends before its branch turn, so the caller refuses it)
         and the environment's reward for the turn."""
-        nxt = branch.backbone[turn + 1]
-        recorded = nxt.messages[len(branch.backbone[turn].messages) + 1 :]  # what came after this turn's reply
+        if turn + 1 < len(branch.backbone):
+            recorded = branch.backbone[turn + 1].messages[len(branch.backbone[turn].messages) + 1 :]  # what came after this turn's reply
+        else:  # the last turn of a paused path: what was recorded when it paused
+            recorded = [dict(m) for m in branch.pending or ()]
         step.observation = "\n\n".join(str(m.get("content") or "") for m in recorded) or None
         history.append(TurnView(text=text, tool_calls=len(calls)))
         if env is not None and not calls:
@@ -885,6 +928,10 @@ class AgentLoop:
             meta["horizon"] = result.horizon
         if result.branch_of is not None or result.rerollout is not None:
             meta.update(branch_of=result.branch_of, branch_turn=result.branch_turn, anchor=result.anchor, rerollout=result.rerollout)
+        if result.patr_tree is not None:  # a PATR segment: never in the live sample stream (the tree's update trains on it)
+            meta.update(rerollout="patr", patr_tree=result.patr_tree, paused=result.stop_reason == "paused", prefix_score=result.prefix_score)
+            if result.pending is not None:
+                meta["pending"] = result.pending
         await self.client.annotate(result.trajectory_id, meta)
         if result.reward is not None and result.task is not None:
             await self.client.reward(
@@ -908,6 +955,15 @@ def _turn_uncertainty(lps: Sequence[TokenLogprob], mask: Sequence[int] | None = 
 
 def _finite_number(x: Any) -> TypeGuard[int | float]:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _prefix_score(task: Task, problem: Problem, env: Env | None, texts: list[str], *, done: bool) -> float | None:
+    """The task's process score of a run so far (``score_prefix``), clipped to [0, 1]; None if it has none."""
+    from agents.tasks.base import PrefixState
+
+    fn = getattr(task, "score_prefix", None)
+    score = fn(problem, PrefixState(env, tuple(texts), done)) if callable(fn) else None
+    return min(1.0, max(0.0, float(score))) if _finite_number(score) else None
 
 
 def _state_key(env: Env | None) -> str | None:

@@ -11,8 +11,9 @@ What it does:
   environment or ask the stop policy) → ``OBSERVE`` (the observation tokens; the next context), or for a
   branch's replayed turn ``REPLAY`` (what the record says followed) instead of ``ACT`` and ``OBSERVE``.
 - ``ending(state, phase)``: the one place a run's end is decided, before each phase is entered. The reasons
-  are ``client_tool_call``, a replayed turn's ending, ``env_done``, the stop policy's own reason, ``max_turns``,
-  ``context_full`` and ``token_budget`` (those two end with finish reason ``length``).
+  are ``client_tool_call``, a replayed turn's ending, ``env_done``, the stop policy's own reason, ``paused`` (a
+  PATR segment sampled its turns), ``max_turns``, ``context_full`` and ``token_budget`` (those two end with
+  finish reason ``length``).
 
 What it does not: call the model, run tools or record turns (``agents/loop.py``), or decide whether an
 answer is good enough (the stop policies, ``agents/policies.py``).
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agents.loop import Branch, ContextTracker, StepRecord
+    from agents.loop import Branch, ContextTracker, Segment, StepRecord
     from agents.stop import StopDecision, StopPolicy, TurnView
     from agents.t2po import T2POCounters
     from agents.tasks import Env, Problem
@@ -86,6 +87,9 @@ class RunState:
     branched: bool = True  # False until a branch reaches its branch turn
     env_reward: float = 0.0
     env_info: dict[str, Any] = field(default_factory=dict)
+    segment: Segment | None = None  # a PATR segment: pause at turn pause_at
+    pause_at: int | None = None
+    pending: list[dict[str, Any]] = field(default_factory=list)  # the observations after the last turn (what a pause records)
     # the current turn
     room: int = 0  # tokens left in the context window
     budget: int = 0  # tokens left in the run's token budget
@@ -124,6 +128,8 @@ def ending(s: RunState, phase: Phase) -> Stop | None:
         return Stop("env_done", answered=True)
     if s.decision is not None and s.decision.stop:
         return Stop(s.decision.reason, answered=True)
+    if phase is Phase.BEGIN and s.pause_at is not None and s.turn >= s.pause_at and s.turn < s.max_turns:
+        return Stop("paused")
     if phase is Phase.BEGIN and s.turn >= s.max_turns:
         return Stop("max_turns")
     if phase is Phase.GENERATE and s.room < 2:

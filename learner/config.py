@@ -1,8 +1,8 @@
 """The learner's configuration: LoRA shape, trainer knobs and sample selection (frozen pydantic models).
 
 ``LearnerSettings`` bundles them (plus ``TrafficFilter``, ``SingletonConfig``, ``RerolloutConfig``,
-``LeapConfig`` and ``ParityConfig``); each component gets only its own part (``LoRAConfig`` and
-``TrainerConfig`` go to ``learner.trainer.LoRATrainer``, ``SampleConfig`` to
+``LeapConfig``, ``ParityConfig``, ``PatrConfig`` with the ``rollouts`` switch, and ``RodsConfig``); each
+component gets only its own part (``LoRAConfig`` and ``TrainerConfig`` go to ``learner.trainer.LoRATrainer``, ``SampleConfig`` to
 ``learner.samples.collect_samples``). Every field has a description and a default meant for a
 small model on a shared CPU; validation fails at construction, before any model is loaded, and says
 what to set instead.
@@ -425,6 +425,51 @@ def schedule_default(name: str) -> Any:
     return ScheduleConfig.model_fields[name].default
 
 
+class PatrConfig(BaseModel):
+    """PATR tree rollouts (``learner/patr.py``), used when ``rollouts = "patr"``: each update grows trees over turns for
+    ``trees_per_update`` problems of the agent's task through the runs endpoint's segments and trains on their nodes."""
+
+    model_config = _FROZEN
+    trees_per_update: int = Field(2, ge=1, le=256, description="problems (trees) per update")
+    leaves: int = Field(8, ge=2, le=64, description="G: leaves (finished or stopped paths) per tree at most; the tree's group")
+    roots: int = Field(2, ge=1, le=64, description="M: root paths started from the problem")
+    branch: int = Field(2, ge=1, le=8, description="b: children of a forked prefix (1 = no forks: independent paths, trajectory GRPO)")
+    fork_every: int = Field(1, ge=1, le=64, description="k: fork points every k turns of a path")
+    fork_rounds: int = Field(3, ge=0, le=64, description="L: fork points per tree at most")
+    fork_top: int = Field(1, ge=1, le=64, description="the highest-scored live prefixes forked at each fork point")
+    advance_turns: int = Field(1, ge=1, le=16, description="turns a path advances per segment run")
+    max_tokens: int | None = Field(None, ge=1, description="sampled tokens per tree after which no new fork starts (paths still finish)")
+    repeat_n: int = Field(4, ge=0, le=64, description="stop a path after the same action this many times in a row without progress (0 = never)")
+    invalid_n: int = Field(2, ge=0, le=64, description="stop a path after this many unreadable actions in a row (0 = never)")
+    score_floor: float = Field(0.0, ge=0.0, le=1.0, description="a prefix score at or below this counts as dead")
+    floor_k: int = Field(2, ge=0, le=64, description="stop a path after this many advances at or below score_floor (0 = never)")
+    stop_reward: float = Field(0.0, ge=0.0, le=1.0, description="the reward of a path stopped as degenerate")
+    seed: int = Field(0, ge=0, description="problem seed of the trees' problems when RODS is off (indices advance over updates)")
+
+
+class RodsConfig(BaseModel):
+    """RODS (``learner/rods.py``): the learner's task source for procedural tasks: a replay pool of problems sampled by
+    boundary score ``4 * Var_G(r)``, grown with verified variants of the boundary problems (the runtime's
+    ``POST /admin/agents/{name}/variants``). Each update rolls out ``items_per_update`` pool items ``group`` times (or
+    grows their PATR trees when ``rollouts = "patr"``) and trains on those runs."""
+
+    model_config = _FROZEN
+    enabled: bool = Field(
+        False, description="make the learner's own rollouts from the RODS pool every update (needs the learner's agent and its task)"
+    )
+    seeds: int = Field(64, ge=1, le=100_000, description="seed items: problems 0..seeds-1 of seed_problem_seed (never evicted)")
+    seed_problem_seed: int = Field(0, ge=0, description="the problem seed of the seed items")
+    capacity: int = Field(800, ge=1, le=100_000, description="pool size at most (seed items may exceed it; variants then wait for room)")
+    items_per_update: int = Field(4, ge=1, le=256, description="pool items rolled out per update")
+    group: int = Field(4, ge=2, le=64, description="G: rollouts per item (its boundary score's sample)")
+    tau: float = Field(0.5, ge=0.0, le=1.0, description="boundary threshold: items with b >= tau get variants")
+    variants: int = Field(2, ge=0, le=32, description="K: variants asked for per boundary item and update (0 = no synthesis)")
+    patience: int = Field(2, ge=1, le=64, description="evict a variant after this many consecutive visits with b == 0")
+    floor: float = Field(0.05, ge=0.0, le=1.0, description="priority floor added to b (zero-variance items stay reachable)")
+    exponent: float = Field(1.0, gt=0.0, le=8.0, description="priority = (b + floor) ** exponent")
+    max_candidates: int = Field(256, ge=1, le=1024, description="generator problems the synthesis looks at per boundary item")
+
+
 class LearnerSettings(BaseModel):
     """Everything one learner process for one adapter family needs."""
 
@@ -449,6 +494,15 @@ class LearnerSettings(BaseModel):
             "descending the rejected line; a version trained meanwhile on that line is dropped (learner/release.py)"
         ),
     )
+    rollouts: Literal["live", "patr"] = Field(
+        "live",
+        description=(
+            "'live': train on recorded traffic (and the estimator's re-rollouts); 'patr': every update also grows PATR trees "
+            "(learner/patr.py) for problems of the agent's task and trains on their nodes with the tree advantage"
+        ),
+    )
+    patr: PatrConfig = Field(default_factory=PatrConfig)
+    rods: RodsConfig = Field(default_factory=RodsConfig)
 
     @model_validator(mode="after")
     def _self_check_rewards(self) -> LearnerSettings:

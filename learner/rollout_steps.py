@@ -4,8 +4,9 @@
 steps: RTPO's reverse sweep (siblings from the exact stored contexts, each step optionally published as an
 intermediate version for the next step's re-rollouts), TCPO's counterfactual step, or one step, with group
 completion or the running baseline for one-off prompts. Before the samples are read, LEAP's, SVR's and
-REVES's data engines run the agent (``_leap_expand``, ``_svr_runs``, ``_reves_round``) and
-``_await_recorded`` waits for their outcomes. ``_rollout_model`` is the policy re-rollouts sample from.
+REVES's data engines run the agent (``_leap_expand``, ``_svr_runs``, ``_reves_round``), PATR's trees and RODS's
+pool items are the learner's own rollouts (``_own_rollouts``, ``learner/sources.py``; tree samples join the step
+with their tree advantages) and ``_await_recorded`` waits for their outcomes. ``_rollout_model`` is the policy re-rollouts sample from.
 
 Not here: planning branch points (``learner/rerollout.py``), the estimators (``learner/advantages.py``), the
 step (``learner/trainer.py``), publishing (``learner/release.py``), when an update runs (``learner/scheduler.py``).
@@ -38,10 +39,14 @@ log = structlog.get_logger(__name__)
 class RolloutSteps(ServiceState):
     """Training with re-rollouts (mixed into ``LearnerService``; intermediate publishes are ``Release``'s)."""
 
-    def _train(self, trainer: Any, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any] | None, list[float], list[Sample]]:
+    def _train(
+        self, trainer: Any, samples: list[Sample], skipped: dict[str, int], own: tuple[list[Sample], Advantages, dict[str, Any]] | None = None
+    ) -> tuple[Any, dict[str, Any] | None, list[float], list[Sample]]:
         """One update's optimizer work: advantages from the configured estimator, then the trainer's step; RTPO
         sweeps its turns in reverse with siblings, TCPO first scores counterfactuals (``learner/rerollout.py`` plans both).
         One-off prompts (singleton groups) get the running baseline (``learner/baseline.py``) when ``[singletons]`` says so.
+
+        PATR's tree samples (``own``, ``learner/sources.py``) join the step with their tree advantages.
 
         Returns the step's metrics, the re-rollouts' report, and the advantages with the samples they belong to (for
         ``learner/reasons.py``; none for RTPO's and TCPO's several steps)."""
@@ -63,6 +68,10 @@ class RolloutSteps(ServiceState):
             advantages, self._baseline_state, self._warmup = apply_to_singletons(
                 samples, advantages, trainer.cursor.get(BASELINE), decay=sc.baseline_decay, norm_by_std=sc.baseline_norm_by_std
             )
+        if own is not None and own[0]:
+            from learner.sources import join_tree_samples
+
+            samples, advantages = join_tree_samples(samples, advantages, own)
         return trainer.step(samples, advantages, skipped=skipped), info, list(advantages), samples
 
     def _complete_groups(self, trainer: Any, samples: list[Sample]) -> tuple[list[Sample], dict[str, Any]]:
@@ -228,6 +237,20 @@ class RolloutSteps(ServiceState):
                 time.sleep(0.1)
         if pending:
             log.warning("runs not recorded in time; a later update takes them", pending=len(pending))
+
+    def _own_rollouts(self, trainer: Any) -> tuple[list[Sample], Advantages, dict[str, Any]]:
+        """This update's own rollouts (``learner/sources.py``): PATR trees and/or RODS pool items, with the newest policy;
+        RODS's runs (info ``trajectory_ids``) are awaited with the other data engines' before the sample collection."""
+        from learner.sources import RolloutSources
+
+        if self._sources is None:
+            assert self.cfg.agent is not None
+            self._sources = RolloutSources(
+                self.cfg.settings, self.dir, self.cfg.admin_url, self.cfg.admin_key, agent=self.cfg.agent, store=self.store, family=self.family
+            )
+        self._set("expanding", "own rollouts: " + ("PATR trees" if self.cfg.settings.rollouts == "patr" else "RODS pool items"))
+        out: tuple[list[Sample], Advantages, dict[str, Any]] = self._sources.round(self._rollout_model(), trainer.version, trainer.cursor)
+        return out
 
     def _rollout_model(self) -> str:
         """The newest policy the runtime can serve: the family's newest published version (loaded if it is not), else the base model."""

@@ -37,7 +37,8 @@ class Scheduler(ServiceState):
             self._publish_held()
             return True
         self.status.new_trajectories = self._count_new()
-        if not requested and self.status.new_trajectories < self.cfg.min_new_trajectories:
+        own = self.cfg.settings.rollouts == "patr" or self.cfg.settings.rods.enabled  # the learner makes its own rollouts: no waiting
+        if not requested and not own and self.status.new_trajectories < self.cfg.min_new_trajectories:
             wait = f"{self.status.new_trajectories}/{self.cfg.min_new_trajectories} new rewarded trajectories"
             if running:
                 self._set("ab", f"experiment {self.status.experiment} running; {wait} for the next update")

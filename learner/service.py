@@ -27,6 +27,11 @@ One update:
    its experiment, makes the next update start from the champion's weights with a fresh optimizer
    (``restart_from_champion``).
 
+Own rollouts (``learner/sources.py``): with ``rollouts = "patr"`` or ``[rods] enabled`` the learner does not wait
+for traffic: every round is an update that first makes its own rollouts (PATR trees, RODS pool items) through
+the runs endpoint and trains on them (trees: their node samples with the tree advantage, next to the live
+samples; RODS runs: through the store, like traffic). Their figures go to the status (``sources``) and history.
+
 State for people: ``<data-dir>/learner/<family>/status.json`` (served by ``GET /admin/learner``),
 ``history.jsonl`` (one line per update) and ``reward.png`` (reward per update).
 
@@ -128,6 +133,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         self._baseline_state: dict[str, Any] | None = None  # the singleton baselines after this update's step
         self._warmup: set[str] = set()
         self._trainer: Any = None  # built on the first update: idle learners hold no model
+        self._sources: Any = None  # learner.sources.RolloutSources, built on the first update that needs it
         self._held = False  # a version trained during an experiment waits to be published
         self._stop = False
         self._busy = False  # inside a scheduling round (an update, a publish, a gate)
@@ -189,6 +195,8 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         needs_task = s.rerollouts.enabled and s.trainer.estimator in ("rtpo", "tcpo")
         svr_runs = s.svr.enabled and s.svr.problems_per_update > 0
         engine = "[leap]" if s.leap.enabled else "[svr] runs" if svr_runs else "[reves]" if s.reves.enabled else None
+        own = s.rollouts == "patr" or s.rods.enabled
+        engine = engine or ("own rollouts (rollouts = 'patr', [rods])" if own else None)
         if (needs_task or engine) and self.cfg.agent is None:
             what = f"estimator {s.trainer.estimator!r} with re-rollouts" if needs_task else f"{engine} enabled"
             raise LearnerConfigError(f"{what} needs the learner's agent (--agent): its runs are what is replayed or expanded")
@@ -200,6 +208,12 @@ class LearnerService(Scheduler, RolloutSteps, Release):
                 load_hook(sc.hook)
             except (ImportError, ValueError) as exc:
                 raise LearnerConfigError(f"[singletons] hook {sc.hook!r} cannot be loaded: {exc}") from exc
+        if own and self._task() is None:
+            raise LearnerConfigError(f"rollouts = 'patr' and [rods] roll out task problems, but agent {self.cfg.agent!r} has no task")
+        if s.rollouts == "patr" and needs_task:
+            raise LearnerConfigError(
+                "rollouts = 'patr' trains its trees in one step next to the live samples: use a one-step estimator, not rtpo/tcpo"
+            )
         if needs_task and self._task() is None:
             raise LearnerConfigError(
                 f"estimator {s.trainer.estimator!r} re-rolls task runs scored by a verifier, but agent {self.cfg.agent!r} has no task: "
@@ -219,7 +233,9 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         leap = self._leap_expand(trainer) if self.cfg.settings.leap.enabled else None
         svr_runs = self._svr_runs(trainer) if self.cfg.settings.svr.enabled and self.cfg.settings.svr.problems_per_update else None
         reves = self._reves_round(trainer) if self.cfg.settings.reves.enabled else None
-        self._await_recorded([*(svr_runs or {}).pop("trajectory_ids", []), *(reves or {}).pop("trajectory_ids", [])])
+        own = self._own_rollouts(trainer) if self.cfg.settings.rollouts == "patr" or self.cfg.settings.rods.enabled else None
+        own_runs = own[2].pop("trajectory_ids", []) if own is not None else []
+        self._await_recorded([*(svr_runs or {}).pop("trajectory_ids", []), *(reves or {}).pop("trajectory_ids", []), *own_runs])
         self._set("training", f"version {trainer.version + 1}")
         batch = collect_samples(
             self.store,
@@ -233,19 +249,20 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         skipped = batch.counts.as_dict()
         samples, self_check_rewards = apply_self_check_rewards(samples, self.cfg.settings.svr, self.cfg.settings.svr_r1)
         skipped["svr_adaptive"], skipped["self_check_unmeasured"] = self_check_rewards["adaptive"], self_check_rewards["unmeasured"]
-        if not samples and not force:
+        if not samples and not force and not (own is not None and own[0]):
             why = unused_reasons(skipped, [], [])
             self.status.last_reasons = why
             self._set("waiting", f"no settled samples yet: {why['top'] or 'no rewarded trajectories'}")
             return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
         self._baseline_state, self._warmup = None, set()
-        metrics, rerollouts, advantages, used = self._train(trainer, samples, skipped)
+        metrics, rerollouts, advantages, used = self._train(trainer, samples, skipped, own)
         self._trained = used
         why = unused_reasons(skipped, used, advantages, warmup=self._warmup) | {"trained": metrics.trained_samples}
         keep = self.cfg.settings.samples.max_staleness + 1
         leap_next = int(trainer.cursor.get(LEAP_NEXT, 0)) + (self.cfg.settings.leap.problems_per_update if leap is not None else 0)
         svr_next = int(svr_runs["problems"][1]) if svr_runs is not None else int(trainer.cursor.get(SVR_NEXT, 0))
         reves_next = int(reves["items"][1]) if reves is not None else int(trainer.cursor.get(REVES_NEXT, 0))
+        own_next = self._sources.cursor_after(trainer.cursor) if own is not None else {}  # PATR's next problem (RODS off)
         baseline = self._baseline_state if self._baseline_state is not None else trainer.cursor.get(BASELINE, {})
         trainer.cursor = {
             **batch.cursor.to_dict(),
@@ -254,6 +271,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
             SVR_NEXT: svr_next,
             REVES_NEXT: reves_next,
             BASELINE: baseline,
+            **own_next,
         }
         self._seen_since = batch.cursor.since
         trainer.save_checkpoint(self.dir / "checkpoints")
@@ -271,6 +289,11 @@ class LearnerService(Scheduler, RolloutSteps, Release):
             record["reves"] = reves
         if self.cfg.settings.svr.enabled or self.cfg.settings.svr_r1.enabled:
             record["self_check_rewards"] = self_check_rewards
+        if own is not None:
+            record["sources"] = own[2]
+            self.status.sources = {k: v for k, v in own[2].items() if k != "patr"} | (
+                {"patr": {k: v for k, v in own[2]["patr"].items() if k != "per_tree"}} if "patr" in own[2] else {}
+            )
         self.status.version, self.status.updates, self.status.last_update_at = trainer.version, self.status.updates + 1, time.time()
         self.status.last_metrics = metrics.as_dict()
         if metrics.optimizer_step and publish:

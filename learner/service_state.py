@@ -84,6 +84,7 @@ class Status:
     challenger: str | None = None  # the version in the running experiment
     restarts: int = 0  # times the trainer restarted from the champion after a rejected version
     traffic: dict[str, Any] = field(default_factory=dict)  # the traffic filter this learner trains on
+    sources: dict[str, Any] = field(default_factory=dict)  # the last update's own rollouts: PATR budget, RODS pool figures
     pid: int = field(default_factory=os.getpid)
     updated_at: float = field(default_factory=time.time)
 
@@ -105,6 +106,7 @@ class ServiceState:
     _baseline_state: dict[str, Any] | None  # the singleton baselines after this update's step
     _warmup: set[str]
     _trainer: Any  # built on the first update: idle learners hold no model
+    _sources: Any  # learner.sources.RolloutSources (PATR trees, RODS pool), built on the first update that needs it
     _held: bool  # a version trained during an experiment waits to be published
     _stop: bool
     _busy: bool  # inside a scheduling round (an update, a publish, a gate)

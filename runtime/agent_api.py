@@ -99,6 +99,10 @@ class ServedAgent(Protocol):
         """One run; ``admin``: the request came through the admin API (branches and unbounded task options allowed)."""
         ...
 
+    async def variants(self, body: dict[str, Any]) -> dict[str, Any]:
+        """RODS's synthesis (admin API): validated variants of one task problem; ValueError for a bad body."""
+        ...
+
 
 class AgentHost(Protocol):
     def bind(self, client: RuntimeClient) -> None: ...

@@ -7,6 +7,8 @@
   verdicts, verifier reward), owned by the caller's key.
 - ``POST /admin/agents/{name}/runs`` (admin key; what the learner uses): the same, owned by ``admin``,
   and the only place a ``branch`` (a replay of a recorded trajectory) is accepted.
+- ``POST /admin/agents/{name}/variants`` (admin key; RODS's synthesis in the learner): problems of the agent's
+  task with the structure of a given one, each checked by the task's verifier.
 - Admin: ``GET /admin/agents``, ``POST /admin/agents`` (an agent config), ``DELETE /admin/agents/{name}``.
 
 Not here: the agent loop (``agents/``), which the runtime never imports.
@@ -40,11 +42,13 @@ def install_agent_routes(
     async def run(name: str, request: Request, *, admin: bool) -> dict[str, Any]:
         agent = agent_or_404(name)
         body = await read_json(request, max_body)
-        if not admin and body.get("branch") is not None:
+        if not admin and (body.get("branch") is not None or body.get("segment") is not None):
+            what = "branch" if body.get("branch") is not None else "segment"
             raise APIError(
                 403,
-                "branch runs replay recorded trajectories and are for the learner and admins: POST /admin/agents/{name}/runs with the admin key",
-                param="branch",
+                f"{what} runs replay or grow recorded trajectories and are for the learner and admins: "
+                "POST /admin/agents/{name}/runs with the admin key",
+                param=what,
                 type="permission_error",
                 code="permission_denied",
             )
@@ -77,6 +81,16 @@ def install_agent_routes(
     async def admin_run_agent(name: str, request: Request) -> dict[str, Any]:
         check_admin_key(request, admin_key)
         return await run(name, request, admin=True)
+
+    @app.post("/admin/agents/{name}/variants")
+    async def agent_variants(name: str, request: Request) -> dict[str, Any]:
+        check_admin_key(request, admin_key)
+        agent = agent_or_404(name)
+        body = await read_json(request, max_body)
+        try:
+            return await agent.variants(body)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
 
     @app.get("/admin/agents")
     async def list_agents(request: Request) -> dict[str, Any]:

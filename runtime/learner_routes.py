@@ -5,7 +5,9 @@ this module serves those files and asks for an update by writing ``update.reques
 which the learner picks up within a second. :class:`LearnerCollector` exports each learner's
 last-step metrics (loss, KL, clip fraction, reward mean/std, ``frac_reward_zero_std``, entropy,
 tokens/s), version and update count on the server's ``/metrics`` (``loopwise_learner_*{family=...}``),
-read at scrape time. Files keep the runtime free of learner imports and work when the learner runs on
+and the last update's own rollouts (``status.sources``): RODS's pool size, zero-variance fraction and
+boundary histogram (``loopwise_learner_rods_*``), PATR's sampled tokens, tool calls, runs and leaves
+(``loopwise_learner_patr_*``), read at scrape time. Files keep the runtime free of learner imports and work when the learner runs on
 another host that shares the data folder.
 
 Not here: training (``learner/``).
@@ -79,6 +81,20 @@ LEARNER_GAUGES = {  # status.json's last_metrics key -> (metric name, help)
 }
 
 
+SOURCE_GAUGES = {  # (status.sources part, key) -> (metric name, help)
+    ("rods", "pool_size"): ("loopwise_learner_rods_pool_size", "RODS replay pool size after the last update"),
+    ("rods", "variants"): ("loopwise_learner_rods_variants", "synthesised items in the RODS pool after the last update"),
+    ("rods", "zero_variance_fraction"): (
+        "loopwise_learner_rods_zero_variance_fraction",
+        "share of the pool items visited in the last update whose rollouts all had the same reward",
+    ),
+    ("patr", "tokens"): ("loopwise_learner_patr_sampled_tokens", "tokens PATR's trees sampled in the last update"),
+    ("patr", "tool_calls"): ("loopwise_learner_patr_tool_calls", "tool calls of PATR's sampled turns in the last update"),
+    ("patr", "runs"): ("loopwise_learner_patr_runs", "segment runs PATR made in the last update"),
+    ("patr", "leaves"): ("loopwise_learner_patr_leaves", "leaves (the groups' members) of PATR's trees in the last update"),
+}
+
+
 class LearnerCollector:
     """Prometheus collector: each learner's last-step metrics, version and update count, read from its status file at scrape time."""
 
@@ -96,6 +112,10 @@ class LearnerCollector:
             "mean absolute difference of served and trainer logprobs (nats/token) on the parity probe of the last loaded version",
             labels=["family"],
         )
+        sources = {k: GaugeMetricFamily(name, doc, labels=["family"]) for k, (name, doc) in SOURCE_GAUGES.items()}
+        hist = GaugeMetricFamily(
+            "loopwise_learner_rods_boundary_items", "pool items visited in the last update by boundary score bin [lo, hi)", labels=["family", "bin"]
+        )
         for st in statuses:
             fam = str(st["family"])
             version.add_metric([fam], float(st.get("version") or 0))
@@ -108,11 +128,24 @@ class LearnerCollector:
             p = (st.get("last_parity") or {}).get("mean_abs_logp_diff")
             if isinstance(p, int | float):
                 parity.add_metric([fam], float(p))
-        yield parity
+            src = st.get("sources") or {}
+            for (part, key), g in sources.items():
+                v = (src.get(part) or {}).get(key) if isinstance(src, dict) else None
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    g.add_metric([fam], float(v))
+            rods = src.get("rods") if isinstance(src, dict) else None
+            if isinstance(rods, dict) and isinstance(rods.get("boundary_histogram"), list) and isinstance(rods.get("histogram_edges"), list):
+                edges = rods["histogram_edges"]
+                for b, n in enumerate(rods["boundary_histogram"][: len(edges) - 1]):
+                    if isinstance(n, int | float):
+                        hist.add_metric([fam, f"{edges[b]:g}-{edges[b + 1]:g}"], float(n))
         yield version
         yield running
         yield updates
         yield from gauges.values()
+        yield from sources.values()
+        yield hist
+        yield parity
 
 
 def install_learner_routes(app: FastAPI, data_dir: Path, admin_key: str | None, learner_enabled: bool) -> None:

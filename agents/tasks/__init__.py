@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .base import Env, EnvStep, Problem, Task, TaskBase, Verdict
+from .base import Env, EnvStep, PrefixState, Problem, Task, TaskBase, Verdict
 
-__all__ = ["Env", "EnvStep", "Problem", "Task", "TaskBase", "UnknownTask", "Verdict", "get_task", "register_task", "task_names"]
+__all__ = ["Env", "EnvStep", "PrefixState", "Problem", "Task", "TaskBase", "UnknownTask", "Verdict", "get_task", "register_task", "task_names"]
 
 TaskFactory = Callable[..., Task]
 RG_PREFIX = "rg:"

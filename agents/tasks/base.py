@@ -5,8 +5,15 @@ answer text (``verify`` → ``Verdict``, never raising on garbage), optionally s
 (``process_score``), names the group a problem belongs to for the learner (``task_key``), and, for
 multi-turn tasks, builds a text ``Env`` (``make_env``).
 
+Two optional hooks serve the learner's rollout strategies (the runtime calls them; the learner reads the
+results from the runs endpoint): ``score_prefix(problem, state) -> float in [0, 1] | None`` scores a partial
+run (:class:`PrefixState`: the environment as it stands, the model's turn texts so far) for PATR's tree
+rollouts; ``signature(problem) -> str | None`` names a problem's structure (operation chain, path length,
+term count) so RODS's synthesis can look for other problems of the generator with the same one
+(``agents/tasks/variants.py``).
+
 ``TaskBase`` is an optional convenience base class with the common defaults (no process score, no
-environment, ``task_key = f"{name}:{problem.id}"``).
+environment, no prefix score, no signature, ``task_key = f"{name}:{problem.id}"``).
 
 What this module does not do: it holds no task logic, no registry (see ``agents.tasks``), and does not
 attach rewards to recorded trajectories (the agent loop does that with source ``verifier:<task>``).
@@ -18,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Env", "EnvStep", "Problem", "Task", "TaskBase", "Verdict"]
+__all__ = ["Env", "EnvStep", "PrefixState", "Problem", "Task", "TaskBase", "Verdict"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,16 @@ class EnvStep:
     reward: float
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """A partial run as a process scorer sees it: the environment in its current state (None for tasks without
+    one), the model's turn texts so far (replayed turns included) and whether the run has ended."""
+
+    env: Any
+    turns: tuple[str, ...]
+    done: bool = False
 
 
 @runtime_checkable
@@ -116,6 +133,14 @@ class TaskBase:
         return f"{self.name}:{problem.id}"
 
     def make_env(self, problem: Problem) -> Env | None:
+        return None
+
+    def score_prefix(self, problem: Problem, state: PrefixState) -> float | None:
+        """PATR's process scorer: how promising a partial run is, in [0, 1]; None = this task has none."""
+        return None
+
+    def signature(self, problem: Problem) -> str | None:
+        """The problem's structure for RODS's variants (same signature = same shape, other values); None = any problem."""
         return None
 
     def _check_n(self, n: int) -> None:

@@ -23,6 +23,10 @@ number) and compared exactly with the chain's value. Process score per turn: 1.0
 expression in the turn evaluates to one of the chain's intermediate results (or, in a turn without a
 calculator call, if the turn's answer is the final value), else 0.0.
 
+PATR's process scorer (``score_prefix``): the fraction of the chain's intermediate results that some
+turn's calculator expression has produced so far, or 1.0 once a turn's answer is the final value.
+``signature`` (RODS's variants): the chain's operations in order (``"+*"``): the same tool-call graph.
+
 What this module does not do: it does not run the calculator tool itself (the agent loop does) and does
 not parse a particular tool-call syntax strictly; it finds quoted arithmetic in turns that mention the
 calculator, whatever the tool-call format.
@@ -39,7 +43,7 @@ from typing import Any
 
 from .answers import canonical_number, extract_answer, extract_number, parse_number
 from .arith import ArithError, evaluate, looks_like_expression
-from .base import Problem, TaskBase, Verdict
+from .base import PrefixState, Problem, TaskBase, Verdict
 
 __all__ = ["CalcArithConfig", "CalcArithTask"]
 
@@ -194,6 +198,29 @@ class CalcArithTask(TaskBase):
         if value is None and candidate is not None:
             value = extract_number(candidate)
         return 1.0 if value is not None and value == Fraction(int(problem.answer)) else 0.0
+
+    def score_prefix(self, problem: Problem, state: PrefixState) -> float | None:
+        """Partial progress of a run so far (module docstring)."""
+        values = [Fraction(int(v)) for v in problem.metadata.get("intermediate_values", [])]
+        if not values:
+            return None
+        hit: set[Fraction] = set()
+        for text in state.turns:
+            if not isinstance(text, str):
+                continue
+            expressions = calculator_expressions(text)
+            if not expressions and self.process_score(problem, text) == 1.0:
+                return 1.0  # a turn without a calculator call whose answer is the final value
+            for expr in expressions:
+                try:
+                    hit.add(evaluate(expr))
+                except ArithError:
+                    continue
+        return sum(1 for v in set(values) if v in hit) / len(set(values))
+
+    def signature(self, problem: Problem) -> str | None:
+        """The chain's operations in order, e.g. ``"+*"``."""
+        return "".join(str(s["expression"]).split()[1] for s in problem.metadata.get("steps", []))
 
 
 def _ops_text(ops_range: tuple[int, int]) -> str:

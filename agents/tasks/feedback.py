@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import EnvStep, Problem, Task, TaskBase, Verdict
+from .base import EnvStep, PrefixState, Problem, Task, TaskBase, Verdict
 
 PREFIX = "feedback:"
 _RETRY = "Try again: give your corrected final answer."
@@ -77,6 +77,17 @@ class VerifierFeedbackTask(TaskBase):
 
     def task_key(self, problem: Problem) -> str:
         return self.inner.task_key(problem)
+
+    def score_prefix(self, problem: Problem, state: PrefixState) -> float | None:
+        """PATR's process score: the best verifier score so far (the inner task's own scorer before the first answer)."""
+        if isinstance(state.env, VerifierFeedbackEnv) and state.env.turns:
+            return state.env.best
+        fn = getattr(self.inner, "score_prefix", None)
+        return fn(problem, state) if callable(fn) else None
+
+    def signature(self, problem: Problem) -> str | None:
+        fn = getattr(self.inner, "signature", None)
+        return fn(problem) if callable(fn) else None
 
     def make_env(self, problem: Problem) -> VerifierFeedbackEnv:
         return VerifierFeedbackEnv(self.inner, problem)

@@ -27,8 +27,14 @@ and gives the same reward: the learner can re-verify a recorded episode from its
 ``mode="plan"``: no environment; the prompt shows the map and asks for the whole path at once as
 ``<answer>RRDD…</answer>``, which ``verify`` replays.
 
-What this module does not do: no partial credit for getting closer (``info["distance_to_goal"]`` is
-there for anyone who wants shaping), no process score, no rendering through gymnasium's ANSI renderer
+Process scorer for PATR (``score_prefix``, never a reward): 1 at the goal; 0 in a hole, after the episode
+ended otherwise, or when the goal is farther than the moves left (a dead end); else
+``v * (1 + p) / 2`` with progress ``p = (d0 - d) / d0`` (``d``, ``d0``: shortest-path distances to the goal
+from here and from the start, holes avoided) and validity ``v = 1 - format_errors / max_format_errors``.
+``signature`` (RODS's variants): the map size and the shortest path's length.
+
+What this module does not do: no partial credit in the reward for getting closer (``info["distance_to_goal"]``
+is there for anyone who wants shaping), no per-turn process score, no rendering through gymnasium's ANSI renderer
 (its colour codes waste tokens); it uses gymnasium only for the dynamics.
 """
 
@@ -42,7 +48,7 @@ from typing import Any
 import structlog
 
 from .answers import extract_tag, last_boxed
-from .base import EnvStep, Problem, TaskBase, Verdict
+from .base import EnvStep, PrefixState, Problem, TaskBase, Verdict
 
 __all__ = ["ACTIONS", "FrozenLakeConfig", "FrozenLakeTask", "FrozenLakeTextEnv", "parse_action", "parse_moves", "shortest_path"]
 
@@ -364,6 +370,29 @@ class FrozenLakeTask(TaskBase):
                 "L (left), D (down), R (right), U (up) in answer tags, for example <answer>RRDD</answer>."
             )
         return f"{rules} You have at most {meta['max_steps']} moves.\n\n{env.render()}\n{env._ASK}"
+
+    def score_prefix(self, problem: Problem, state: PrefixState) -> float | None:
+        """PATR's process score of a partial episode (module docstring); None without an environment (plan mode)."""
+        env = state.env
+        if not isinstance(env, FrozenLakeTextEnv):
+            return None
+        if env.outcome == "goal":
+            return 1.0
+        if env.done:
+            return 0.0
+        d = _distance_to_goal(env.desc, env.row, env.col)
+        if d is None or d > env.max_steps - env.steps:
+            return 0.0
+        start = next((r, line.index("S")) for r, line in enumerate(env.desc) if "S" in line)
+        d0 = _distance_to_goal(env.desc, *start) or 0
+        progress = min(1.0, max(0.0, (d0 - d) / d0)) if d0 > 0 else 1.0
+        validity = 1.0 - env.format_errors / env.max_format_errors
+        return validity * (1.0 + progress) / 2.0
+
+    def signature(self, problem: Problem) -> str | None:
+        """The map's size and the shortest path's length (None on slippery ice: no fixed path)."""
+        gold = problem.answer
+        return None if gold is None else f"{len(problem.metadata['desc'])}x{len(problem.metadata['desc'][0])}:path={len(gold)}"
 
     def make_env(self, problem: Problem) -> FrozenLakeTextEnv | None:
         if problem.metadata.get("mode", "interactive") == "plan":

@@ -24,6 +24,10 @@ expression with the wrong numbers); by default ``reward`` is 1.0 when the score 
 otherwise, so a wrong answer gets no reward. ``partial_credit=True`` passes the raw score through.
 ``correct`` is always "score == 1".
 
+``signature`` (RODS's variants): the generator's own structure parameters of the item where its metadata
+has them (``num_terms``/``num_digits`` for basic_arithmetic and chain_sum, how many ``numbers`` for
+countdown); None otherwise (any problem of the same generator config is a variant).
+
 What this module does not do: no few-shot prompting, no chain-of-thought parsing beyond answer
 extraction, and no curriculum (reasoning-gym's ``coaching`` module is not used).
 """
@@ -121,6 +125,14 @@ class ReasoningGymTask(TaskBase):
             )
         log.debug("tasks.problems", task=self.name, n=n, seed=seed)
         return out
+
+    def signature(self, problem: Problem) -> str | None:
+        """The item's structure parameters from the generator's metadata (module docstring), or None."""
+        src = problem.metadata.get("source", {})
+        parts = [f"{k}={src[k]}" for k in ("num_terms", "num_digits") if isinstance(src.get(k), int)]
+        if isinstance(src.get("numbers"), list):
+            parts.append(f"numbers={len(src['numbers'])}")
+        return ",".join(parts) or None
 
     def _entry(self, problem: Problem) -> dict[str, Any]:
         return {
