@@ -1,0 +1,218 @@
+"""PATR tree rollouts vs independent-trajectory GRPO on FrozenLake, at an equal sampled-token budget per arm.
+
+    .venv/bin/python bench/patr_compare.py --size 3 --seeds 0,1,2 --budget 6000     # SmolLM2 (size 3: it succeeds sometimes)
+    .venv/bin/python bench/patr_compare.py --model tiny --seeds 0 --budget 400      # smoke run
+
+Both arms train one LoRA family each on one shared ``serve.py`` (SmolLM2 by default) with the learner's own
+``LearnerService.update`` (new versions served at once, no gate; ``bench/_rl_harness.py``):
+
+- ``grpo``: each iteration runs ``--prompts`` new problems x ``--group`` independent episodes through the
+  agent's runs endpoint (temperature 1.0), then one update with trajectory GRPO;
+- ``patr``: each iteration is one update with ``rollouts = "patr"``: the learner grows one tree per problem
+  (the same problems, in the same order) with ``--group`` leaves, ``--roots`` roots, branch factor
+  ``--branch``, at most ``--fork-rounds`` forks, through the runs endpoint's segments, and trains on the
+  tree nodes with the tree advantage (``learner/patr.py``).
+
+An arm stops when its sampled tokens reach ``--budget`` (episode tokens for GRPO; tree tokens, replays free,
+for PATR). Problems: random ``--size`` x ``--size`` maps, deterministic moves, problem seed ``seed + 1``.
+Arms run interleaved (seed by seed, both arms), so the machine's other load hits both alike.
+
+Reported: per arm the training success per iteration (GRPO: episodes at the goal; PATR: leaves at the goal)
+against the tokens spent, runs, tool calls and wall time; the held-out success of the final version on
+``--n-eval`` problems of a seed no arm trains on (same problems and sampling seeds for every arm and the base
+model), with a 95% two-level bootstrap CI over seeds and problems, and PATR minus GRPO paired by seed and
+problem. ``patr_compare.json`` under ``bench/results/patr_compare/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._rl_harness import _runs, add_agent, heldout_results, service, write_json  # noqa: E402
+from experiments.agent_eval import spawned_server  # noqa: E402
+
+PROMPT = "You are an agent walking on a frozen lake. Reach the goal without falling into a hole."
+
+
+def agent(name: str, family: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "name": name,
+        "system_prompt": PROMPT,
+        "temperature": 1.0,
+        "max_turns": args.max_turns,
+        "max_tokens_per_turn": args.max_tokens,
+        "task": "frozenlake",
+        "task_options": {"size": args.size},
+        **({"adapter_family": family} if family else {}),
+    }
+
+
+def settings(family: str, arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    s: dict[str, Any] = {
+        "family": family,
+        "lora": {"rank": 8, "alpha": 16.0},
+        "trainer": {"lr": args.lr, "estimator": "grpo", "seed": seed, "threads": None, "progress": False},
+        "samples": {"settle_s": 0.0, "max_staleness": 1},
+    }
+    if arm == "patr":
+        s["rollouts"] = "patr"
+        s["patr"] = {
+            "trees_per_update": args.prompts,
+            "leaves": args.group,
+            "roots": args.roots,
+            "branch": args.branch,
+            "fork_rounds": args.fork_rounds,
+            "seed": seed + 1,
+        }
+        s["rerollouts"] = {"concurrency": 16}
+    return s
+
+
+def run_arm(url: str, key: str, data: Path, model_path: Path, arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    family, name = f"{arm}-s{seed}", f"fl-{arm}-s{seed}"
+    add_agent(url, key, agent(name, family, args))
+    svc = service(url, key, data, model_path, name, settings(family, arm, seed, args))
+    spent, it, curve, runs_made, tool_calls = 0, 0, [], 0, 0
+    t0 = time.perf_counter()
+    while spent < args.budget:
+        if arm == "grpo":
+            bodies = [
+                {
+                    "task": "frozenlake",
+                    "problem_index": it * args.prompts + j,
+                    "seed": seed + 1,
+                    "sample_seed": seed * 100_003 + it * 977 + j * 131 + k,
+                }
+                for j in range(args.prompts)
+                for k in range(args.group)
+            ]
+            runs = asyncio.run(_runs(url, name, bodies, 16))
+            time.sleep(0.5)  # the recorder's commit window
+            spent += sum(r["completion_tokens"] for r in runs)
+            runs_made += len(runs)
+            success = sum(bool(r.get("correct")) for r in runs) / len(runs)
+            rec = svc.update()
+        else:
+            rec = svc.update()
+            patr = rec.get("sources", {}).get("patr", {})
+            spent += int(patr.get("tokens", 0))
+            runs_made += int(patr.get("runs", 0))
+            tool_calls += int(patr.get("tool_calls", 0))
+            leaves = [r for t in patr.get("per_tree", []) for r in t.get("leaf_rewards", [])]
+            success = sum(1 for r in leaves if r is not None and r >= 1.0) / max(1, len(leaves))
+        curve.append({"iteration": it, "tokens": spent, "train_success": success, "optimizer_step": rec["metrics"].get("optimizer_step")})
+        print(f"  {family} it {it}: success {success:.2f}, tokens {spent}", flush=True)
+        it += 1
+    final = svc.status.champion
+    wall = time.perf_counter() - t0
+    return {
+        "arm": arm,
+        "seed": seed,
+        "family": family,
+        "final": final,
+        "iterations": it,
+        "tokens": spent,
+        "runs": runs_made,
+        "tool_calls": tool_calls,
+        "curve": curve,
+        "wall_s": wall,
+    }
+
+
+def report(arms: list[dict[str, Any]], base_runs: list[bool]) -> dict[str, Any]:
+    """Held-out success per arm with 95% CIs (seeds and problems resampled together) and PATR - GRPO paired by seed and problem."""
+    by = {a: {x["seed"]: x["heldout_runs"] for x in arms if x["arm"] == a} for a in ("grpo", "patr")}
+    seeds = sorted(set(by["grpo"]) & set(by["patr"]))
+    n = len(base_runs)
+    rng = random.Random(0)
+
+    def boot(stat: Any, reps: int = 4000) -> tuple[float, float, float]:
+        point = stat(seeds, list(range(n)))
+        draws = sorted(stat([rng.choice(seeds) for _ in seeds], [rng.randrange(n) for _ in range(n)]) for _ in range(reps))
+        return point, draws[int(0.025 * reps)], draws[int(0.975 * reps) - 1]
+
+    def mean_of(a: str) -> Any:
+        return lambda ss, ps: sum(by[a][s][p] for s in ss for p in ps) / (len(ss) * len(ps))
+
+    out: dict[str, Any] = {"base": sum(base_runs) / n, "n_eval": n, "seeds": seeds}
+    print("\n| arm | seeds | iterations (mean) | sampled tokens (mean) | runs (mean) | held-out success, mean [95% CI] |\n|---|---|---|---|---|---|")
+    for a in ("grpo", "patr"):
+        mine = [x for x in arms if x["arm"] == a and x["seed"] in seeds]
+        if not mine:
+            continue
+        pt, lo, hi = boot(mean_of(a))
+        out[a] = {"heldout": pt, "ci": [lo, hi]}
+        it = sum(x["iterations"] for x in mine) / len(mine)
+        tok = sum(x["tokens"] for x in mine) / len(mine)
+        runs = sum(x["runs"] for x in mine) / len(mine)
+        print(f"| {a} | {len(mine)} | {it:.1f} | {tok:.0f} | {runs:.0f} | {pt:.3f} [{lo:.3f}, {hi:.3f}] |")
+    print(f"base model held-out success: {out['base']:.3f} (n={n}; every arm is evaluated on the same {n} problems and sampling seeds)")
+    if seeds:
+        pt, lo, hi = boot(lambda ss, ps: mean_of("patr")(ss, ps) - mean_of("grpo")(ss, ps))
+        out["patr_minus_grpo"] = {"points": 100 * pt, "ci": [100 * lo, 100 * hi]}
+        print(f"patr - grpo: {100 * pt:+.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}] held-out success (seed: +9.3 points)")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--size", type=int, default=3, help="FrozenLake map size (random maps, non-slippery)")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--budget", type=int, default=6000, help="sampled tokens per arm")
+    p.add_argument("--prompts", type=int, default=2, help="problems per iteration (GRPO's prompts, PATR's trees)")
+    p.add_argument("--group", type=int, default=4, help="episodes per problem (GRPO) = leaves per tree (PATR)")
+    p.add_argument("--roots", type=int, default=2)
+    p.add_argument("--branch", type=int, default=2)
+    p.add_argument("--fork-rounds", type=int, default=2)
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--n-eval", type=int, default=24)
+    p.add_argument("--arms", default="grpo,patr")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "patr_compare")
+    args = p.parse_args()
+
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    key = secrets.token_hex(8)
+    arms: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    with spawned_server(args.model, key, ["--max-loaded-adapters", "12"], data_dir=args.out / "server") as url:
+        data = args.out / "server"
+        model_path = data / "models" / ("SmolLM2-135M-Instruct" if args.model == "default" else args.model)
+        base = httpx.get(url + "/ready", timeout=30).json()["model"]
+        add_agent(url, key, agent("fl-eval", None, args))
+        base_runs = heldout_results(url, "fl-eval", "frozenlake", args.n_eval, base)
+        print(f"base held-out success {sum(base_runs) / len(base_runs):.3f} (n={args.n_eval}, {args.size}x{args.size} maps)", flush=True)
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            for arm in args.arms.split(","):
+                print(f"arm {arm} seed {seed}", flush=True)
+                res = run_arm(url, key, data, model_path, arm, seed, args)
+                res["heldout_runs"] = heldout_results(url, "fl-eval", "frozenlake", args.n_eval, res["final"] or base)
+                res["heldout"] = sum(res["heldout_runs"]) / len(res["heldout_runs"])
+                print(f"  held-out success {res['heldout']:.3f} ({res['final'] or base}), {res['wall_s']:.0f} s", flush=True)
+                arms.append(res)
+                write_json(args.out / "patr_compare.json", {"args": {k: str(v) for k, v in vars(args).items()}, "arms": arms})
+    summary = report(arms, base_runs)
+    summary["wall_s"] = time.perf_counter() - t0
+    write_json(args.out / "patr_compare.json", {"args": {k: str(v) for k, v in vars(args).items()}, "arms": arms, "summary": summary})
+    print(f"wall {summary['wall_s']:.0f} s; results: {args.out / 'patr_compare.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
