@@ -162,7 +162,9 @@ def report(arms: list[dict[str, Any]], base_runs: list[bool]) -> dict[str, Any]:
         target = curves["fixed"][-1]["success"]
         reached = next((p for p in curves["rods"] if p["success"] >= target), None)
         fixed_traj = curves["fixed"][-1]["trajectories"]
-        if reached is not None and reached["trajectories"] > 0:
+        if target <= out["base"]:
+            print(f"the fixed dataset's final held-out success ({target:.3f}) is not above the base model's ({out['base']:.3f}): no ratio to report")
+        elif reached is not None and reached["trajectories"] > 0:
             out["trajectories_ratio"] = fixed_traj / reached["trajectories"]
             print(
                 f"rods reached the fixed dataset's final held-out success ({target:.3f} after {fixed_traj:.0f} trajectories) after "

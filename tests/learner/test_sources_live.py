@@ -13,6 +13,7 @@ import json
 import tomllib
 
 import httpx
+import pytest
 
 from learner.config import LearnerSettings
 from learner.service import LearnerService, ServiceConfig
@@ -50,9 +51,13 @@ max_candidates = 64
 """
 
 
-def test_patr_trees_and_the_rods_pool_run_in_the_live_learner(start_server, tmp_path_factory, tiny_model_path):
-    data = tmp_path_factory.mktemp("sources-data")
-    server = start_server("--admin-key", ADMIN, "--agent", json.dumps(AGENT), data_dir=data)
+@pytest.fixture(scope="module")
+def server(start_server, tmp_path_factory):
+    return start_server("--admin-key", ADMIN, "--agent", json.dumps(AGENT), data_dir=tmp_path_factory.mktemp("sources-data"))
+
+
+def test_patr_trees_and_the_rods_pool_run_in_the_live_learner(server, tiny_model_path):
+    data = server.data_dir
     settings = LearnerSettings.model_validate(tomllib.loads(CONFIG))  # the config lines a user writes
     assert settings.rollouts == "patr" and settings.rods.enabled
     svc = LearnerService(
@@ -84,3 +89,22 @@ def test_patr_trees_and_the_rods_pool_run_in_the_live_learner(start_server, tmp_
     rows = [json.loads(line) for line in (data / "learner" / "flp" / "history.jsonl").read_text().splitlines()]
     assert rows[-1]["metrics"]["skipped"].get("rerollout", 0) >= patr["runs"] - patr["failed"]
     assert rows[-1]["sources"]["rods"]["pool_size"] >= rods["pool_size"]
+
+
+def test_rods_alone_rolls_out_pool_items_and_trains_on_them_through_the_store(server, tiny_model_path):
+    data = server.data_dir
+    raw = tomllib.loads(CONFIG)
+    raw.pop("rollouts")
+    raw.pop("patr")
+    settings = LearnerSettings.model_validate({**raw, "family": "flr", "rods": {**raw["rods"], "group": 3, "variants": 1}})
+    svc = LearnerService(
+        ServiceConfig(
+            data_dir=data, admin_url=server.base_url, admin_key=ADMIN, base_model=tiny_model_path, settings=settings, agent="fl-agent", gate_n=0
+        )
+    )
+    record = svc.update(force=False)
+    src = record["sources"]
+    assert "patr" not in src and src["rods_runs"] == 6 and src["rods_sampled_tokens"] > 0  # 2 items x 3 runs
+    assert src["rods"]["visited"] == 2 and src["rods"]["synthesis"]["asked"] == 2 and src["rods"]["pool_size"] == 4 + src["rods"]["added"]
+    # the pool items' runs are ordinary recorded runs of the agent: this update's sample collection took them
+    assert record["metrics"]["samples"] >= 6
