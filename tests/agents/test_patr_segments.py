@@ -159,3 +159,49 @@ def test_a_whole_tree_through_the_runtime(app, tmp_path):
     samples, values = tree_samples(tree, trajs, adv, family="fl", group="patr:t9")
     assert len(samples) == len(tree.nodes) == len({s.turn_id for s in samples})  # shared prefixes: one sample each
     assert [values[i] for i, s in enumerate(samples)] == [adv[n] for n in sorted(trajs)]
+
+
+def test_a_tool_path_continues_over_the_recorded_tool_result_without_running_the_tool_again(tmp_path, tiny_model_path, tok):
+    import json
+
+    from agents.host import Host
+    from tools.builtins import default_registry
+
+    calls: list[str] = []
+    registry = default_registry(python=False, cuda=False)
+    real = registry.call
+
+    async def counting(name, arguments, **kw):
+        calls.append(str(arguments))
+        return await real(name, arguments, **kw)
+
+    registry.call = counting  # type: ignore[method-assign]
+
+    def calc_script(req):
+        _, turn = divmod(req.sampling.seed or 0, 1000)
+        if turn == 0:
+            return "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": "7 + 5"}}) + "\n</tool_call>"
+        return "It is <answer>12</answer>"
+
+    engine = ScriptedEngine(tok, calc_script)
+    engine.tokenizer = tok
+    agent = {"name": "calc", "tools": ["calculator"], "task": "calc_arith", "max_turns": 4, "max_tokens_per_turn": 48}
+    with served(tmp_path, tiny_model_path, engine=engine, agents=Host([agent], registry)) as app:
+
+        def run(body):
+            r = app.post("/admin/agents/calc/runs", json={"problem_index": 0, "seed": 0, "sample_seed": 3, **body}, headers=auth(ADMIN))
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        whole = run({})
+        assert whole["turns"] == 2 and calls == ['{"expression": "7 + 5"}']
+        seg = run({"segment": {"tree": "c1"}})
+        assert seg["stop_reason"] == "paused" and len(calls) == 2  # the segment's own turn ran the calculator once
+        assert seg["prefix_score"] is not None
+        rest = run({"segment": {"tree": "c1"}, "branch": cont(seg["trajectory_id"], 1)})
+        assert len(calls) == 2  # continuing replays the recorded tool result: the tool did not run again
+        assert rest["steps"][0]["replayed"] and rest["steps"][0]["observation"] == "12"
+        db = store(tmp_path)
+        ref = db.get_trajectory(whole["trajectory_id"])
+        assert db.get_trajectory(rest["trajectory_id"]).turns[0].context_ids == ref.turns[1].context_ids
+        assert rest["reward"] == whole["reward"]
