@@ -439,6 +439,7 @@ class PatrConfig(BaseModel):
     fork_top: int = Field(1, ge=1, le=64, description="the highest-scored live prefixes forked at each fork point")
     advance_turns: int = Field(1, ge=1, le=16, description="turns a path advances per segment run")
     max_tokens: int | None = Field(None, ge=1, description="sampled tokens per tree after which no new fork starts (paths still finish)")
+    max_tool_calls: int | None = Field(None, ge=1, description="tool calls per tree after which no new fork starts (paths still finish)")
     repeat_n: int = Field(4, ge=0, le=64, description="stop a path after the same action this many times in a row without progress (0 = never)")
     invalid_n: int = Field(2, ge=0, le=64, description="stop a path after this many unreadable actions in a row (0 = never)")
     score_floor: float = Field(0.0, ge=0.0, le=1.0, description="a prefix score at or below this counts as dead")

@@ -17,10 +17,11 @@ mj6Ho1bjY5; only its abstract is public, so the rules below are this project's r
 2. After every advance each live path's prefix is scored by the task's process scorer (``score_prefix``,
    computed by the runtime where the task lives: FrozenLake's progress/validity/not-in-a-hole, calc_arith's
    share of intermediate results reached).
-3. At each fork point (every ``fork_every`` turns, at most ``fork_rounds`` times, while the sampled-token
-   budget lasts) the ``fork_top`` highest-ranked live paths (ties: the older path) advance with ``branch``
-   children instead of one, as long as the tree stays within ``leaves`` paths in all (each live path ends as
-   exactly one leaf, so a fork adds ``branch - 1``). The children share the parent's recorded prefix.
+3. At each fork point (every ``fork_every`` turns, at most ``fork_rounds`` times, while the tree's budget of
+   sampled tokens ``max_tokens`` and tool calls ``max_tool_calls`` lasts) the ``fork_top`` highest-ranked live
+   paths (ties: the older path) advance with ``branch`` children instead of one, as long as the tree stays
+   within ``leaves`` paths in all (each live path ends as exactly one leaf, so a fork adds ``branch - 1``).
+   The children share the parent's recorded prefix.
 4. **Conservative stops** (each path ends early, as a leaf with ``stop_reward``, only when clearly
    degenerate): the same action ``repeat_n`` times in a row without the process score rising over them;
    ``invalid_n`` unreadable actions in a row; a process score at or below ``score_floor`` for ``floor_k``
@@ -85,6 +86,7 @@ class PatrConfigLike(Protocol):
     fork_rounds: int
     fork_top: int
     max_tokens: int | None
+    max_tool_calls: int | None
     repeat_n: int
     invalid_n: int
     score_floor: float
@@ -253,7 +255,9 @@ def grow_tree(stepper: Stepper, cfg: PatrConfigLike, rng: random.Random) -> Tree
         if not live:
             break
         forks: set[int] = set()
-        over_budget = cfg.max_tokens is not None and tree.budget.tokens >= cfg.max_tokens
+        over_budget = (cfg.max_tokens is not None and tree.budget.tokens >= cfg.max_tokens) or (
+            cfg.max_tool_calls is not None and tree.budget.tool_calls >= cfg.max_tool_calls
+        )
         at_point = any(n.depth % cfg.fork_every == 0 for n in live)
         if cfg.branch > 1 and fork_rounds < cfg.fork_rounds and not over_budget and at_point:
             projected = len(tree.leaves) + len(live)

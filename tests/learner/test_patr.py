@@ -25,6 +25,7 @@ class Cfg:
     fork_rounds: int = 2
     fork_top: int = 1
     max_tokens: int | None = None
+    max_tool_calls: int | None = None
     repeat_n: int = 3
     invalid_n: int = 2
     score_floor: float = 0.0
@@ -172,3 +173,22 @@ def test_action_keys_and_node_runs_from_a_runs_answer():
     }
     run = node_run(answer)
     assert (run.turns, run.done, run.prefix_score, run.tokens, run.tool_calls) == (1, False, 0.75, 7, 2)
+
+
+@pytest.mark.parametrize("budget", [{"max_tokens": 6}, {"max_tool_calls": 2}])
+def test_no_fork_starts_once_the_tree_budget_is_spent(budget):
+    # every advance costs 3 tokens and 1 tool call: the roots "R", "L" (6 tokens, 2 calls) use the budget up, so the
+    # best prefix is not forked and each root walks on alone
+    env = Corridor({"": ["R", "L"]})
+    real = env.advance
+
+    def costly(requests):
+        runs = real(requests)
+        for r in runs:
+            r.tool_calls = 1
+        return runs
+
+    env.advance = costly  # type: ignore[method-assign]
+    tree = grow_tree(env, Cfg(**budget), random.Random(0))
+    assert tree.fork_points == [] and len(tree.leaves) == 2
+    assert tree.budget.tool_calls == tree.budget.runs == len(tree.nodes)
