@@ -1,13 +1,14 @@
 """PATR tree rollouts vs independent-trajectory GRPO on FrozenLake, at an equal sampled-token budget per arm.
 
-    .venv/bin/python bench/patr_compare.py --size 3 --seeds 0,1,2 --budget 6000     # SmolLM2 (size 3: it succeeds sometimes)
+    .venv/bin/python bench/patr_compare.py --size 2 --seeds 0,1,2 --budget 6000     # SmolLM2 (2x2 maps: it succeeds sometimes)
     .venv/bin/python bench/patr_compare.py --model tiny --seeds 0 --budget 400      # smoke run
 
 Both arms train one LoRA family each on one shared ``serve.py`` (SmolLM2 by default) with the learner's own
 ``LearnerService.update`` (new versions served at once, no gate; ``bench/_rl_harness.py``):
 
 - ``grpo``: each iteration runs ``--prompts`` new problems x ``--group`` independent episodes through the
-  agent's runs endpoint (temperature 1.0), then one update with trajectory GRPO;
+  agent's runs endpoint (``--temperature``, 0.7 by default: at 1.0 SmolLM2-135M mostly writes no readable
+  move), then one update with trajectory GRPO;
 - ``patr``: each iteration is one update with ``rollouts = "patr"``: the learner grows one tree per problem
   (the same problems, in the same order) with ``--group`` leaves, ``--roots`` roots, branch factor
   ``--branch``, at most ``--fork-rounds`` forks, through the runs endpoint's segments, and trains on the
@@ -51,7 +52,7 @@ def agent(name: str, family: str | None, args: argparse.Namespace) -> dict[str, 
     return {
         "name": name,
         "system_prompt": PROMPT,
-        "temperature": 1.0,
+        "temperature": args.temperature,
         "max_turns": args.max_turns,
         "max_tokens_per_turn": args.max_tokens,
         "task": "frozenlake",
@@ -170,7 +171,7 @@ def report(arms: list[dict[str, Any]], base_runs: list[bool]) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--size", type=int, default=3, help="FrozenLake map size (random maps, non-slippery)")
+    p.add_argument("--size", type=int, default=2, help="FrozenLake map size (random maps, non-slippery)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--budget", type=int, default=6000, help="sampled tokens per arm")
     p.add_argument("--prompts", type=int, default=2, help="problems per iteration (GRPO's prompts, PATR's trees)")
@@ -179,6 +180,7 @@ def main() -> int:
     p.add_argument("--branch", type=int, default=2)
     p.add_argument("--fork-rounds", type=int, default=2)
     p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of every arm and the evaluations")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--n-eval", type=int, default=24)
