@@ -39,6 +39,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
+from psycopg.abc import Buffer
+from psycopg.types.string import StrDumperUnknown
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from learner.records import Reward, Trajectory, Turn, TurnRef, UnknownTarget
@@ -186,6 +188,16 @@ def migrate_pg(conn: psycopg.Connection, target: int = PG_SCHEMA_VERSION) -> int
 
 # ---------------------------------------------------------------------------------------------------
 
+
+class _NulSafeStr(StrDumperUnknown):
+    """PostgreSQL text cannot hold U+0000 (SQLite can): one NUL in a model's output or a client's id would fail the
+    whole batch of turns it was written with, other owners' turns included. Every string parameter is sent with
+    each NUL replaced by U+FFFD; the exact token ids (``output_ids``) are bytes and unaffected."""
+
+    def dump(self, obj: str) -> Buffer | None:
+        return super().dump(obj.replace("\x00", "\ufffd"))
+
+
 _INSERT_TURN = f"INSERT INTO turns ({TURN_COLUMNS}) VALUES ({', '.join(['%s'] * N_TURN_COLUMNS)}) ON CONFLICT (turn_id) DO NOTHING"
 _REWARD_COLS_R = ", ".join("r." + c.strip() for c in REWARD_COLUMNS.split(","))
 _REWARDS_OF_TRAJECTORY = f"""
@@ -230,6 +242,7 @@ class PostgresStore:
 
     @staticmethod
     def _configure(conn: psycopg.Connection) -> None:
+        conn.adapters.register_dumper(str, _NulSafeStr)
         conn.execute("SET synchronous_commit = on")
         conn.execute("SET application_name = 'loopwise'")
         conn.commit()

@@ -856,3 +856,14 @@ def test_export_cli_reads_a_postgres_store(pg_url: str, tmp_path: Path) -> None:
     assert rep.returncode == 0 and "1 experiment(s)" in rep.stderr, rep.stderr
     proc = _export("--format", "jsonl", "--store", "postgresql://u:hunter2@127.0.0.1:1/nope")
     assert proc.returncode == 2 and "cannot reach the PostgreSQL store" in proc.stderr and "hunter2" not in proc.stderr
+
+
+def test_a_nul_in_text_fails_no_batch(store: SqliteStore) -> None:
+    """PostgreSQL text cannot hold U+0000: a model's output (or a client's id) with a NUL must not fail the batch it is
+    written with; the other turns of that batch are stored, and the text reads back with U+FFFD there (as is on SQLite)."""
+    nul = make_turn(1).model_copy(update={"output_text": "a\x00b", "session_id": "sess\x00x"})
+    store.append_turns([nul, make_turn(2)])
+    got = store.get_turn("turn-1")
+    assert got is not None and store.get_turn("turn-2") is not None
+    assert got.output_text == ("a\ufffdb" if getattr(store, "shared", False) else "a\x00b")
+    assert got.output_ids == nul.output_ids  # the exact tokens are bytes, untouched
