@@ -105,6 +105,32 @@ def bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0) -> tuple[
     return means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
 
 
+class HeldoutBootstrap:
+    """Held-out success of benchmark arms over seeds x problems (``by[arm][seed]`` = one bool per held-out problem, the
+    same problems and sampling seeds for every arm): a point estimate and a 95% percentile-bootstrap CI, seeds and
+    problems resampled together; differences are paired by seed and problem. One RNG across calls (reproducible)."""
+
+    def __init__(self, by: dict[str, dict[int, list[bool]]], seeds: list[int], n: int, reps: int = 4000, seed: int = 0) -> None:
+        self.by, self.seeds, self.n, self.reps = by, seeds, n, reps
+        self._rng = random.Random(seed)
+
+    def mean(self, arm: str) -> Any:
+        return lambda ss, ps: sum(self.by[arm][s][p] for s in ss for p in ps) / (len(ss) * len(ps))
+
+    def ci(self, stat: Any) -> tuple[float, float, float]:
+        rng, seeds, n, reps = self._rng, self.seeds, self.n, self.reps
+        point = stat(seeds, list(range(n)))
+        draws = sorted(stat([rng.choice(seeds) for _ in seeds], [rng.randrange(n) for _ in range(n)]) for _ in range(reps))
+        return point, draws[int(0.025 * reps)], draws[int(0.975 * reps) - 1]
+
+    def arm(self, arm: str) -> tuple[float, float, float]:
+        return self.ci(self.mean(arm))
+
+    def diff(self, arm: str, other: str) -> tuple[float, float, float]:
+        a, b = self.mean(arm), self.mean(other)
+        return self.ci(lambda ss, ps: a(ss, ps) - b(ss, ps))
+
+
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2, default=str))

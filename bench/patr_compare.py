@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import secrets
 import shutil
 import sys
@@ -50,7 +49,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import _runs, add_agent, heldout_results, service, write_json  # noqa: E402
+from bench._rl_harness import HeldoutBootstrap, _runs, add_agent, heldout_results, service, write_json  # noqa: E402
 from experiments.agent_eval import spawned_server  # noqa: E402
 
 PROMPT = "You are an agent walking on a frozen lake. Reach the goal without falling into a hole."
@@ -146,15 +145,7 @@ def report(arms: list[dict[str, Any]], base_runs: list[bool]) -> dict[str, Any]:
     by = {a: {x["seed"]: x["heldout_runs"] for x in arms if x["arm"] == a} for a in ("grpo", "patr")}
     seeds = sorted(set(by["grpo"]) & set(by["patr"]))
     n = len(base_runs)
-    rng = random.Random(0)
-
-    def boot(stat: Any, reps: int = 4000) -> tuple[float, float, float]:
-        point = stat(seeds, list(range(n)))
-        draws = sorted(stat([rng.choice(seeds) for _ in seeds], [rng.randrange(n) for _ in range(n)]) for _ in range(reps))
-        return point, draws[int(0.025 * reps)], draws[int(0.975 * reps) - 1]
-
-    def mean_of(a: str) -> Any:
-        return lambda ss, ps: sum(by[a][s][p] for s in ss for p in ps) / (len(ss) * len(ps))
+    bs = HeldoutBootstrap(by, seeds, n)
 
     out: dict[str, Any] = {"base": sum(base_runs) / n, "n_eval": n, "seeds": seeds}
     print("\n| arm | seeds | iterations (mean) | sampled tokens (mean) | runs (mean) | held-out success, mean [95% CI] |\n|---|---|---|---|---|---|")
@@ -162,7 +153,7 @@ def report(arms: list[dict[str, Any]], base_runs: list[bool]) -> dict[str, Any]:
         mine = [x for x in arms if x["arm"] == a and x["seed"] in seeds]
         if not mine:
             continue
-        pt, lo, hi = boot(mean_of(a))
+        pt, lo, hi = bs.arm(a)
         out[a] = {"heldout": pt, "ci": [lo, hi]}
         it = sum(x["iterations"] for x in mine) / len(mine)
         tok = sum(x["tokens"] for x in mine) / len(mine)
@@ -170,7 +161,7 @@ def report(arms: list[dict[str, Any]], base_runs: list[bool]) -> dict[str, Any]:
         print(f"| {a} | {len(mine)} | {it:.1f} | {tok:.0f} | {runs:.0f} | {pt:.3f} [{lo:.3f}, {hi:.3f}] |")
     print(f"base model held-out success: {out['base']:.3f} (n={n}; every arm is evaluated on the same {n} problems and sampling seeds)")
     if seeds:
-        pt, lo, hi = boot(lambda ss, ps: mean_of("patr")(ss, ps) - mean_of("grpo")(ss, ps))
+        pt, lo, hi = bs.diff("patr", "grpo")
         out["patr_minus_grpo"] = {"points": 100 * pt, "ci": [100 * lo, 100 * hi]}
         print(f"patr - grpo: {100 * pt:+.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}] held-out success (seed: +9.3 points)")
     return out

@@ -46,7 +46,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import add_agent, heldout_results, rollouts, service, write_json  # noqa: E402
+from bench._rl_harness import HeldoutBootstrap, add_agent, heldout_results, rollouts, service, write_json  # noqa: E402
 from experiments.agent_eval import spawned_server  # noqa: E402
 
 PROMPTS = {
@@ -182,34 +182,24 @@ def report(arms: list[dict[str, Any]], base_runs: list[bool], args: argparse.Nam
     The CI resamples seeds and held-out problems together (a two-level bootstrap: seeds with replacement, then
     problems with replacement within the resampled seeds), so it covers both training noise and evaluation
     noise; the differences pair the arms of one seed on the same held-out problems and sampling seeds."""
-    import random
-
     ests = list(dict.fromkeys(a["estimator"] for a in arms))
     by = {e: {a["seed"]: a["heldout_runs"] for a in arms if a["estimator"] == e} for e in ests}
     seeds = sorted(set.intersection(*(set(v) for v in by.values())))
     n = len(base_runs)
-    rng = random.Random(0)
-
-    def boot(stat: Any, reps: int = 4000) -> tuple[float, float, float]:
-        point = stat(seeds, list(range(n)))
-        draws = sorted(stat([rng.choice(seeds) for _ in seeds], [rng.randrange(n) for _ in range(n)]) for _ in range(reps))
-        return point, draws[int(0.025 * reps)], draws[int(0.975 * reps) - 1]
-
-    def mean_of(e: str) -> Any:
-        return lambda ss, ps: sum(by[e][s][p] for s in ss for p in ps) / (len(ss) * len(ps))
+    bs = HeldoutBootstrap(by, seeds, n)
 
     print("\n| estimator | seeds | iterations (mean) | tokens (mean) | held-out success, mean [95% CI] |\n|---|---|---|---|---|")
     for e in ests:
         mine = [a for a in arms if a["estimator"] == e]
-        pt, lo, hi = boot(mean_of(e))
+        pt, lo, hi = bs.arm(e)
         it = sum(a["iterations"] for a in mine) / len(mine)
         tok = sum(a["tokens"] for a in mine) / len(mine)
         print(f"| {e} | {len(mine)} | {it:.1f} | {tok:.0f} | {pt:.3f} [{lo:.3f}, {hi:.3f}] |")
     print(f"base model held-out success: {sum(base_runs) / n:.3f} (n={n} problems; every arm is evaluated on the same {n})")
     for other in ("grpo", "turn_grpo"):
         if "rtpo" in by and other in by:
-            pt, lo, hi = boot(lambda ss, ps, o=other: mean_of("rtpo")(ss, ps) - mean_of(o)(ss, ps))
-            base_o = mean_of(other)(seeds, list(range(n)))
+            pt, lo, hi = bs.diff("rtpo", other)
+            base_o = bs.mean(other)(seeds, list(range(n)))
             rel = f", {100 * pt / base_o:+.1f}% relative" if base_o > 0 else ""
             print(f"rtpo - {other}: {pt:+.3f} [{lo:+.3f}, {hi:+.3f}] absolute held-out success{rel} (seed rtpo ran against the {other} of its seed)")
 
