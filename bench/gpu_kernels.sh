@@ -15,6 +15,8 @@
 # BUDGET_S (seconds after which the table starts no new work, default 330), LEAP_TIMEOUT_S (default 90),
 # LEAP_PROBE (a recorded probe, default bench/data/leap_probe.jsonl),
 # LOOPWISE_CUDA_ARCH (default sm_90), LOOPWISE_CUDA_CACHE (extension build cache; default under /tmp).
+# On a host where the tools' user namespace cannot open the GPU (seen on an H200 host: the table then says the
+# host has a GPU the tool's process cannot use), run with LOOPWISE_CUDA_ISOLATION=none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
