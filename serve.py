@@ -28,15 +28,15 @@ from typing import Any, get_args, get_origin
 
 import uvicorn
 
+from agents.settings import AgentSettings
+from memory.settings import MemorySettings
 from runtime.settings import (
     AdapterSettings,
     AdmissionSettings,
-    AgentSettings,
     EngineSettings,
     FeedbackSettings,
     LearnerJob,
     LearnerProcessSettings,
-    MemorySettings,
     RecorderSettings,
     ServerSettings,
     Settings,

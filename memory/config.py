@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memory.settings import MAX_MEMORY_CHARS
+
 
 class MemoryConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -29,7 +31,7 @@ class MemoryConfig(BaseModel):
         description="rewrite after every run, or once per episode (a run with a verifier/environment reward ends one; "
         "the runs before it are buffered in this process)",
     )
-    max_chars: int = Field(2000, ge=1, le=16_000, description="longest memory text")
+    max_chars: int = Field(2000, ge=1, le=MAX_MEMORY_CHARS, description="longest memory text (at most the store's default limit, memory/settings.py)")
     adapter_family: str = Field(
         "memopilot", description="the copilot's adapter family: its champion serves once one is published, else the base model"
     )

@@ -48,6 +48,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memory.settings import KEEP_VERSIONS, MAX_MEMORY_CHARS
+
 log = logging.getLogger(__name__)
 
 DEFAULT_DB_NAME = "memory.db"
@@ -176,7 +178,7 @@ def _from_row(r: tuple[Any, ...]) -> MemoryVersion:
 class MemoryStore:
     """Versioned memory documents in one SQLite file; see the module docstring."""
 
-    def __init__(self, path: Path, *, max_chars: int = 16_000, keep_versions: int = 20) -> None:
+    def __init__(self, path: Path, *, max_chars: int = MAX_MEMORY_CHARS, keep_versions: int = KEEP_VERSIONS) -> None:
         if max_chars < 1 or keep_versions < 1:
             raise ValueError("max_chars and keep_versions must be at least 1")
         self.path = Path(path)

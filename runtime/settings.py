@@ -8,7 +8,9 @@ short names, e.g. ``LOOPWISE_PORT``), an optional TOML/JSON config file (``LOOPW
 ``serve.py``'s flags are generated from the fields of every sub-model (name, help text, default;
 ``json_schema_extra={"flag": ...}`` renames one, e.g. ``--sglang-url``), so there is no second list to keep in sync.
 The learner's schedule (when it updates, its gate and A/B bounds) is declared once, in ``learner.config.ScheduleConfig``:
-``[learner]`` and ``[[learner.jobs]]`` take those fields (default, bounds, help) from it.
+``[learner]`` and ``[[learner.jobs]]`` take those fields (default, bounds, help) from it. The served agents'
+settings (``[agents]``) and the memory store's (``[memory]``) are declared in their packages, ``agents.settings``
+and ``memory.settings`` (pydantic only, like ``learner.config``), and embedded here as they are.
 
 Not here: validation that needs the model loaded (context length, vocabulary) — the engine does that.
 """
@@ -24,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from agents.settings import AgentSettings
 from learner.config import ScheduleConfig
+from memory.settings import MemorySettings
 
 
 class _Frozen(BaseModel):
@@ -299,42 +303,6 @@ class VLLMSettings(_Frozen):
 
     def python_path(self) -> Path:
         return self.python or default_vllm_venv() / "bin" / "python"
-
-
-class AgentSettings(_Frozen):
-    """Served agents (``agents/``): the built-in ones, extra tools, and agent definitions."""
-
-    builtin: bool = Field(True, description="serve the built-in agents (calc-agent, svr-agent)", json_schema_extra={"flag": "--builtin-agents"})
-    tools: tuple[str, ...] = Field((), description="extra tool as a dotted path, module:function (repeatable)", json_schema_extra={"flag": "--tool"})
-    definitions: tuple[dict[str, Any], ...] = Field(
-        (),
-        description="an agent definition as a JSON object (repeatable; in a config file: [[agents.definitions]] tables)",
-        json_schema_extra={"flag": "--agent"},
-    )
-
-    @field_validator("definitions", mode="before")
-    @classmethod
-    def _json_items(cls, v: Any) -> Any:
-        if isinstance(v, str | dict):
-            v = [v]
-        out = []
-        for item in v or ():
-            if isinstance(item, str):
-                try:
-                    item = json.loads(item)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"--agent must be a JSON object: {exc.msg}") from None
-            out.append(item)
-        return tuple(out)
-
-
-class MemorySettings(_Frozen):
-    """Agent memory (``memory/``): the versioned store in ``<data-dir>/memory.db``."""
-
-    keep_versions: int = Field(
-        20, ge=1, description="memory versions kept per document (older ones are deleted)", json_schema_extra={"flag": "--memory-keep-versions"}
-    )
-    max_chars: int = Field(16_000, ge=1, description="longest memory text the store accepts", json_schema_extra={"flag": "--memory-max-chars"})
 
 
 def _schedule(name: str, flag: str | None = None) -> Any:

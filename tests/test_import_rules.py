@@ -3,7 +3,8 @@
 What each library package may import from the project:
 
 - ``runtime`` → ``learner.records`` (the record types it writes), ``learner.adapter_manifest`` (the publish contract it reads),
-  ``learner.config`` (the learner's settings, which the runtime's settings embed)
+  ``learner.config``, ``agents.settings``, ``memory.settings`` (the packages' settings, which the runtime's settings embed;
+  these settings modules import nothing from the project, pydantic and the standard library only)
 - ``tools`` → nothing
 - ``memory`` → the runtime's client protocol, ``learner.records``
 - ``agents`` → the runtime's client protocol, ``tools``, ``memory``, ``learner.records``
@@ -17,6 +18,7 @@ imports them. Imports inside functions count the same as those at the top.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,9 +31,12 @@ RUNTIME_CLIENT = ("runtime.agent_api", "runtime.engine", "runtime.identity")  # 
 RECORDS = ("learner.records",)
 PUBLISH_CONTRACT = ("learner.adapter_manifest",)  # a published adapter's file names, manifest model and the file hash
 LEARNER_SETTINGS = ("learner.config",)  # the runtime's [learner] settings embed the learner's own (pydantic only)
+AGENTS_SETTINGS = ("agents.settings",)  # the runtime's [agents] settings are the agents package's own (pydantic only)
+MEMORY_SETTINGS = ("memory.settings",)  # the runtime's [memory] settings are the memory package's own (pydantic only)
+SETTINGS_MODULES = (*LEARNER_SETTINGS, *AGENTS_SETTINGS, *MEMORY_SETTINGS)
 
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
-    "runtime": (*RECORDS, *PUBLISH_CONTRACT, *LEARNER_SETTINGS),
+    "runtime": (*RECORDS, *PUBLISH_CONTRACT, *SETTINGS_MODULES),
     "tools": (),
     "memory": (*RUNTIME_CLIENT, *RECORDS),
     "agents": (*RUNTIME_CLIENT, *RECORDS, "tools", "memory"),
@@ -105,6 +110,11 @@ def test_the_scanner_resolves_from_imports_and_sees_nested_ones(tmp_path: Path) 
         ("runtime", "learner.adapter_manifest", True),
         ("runtime", "learner.publish", False),
         ("runtime", "agents.loop", False),
+        ("runtime", "agents.settings", True),
+        ("runtime", "agents.config", False),
+        ("runtime", "memory.settings", True),
+        ("runtime", "memory.config", False),
+        ("runtime", "learner.config", True),
         ("tools", "runtime.engine", False),
         ("memory", "runtime.agent_api", True),
         ("memory", "runtime.app", False),
@@ -137,3 +147,23 @@ def test_the_check_sees_a_violation(tmp_path: Path) -> None:
     (tmp_path / "learner" / "leap_expand.py").write_text("from agents.tasks import get_task\n")
     (tmp_path / "agents" / "tasks.py").write_text("")
     assert violations(tmp_path) == {("learner/leap_expand.py", "agents.tasks")}
+
+
+def foreign_imports(module: str, root: Path = ROOT) -> set[str]:
+    """What a settings module imports beyond pydantic and the standard library (the project's modules included)."""
+    path = root.joinpath(*module.split(".")).with_suffix(".py")
+    return {m for m in imported_modules(path, root) if m.split(".")[0] not in {*sys.stdlib_module_names, "pydantic"}}
+
+
+@pytest.mark.parametrize("module", SETTINGS_MODULES)
+def test_the_settings_modules_the_runtime_embeds_are_pydantic_only(module: str) -> None:
+    """The runtime may import these because they pull in nothing else: a settings module that imported its package's
+    code (or another package) would bring that into the runtime through its settings."""
+    assert foreign_imports(module) == set()
+
+
+def test_the_settings_check_sees_a_project_import(tmp_path: Path) -> None:
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "store.py").write_text("")
+    (tmp_path / "memory" / "settings.py").write_text("import json\nfrom pydantic import BaseModel\nfrom memory.store import MemoryStore\n")
+    assert foreign_imports("memory.settings", tmp_path) == {"memory.store"}

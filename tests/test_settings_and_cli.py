@@ -313,3 +313,31 @@ def test_the_learner_schedule_is_declared_once_in_learner_config(capsys) -> None
     )  # fmt: skip
     assert (job.agent, job.min_new_trajectories) == ("", 32)  # a job trains on its [traffic] filter unless it names an agent
     assert LearnerProcessSettings.model_fields["gate_n"].description == ScheduleConfig.model_fields["gate_n"].description
+
+
+def test_agents_and_memory_settings_are_their_packages_own(tmp_path: Path) -> None:
+    """``[agents]`` and ``[memory]`` are ``agents.settings`` and ``memory.settings`` as declared; the longest memory text
+    is one number, the store's default and the bound on an agent's memory config."""
+    import inspect
+
+    from agents.settings import AgentSettings
+    from memory.config import MemoryConfig
+    from memory.settings import KEEP_VERSIONS, MAX_MEMORY_CHARS, MemorySettings
+    from memory.store import MemoryStore
+
+    assert Settings.model_fields["agents"].annotation is AgentSettings
+    assert Settings.model_fields["memory"].annotation is MemorySettings
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[memory]\nkeep_versions = 3\n[agents]\nbuiltin = false\n[[agents.definitions]]\nname = "a"\n')
+    s = serve.settings_from_args(["--config", str(cfg), "--memory-max-chars", "500", "--tool", "m:f"])
+    assert (s.memory.keep_versions, s.memory.max_chars) == (3, 500)
+    assert (s.agents.builtin, s.agents.tools, s.agents.definitions) == (False, ("m:f",), ({"name": "a"},))
+    assert serve.settings_from_args(["--agent", '{"name": "b"}']).agents.definitions == ({"name": "b"},)
+    with pytest.raises(ValidationError, match="--agent must be a JSON object"):
+        serve.settings_from_args(["--agent", "{"])
+    store = inspect.signature(MemoryStore).parameters
+    assert (store["max_chars"].default, store["keep_versions"].default) == (MAX_MEMORY_CHARS, KEEP_VERSIONS)
+    assert (MemorySettings().max_chars, MemorySettings().keep_versions) == (MAX_MEMORY_CHARS, KEEP_VERSIONS)
+    assert MemoryConfig(max_chars=MAX_MEMORY_CHARS).max_chars == MAX_MEMORY_CHARS
+    with pytest.raises(ValidationError, match=f"less than or equal to {MAX_MEMORY_CHARS}"):
+        MemoryConfig(max_chars=MAX_MEMORY_CHARS + 1)
