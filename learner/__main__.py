@@ -152,9 +152,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.admin_key:
         print("error: the learner needs the runtime's admin key (--admin-key or LOOPWISE_ADMIN_KEY)", file=sys.stderr)
         return 2
-    if args.ab_min_samples < 2 or 0 < args.ab_max_samples < args.ab_min_samples:
-        print(f"error: need 2 <= --ab-min-samples <= --ab-max-samples (or 0), got {args.ab_min_samples} and {args.ab_max_samples}", file=sys.stderr)
-        return 2
     try:
         ScheduleConfig.model_validate({k: getattr(args, k) for k in ScheduleConfig.model_fields if hasattr(args, k)})
     except ValidationError as exc:

@@ -9,7 +9,7 @@ what to set instead.
 
 ``ScheduleConfig`` is the process's own part: when to update (the scheduler's thresholds) and how a version is
 released (gate size and tolerance, the A/B experiment's sample bounds); the learner's command line and the
-runtime's ``[learner]`` settings are built from it.
+runtime's ``[learner]`` settings are built from it, and ``check_ab_bounds`` is the one rule on the A/B bounds they share.
 
 Not here: the runtime's other settings, the scheduler itself, the eval gate or A/B policy.
 Importing this module does not import torch.
@@ -415,9 +415,27 @@ class ScheduleConfig(BaseModel):
 
     @model_validator(mode="after")
     def _ab_bounds(self) -> ScheduleConfig:
-        if 0 < self.ab_max_samples < self.ab_min_samples:
-            raise ValueError(f"need ab_min_samples <= ab_max_samples (or 0), got {self.ab_min_samples} and {self.ab_max_samples}")
+        check_ab_bounds(self)
         return self
+
+
+def check_ab_bounds(cfg: BaseModel) -> None:
+    """The A/B bounds' rule, for every model that carries them: ``ab_max_samples`` is 0 (no cap) or at least ``ab_min_samples``.
+
+    ValueError names both fields, with the flags the model declares for them (``json_schema_extra={"flag": ...}``)."""
+    values = dict(cfg)
+    lo, hi = values["ab_min_samples"], values["ab_max_samples"]
+    if 0 < hi < lo:
+        raise ValueError(
+            f"{_with_flag(cfg, 'ab_max_samples')} = {hi} must be at least {_with_flag(cfg, 'ab_min_samples')} = {lo}, or 0 for "
+            "no cap: an A/B experiment capped below its minimum would end before it may decide"
+        )
+
+
+def _with_flag(cfg: BaseModel, field: str) -> str:
+    extra = type(cfg).model_fields[field].json_schema_extra
+    flag = extra.get("flag") if isinstance(extra, dict) else None
+    return f"{field} ({flag})" if flag else field
 
 
 def schedule_default(name: str) -> Any:

@@ -8,9 +8,10 @@ short names, e.g. ``LOOPWISE_PORT``), an optional TOML/JSON config file (``LOOPW
 ``serve.py``'s flags are generated from the fields of every sub-model (name, help text, default;
 ``json_schema_extra={"flag": ...}`` renames one, e.g. ``--sglang-url``), so there is no second list to keep in sync.
 The learner's schedule (when it updates, its gate and A/B bounds) is declared once, in ``learner.config.ScheduleConfig``:
-``[learner]`` and ``[[learner.jobs]]`` take those fields (default, bounds, help) from it. The served agents'
-settings (``[agents]``) and the memory store's (``[memory]``) are declared in their packages, ``agents.settings``
-and ``memory.settings`` (pydantic only, like ``learner.config``), and embedded here as they are.
+``[learner]`` and ``[[learner.jobs]]`` take those fields (default, bounds, help) and the A/B bounds' rule
+(``check_ab_bounds``) from it. The served agents' settings (``[agents]``) and the memory store's (``[memory]``)
+are declared in their packages, ``agents.settings`` and ``memory.settings`` (pydantic only, like
+``learner.config``), and embedded here as they are.
 
 Not here: validation that needs the model loaded (context length, vocabulary) — the engine does that.
 """
@@ -27,7 +28,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from agents.settings import AgentSettings
-from learner.config import ScheduleConfig
+from learner.config import ScheduleConfig, check_ab_bounds
 from memory.settings import MemorySettings
 
 
@@ -322,6 +323,11 @@ class LearnerJob(_Frozen):
     config: Path | None = Field(None, description="a learner config file; the tables in settings override its tables")
     settings: dict[str, Any] = Field(default_factory=dict, description="learner config tables ([traffic], [singletons], [trainer], ...)")
 
+    @model_validator(mode="after")
+    def _ab_bounds(self) -> LearnerJob:
+        check_ab_bounds(self)  # pydantic locates it: learner.jobs.N
+        return self
+
 
 class LearnerProcessSettings(_Frozen):
     """The learner process ``serve.py`` starts (``python -m learner run``); see ``learner/service.py``."""
@@ -366,6 +372,11 @@ class LearnerProcessSettings(_Frozen):
         if isinstance(v, str | dict):
             v = [v]
         return [json.loads(x) if isinstance(x, str) else x for x in v] if isinstance(v, list | tuple) else v
+
+    @model_validator(mode="after")
+    def _ab_bounds(self) -> LearnerProcessSettings:
+        check_ab_bounds(self)  # names the --learner-ab-* flags; pydantic locates it: learner
+        return self
 
     @model_validator(mode="after")
     def _distinct_families(self) -> LearnerProcessSettings:

@@ -341,3 +341,26 @@ def test_agents_and_memory_settings_are_their_packages_own(tmp_path: Path) -> No
     assert MemoryConfig(max_chars=MAX_MEMORY_CHARS).max_chars == MAX_MEMORY_CHARS
     with pytest.raises(ValidationError, match=f"less than or equal to {MAX_MEMORY_CHARS}"):
         MemoryConfig(max_chars=MAX_MEMORY_CHARS + 1)
+
+
+def test_an_ab_cap_below_the_ab_minimum_fails_at_startup_naming_both(capsys) -> None:
+    """``ab_max_samples`` is 0 (no cap) or at least ``ab_min_samples``: one rule (``learner.config.check_ab_bounds``) for the
+    learner's schedule, the runtime's [learner] settings and each [[learner.jobs]] table, checked before anything starts."""
+    from learner.__main__ import main as learner_main
+    from learner.config import ScheduleConfig
+    from runtime.settings import LearnerJob, LearnerProcessSettings
+
+    both = r"ab_max_samples .*= 10 must be at least ab_min_samples .*= 64"
+    for build in (ScheduleConfig, LearnerProcessSettings, lambda **kw: LearnerJob(family="f", **kw)):
+        with pytest.raises(ValidationError, match=both):
+            build(ab_max_samples=10)
+        assert build(ab_max_samples=0).ab_max_samples == 0  # no cap
+        assert build(ab_min_samples=8, ab_max_samples=8).ab_max_samples == 8
+    with pytest.raises(ValidationError, match=r"--learner-ab-max-samples\) = 10 must be at least ab_min_samples \(--learner-ab-min-samples\)"):
+        serve.settings_from_args(["--learner-ab-max-samples", "10"])
+    with pytest.raises(ValidationError, match=r"learner.jobs.0\n.*ab_max_samples = 4 must be at least ab_min_samples = 8"):
+        serve.settings_from_args(["--learner-job", '{"family": "x", "ab_min_samples": 8, "ab_max_samples": 4}'])
+    with pytest.raises(SystemExit, match="ab_max_samples .*must be at least ab_min_samples"):
+        serve.main(["--learner-ab-min-samples", "300"])
+    assert learner_main(["run", "--base-model", "m", "--admin-key", "k", "--ab-min-samples", "8", "--ab-max-samples", "4"]) == 2
+    assert "ab_max_samples (--ab-max-samples) = 4 must be at least ab_min_samples (--ab-min-samples) = 8" in capsys.readouterr().err
