@@ -1,7 +1,7 @@
 """Admin-only generation for the learner: siblings of a recorded chat turn, and unrecorded chat completions (judges).
 
-- ``POST /admin/turns/{turn_id}/siblings`` ``{"n", "model"?, "seed"?, "record"?, "temperature"?, "max_tokens"?}``:
-  ``n`` new completions sampled from the
+- ``POST /admin/turns/{turn_id}/siblings`` ``{"n", "model"?, "seed"?, "record"?, "temperature"?, "max_tokens"?}``
+  (:class:`SiblingsRequest`; a bad field is a 400 naming it): ``n`` new completions sampled from the
   turn's exact recorded context token ids (no re-templating, no re-tokenizing) with its recorded sampling
   (temperature, top_p, max new tokens, stop strings, decoding grammar) by ``model`` (base name, alias or
   ``family@N``; default the base model). Each is recorded as a one-turn trajectory owned by ``admin`` with the
@@ -29,7 +29,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.engine import EngineError, Grammar
 from runtime.errors import APIError, from_engine, from_validation
@@ -46,6 +46,20 @@ MAX_SIBLINGS = 16
 SESSION = "rerollouts"  # the admin's session the siblings are recorded in
 
 
+class SiblingsRequest(BaseModel):
+    """``POST /admin/turns/{turn_id}/siblings``'s body. Strict: JSON's own types only (no ``"2"`` for 2, no ``true`` for 1);
+    other keys are ignored. A bad field is a 400 ``invalid_value`` naming it (``runtime.errors.from_validation``)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    n: int = Field(1, ge=1, le=MAX_SIBLINGS, description="completions to sample from the turn's recorded context")
+    model: str | None = Field(None, description="base model name, alias or family@N that samples them; default the base model")
+    seed: int | None = Field(None, ge=0, lt=2**62, description="sampling seed")
+    record: bool = Field(True, description="record each as a one-turn trajectory of the original's group; false records nothing")
+    temperature: float | None = Field(None, ge=0, le=2, description="replaces the turn's recorded temperature")
+    max_tokens: int | None = Field(None, ge=1, le=4096, description="replaces the turn's recorded max new tokens")
+
+
 def install_replay_routes(
     app: FastAPI, gateway: Gateway, unrecorded: Gateway, recorder: Recorder | None, admin_key: str | None, max_body: int
 ) -> None:
@@ -54,38 +68,27 @@ def install_replay_routes(
         check_admin_key(request, admin_key)
         if recorder is None:
             raise APIError(409, "recording is off on this server (started with --no-record)", code="recording_disabled")
-        body = await read_json(request, max_body)
-        n, model, seed, record = body.get("n", 1), body.get("model"), body.get("seed"), body.get("record", True)
-        temperature, max_tokens = body.get("temperature"), body.get("max_tokens")
-        if not isinstance(record, bool):
-            raise APIError(400, "record must be true or false", param="record", code="invalid_value")
-        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature <= 2):
-            raise APIError(400, "temperature must be a number from 0 to 2", param="temperature", code="invalid_value")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096):
-            raise APIError(400, "max_tokens must be an integer from 1 to 4096", param="max_tokens", code="invalid_value")
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SIBLINGS:
-            raise APIError(400, f"n must be an integer from 1 to {MAX_SIBLINGS}", param="n", code="invalid_value")
-        if model is not None and not isinstance(model, str):
-            raise APIError(400, "model must be a string", param="model", code="invalid_value")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**62):
-            raise APIError(400, "seed must be a non-negative integer", param="seed", code="invalid_value")
+        try:
+            body = SiblingsRequest.model_validate(await read_json(request, max_body))
+        except ValidationError as exc:
+            raise from_validation(exc) from None
         if recorder.is_pending(turn_id):
             await recorder.flush()
         turn = await recorder.call(recorder.store.get_turn, turn_id)
         if turn is None:
             raise APIError(404, f"unknown turn_id {turn_id!r}", param="turn_id", code="not_found")
-        svc = (gateway if record else unrecorded)._generation()
+        svc = (gateway if body.record else unrecorded)._generation()
         sp = turn.sampling
         req = GenRequest(
-            model=model or svc.model_id,
+            model=body.model or svc.model_id,
             messages=[],
             api="admin.siblings",
-            n=n,
-            temperature=float(sp.get("temperature", 1.0) if temperature is None else temperature),
+            n=body.n,
+            temperature=float(sp.get("temperature", 1.0) if body.temperature is None else body.temperature),
             top_p=float(sp.get("top_p", 1.0)),
-            max_tokens=max_tokens or int(sp.get("max_new_tokens") or svc.default_max_tokens),
+            max_tokens=body.max_tokens or int(sp.get("max_new_tokens") or svc.default_max_tokens),
             stop=tuple(sp.get("stop") or ()),
-            seed=seed,
+            seed=body.seed,
             logprobs=True,
             prompt_ids=tuple(turn.context_ids),
             prompt_text="",

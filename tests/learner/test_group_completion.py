@@ -127,6 +127,35 @@ def test_admin_replay_endpoints_are_the_admins(srv):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
 
 
+def test_the_siblings_body_is_validated_field_by_field(srv):
+    """``SiblingsRequest``: JSON's own types within the limits, else a 400 ``invalid_value`` naming the field, before the turn
+    is looked up; other keys are ignored."""
+    turn = one_off(srv)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    bad_bodies = [
+        ({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": True}, "n"), ({"n": "2"}, "n"), ({"n": 2.0}, "n"), ({"n": None}, "n"),
+        ({"record": None}, "record"), ({"record": 1}, "record"), ({"model": 3}, "model"),
+        ({"seed": -1}, "seed"), ({"seed": 2**62}, "seed"), ({"seed": True}, "seed"),
+        ({"temperature": 2.5}, "temperature"), ({"temperature": -0.1}, "temperature"), ({"temperature": True}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 4097}, "max_tokens"), ({"max_tokens": 3.0}, "max_tokens"),
+    ]  # fmt: skip
+    for body, param in bad_bodies:
+        r = srv.client.post(f"/admin/turns/{turn}/siblings", json=body, headers=admin)
+        error = r.json()["error"]
+        assert (r.status_code, error["param"], error["code"], error["type"]) == (400, param, "invalid_value", "invalid_request_error"), body
+        assert param in error["message"]
+    assert srv.client.post("/admin/turns/turn-nope/siblings", json={"n": 0}, headers=admin).json()["error"]["param"] == "n"
+    r = srv.client.post(f"/admin/turns/{turn}/siblings", content=b"[1]", headers={**admin, "Content-Type": "application/json"})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_json")
+    turns = srv.store.stats()["turns"]
+    body = {"n": 2, "model": "", "seed": 7, "record": False, "temperature": 0, "max_tokens": 3, "unknown": "ignored"}
+    ok = srv.client.post(f"/admin/turns/{turn}/siblings", json=body, headers=admin)
+    assert ok.status_code == 200 and [set(d) for d in ok.json()["data"]] == [{"text", "output_ids", "logprobs"}] * 2
+    assert srv.store.stats()["turns"] == turns  # record false: nothing recorded
+    sampled = [c.sampling for c in srv.engine.calls[-2:]]
+    assert [(sp.temperature, sp.max_new_tokens, sp.seed) for sp in sampled] == [(0.0, 3, 7), (0.0, 3, 8)]  # choice i: seed + i
+
+
 def test_judge_prompt_and_parsing():
     msgs = judge_messages([{"role": "user", "content": "2+2?"}], ["4", "5"], "Correct answers win.")
     assert "Correct answers win." in msgs[0]["content"] and '<candidate id="2">\n5\n</candidate>' in msgs[1]["content"]
