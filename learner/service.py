@@ -221,6 +221,16 @@ class LearnerService(Scheduler, RolloutSteps, Release):
             )
         self._checked = True
 
+    def _nothing_to_train(self, why: dict[str, Any]) -> str:
+        """The status line of an update that found nothing to train on: the top reason, and the experiment that holds serving.
+
+        While an A/B experiment runs, users are served by its arms only, so once the trainer is more than
+        ``max_staleness`` updates past them every new trajectory is stale and the learner waits for the decision."""
+        line = f"nothing to train on: {why['top'] or 'no rewarded trajectories'}"
+        if self.status.experiment is not None:
+            line += f"; experiment {self.status.experiment} serves its arms until it decides"
+        return line
+
     def update(self, force: bool = True, publish: bool = True) -> dict[str, Any]:
         """One update; with ``force=False`` nothing happens (no version) when no sample is ready.
 
@@ -252,7 +262,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         if not samples and not force and not (own is not None and own[0]):
             why = unused_reasons(skipped, [], [])
             self.status.last_reasons = why
-            self._set("waiting", f"no settled samples yet: {why['top'] or 'no rewarded trajectories'}")
+            self._set("waiting", self._nothing_to_train(why))
             return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
         self._baseline_state, self._warmup = None, set()
         metrics, rerollouts, advantages, used = self._train(trainer, samples, skipped, own)

@@ -375,6 +375,23 @@ def test_staleness_counts_updates_held_during_an_experiment(tmp_path, tiny_model
     svc.store.close()
 
 
+def test_waiting_on_stale_traffic_names_the_experiment_that_holds_serving(tmp_path, tiny_model_path):
+    # an experiment serves fam@1 and fam@2 while the trainer went on to v5: every new trajectory is stale, and the
+    # status must say so and name what the learner waits for (not "no settled samples yet")
+    from learner.reasons import unused_reasons
+
+    cfg = ServiceConfig(data_dir=tmp_path, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=settings())
+    svc = LearnerService(cfg)
+    why = unused_reasons({"stale": 12}, [], [])
+    assert svc._nothing_to_train(why) == f"nothing to train on: {why['top']}"
+    assert why["top"].startswith("stale")
+    svc.status.experiment = "fam-v2"
+    assert svc._nothing_to_train(why) == f"nothing to train on: {why['top']}; experiment fam-v2 serves its arms until it decides"
+    held = "; experiment fam-v2 serves its arms until it decides"
+    assert svc._nothing_to_train(unused_reasons({}, [], [])) == "nothing to train on: no rewarded trajectories" + held
+    svc.store.close()
+
+
 def test_reroll_estimators_are_refused_where_they_cannot_work(server, tiny_model_path, tmp_path):
     from learner.service import LearnerConfigError
 
