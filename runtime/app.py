@@ -238,7 +238,10 @@ def create_app(
             return registry.acquire(target)
         if target in learner_families and target not in registry.aliases():
             return None  # a family a learner trains, before its first champion: the base model serves it
-        arm = experiments.route(target, session, user) if experiments is not None else None
+        # a request without a session (no X-Session-Id, no `user`) is its own unit of randomisation: hashing the one
+        # anonymous key would send every such request to the same arm, and the experiment could never compare its arms
+        arm_key = session if session != ANONYMOUS else uuid.uuid4().hex
+        arm = experiments.route(target, arm_key, user) if experiments is not None else None
         if arm is not None:
             with contextlib.suppress(AdapterNotFound):  # an arm unloaded mid-experiment: serve the champion
                 return registry.acquire(arm)

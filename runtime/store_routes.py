@@ -53,7 +53,8 @@ MAX_NAME = 256  # longest session name (``X-Session-Id``) or ``user`` field
 
 
 def session_of(request: Request, user: Any) -> str:
-    """The session key: ``X-Session-Id`` header, else the ``user`` field, else the caller's anonymous session.
+    """The session key: ``X-Session-Id`` header, else the ``user`` field, else ``ANONYMOUS`` (no session: an A/B
+    experiment then assigns each such request an arm on its own, see ``runtime/app.py``'s routing).
 
     Both are the client's names, bounded to ``MAX_NAME`` characters (400 beyond: they are stored with every turn)."""
     header = request.headers.get("x-session-id")

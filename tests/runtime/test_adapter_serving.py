@@ -201,6 +201,10 @@ def test_experiment_routes_sticky_persists_and_promotes(start_backend_server, da
         assert first["adapter"] == again["adapter"]  # sticky by session
         arms[f"user-{s}"] = first["adapter"]
         served += [first, again]
+    # requests without a session or user are randomised one by one: every such request hashed to one arm before,
+    # so plain OpenAI clients (no session) fed a single arm and the experiment could never compare its arms
+    anonymous = [chat(srv, "ab").json()["loopwise"]["adapter"] for _ in range(40)]
+    assert 8 <= anonymous.count("ab@2") <= 32 and anonymous.count("ab@1") + anonymous.count("ab@2") == 40, anonymous
     for turn in served:  # reward: the challenger is clearly better
         reward = 1.0 if turn["adapter"] == "ab@2" else 0.0
         httpx.post(srv.url + "/feedback", json={"turn_id": turn["turn_id"], "reward": reward}, timeout=30).raise_for_status()
