@@ -13,13 +13,16 @@ This is the kernel PyTorch's inductor emits for CPU linears (``mkldnn._reorder_l
   ``weight`` parameter, so the module is still an ``nn.Linear`` (LoRA sites wrap it; ``state_dict``
   is unchanged); used by ``hf_runner``.
 
-Either way the packed copy costs the weights' memory once more. Inference only: no autograd.
+Either way the packed copy costs the weights' memory once more. Inference only: no autograd. bf16 weights are
+packed only where oneDNN can on this CPU (``bf16_packable``: AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere,
+e.g. an AVX2-only CPU running ``--dtype bfloat16``, they go through ``F.linear``.
 
 Not here: int8 kernels, fp16.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -36,13 +39,33 @@ def packed_linear_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.lru_cache(maxsize=1)
+def bf16_packable() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only
+    CPU refuses with a RuntimeError): probed once on a tiny weight. Where it cannot, bf16 linears use ``F.linear``."""
+    if not packed_linear_available():
+        return False
+    try:
+        with torch.no_grad():
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError as exc:
+        log.info("oneDNN cannot pack bf16 weights on this CPU (%s); bf16 linears use the default matmul", str(exc).splitlines()[0])
+        return False
+    return True
+
+
 class Packed:
     """``y = x @ W^T + b`` for ``W`` (out, in); prepacked for oneDNN where it can be, else ``F.linear``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.bias = bias
-        self.onednn = packed_linear_available() and weight.device.type == "cpu" and weight.dtype in _PACKABLE
+        self.onednn = (
+            packed_linear_available()
+            and weight.device.type == "cpu"
+            and weight.dtype in _PACKABLE
+            and (weight.dtype != torch.bfloat16 or bf16_packable())
+        )
         with torch.no_grad():
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.onednn else weight
 
@@ -71,7 +94,9 @@ def pack_linears(model: nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if type(module) is nn.Linear and module.weight.dtype in _PACKABLE and module.weight.device.type == "cpu":
+        if type(module) is not nn.Linear or module.weight.device.type != "cpu":
+            continue
+        if module.weight.dtype in _PACKABLE and (module.weight.dtype != torch.bfloat16 or bf16_packable()):
             _pack(module)
             count += 1
     return count
