@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agents.tasks import get_task  # noqa: E402
+from bench._rl_harness import HeldoutBootstrap  # noqa: E402
 from experiments.agent_eval import spawned_server  # noqa: E402
 from learner.adapter_manifest import manifest_sha256  # noqa: E402
 
@@ -102,20 +103,21 @@ class Users:
                 await asyncio.sleep(1)
 
 
-async def heldout(url: str, models: list[str], problems: list[Any], task: Any, max_tokens: int) -> dict[str, float]:
+async def heldout(url: str, models: list[str], problems: list[Any], task: Any, max_tokens: int) -> dict[str, list[bool]]:
+    """Each model's greedy answer to each held-out problem, checked: ``{model: [correct of problem i]}``, in problem order."""
     sem = asyncio.Semaphore(8)
-    out: dict[str, list[bool]] = {m: [] for m in models}
+    out: dict[str, list[bool]] = {m: [False] * len(problems) for m in models}
     async with httpx.AsyncClient(base_url=url + "/v1", timeout=900) as client:
 
-        async def one(p: Any, m: str) -> None:
+        async def one(i: int, p: Any, m: str) -> None:
             body = {"model": m, "messages": [{"role": "user", "content": p.prompt}], "temperature": 0, "max_tokens": max_tokens}
             async with sem:
                 r = await client.post("/chat/completions", json=body)
             r.raise_for_status()
-            out[m].append(task.verify(p, r.json()["choices"][0]["message"]["content"] or "").correct)
+            out[m][i] = task.verify(p, r.json()["choices"][0]["message"]["content"] or "").correct
 
-        await asyncio.gather(*(one(p, m) for p in problems for m in models))  # models interleaved per problem
-    return {m: sum(v) / len(v) for m, v in out.items()}
+        await asyncio.gather(*(one(i, p, m) for i, p in enumerate(problems) for m in models))  # models interleaved per problem
+    return out
 
 
 def run_arm(arm: str, args: argparse.Namespace, task: Any, spec_file: Path) -> dict[str, Any]:
@@ -164,7 +166,10 @@ def run_arm(arm: str, args: argparse.Namespace, task: Any, spec_file: Path) -> d
             body = {"path": str(path), "family": FAMILY, "version": v, "sha256": manifest_sha256(path)}
             httpx.post(f"{url}/admin/adapters", headers=admin, json=body, timeout=300).raise_for_status()
             models.append(f"{FAMILY}@{v}")
-        success = asyncio.run(heldout(url, models, held, task, args.max_tokens))
+        per_problem = asyncio.run(heldout(url, models, held, task, args.max_tokens))
+    boot = HeldoutBootstrap({m: {0: v} for m, v in per_problem.items()}, [0], len(held))
+    success = {m: sum(v) / len(v) for m, v in per_problem.items()}
+    vs_base = {m: [round(x, 3) for x in boot.diff(m, base)] for m in models if m != base}  # paired by problem: point, 95% CI
     when = dict(published)
     live: dict[str, list[bool]] = {}
     for x in users.log:
@@ -174,7 +179,10 @@ def run_arm(arm: str, args: argparse.Namespace, task: Any, spec_file: Path) -> d
         "answers": len(users.log),
         "updates": len(history),
         "champion": champion,
-        "heldout": [{"model": m, "minute": when.get(int(m.split("@")[1])) if "@" in m else 0.0, "success": s} for m, s in success.items()],
+        "heldout": [
+            {"model": m, "minute": when.get(int(m.split("@")[1])) if "@" in m else 0.0, "success": s, "vs_base": vs_base.get(m)}
+            for m, s in success.items()
+        ],
         "live_success": {a: {"n": len(v), "success": sum(v) / len(v)} for a, v in live.items()},
         "reasons": [r.get("unused", {}).get("top") for r in history],
         "group_completion": [r.get("group_completion") for r in history if r.get("group_completion")],
@@ -207,7 +215,12 @@ def main() -> int:
     (args.out / "chat_learning.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"\nheld-out success (greedy, n={args.n}), load average at start {load[0]:.2f}, at end {os.getloadavg()[0]:.2f}")
     for r in results:
-        rows = ", ".join(f"{h['model']} {h['success']:.3f}" + (f" (min {h['minute']:.1f})" if h["minute"] else "") for h in r["heldout"])
+        rows = ", ".join(
+            f"{h['model']} {h['success']:.3f}"
+            + (f" (min {h['minute']:.1f})" if h["minute"] else "")
+            + (" [vs base {:+.2f}, 95% CI {:+.2f}..{:+.2f}]".format(*h["vs_base"]) if h.get("vs_base") else "")
+            for h in r["heldout"]
+        )
         print(f"{r['arm']:<9} answers {r['answers']:>5}, updates {r['updates']:>3}, champion {r['champion']}: {rows}")
     print(f"results: {args.out / 'chat_learning.json'}")
     return 0
