@@ -129,6 +129,26 @@ class Sample:
     state_key: str | None = None  # the environment's state when the turn was taken (GiGPO's anchor), if it reported one
     self_check: TurnCheck | None = field(default=None, compare=False)  # svr / svr_r1 turns: the stored self-check (learner.svr_rewards)
 
+    @classmethod
+    def of_turn(cls, turn: Any, *, trajectory_id: str, group_id: str, version: int, **fields: Any) -> Sample:
+        """A sample of one recorded turn: its exact tokens, logprobs, mask, adapter, sampling temperature and time;
+        ``version`` is the turn's adapter version (negative = unknown, stored as 0); ``fields`` set the rest."""
+        return cls(
+            turn_id=turn.turn_id,
+            trajectory_id=trajectory_id,
+            group_id=group_id,
+            turn_index=turn.index,
+            context_ids=list(turn.context_ids),
+            output_ids=list(turn.output_ids),
+            logprobs=list(turn.logprobs),
+            loss_mask=list(turn.loss_mask),
+            adapter=turn.adapter,
+            adapter_version=max(version, 0),
+            temperature=_temperature(turn.sampling),
+            created_at=turn.created_at,
+            **fields,
+        )
+
     @property
     def n_tokens(self) -> int:
         """Output tokens that are trained on (loss mask 1)."""
@@ -387,21 +407,13 @@ def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: 
             counts.missing_logprobs += 1
         key = state_keys[turn.index] if isinstance(state_keys, list) and 0 <= turn.index < len(state_keys) else None
         out.append(
-            Sample(
-                turn_id=turn.turn_id,
+            Sample.of_turn(
+                turn,
                 trajectory_id=tid,
                 group_id=gid,
-                turn_index=turn.index,
-                context_ids=list(turn.context_ids),
-                output_ids=list(turn.output_ids),
-                logprobs=list(turn.logprobs),
-                loss_mask=list(turn.loss_mask),
-                adapter=turn.adapter,
-                adapter_version=max(version, 0),
+                version=version,
                 reward=pick[0] if pick else None,
                 trajectory_reward=traj_pick[0] if traj_pick else None,
-                temperature=_temperature(turn.sampling),
-                created_at=turn.created_at,
                 meta=request_meta(traj),
                 grammar=grammar,
                 reward_source=pick[1] if pick else None,

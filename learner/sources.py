@@ -43,7 +43,7 @@ from learner.config import LearnerSettings
 from learner.patr import Budget, RuntimeStepper, Tree, grow_tree, read_nodes, tree_advantages
 from learner.records import Trajectory
 from learner.rods import ItemRef, ReplayPool
-from learner.samples import Sample, _temperature, parse_adapter, recorded_grammar
+from learner.samples import Sample, parse_adapter, recorded_grammar
 
 log = structlog.get_logger(__name__)
 
@@ -74,21 +74,13 @@ def tree_samples(tree: Tree, trajs: dict[int, Trajectory], adv: dict[int, float]
                 continue
             _, version = parse_adapter(turn.adapter)
             samples.append(
-                Sample(
-                    turn_id=turn.turn_id,
+                Sample.of_turn(
+                    turn,
                     trajectory_id=traj.trajectory_id,
                     group_id=group,
-                    turn_index=turn.index,
-                    context_ids=list(turn.context_ids),
-                    output_ids=list(turn.output_ids),
-                    logprobs=list(turn.logprobs),
-                    loss_mask=list(turn.loss_mask),
-                    adapter=turn.adapter,
-                    adapter_version=max(version, 0),
+                    version=version,
                     reward=None,
                     trajectory_reward=v,
-                    temperature=_temperature(turn.sampling),
-                    created_at=turn.created_at,
                     meta=dict(traj.meta),
                     grammar=recorded_grammar(turn.sampling),
                     trajectory_reward_source="patr:tree",
