@@ -25,7 +25,7 @@ import structlog
 
 from learner.publish import AdminError, adapter_path, publish_adapter
 from learner.reward_plot import plot_rewards
-from learner.service_state import INTERMEDIATE, RESTART_FILE, ServiceState
+from learner.service_state import INTERMEDIATE, LINEAGE_START, RESTART_FILE, UPDATE_VERSIONS, ServiceState, _update_versions
 from learner.svr_rollouts import adaptive_report
 from learner.update import checkpoint_and_publish
 
@@ -197,21 +197,28 @@ class Release(ServiceState):
         return False
 
     def _restart_from_champion(self, trainer: Any) -> None:
-        """Load the champion's published LoRA (the base model's identity LoRA before any champion), fresh optimizer."""
+        """Load the champion's published LoRA (the base model's identity LoRA before any champion), fresh optimizer.
+
+        The trainer's line becomes the champion's: the update versions after the champion's (the rejected line) leave
+        ``trainer.cursor``, so the staleness bound counts from the champion again and the traffic it serves trains.
+        The restart marker stays until the next checkpoint (``LearnerService.update``), so a learner killed before it
+        restarts from the champion again instead of resuming the rejected line's checkpoint."""
         from safetensors.torch import load_file
 
         self._restart = False
-        (self.dir / RESTART_FILE).unlink(missing_ok=True)
         champion = self._champion()
-        state = None
+        state, version = None, 0
         if champion is not None:
             _, _, v = champion.partition("@")
-            folder = adapter_path(self.adapter_root, self.family, int(v))
+            version = int(v)
+            folder = adapter_path(self.adapter_root, self.family, version)
             files = sorted(folder.glob("*.safetensors"))
             if not files:
                 log.warning("the champion's adapter files are missing; continuing from the trainer's own weights", champion=champion)
                 return
             state = load_file(str(files[0]))
         trainer.restart_from(state)
+        line = [x for x in _update_versions(trainer) if x < version] + [version]  # the champion's own updates (as far as kept), then it
+        trainer.cursor = {**trainer.cursor, UPDATE_VERSIONS: line, LINEAGE_START: line[0]}
         self.status.restarts += 1
         log.info("restarted from the champion", champion=champion or "base", version=trainer.version)

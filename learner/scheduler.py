@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from learner.samples import traffic_match
-from learner.service_state import REQUEST_FILE, ServiceState, _update_versions
+from learner.service_state import LINEAGE_START, REQUEST_FILE, ServiceState, _update_versions
 
 log = structlog.get_logger(__name__)
 
@@ -76,9 +76,14 @@ class Scheduler(ServiceState):
         Updates are counted whether their version was published or held during an A/B experiment (the policy
         moved either way), and an RTPO sweep's intermediate versions count as one update. The final versions of
         the last updates ride in the checkpoint (``trainer.cursor["update_versions"]``); a checkpoint without
-        them (older learners) falls back to one version per update."""
+        them (older learners) falls back to one version per update. A restart from the champion
+        (``Release._restart_from_champion``) makes the champion's line the trainer's: the rejected versions leave the
+        list, so the traffic the champion serves is fresh again (otherwise, with the trainer ``max_staleness``
+        updates past the champion, every new trajectory would stay stale and the learner would never train again)."""
         k = self.cfg.settings.samples.max_staleness
         versions = _update_versions(trainer)
         if len(versions) > k:
             return versions[-1 - k]
-        return max(0, trainer.version - k) if not versions else 0
+        if versions or LINEAGE_START in trainer.cursor:  # fewer than k updates on this line: from its oldest known version on
+            return int(trainer.cursor.get(LINEAGE_START, 0))
+        return max(0, trainer.version - k)

@@ -69,6 +69,7 @@ from learner.scheduler import Scheduler
 from learner.service_state import (
     BASELINE,
     LEAP_NEXT,
+    LINEAGE_START,
     REQUEST_FILE,
     RESTART_FILE,
     REVES_NEXT,
@@ -277,6 +278,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         trainer.cursor = {
             **batch.cursor.to_dict(),
             UPDATE_VERSIONS: [*_update_versions(trainer), trainer.version][-keep:],
+            LINEAGE_START: int(trainer.cursor.get(LINEAGE_START, 0)),
             LEAP_NEXT: leap_next,
             SVR_NEXT: svr_next,
             REVES_NEXT: reves_next,
@@ -285,6 +287,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         }
         self._seen_since = batch.cursor.since
         trainer.save_checkpoint(self.dir / "checkpoints")
+        (self.dir / RESTART_FILE).unlink(missing_ok=True)  # a restart from the champion is durable only from its first checkpoint on
         record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict(), "unused": why}
         self.status.last_reasons = why
         if why["top"]:

@@ -31,6 +31,7 @@ REQUEST_FILE = "update.request"
 RESTART_FILE = "restart.request"  # a version was rejected: the next update starts from the champion (survives a learner restart)
 INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only for an RTPO sweep's siblings
 UPDATE_VERSIONS = "update_versions"  # trainer.cursor key: the final version of each recent update (the staleness bound)
+LINEAGE_START = "lineage_start"  # trainer.cursor key: the oldest version known on the current weights' line (set by a restart)
 LEAP_NEXT = "leap_next_problem"  # trainer.cursor key: the next problem index LEAP's data engine probes
 SVR_NEXT = "svr_next_problem"  # trainer.cursor key: the next training problem of SVR's fixed-horizon runs
 REVES_NEXT = "reves_next_item"  # trainer.cursor key: the next training item REVES augments

@@ -375,6 +375,46 @@ def test_staleness_counts_updates_held_during_an_experiment(tmp_path, tiny_model
     svc.store.close()
 
 
+def test_a_restart_from_the_champion_makes_the_traffic_it_serves_fresh_again(tmp_path, tiny_model_path):
+    # fam@8 is the champion; the trainer went on to v9, v10, v11 (held during an experiment), and v11 was then refused.
+    # Users are served by fam@8 only, so with max_staleness 2 (floor: version 9) every new trajectory was stale and
+    # the learner waited forever (seen in the 45-minute demo). Restarting from fam@8 makes its line the trainer's:
+    # the floor counts from 8 again, and moves on with the updates trained from it.
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "adapters" / "fam" / "v8"
+    folder.mkdir(parents=True)
+    save_file({"w": torch.zeros(1)}, str(folder / "adapter_model.safetensors"))
+    (folder / "manifest.json").write_text("{}")
+    cfg = ServiceConfig(data_dir=tmp_path, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=settings())
+    svc = LearnerService(cfg)
+    svc._champion = lambda: "fam@8"  # type: ignore[method-assign]
+    loaded: list[object] = []
+    trainer = SimpleNamespace(version=11, cursor={"since": 1.0, "update_versions": [9, 10, 11]}, restart_from=loaded.append)
+    assert svc._staleness_floor(trainer) == 9  # fam@8's traffic is stale
+    (svc.dir / "restart.request").touch()
+    svc._restart_from_champion(trainer)
+    assert len(loaded) == 1 and torch.equal(loaded[0]["w"], torch.zeros(1))  # the champion's weights
+    assert trainer.cursor["update_versions"] == [8] and trainer.cursor["since"] == 1.0
+    assert svc._staleness_floor(trainer) == 8  # fresh again
+    assert (svc.dir / "restart.request").exists()  # until the next checkpoint: a learner killed now restarts again
+    for v, floor in ((12, 8), (13, 8), (14, 12)):  # updates from fam@8's weights: the bound moves as usual
+        trainer.cursor["update_versions"] = [*trainer.cursor["update_versions"], v][-3:]
+        assert svc._staleness_floor(trainer) == floor, v
+    # the champion's earlier updates still in the list stay its line; the rejected ones after it leave
+    trainer = SimpleNamespace(version=11, cursor={"update_versions": [5, 8, 11]}, restart_from=loaded.append)
+    svc._restart_from_champion(trainer)
+    assert trainer.cursor["update_versions"] == [5, 8] and svc._staleness_floor(trainer) == 5
+    # no champion yet: back to the base model, version 0
+    svc._champion = lambda: None  # type: ignore[method-assign]
+    trainer = SimpleNamespace(version=4, cursor={"update_versions": [2, 3, 4]}, restart_from=loaded.append)
+    svc._restart_from_champion(trainer)
+    assert loaded[-1] is None and trainer.cursor["update_versions"] == [0] and svc._staleness_floor(trainer) == 0
+    svc.store.close()
+
+
 def test_waiting_on_stale_traffic_names_the_experiment_that_holds_serving(tmp_path, tiny_model_path):
     # an experiment serves fam@1 and fam@2 while the trainer went on to v5: every new trajectory is stale, and the
     # status must say so and name what the learner waits for (not "no settled samples yet")
