@@ -33,6 +33,41 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_ssl_context_for_all_clients() -> Iterator[None]:
+    """Every httpx client of the test process (``httpx.get``/``post``, openai's, anthropic's, the runtime's own) shares
+    one default SSL context instead of building its own.
+
+    Building one loads the whole CA bundle: about 35 ms of CPU per client, and ``httpx.post(...)`` builds a client per
+    call, so a test making a few hundred plain-HTTP requests spent seconds parsing certificates it never used
+    (the suite's requests all go to 127.0.0.1 over http). Only the default (``verify=True``, no client cert) is
+    shared, keyed by the environment it was read from; any other ``verify`` builds its own as before. Where httpx's
+    private hook is missing (another httpx), nothing changes but the speed."""
+    from httpx._transports import default as transports
+
+    create = getattr(transports, "create_ssl_context", None)
+    if create is None:
+        yield
+        return
+    shared: dict[tuple[bool, str | None, str | None], Any] = {}
+    lock = threading.Lock()
+
+    def create_shared(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        with lock:
+            if key not in shared:
+                shared[key] = create(verify=verify, cert=cert, trust_env=trust_env)
+            return shared[key]
+
+    transports.create_ssl_context = create_shared
+    try:
+        yield
+    finally:
+        transports.create_ssl_context = create
+
+
 @pytest.fixture(scope="session")
 def model_cache() -> Path:
     path = Path(os.environ.get("LOOPWISE_TEST_CACHE", ROOT / ".data" / "models"))
