@@ -84,7 +84,7 @@ def test_per_turn_index_advantages_on_a_hand_table() -> None:
 def test_train_publishes_a_changed_memopilot_and_the_tournament_plays_it(start_server, tiny_model_path: Path, tmp_path: Path) -> None:
     adapters = tmp_path / "adapters"
     adapters.mkdir()
-    server = start_server("--admin-key", "adm", "--adapter-root", str(adapters), "--threads", "1")
+    server = start_server("--admin-key", "adm", "--adapter-root", str(adapters))  # in process (--threads would need a process)
     common = ["--url", server.base_url, "--admin-key", "adm", "--adapter-root", str(adapters), "--invalid", "random", "--copilot-max-tokens", "24"]
     out = tmp_path / "train.json"
     rc = train.main(
