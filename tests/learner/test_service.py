@@ -176,14 +176,14 @@ def test_serve_starts_the_learner_and_keeps_the_admin_api_closed_to_others(start
     status_file = learner_dir(data, "calc-lora") / "status.json"
     deadline = time.monotonic() + 180
     while not status_file.exists() and time.monotonic() < deadline:
-        time.sleep(1)
+        time.sleep(0.1)  # written whole (os.replace): no half-read file
     status = json.loads(status_file.read_text())
     assert status["family"] == "calc-lora" and status["state"] == "waiting"  # it reached the admin API and the store
     assert status["traffic"]["agents"] == ["calc-agent"] and status["traffic"]["chat"] is False
     # next to the agent's learner, serve.py starts the chat learner: plain chat traffic, one-off prompts against a baseline
     chat_file = learner_dir(data, "chat-lora") / "status.json"
     while not chat_file.exists() and time.monotonic() < deadline:
-        time.sleep(1)
+        time.sleep(0.1)
     chat = json.loads(chat_file.read_text())
     assert chat["traffic"] == {"chat": True, "agents": [], "models": None, "tags": None} and chat["state"] == "waiting"
     # before its first version, a learner's family is served by the base model (clients can ask for it from the start)
