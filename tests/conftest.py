@@ -8,6 +8,10 @@ as a :class:`ServerProcess`, which keeps its log for assertions; ``--learner``, 
 ``--vllm-launch``, ``--threads`` and ``env`` imply it (a child process, or an effect on the whole process).
 The model cache is ``.data/models`` in the checkout (override with ``LOOPWISE_TEST_CACHE``), so SmolLM2 is
 converted at most once per machine.
+
+Two session-wide settings save CPU and change no result: ``OMP_WAIT_POLICY=passive`` (idle OpenMP threads
+sleep instead of spinning; the processes the tests start inherit it) and one SSL context shared by every
+httpx client of the test process (``one_ssl_context_for_all_clients``).
 """
 
 from __future__ import annotations
