@@ -1,6 +1,6 @@
 """The real SmolLM2-135M-Instruct behind ``serve.py``: greedy answers, streaming equals non-streaming, a forced tool call.
 
-Marked ``slow``: it converts SmolLM2 into the model cache on first use (then loads it in seconds) and
+Marked ``slow``: it loads SmolLM2 converted before (in the model cache, or by the session's first start) and
 decodes a 135M-parameter model on CPU.
 """
 
@@ -35,10 +35,16 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def smol(start_server, model_cache):
-    from runtime.model_store import ensure_smollm2
+def smol(start_server, model_cache, first_start):
+    """SmolLM2 from the model cache where it was converted before; else from the folder the session's first start on an
+    empty cache converted (``first_start``, which ``test_first_start.py`` makes anyway): one conversion per session, not two."""
+    from runtime.model_store import MARKER
 
-    return start_server(model=ensure_smollm2(model_cache, progress=False), name=NAME)
+    folder = model_cache / NAME
+    if not (folder / MARKER).is_file():
+        cache, _ = first_start("default", NAME)
+        folder = cache / NAME
+    return start_server(model=folder, name=NAME)
 
 
 def test_greedy_answer_and_stream_match(smol):
