@@ -600,10 +600,13 @@ class SqliteStore:
         return n
 
     def trajectories_with_meta(self, owner: str, key: str, value: str) -> list[str]:
-        """Ids of ``owner``'s trajectories whose meta ``key`` equals ``value`` (e.g. the runs that held a memory)."""
+        """Ids of ``owner``'s trajectories whose meta ``key`` is the string ``value`` (e.g. the runs that held a memory),
+        oldest first. A JSON number or boolean never equals a string."""
         rows = (
             self._conn()
-            .execute("SELECT trajectory_id FROM trajectories WHERE owner = ? AND json_extract(meta, '$.' || ?) = ?", (owner, key, value))
+            .execute(
+                "SELECT trajectory_id FROM trajectories WHERE owner = ? AND json_extract(meta, '$.' || ?) = ? ORDER BY rowid", (owner, key, value)
+            )
             .fetchall()
         )
         return [r[0] for r in rows]
@@ -805,7 +808,8 @@ class SqliteStore:
         """For one adapter version since ``since``: the rewards on its turns and on the trajectories it served (a
         verifier's outcome reward is on the trajectory), of one ``source``, or with ``source=None`` of the trusted
         sources (the runtime's own ``verifier:*`` and ``judge:*``; every source with ``trusted_only=False``), in
-        the order they came; and per turn its total latency and output tokens/s."""
+        the order they came (ties: in the order they were stored); and per turn, oldest first, its total latency
+        and output tokens/s."""
         conn = self._conn()
         if source is not None:
             where_source, source_args = " AND r.source = ?", [source]
@@ -813,18 +817,18 @@ class SqliteStore:
             where_source, source_args = " AND (r.source LIKE 'verifier:%' OR r.source LIKE 'judge:%')", []
         else:
             where_source, source_args = "", []
-        query = f"""SELECT r.value, r.created_at FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
+        query = f"""SELECT r.value, r.created_at, r.rowid FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
                     WHERE t.adapter IS ? AND t.created_at >= ?{where_source}
                     UNION ALL
-                    SELECT r.value, r.created_at FROM rewards r
+                    SELECT r.value, r.created_at, r.rowid FROM rewards r
                     WHERE r.target = 'trajectory' AND r.target_id IN
                           (SELECT DISTINCT trajectory_id FROM turns WHERE adapter IS ? AND created_at >= ?){where_source}
-                    ORDER BY 2"""
+                    ORDER BY 2, 3"""
         one: list[Any] = [adapter, since, *source_args]
         rewards = [row[0] for row in conn.execute(query, one + one)]
         latency, tps = [], []
         for n_bytes, timings in conn.execute(
-            "SELECT length(output_ids), timings FROM turns WHERE adapter IS ? AND created_at >= ?", (adapter, since)
+            "SELECT length(output_ids), timings FROM turns WHERE adapter IS ? AND created_at >= ? ORDER BY created_at, rowid", (adapter, since)
         ):
             total = json.loads(timings).get("total_s") or 0.0
             latency.append(total)

@@ -387,7 +387,8 @@ class PostgresStore:
         """Ids of ``owner``'s trajectories whose meta ``key`` equals ``value``."""
         with self._tx() as conn:
             rows = conn.execute(
-                "SELECT trajectory_id FROM trajectories WHERE owner = %s AND (meta::jsonb ->> %s) = %s ORDER BY seq", (owner, key, value)
+                "SELECT trajectory_id FROM trajectories WHERE owner = %s AND (meta::jsonb -> %s) = to_jsonb(%s::text) ORDER BY seq",
+                (owner, key, value),
             ).fetchall()
         return [r[0] for r in rows]
 
@@ -601,18 +602,20 @@ class PostgresStore:
             where_source, source_args = " AND (r.source LIKE 'verifier:%%' OR r.source LIKE 'judge:%%')", []
         else:
             where_source, source_args = "", []
-        query = f"""SELECT r.value, r.created_at FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
+        query = f"""SELECT r.value, r.created_at, r.seq FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
                     WHERE t.adapter IS NOT DISTINCT FROM %s AND t.created_at >= %s{where_source}
                     UNION ALL
-                    SELECT r.value, r.created_at FROM rewards r
+                    SELECT r.value, r.created_at, r.seq FROM rewards r
                     WHERE r.target = 'trajectory' AND r.target_id IN
                           (SELECT DISTINCT trajectory_id FROM turns WHERE adapter IS NOT DISTINCT FROM %s AND created_at >= %s){where_source}
-                    ORDER BY 2"""
+                    ORDER BY 2, 3"""
         one: list[Any] = [adapter, since, *source_args]
         with self._tx() as conn:
             rewards = [row[0] for row in conn.execute(query, one + one)]
             timing_rows = conn.execute(
-                "SELECT octet_length(output_ids), timings FROM turns WHERE adapter IS NOT DISTINCT FROM %s AND created_at >= %s", (adapter, since)
+                "SELECT octet_length(output_ids), timings FROM turns WHERE adapter IS NOT DISTINCT FROM %s AND created_at >= %s"
+                " ORDER BY created_at, seq",
+                (adapter, since),
             ).fetchall()
         latency, tps = [], []
         for n_bytes, timings in timing_rows:
