@@ -7,8 +7,11 @@ What it does:
   automatic checkpoint every 4000 WAL pages (~16 MiB).
 - Append-only for turns: a turn row is inserted once and never UPDATEd; rewards are their own rows.
   ``append_turns`` writes a batch in ONE transaction (group commit): all of it or none of it.
-  Re-appending a turn id that is already stored is a no-op (``INSERT OR IGNORE``: the first copy
+  Re-appending a turn id that is already stored is a no-op (``ON CONFLICT DO NOTHING``: the first copy
   wins), so a recorder may safely retry a batch whose commit outcome it did not see.
+- The queries are said once for this store and the PostgreSQL one: ``learner/store_sql.py`` (``StoreQueries``
+  with the ``SQLITE`` dialect); this module adds the file, its connections and transactions, the batch append,
+  the WAL truncation after deletions and the schema migrations. Rows ↔ records: ``learner/store_rows.py``.
 - Token data is stored compactly as packed little-endian arrays, not JSON: ``context_ids`` and
   ``output_ids`` as int32 (``array('i')``), ``loss_mask`` as int8 (``array('b')``) and ``logprobs``
   as float32 (``array('f')``). Engines produce float32 logprobs, so those round-trip exactly;
@@ -43,19 +46,18 @@ What it doesn't do: build training batches: ``iter_samples`` yields plain per-tu
 
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
-import sys
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from learner.records import Reward, ToolCallRecord, Trajectory, Turn, TurnCheck, TurnRef, TurnTimings, UnknownTarget
+from learner.records import Turn, UnknownTarget
+from learner.store_rows import REWARD_COLUMNS, TURN_COLUMNS, turn_row
+from learner.store_sql import INSERT_SESSION, INSERT_TRAJECTORY, INSERT_TURN, SQLITE, StoreQueries, first_seen
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,18 @@ def db_path(data_dir: Path) -> Path:
     return Path(data_dir) / DEFAULT_DB_NAME
 
 
-__all__ = ["SchemaTooNew", "SqliteStore", "UnknownTarget", "db_path", "is_postgres_url", "migrate", "open_store"]
+__all__ = [
+    "REWARD_COLUMNS",
+    "TURN_COLUMNS",
+    "SchemaTooNew",
+    "SqliteStore",
+    "UnknownTarget",
+    "db_path",
+    "is_postgres_url",
+    "migrate",
+    "open_store",
+    "turn_row",
+]
 
 
 def is_postgres_url(spec: object) -> bool:
@@ -86,31 +99,6 @@ def open_store(spec: str | Path, *, synchronous_full: bool = False) -> Any:
 
 class SchemaTooNew(RuntimeError):
     """The database was written by a newer loopwise (its schema version is past this code's)."""
-
-
-# ---------------------------------------------------------------------------------------------------
-# packed arrays (little-endian on disk, whatever the host)
-
-_SWAP = sys.byteorder != "little"
-
-
-def _pack(typecode: str, values: Sequence[int] | Sequence[float]) -> bytes:
-    a = array(typecode, values)
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
-
-
-def _unpack(typecode: str, blob: bytes | None) -> list:
-    a = array(typecode)
-    if blob:
-        a.frombytes(blob)
-        if _SWAP:
-            a.byteswap()
-    return a.tolist()
-
-
-_json: Callable[[Any], str] = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # reused: no per-call setup
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,145 +257,10 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Con
             raise
 
 
-# ---------------------------------------------------------------------------------------------------
-# rows ↔ records
+class SqliteStore(StoreQueries):
+    """The interaction store on one SQLite file. See the module docstring; the queries are ``learner/store_sql.py``'s."""
 
-TURN_COLUMNS = (
-    "turn_id, trajectory_id, session_id, idx, parent_turn_id, completion_id, choice_index, created_at, model, adapter, "
-    "context_ids, output_ids, logprobs, loss_mask, sampling, tool_calls, finish_reason, timings, messages, output_text, "
-    "continuation_key, prefix_key, owner, self_check"
-)
-N_TURN_COLUMNS = 24
-_INSERT_TURN = f"INSERT OR IGNORE INTO turns ({TURN_COLUMNS}) VALUES ({', '.join('?' * N_TURN_COLUMNS)})"
-REWARD_COLUMNS = "reward_id, target, target_id, value, source, created_at, comment, idempotency_key, owner"
-
-
-def turn_row(t: Turn) -> tuple:
-    """A turn as the 24 values of ``TURN_COLUMNS``."""
-    return (
-        t.turn_id,
-        t.trajectory_id,
-        t.session_id,
-        t.index,
-        t.parent_turn_id,
-        t.completion_id,
-        t.choice_index,
-        t.created_at,
-        t.model,
-        t.adapter,
-        _pack("i", t.context_ids),
-        _pack("i", t.output_ids),
-        _pack("f", t.logprobs),
-        _pack("b", t.loss_mask),
-        _json(t.sampling),
-        _json([tc.model_dump() for tc in t.tool_calls]),
-        t.finish_reason,
-        _json(t.timings.model_dump()),
-        _json(t.messages),
-        t.output_text,
-        t.continuation_key,
-        t.prefix_key,
-        t.owner,
-        None if t.self_check is None else _json(t.self_check.model_dump()),
-    )
-
-
-def _turn_from_row(r: tuple) -> Turn:
-    return Turn(
-        turn_id=r[0],
-        trajectory_id=r[1],
-        session_id=r[2],
-        index=r[3],
-        parent_turn_id=r[4],
-        completion_id=r[5],
-        choice_index=r[6],
-        created_at=r[7],
-        model=r[8],
-        adapter=r[9],
-        context_ids=_unpack("i", r[10]),
-        output_ids=_unpack("i", r[11]),
-        logprobs=_unpack("f", r[12]),
-        loss_mask=_unpack("b", r[13]),
-        sampling=json.loads(r[14]),
-        tool_calls=[ToolCallRecord(**tc) for tc in json.loads(r[15])],
-        finish_reason=r[16],
-        timings=TurnTimings(**json.loads(r[17])),
-        messages=json.loads(r[18]),
-        output_text=r[19],
-        continuation_key=r[20],
-        prefix_key=r[21],
-        owner=r[22],
-        self_check=None if r[23] is None else TurnCheck(**json.loads(r[23])),
-    )
-
-
-def _reward_from_row(r: tuple) -> Reward:
-    return Reward(
-        reward_id=r[0], target=r[1], target_id=r[2], value=r[3], source=r[4], created_at=r[5], comment=r[6], idempotency_key=r[7], owner=r[8]
-    )
-
-
-# rewards on a trajectory or on any of its turns (parameters: trajectory_id, trajectory_id)
-_REWARDS_OF_TRAJECTORY = f"""
-    SELECT {REWARD_COLUMNS} FROM rewards WHERE target = 'trajectory' AND target_id = ?
-    UNION ALL
-    SELECT {", ".join("r." + c.strip() for c in REWARD_COLUMNS.split(","))}
-      FROM rewards r JOIN turns u ON u.turn_id = r.target_id
-     WHERE r.target = 'turn' AND u.trajectory_id = ?
-    ORDER BY created_at, reward_id"""
-
-# trajectory ids with a reward on the trajectory or on one of its turns
-_REWARDED_TRAJECTORIES = """
-    SELECT target_id FROM rewards WHERE target = 'trajectory'
-    UNION
-    SELECT u.trajectory_id FROM rewards r JOIN turns u ON u.turn_id = r.target_id WHERE r.target = 'turn'"""
-
-
-def trajectory_list_query(
-    ph: str, order: str, limit: int, since: float | None, rewarded: bool | None, owner: str | None
-) -> tuple[str, tuple[Any, ...]]:
-    """``list_trajectories``' SQL and parameters for one backend: ``ph`` its placeholder (``?``, ``%s``), ``order`` its
-    insertion-order column (``rowid``, ``seq``). Rows come back in :func:`trajectory_summary`'s column order."""
-    where: list[str] = []
-    params: list[Any] = []
-    if owner is not None:
-        where.append(f"t.owner = {ph}")
-        params.append(owner)
-    if since is not None:
-        where.append(f"t.created_at >= {ph}")
-        params.append(since)
-    if rewarded is not None:
-        where.append(f"t.trajectory_id {'IN' if rewarded else 'NOT IN'} ({_REWARDED_TRAJECTORIES})")
-    sql = f"""
-        SELECT t.trajectory_id, t.session_id, t.created_at, t.meta, t.owner,
-               (SELECT COUNT(*) FROM turns u WHERE u.trajectory_id = t.trajectory_id),
-               (SELECT COUNT(*) FROM rewards r WHERE r.target = 'trajectory' AND r.target_id = t.trajectory_id)
-             + (SELECT COUNT(*) FROM rewards r JOIN turns u ON u.turn_id = r.target_id
-                 WHERE r.target = 'turn' AND u.trajectory_id = t.trajectory_id),
-               (SELECT MAX(u.created_at) FROM turns u WHERE u.trajectory_id = t.trajectory_id)
-          FROM trajectories t
-         {"WHERE " + " AND ".join(where) if where else ""}
-         ORDER BY t.created_at DESC, t.{order} DESC
-         LIMIT {ph}"""
-    return sql, (*params, limit)
-
-
-def trajectory_summary(r: Sequence[Any]) -> dict[str, Any]:
-    """One row of :func:`trajectory_list_query` as ``list_trajectories`` answers it."""
-    return {
-        "trajectory_id": r[0],
-        "session_id": r[1],
-        "created_at": r[2],
-        "meta": json.loads(r[3]),
-        "owner": r[4],
-        "turns": int(r[5]),
-        "rewards": int(r[6]),
-        "last_turn_at": r[7],
-    }
-
-
-class SqliteStore:
-    """The interaction store on one SQLite file. See the module docstring."""
+    _d = SQLITE
 
     _turn_row = staticmethod(turn_row)  # a Turn → the row to insert (the ingest benchmark swaps in JSON)
     shared = False  # one runtime writes this file: its recorder's recent-turn index is authoritative
@@ -451,9 +304,22 @@ class SqliteStore:
         return conn
 
     @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        yield self._conn()  # autocommit: each statement reads the latest committed state
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[sqlite3.Connection]:
+        conn = self._conn()
+        conn.execute("BEGIN")  # a read transaction: every statement in it sees one snapshot
+        try:
+            yield conn
+        finally:
+            conn.execute("COMMIT")
+
+    @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("BEGIN IMMEDIATE")  # takes the write lock now: the transaction's reads see what it will write over
         try:
             yield conn
             conn.execute("COMMIT")
@@ -469,16 +335,8 @@ class SqliteStore:
     def transaction(self, *, write: bool = False) -> Iterator[sqlite3.Connection]:
         """This thread's connection in one transaction (``write``: ``BEGIN IMMEDIATE``), for tables other modules own
         in this file (``runtime/experiments_store.py``)."""
-        if write:
-            with self._write() as conn:
-                yield conn
-            return
-        conn = self._conn()
-        conn.execute("BEGIN")
-        try:
+        with self._write() if write else self._snapshot() as conn:
             yield conn
-        finally:
-            conn.execute("COMMIT")
 
     def close(self) -> None:
         self._closed = True
@@ -488,139 +346,21 @@ class SqliteStore:
             c.close()
         self._local = threading.local()
 
-    def __enter__(self) -> SqliteStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- writes --------------------------------------------------------------------------------------
 
     def append_turns(self, turns: Sequence[Turn]) -> None:
         """Store a batch of turns (and their sessions/trajectories) in one transaction."""
         if not turns:
             return
-        sessions: dict[tuple[str, str], float] = {}
-        trajectories: dict[str, tuple[str, str, float]] = {}
-        for t in turns:
-            if t.created_at < sessions.get((t.owner, t.session_id), float("inf")):
-                sessions[(t.owner, t.session_id)] = t.created_at
-            if t.trajectory_id not in trajectories or t.created_at < trajectories[t.trajectory_id][2]:
-                trajectories[t.trajectory_id] = (t.owner, t.session_id, t.created_at)
+        sessions, trajectories = first_seen(turns)
         with self._write() as conn:
-            conn.executemany(
-                "INSERT OR IGNORE INTO sessions (owner, session_id, created_at) VALUES (?, ?, ?)", ((o, s, ts) for (o, s), ts in sessions.items())
-            )
-            conn.executemany(
-                "INSERT OR IGNORE INTO trajectories (trajectory_id, owner, session_id, created_at) VALUES (?, ?, ?, ?)",
-                ((tid, o, sid, ts) for tid, (o, sid, ts) in trajectories.items()),
-            )
+            conn.executemany(INSERT_SESSION, ((o, s, ts) for (o, s), ts in sessions.items()))
+            conn.executemany(INSERT_TRAJECTORY, ((tid, o, sid, ts) for tid, (o, sid, ts) in trajectories.items()))
             # encoded lazily inside the transaction: a turn that cannot be encoded rolls back the batch
-            conn.executemany(_INSERT_TURN, (self._turn_row(t) for t in turns))
+            conn.executemany(INSERT_TURN, (self._turn_row(t) for t in turns))
 
-    def add_reward(self, reward: Reward) -> tuple[Reward, bool]:
-        """Store ``reward``; returns (the stored reward, created).
-
-        The target must exist and belong to ``reward.owner`` (else :class:`UnknownTarget`: another owner's
-        turn is indistinguishable from a missing one). A repeated idempotency key of the same owner returns
-        the first reward stored under it; idempotency keys of different owners never meet."""
-        with self._write() as conn:
-            if reward.idempotency_key is not None:
-                row = conn.execute(
-                    f"SELECT {REWARD_COLUMNS} FROM rewards WHERE owner = ? AND idempotency_key = ?", (reward.owner, reward.idempotency_key)
-                ).fetchone()
-                if row is not None:
-                    return _reward_from_row(row), False
-            table, column = ("turns", "turn_id") if reward.target == "turn" else ("trajectories", "trajectory_id")
-            found = conn.execute(f"SELECT owner FROM {table} WHERE {column} = ?", (reward.target_id,)).fetchone()
-            if found is None or found[0] != reward.owner:
-                raise UnknownTarget(f"no {reward.target} with id {reward.target_id!r}")
-            conn.execute(
-                f"INSERT INTO rewards ({REWARD_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    reward.reward_id,
-                    reward.target,
-                    reward.target_id,
-                    reward.value,
-                    reward.source,
-                    reward.created_at,
-                    reward.comment,
-                    reward.idempotency_key,
-                    reward.owner,
-                ),
-            )
-        return reward, True
-
-    def set_trajectory_meta(self, trajectory_id: str, meta: dict[str, Any]) -> None:
-        """Merge ``meta`` into the trajectory's metadata (top-level keys replace); the trajectory must exist."""
-        with self._write() as conn:
-            row = conn.execute("SELECT meta FROM trajectories WHERE trajectory_id = ?", (trajectory_id,)).fetchone()
-            if row is None:
-                raise UnknownTarget(f"no trajectory with id {trajectory_id!r}")
-            merged = {**json.loads(row[0]), **meta}
-            conn.execute("UPDATE trajectories SET meta = ? WHERE trajectory_id = ?", (_json(merged), trajectory_id))
-
-    def delete_session(self, owner: str, session_id: str) -> int:
-        """Delete one owner's session with its trajectories, turns and their rewards; returns the number of turns deleted.
-
-        Another owner's session of the same name is untouched."""
-        with self._write() as conn:
-            conn.execute(
-                """DELETE FROM rewards WHERE
-                     (target = 'turn' AND target_id IN (SELECT turn_id FROM turns WHERE owner = ? AND session_id = ?))
-                  OR (target = 'trajectory' AND target_id IN (SELECT trajectory_id FROM trajectories WHERE owner = ? AND session_id = ?))""",
-                (owner, session_id, owner, session_id),
-            )
-            n = conn.execute("DELETE FROM turns WHERE owner = ? AND session_id = ?", (owner, session_id)).rowcount
-            conn.execute("DELETE FROM trajectories WHERE owner = ? AND session_id = ?", (owner, session_id))
-            conn.execute("DELETE FROM sessions WHERE owner = ? AND session_id = ?", (owner, session_id))
+    def _after_delete(self) -> None:
         self._checkpoint_truncate()
-        return n
-
-    def delete_trajectories(self, trajectory_ids: Sequence[str]) -> int:
-        """Delete trajectories with their turns and the rewards on them (e.g. the ones that read a deleted memory);
-        returns the number of turns deleted. Securely, like :meth:`delete_session`."""
-        ids = list(dict.fromkeys(trajectory_ids))
-        if not ids:
-            return 0
-        n = 0
-        with self._write() as conn:
-            for k in range(0, len(ids), 500):
-                chunk = ids[k : k + 500]
-                marks = ", ".join("?" * len(chunk))
-                conn.execute(
-                    f"""DELETE FROM rewards WHERE
-                          (target = 'turn' AND target_id IN (SELECT turn_id FROM turns WHERE trajectory_id IN ({marks})))
-                       OR (target = 'trajectory' AND target_id IN ({marks}))""",
-                    (*chunk, *chunk),
-                )
-                n += conn.execute(f"DELETE FROM turns WHERE trajectory_id IN ({marks})", chunk).rowcount
-                conn.execute(f"DELETE FROM trajectories WHERE trajectory_id IN ({marks})", chunk)
-        self._checkpoint_truncate()
-        return n
-
-    def trajectories_with_meta(self, owner: str, key: str, value: str) -> list[str]:
-        """Ids of ``owner``'s trajectories whose meta ``key`` is the string ``value`` (e.g. the runs that held a memory),
-        oldest first. A JSON number or boolean never equals a string."""
-        rows = (
-            self._conn()
-            .execute(
-                "SELECT trajectory_id FROM trajectories WHERE owner = ? AND json_extract(meta, '$.' || ?) = ? ORDER BY rowid", (owner, key, value)
-            )
-            .fetchall()
-        )
-        return [r[0] for r in rows]
-
-    def record_owner(self, target: str, target_id: str) -> str | None:
-        """The owner of a turn (``target="turn"``) or trajectory, or None when it is not stored."""
-        table, column = ("turns", "turn_id") if target == "turn" else ("trajectories", "trajectory_id")
-        row = self._conn().execute(f"SELECT owner FROM {table} WHERE {column} = ?", (target_id,)).fetchone()
-        return None if row is None else row[0]
-
-    def session_owners(self, session_id: str) -> list[str]:
-        """The owners that have a session named ``session_id`` (the admin API names one when several do)."""
-        rows = self._conn().execute("SELECT owner FROM sessions WHERE session_id = ? ORDER BY owner", (session_id,)).fetchall()
-        return [r[0] for r in rows]
 
     def _checkpoint_truncate(self) -> None:
         # Copies the (securely overwritten) pages into the main file and truncates the WAL, so the
@@ -633,229 +373,6 @@ class SqliteStore:
                 return
             time.sleep(0.05)
         log.warning("wal_checkpoint(TRUNCATE) after a deletion stayed busy; the WAL of %s still holds old pages", self.path)
-
-    def prune(self, older_than: float) -> int:
-        """Delete unrewarded turns created before ``older_than`` (Unix time), then what became empty; returns turns deleted."""
-        with self._write() as conn:
-            n = conn.execute(
-                """DELETE FROM turns
-                   WHERE created_at < ?
-                     AND turn_id NOT IN (SELECT target_id FROM rewards WHERE target = 'turn')
-                     AND trajectory_id NOT IN (SELECT target_id FROM rewards WHERE target = 'trajectory')""",
-                (older_than,),
-            ).rowcount
-            conn.execute(
-                """DELETE FROM trajectories
-                   WHERE created_at < ?
-                     AND NOT EXISTS (SELECT 1 FROM turns u WHERE u.trajectory_id = trajectories.trajectory_id)
-                     AND trajectory_id NOT IN (SELECT target_id FROM rewards WHERE target = 'trajectory')""",
-                (older_than,),
-            )
-            conn.execute(
-                """DELETE FROM sessions
-                   WHERE created_at < ?
-                     AND NOT EXISTS (SELECT 1 FROM trajectories t WHERE t.owner = sessions.owner AND t.session_id = sessions.session_id)""",
-                (older_than,),
-            )
-        return n
-
-    # -- reads ---------------------------------------------------------------------------------------
-
-    def turns_for_completion(self, completion_id: str, owner: str | None = None, choice_index: int | None = None) -> list[str]:
-        """The turn ids of a completion's choices (only ``owner``'s, when given; only choice ``choice_index``'s, when given)."""
-        rows = self._conn().execute(
-            "SELECT turn_id FROM turns WHERE completion_id = ? AND (? IS NULL OR owner = ?) AND (? IS NULL OR choice_index = ?)"
-            " ORDER BY choice_index, rowid",
-            (completion_id, owner, owner, choice_index, choice_index),
-        )
-        return [r[0] for r in rows]
-
-    def find_continuation(self, session_id: str, continuation_key: str, owner: str = "public") -> TurnRef | None:
-        """The newest turn of ``owner``'s session ``session_id`` whose continuation key matches, or None."""
-        row = (
-            self._conn()
-            .execute(
-                """SELECT turn_id, trajectory_id, session_id, idx,
-                          EXISTS (SELECT 1 FROM turns c WHERE c.parent_turn_id = t.turn_id AND c.trajectory_id = t.trajectory_id)
-                     FROM turns t
-                    WHERE owner = ? AND session_id = ? AND continuation_key = ?
-                    ORDER BY created_at DESC, rowid DESC LIMIT 1""",
-                (owner, session_id, continuation_key),
-            )
-            .fetchone()
-        )
-        if row is None:
-            return None
-        return TurnRef(turn_id=row[0], trajectory_id=row[1], session_id=row[2], index=row[3], has_successor=bool(row[4]))
-
-    def turn_exists(self, turn_id: str, owner: str | None = None) -> bool:
-        """Whether the turn is stored (and, when ``owner`` is given, belongs to it)."""
-        sql = "SELECT 1 FROM turns WHERE turn_id = ? AND (? IS NULL OR owner = ?)"
-        return self._conn().execute(sql, (turn_id, owner, owner)).fetchone() is not None
-
-    def trajectory_exists(self, trajectory_id: str, owner: str | None = None) -> bool:
-        """Whether the trajectory is stored (and, when ``owner`` is given, belongs to it)."""
-        sql = "SELECT 1 FROM trajectories WHERE trajectory_id = ? AND (? IS NULL OR owner = ?)"
-        return self._conn().execute(sql, (trajectory_id, owner, owner)).fetchone() is not None
-
-    def stats(self) -> dict[str, int]:
-        conn = self._conn()
-        conn.execute("BEGIN")  # one snapshot for all four counts
-        try:
-            return {t: conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("sessions", "trajectories", "turns", "rewards")}
-        finally:
-            conn.execute("COMMIT")
-
-    def list_trajectories(self, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None) -> list[dict]:
-        """Newest first (by creation); ``since`` keeps trajectories created at or after it (Unix time), ``owner`` one owner's."""
-        sql, params = trajectory_list_query("?", "rowid", limit, since, rewarded, owner)
-        return [trajectory_summary(r) for r in self._conn().execute(sql, params).fetchall()]
-
-    def get_turn(self, turn_id: str) -> Turn | None:
-        row = self._conn().execute(f"SELECT {TURN_COLUMNS} FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
-        return None if row is None else _turn_from_row(row)
-
-    def get_trajectory(self, trajectory_id: str) -> Trajectory | None:
-        """The trajectory with its turns (by index) and every reward on it or on its turns."""
-        conn = self._conn()
-        conn.execute("BEGIN")  # one consistent snapshot
-        try:
-            row = conn.execute(
-                "SELECT trajectory_id, session_id, created_at, meta, owner FROM trajectories WHERE trajectory_id = ?", (trajectory_id,)
-            ).fetchone()
-            if row is None:
-                return None
-            turns = conn.execute(
-                f"SELECT {TURN_COLUMNS} FROM turns WHERE trajectory_id = ? ORDER BY idx, created_at, rowid", (trajectory_id,)
-            ).fetchall()
-            rewards = conn.execute(_REWARDS_OF_TRAJECTORY, (trajectory_id, trajectory_id)).fetchall()
-        finally:
-            conn.execute("COMMIT")
-        return Trajectory(
-            trajectory_id=row[0],
-            session_id=row[1],
-            created_at=row[2],
-            meta=json.loads(row[3]),
-            owner=row[4],
-            turns=[_turn_from_row(r) for r in turns],
-            rewards=[_reward_from_row(r) for r in rewards],
-        )
-
-    def iter_samples(self, since: float | None = None, rewarded: bool | None = None, page_size: int = 256) -> Iterator[dict]:
-        """Per-turn training samples in insertion order (see ``learner/__main__.py`` for the fields).
-
-        ``since``: turns created at or after it (Unix time). ``rewarded``: True → only turns with a reward
-        on them or on their trajectory; False → only turns with neither. Reads page by page (short
-        read transactions), so a long export never pins an old snapshot.
-        """
-        where, params = ["t.rowid > ?"], []
-        if since is not None:
-            where.append("t.created_at >= ?")
-            params.append(since)
-        if rewarded is not None:
-            cond = (
-                "(t.turn_id IN (SELECT target_id FROM rewards WHERE target = 'turn')"
-                " OR t.trajectory_id IN (SELECT target_id FROM rewards WHERE target = 'trajectory'))"
-            )
-            where.append(cond if rewarded else f"NOT {cond}")
-        sql = f"""SELECT t.rowid, t.turn_id, t.trajectory_id, t.session_id, t.idx, t.context_ids, t.output_ids, t.logprobs,
-                         t.loss_mask, t.adapter, t.finish_reason, t.created_at,
-                         (SELECT j.meta FROM trajectories j WHERE j.trajectory_id = t.trajectory_id), t.owner
-                    FROM turns t WHERE {" AND ".join(where)} ORDER BY t.rowid LIMIT ?"""
-        last = 0
-        while True:
-            rows = self._conn().execute(sql, (last, *params, page_size)).fetchall()
-            if not rows:
-                return
-            for r in rows:
-                last = r[0]
-                rewards = [
-                    _reward_from_row(x)
-                    for x in self._conn().execute(  # per call: the generator may be resumed on another thread
-                        f"""SELECT {REWARD_COLUMNS} FROM rewards
-                             WHERE (target = 'turn' AND target_id = ?) OR (target = 'trajectory' AND target_id = ?)
-                             ORDER BY created_at, rowid""",
-                        (r[1], r[2]),
-                    )
-                ]
-                turn_values = [x.value for x in rewards if x.target == "turn"]
-                traj_values = [x.value for x in rewards if x.target == "trajectory"]
-                meta = json.loads(r[12] or "{}")
-                yield {
-                    "turn_id": r[1],
-                    "trajectory_id": r[2],
-                    "session_id": r[3],
-                    "owner": r[13],
-                    "index": r[4],
-                    "context_ids": _unpack("i", r[5]),
-                    "output_ids": _unpack("i", r[6]),
-                    "logprobs": _unpack("f", r[7]),
-                    "loss_mask": _unpack("b", r[8]),
-                    "adapter": r[9],
-                    "finish_reason": r[10],
-                    "created_at": r[11],
-                    "reward": turn_values[-1] if turn_values else None,
-                    "trajectory_reward": traj_values[-1] if traj_values else None,
-                    "rewards": [x.model_dump() for x in rewards],
-                    "trainable": bool(meta.get("trainable", True)),
-                    "task_key": meta.get("task_key"),
-                }
-            if len(rows) < page_size:
-                return
-
-    # ---- the A/B experiments' per-arm data (their config and state: runtime/experiments_store.py) ----
-    def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[float]]:
-        """For one adapter version since ``since``: the rewards on its turns and on the trajectories it served (a
-        verifier's outcome reward is on the trajectory), of one ``source``, or with ``source=None`` of the trusted
-        sources (the runtime's own ``verifier:*`` and ``judge:*``; every source with ``trusted_only=False``), in
-        the order they came (ties: in the order they were stored); and per turn, oldest first, its total latency
-        and output tokens/s."""
-        conn = self._conn()
-        if source is not None:
-            where_source, source_args = " AND r.source = ?", [source]
-        elif trusted_only:
-            where_source, source_args = " AND (r.source LIKE 'verifier:%' OR r.source LIKE 'judge:%')", []
-        else:
-            where_source, source_args = "", []
-        query = f"""SELECT r.value, r.created_at, r.rowid FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
-                    WHERE t.adapter IS ? AND t.created_at >= ?{where_source}
-                    UNION ALL
-                    SELECT r.value, r.created_at, r.rowid FROM rewards r
-                    WHERE r.target = 'trajectory' AND r.target_id IN
-                          (SELECT DISTINCT trajectory_id FROM turns WHERE adapter IS ? AND created_at >= ?){where_source}
-                    ORDER BY 2, 3"""
-        one: list[Any] = [adapter, since, *source_args]
-        rewards = [row[0] for row in conn.execute(query, one + one)]
-        latency, tps = [], []
-        for n_bytes, timings in conn.execute(
-            "SELECT length(output_ids), timings FROM turns WHERE adapter IS ? AND created_at >= ? ORDER BY created_at, rowid", (adapter, since)
-        ):
-            total = json.loads(timings).get("total_s") or 0.0
-            latency.append(total)
-            if total > 0:
-                tps.append((n_bytes // 4) / total)
-        return {"rewards": rewards, "latency_s": latency, "tokens_per_s": tps}
-
-    # ---- the adapter registry's shared state ---------------------------------------------------
-    def save_registry(self, kind: str, name: str, value: dict[str, Any] | None) -> None:
-        """Set (or with ``value=None`` remove) one registry entry: ``kind`` ``adapter`` (``family@N`` → its path and
-        hash) or ``alias`` (family → ``{"target": "family@N"}``)."""
-        with self._write() as conn:
-            if value is None:
-                conn.execute("DELETE FROM registry WHERE kind = ? AND name = ?", (kind, name))
-            else:
-                conn.execute(
-                    """INSERT INTO registry (kind, name, value, updated_at) VALUES (?, ?, ?, ?)
-                       ON CONFLICT(kind, name) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at""",
-                    (kind, name, _json(value), time.time()),
-                )
-
-    def load_registry(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """Every registry entry: ``{"adapter": {name: value}, "alias": {family: value}}``."""
-        out: dict[str, dict[str, dict[str, Any]]] = {"adapter": {}, "alias": {}}
-        for kind, name, value in self._conn().execute("SELECT kind, name, value FROM registry ORDER BY updated_at, name"):
-            out[kind][name] = json.loads(value)
-        return out
 
     def integrity_check(self) -> str:
         rows = self._conn().execute("PRAGMA integrity_check").fetchall()

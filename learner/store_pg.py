@@ -8,7 +8,9 @@ What it does:
   side by side; several runtime processes may append to one database at once.
 - Same tables, columns, semantics and public methods as ``learner.store.SqliteStore`` (sessions keyed by
   owner + name, append-only turns whose re-insert is a no-op, rewards only on the owner's own records,
-  idempotency keys unique per owner, the adapter registry's shared state). Token arrays are
+  idempotency keys unique per owner, the adapter registry's shared state): the queries are
+  ``learner/store_sql.py``'s (``StoreQueries`` with the ``POSTGRESQL`` dialect); this module adds the pool, its
+  transactions, the pipelined batch append and the migrations. Token arrays are
   the same packed little-endian bytes in ``BYTEA`` columns (``bench/store_ingest.py --postgres`` measures
   them against native ``int4[]``/``real[]``/``smallint[]`` arrays); insertion order is a ``BIGSERIAL`` ``seq``
   (SQLite's rowid). A batch of turns is one transaction, sent in pipeline mode (one round trip).
@@ -30,12 +32,9 @@ secure erasure on PostgreSQL is the database operator's retention policy. Memory
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -43,21 +42,10 @@ from psycopg.abc import Buffer
 from psycopg.types.string import StrDumperUnknown
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from learner.records import Reward, Trajectory, Turn, TurnRef, UnknownTarget
-from learner.store import (
-    N_TURN_COLUMNS,
-    REWARD_COLUMNS,
-    TURN_COLUMNS,
-    SchemaTooNew,
-    _json,
-    _reward_from_row,
-    _turn_from_row,
-    _unpack,
-    is_postgres_url,
-    trajectory_list_query,
-    trajectory_summary,
-    turn_row,
-)
+from learner.records import Turn
+from learner.store import SchemaTooNew, is_postgres_url
+from learner.store_rows import turn_row
+from learner.store_sql import INSERT_SESSION, INSERT_TRAJECTORY, INSERT_TURN, POSTGRESQL, StoreQueries, first_seen
 
 log = logging.getLogger(__name__)
 
@@ -198,18 +186,10 @@ class _NulSafeStr(StrDumperUnknown):
         return super().dump(obj.replace("\x00", "\ufffd"))
 
 
-_INSERT_TURN = f"INSERT INTO turns ({TURN_COLUMNS}) VALUES ({', '.join(['%s'] * N_TURN_COLUMNS)}) ON CONFLICT (turn_id) DO NOTHING"
-_REWARD_COLS_R = ", ".join("r." + c.strip() for c in REWARD_COLUMNS.split(","))
-_REWARDS_OF_TRAJECTORY = f"""
-    SELECT {REWARD_COLUMNS}, seq FROM rewards WHERE target = 'trajectory' AND target_id = %(t)s
-    UNION ALL
-    SELECT {_REWARD_COLS_R}, r.seq FROM rewards r JOIN turns u ON u.turn_id = r.target_id
-     WHERE r.target = 'turn' AND u.trajectory_id = %(t)s
-    ORDER BY created_at, reward_id"""
+class PostgresStore(StoreQueries):
+    """The interaction store on PostgreSQL. See the module docstring; the queries are ``learner/store_sql.py``'s."""
 
-
-class PostgresStore:
-    """The interaction store on PostgreSQL. See the module docstring."""
+    _d = POSTGRESQL
 
     shared = True  # other processes write to the same store: continuation lookups must ask it, not a local index
     _turn_row = staticmethod(turn_row)
@@ -263,6 +243,19 @@ class PostgresStore:
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             yield conn
 
+    # StoreQueries' three ways to run a query. Reads and writes are each one READ COMMITTED transaction (every
+    # statement sees what was committed before it began); a snapshot is REPEATABLE READ, so several reads see one
+    # state. Writers are not serialized as on SQLite: row locks and unique indexes settle races (add_reward,
+    # set_trajectory_meta).
+    def _read(self) -> AbstractContextManager[psycopg.Connection]:
+        return self._tx()
+
+    def _snapshot(self) -> AbstractContextManager[psycopg.Connection]:
+        return self._tx(snapshot=True)
+
+    def _write(self) -> AbstractContextManager[psycopg.Connection]:
+        return self._tx()
+
     placeholder = "%s"
     dialect = "postgresql"
 
@@ -276,351 +269,16 @@ class PostgresStore:
     def close(self) -> None:
         self._pool.close()
 
-    def __enter__(self) -> PostgresStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- writes --------------------------------------------------------------------------------------
 
     def append_turns(self, turns: Sequence[Turn]) -> None:
         """Store a batch of turns (and their sessions/trajectories) in one transaction."""
         if not turns:
             return
-        sessions: dict[tuple[str, str], float] = {}
-        trajectories: dict[str, tuple[str, str, float]] = {}
-        for t in turns:
-            if t.created_at < sessions.get((t.owner, t.session_id), float("inf")):
-                sessions[(t.owner, t.session_id)] = t.created_at
-            if t.trajectory_id not in trajectories or t.created_at < trajectories[t.trajectory_id][2]:
-                trajectories[t.trajectory_id] = (t.owner, t.session_id, t.created_at)
+        sessions, trajectories = first_seen(turns)
         rows = [self._turn_row(t) for t in turns]  # an unencodable turn fails the batch before anything is sent
+        # psycopg pipelines each executemany: its rows go out without waiting for one answer each
         with self._tx() as conn, conn.cursor() as cur:
-            cur.executemany(
-                "INSERT INTO sessions (owner, session_id, created_at) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
-                [(o, s, ts) for (o, s), ts in sessions.items()],
-            )
-            cur.executemany(
-                "INSERT INTO trajectories (trajectory_id, owner, session_id, created_at) VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                [(tid, o, sid, ts) for tid, (o, sid, ts) in trajectories.items()],
-            )
-            cur.executemany(_INSERT_TURN, rows)
-
-    def add_reward(self, reward: Reward) -> tuple[Reward, bool]:
-        """Store ``reward``; returns (the stored reward, created). See ``SqliteStore.add_reward``.
-
-        Two processes racing on one idempotency key: the unique index lets one insert win, the other returns it."""
-        with self._tx() as conn:
-            if reward.idempotency_key is not None:
-                row = conn.execute(
-                    f"SELECT {REWARD_COLUMNS} FROM rewards WHERE owner = %s AND idempotency_key = %s", (reward.owner, reward.idempotency_key)
-                ).fetchone()
-                if row is not None:
-                    return _reward_from_row(row), False
-            table, column = ("turns", "turn_id") if reward.target == "turn" else ("trajectories", "trajectory_id")
-            found = conn.execute(f"SELECT owner FROM {table} WHERE {column} = %s", (reward.target_id,)).fetchone()
-            if found is None or found[0] != reward.owner:
-                raise UnknownTarget(f"no {reward.target} with id {reward.target_id!r}")
-            inserted = conn.execute(
-                f"""INSERT INTO rewards ({REWARD_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
-                    ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING reward_id""",
-                (
-                    reward.reward_id,
-                    reward.target,
-                    reward.target_id,
-                    reward.value,
-                    reward.source,
-                    reward.created_at,
-                    reward.comment,
-                    reward.idempotency_key,
-                    reward.owner,
-                ),
-            ).fetchone()
-            if inserted is None:  # another process stored this key between our check and our insert
-                row = conn.execute(
-                    f"SELECT {REWARD_COLUMNS} FROM rewards WHERE owner = %s AND idempotency_key = %s", (reward.owner, reward.idempotency_key)
-                ).fetchone()
-                return _reward_from_row(row), False
-        return reward, True
-
-    def set_trajectory_meta(self, trajectory_id: str, meta: dict[str, Any]) -> None:
-        """Merge ``meta`` into the trajectory's metadata (top-level keys replace); the trajectory must exist."""
-        with self._tx() as conn:
-            row = conn.execute("SELECT meta FROM trajectories WHERE trajectory_id = %s FOR UPDATE", (trajectory_id,)).fetchone()
-            if row is None:
-                raise UnknownTarget(f"no trajectory with id {trajectory_id!r}")
-            merged = {**json.loads(row[0]), **meta}
-            conn.execute("UPDATE trajectories SET meta = %s WHERE trajectory_id = %s", (_json(merged), trajectory_id))
-
-    def delete_session(self, owner: str, session_id: str) -> int:
-        """Delete one owner's session with its trajectories, turns and their rewards; returns the number of turns deleted."""
-        with self._tx() as conn:
-            conn.execute(
-                """DELETE FROM rewards WHERE
-                     (target = 'turn' AND target_id IN (SELECT turn_id FROM turns WHERE owner = %(o)s AND session_id = %(s)s))
-                  OR (target = 'trajectory' AND target_id IN (SELECT trajectory_id FROM trajectories WHERE owner = %(o)s AND session_id = %(s)s))""",
-                {"o": owner, "s": session_id},
-            )
-            n = conn.execute("DELETE FROM turns WHERE owner = %s AND session_id = %s", (owner, session_id)).rowcount
-            conn.execute("DELETE FROM trajectories WHERE owner = %s AND session_id = %s", (owner, session_id))
-            conn.execute("DELETE FROM sessions WHERE owner = %s AND session_id = %s", (owner, session_id))
-        return n
-
-    def delete_trajectories(self, trajectory_ids: Sequence[str]) -> int:
-        """Delete trajectories with their turns and the rewards on them; returns the number of turns deleted."""
-        ids = list(dict.fromkeys(trajectory_ids))
-        if not ids:
-            return 0
-        with self._tx() as conn:
-            conn.execute(
-                """DELETE FROM rewards WHERE
-                     (target = 'turn' AND target_id IN (SELECT turn_id FROM turns WHERE trajectory_id = ANY(%(ids)s)))
-                  OR (target = 'trajectory' AND target_id = ANY(%(ids)s))""",
-                {"ids": ids},
-            )
-            n = conn.execute("DELETE FROM turns WHERE trajectory_id = ANY(%s)", (ids,)).rowcount
-            conn.execute("DELETE FROM trajectories WHERE trajectory_id = ANY(%s)", (ids,))
-        return n
-
-    def trajectories_with_meta(self, owner: str, key: str, value: str) -> list[str]:
-        """Ids of ``owner``'s trajectories whose meta ``key`` equals ``value``."""
-        with self._tx() as conn:
-            rows = conn.execute(
-                "SELECT trajectory_id FROM trajectories WHERE owner = %s AND (meta::jsonb -> %s) = to_jsonb(%s::text) ORDER BY seq",
-                (owner, key, value),
-            ).fetchall()
-        return [r[0] for r in rows]
-
-    def record_owner(self, target: str, target_id: str) -> str | None:
-        table, column = ("turns", "turn_id") if target == "turn" else ("trajectories", "trajectory_id")
-        with self._tx() as conn:
-            row = conn.execute(f"SELECT owner FROM {table} WHERE {column} = %s", (target_id,)).fetchone()
-        return None if row is None else row[0]
-
-    def session_owners(self, session_id: str) -> list[str]:
-        with self._tx() as conn:
-            rows = conn.execute("SELECT owner FROM sessions WHERE session_id = %s ORDER BY owner", (session_id,)).fetchall()
-        return [r[0] for r in rows]
-
-    def prune(self, older_than: float) -> int:
-        """Delete unrewarded turns created before ``older_than`` (Unix time), then what became empty; returns turns deleted."""
-        with self._tx() as conn:
-            n = conn.execute(
-                """DELETE FROM turns
-                   WHERE created_at < %(t)s
-                     AND turn_id NOT IN (SELECT target_id FROM rewards WHERE target = 'turn')
-                     AND trajectory_id NOT IN (SELECT target_id FROM rewards WHERE target = 'trajectory')""",
-                {"t": older_than},
-            ).rowcount
-            conn.execute(
-                """DELETE FROM trajectories
-                   WHERE created_at < %(t)s
-                     AND NOT EXISTS (SELECT 1 FROM turns u WHERE u.trajectory_id = trajectories.trajectory_id)
-                     AND trajectory_id NOT IN (SELECT target_id FROM rewards WHERE target = 'trajectory')""",
-                {"t": older_than},
-            )
-            conn.execute(
-                """DELETE FROM sessions
-                   WHERE created_at < %(t)s
-                     AND NOT EXISTS (SELECT 1 FROM trajectories t WHERE t.owner = sessions.owner AND t.session_id = sessions.session_id)""",
-                {"t": older_than},
-            )
-        return n
-
-    # -- reads ---------------------------------------------------------------------------------------
-
-    def turns_for_completion(self, completion_id: str, owner: str | None = None, choice_index: int | None = None) -> list[str]:
-        with self._tx() as conn:
-            rows = conn.execute(
-                "SELECT turn_id FROM turns WHERE completion_id = %(c)s AND (%(o)s::text IS NULL OR owner = %(o)s)"
-                " AND (%(i)s::int IS NULL OR choice_index = %(i)s) ORDER BY choice_index, seq",
-                {"c": completion_id, "o": owner, "i": choice_index},
-            ).fetchall()
-        return [r[0] for r in rows]
-
-    def find_continuation(self, session_id: str, continuation_key: str, owner: str = "public") -> TurnRef | None:
-        """The newest turn of ``owner``'s session ``session_id`` whose continuation key matches, or None."""
-        with self._tx() as conn:
-            row = conn.execute(
-                """SELECT turn_id, trajectory_id, session_id, idx,
-                          EXISTS (SELECT 1 FROM turns c WHERE c.parent_turn_id = t.turn_id AND c.trajectory_id = t.trajectory_id)
-                     FROM turns t
-                    WHERE owner = %s AND session_id = %s AND continuation_key = %s
-                    ORDER BY created_at DESC, seq DESC LIMIT 1""",
-                (owner, session_id, continuation_key),
-            ).fetchone()
-        if row is None:
-            return None
-        return TurnRef(turn_id=row[0], trajectory_id=row[1], session_id=row[2], index=row[3], has_successor=bool(row[4]))
-
-    def has_successor(self, turn_id: str, trajectory_id: str) -> bool:
-        """Whether a stored turn continues ``turn_id`` in its trajectory (another runtime may have continued it)."""
-        with self._tx() as conn:
-            row = conn.execute("SELECT 1 FROM turns WHERE parent_turn_id = %s AND trajectory_id = %s LIMIT 1", (turn_id, trajectory_id)).fetchone()
-        return row is not None
-
-    def turn_exists(self, turn_id: str, owner: str | None = None) -> bool:
-        with self._tx() as conn:
-            row = conn.execute(
-                "SELECT 1 FROM turns WHERE turn_id = %(t)s AND (%(o)s::text IS NULL OR owner = %(o)s)", {"t": turn_id, "o": owner}
-            ).fetchone()
-        return row is not None
-
-    def trajectory_exists(self, trajectory_id: str, owner: str | None = None) -> bool:
-        with self._tx() as conn:
-            row = conn.execute(
-                "SELECT 1 FROM trajectories WHERE trajectory_id = %(t)s AND (%(o)s::text IS NULL OR owner = %(o)s)", {"t": trajectory_id, "o": owner}
-            ).fetchone()
-        return row is not None
-
-    def stats(self) -> dict[str, int]:
-        with self._tx() as conn:  # one statement: one snapshot for all four counts
-            row = conn.execute(
-                "SELECT (SELECT COUNT(*) FROM sessions), (SELECT COUNT(*) FROM trajectories),"
-                " (SELECT COUNT(*) FROM turns), (SELECT COUNT(*) FROM rewards)"
-            ).fetchone()
-        return dict(zip(("sessions", "trajectories", "turns", "rewards"), (int(x) for x in row), strict=True))
-
-    def list_trajectories(self, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None) -> list[dict]:
-        """Newest first (by creation); ``since`` keeps trajectories created at or after it (Unix time), ``owner`` one owner's."""
-        sql, params = trajectory_list_query("%s", "seq", limit, since, rewarded, owner)
-        with self._tx() as conn:
-            rows = conn.execute(sql, params).fetchall()
-        return [trajectory_summary(r) for r in rows]
-
-    def get_turn(self, turn_id: str) -> Turn | None:
-        with self._tx() as conn:
-            row = conn.execute(f"SELECT {TURN_COLUMNS} FROM turns WHERE turn_id = %s", (turn_id,)).fetchone()
-        return None if row is None else _turn_from_row(row)
-
-    def get_trajectory(self, trajectory_id: str) -> Trajectory | None:
-        """The trajectory with its turns (by index) and every reward on it or on its turns (one snapshot)."""
-        with self._tx(snapshot=True) as conn:
-            row = conn.execute(
-                "SELECT trajectory_id, session_id, created_at, meta, owner FROM trajectories WHERE trajectory_id = %s", (trajectory_id,)
-            ).fetchone()
-            if row is None:
-                return None
-            turns = conn.execute(
-                f"SELECT {TURN_COLUMNS} FROM turns WHERE trajectory_id = %s ORDER BY idx, created_at, seq", (trajectory_id,)
-            ).fetchall()
-            rewards = conn.execute(_REWARDS_OF_TRAJECTORY, {"t": trajectory_id}).fetchall()
-        return Trajectory(
-            trajectory_id=row[0],
-            session_id=row[1],
-            created_at=row[2],
-            meta=json.loads(row[3]),
-            owner=row[4],
-            turns=[_turn_from_row(r) for r in turns],
-            rewards=[_reward_from_row(r[:9]) for r in rewards],
-        )
-
-    def iter_samples(self, since: float | None = None, rewarded: bool | None = None, page_size: int = 256) -> Iterator[dict]:
-        """Per-turn training samples in insertion order (``seq``), page by page; see ``SqliteStore.iter_samples``."""
-        where, params = ["t.seq > %s"], []
-        if since is not None:
-            where.append("t.created_at >= %s")
-            params.append(since)
-        if rewarded is not None:
-            cond = (
-                "(t.turn_id IN (SELECT target_id FROM rewards WHERE target = 'turn')"
-                " OR t.trajectory_id IN (SELECT target_id FROM rewards WHERE target = 'trajectory'))"
-            )
-            where.append(cond if rewarded else f"NOT {cond}")
-        sql = f"""SELECT t.seq, t.turn_id, t.trajectory_id, t.session_id, t.idx, t.context_ids, t.output_ids, t.logprobs,
-                         t.loss_mask, t.adapter, t.finish_reason, t.created_at,
-                         (SELECT j.meta FROM trajectories j WHERE j.trajectory_id = t.trajectory_id), t.owner
-                    FROM turns t WHERE {" AND ".join(where)} ORDER BY t.seq LIMIT %s"""
-        rewards_sql = f"""SELECT {REWARD_COLUMNS}, seq FROM rewards
-                           WHERE (target = 'turn' AND target_id = ANY(%s)) OR (target = 'trajectory' AND target_id = ANY(%s))
-                           ORDER BY created_at, seq"""
-        last = 0
-        while True:
-            with self._tx() as conn:
-                rows = conn.execute(sql, (last, *params, page_size)).fetchall()
-                if not rows:
-                    return
-                by_target: dict[tuple[str, str], list[tuple[int, Reward]]] = {}
-                for x in conn.execute(rewards_sql, ([r[1] for r in rows], list({r[2] for r in rows}))):
-                    rw = _reward_from_row(x[:9])
-                    by_target.setdefault((rw.target, rw.target_id), []).append((x[9], rw))
-            for r in rows:
-                last = r[0]
-                turn_rw = [x for _, x in by_target.get(("turn", r[1]), [])]
-                traj_rw = [x for _, x in by_target.get(("trajectory", r[2]), [])]
-                both = sorted(by_target.get(("turn", r[1]), []) + by_target.get(("trajectory", r[2]), []), key=lambda p: (p[1].created_at, p[0]))
-                rewards = [x for _, x in both]
-                meta = json.loads(r[12] or "{}")
-                yield {
-                    "turn_id": r[1],
-                    "trajectory_id": r[2],
-                    "session_id": r[3],
-                    "owner": r[13],
-                    "index": r[4],
-                    "context_ids": _unpack("i", r[5]),
-                    "output_ids": _unpack("i", r[6]),
-                    "logprobs": _unpack("f", r[7]),
-                    "loss_mask": _unpack("b", r[8]),
-                    "adapter": r[9],
-                    "finish_reason": r[10],
-                    "created_at": r[11],
-                    "reward": turn_rw[-1].value if turn_rw else None,
-                    "trajectory_reward": traj_rw[-1].value if traj_rw else None,
-                    "rewards": [x.model_dump() for x in rewards],
-                    "trainable": bool(meta.get("trainable", True)),
-                    "task_key": meta.get("task_key"),
-                }
-            if len(rows) < page_size:
-                return
-
-    # ---- the adapter registry's shared state ---------------------------------------------------
-    def save_registry(self, kind: str, name: str, value: dict[str, Any] | None) -> None:
-        """See ``SqliteStore.save_registry``."""
-        with self._tx() as conn:
-            if value is None:
-                conn.execute("DELETE FROM registry WHERE kind = %s AND name = %s", (kind, name))
-            else:
-                conn.execute(
-                    """INSERT INTO registry (kind, name, value, updated_at) VALUES (%s, %s, %s, %s)
-                       ON CONFLICT (kind, name) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at""",
-                    (kind, name, _json(value), time.time()),
-                )
-
-    def load_registry(self) -> dict[str, dict[str, dict[str, Any]]]:
-        out: dict[str, dict[str, dict[str, Any]]] = {"adapter": {}, "alias": {}}
-        with self._tx() as conn:
-            for kind, name, value in conn.execute("SELECT kind, name, value FROM registry ORDER BY updated_at, name"):
-                out[kind][name] = json.loads(value)
-        return out
-
-    def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[float]]:
-        """See ``SqliteStore.arm_observations``."""
-        if source is not None:
-            where_source, source_args = " AND r.source = %s", [source]
-        elif trusted_only:
-            where_source, source_args = " AND (r.source LIKE 'verifier:%%' OR r.source LIKE 'judge:%%')", []
-        else:
-            where_source, source_args = "", []
-        query = f"""SELECT r.value, r.created_at, r.seq FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
-                    WHERE t.adapter IS NOT DISTINCT FROM %s AND t.created_at >= %s{where_source}
-                    UNION ALL
-                    SELECT r.value, r.created_at, r.seq FROM rewards r
-                    WHERE r.target = 'trajectory' AND r.target_id IN
-                          (SELECT DISTINCT trajectory_id FROM turns WHERE adapter IS NOT DISTINCT FROM %s AND created_at >= %s){where_source}
-                    ORDER BY 2, 3"""
-        one: list[Any] = [adapter, since, *source_args]
-        with self._tx() as conn:
-            rewards = [row[0] for row in conn.execute(query, one + one)]
-            timing_rows = conn.execute(
-                "SELECT octet_length(output_ids), timings FROM turns WHERE adapter IS NOT DISTINCT FROM %s AND created_at >= %s"
-                " ORDER BY created_at, seq",
-                (adapter, since),
-            ).fetchall()
-        latency, tps = [], []
-        for n_bytes, timings in timing_rows:
-            total = json.loads(timings).get("total_s") or 0.0
-            latency.append(total)
-            if total > 0:
-                tps.append((n_bytes // 4) / total)
-        return {"rewards": rewards, "latency_s": latency, "tokens_per_s": tps}
+            cur.executemany(self._q(INSERT_SESSION), [(o, s, ts) for (o, s), ts in sessions.items()])
+            cur.executemany(self._q(INSERT_TRAJECTORY), [(tid, o, sid, ts) for tid, (o, sid, ts) in trajectories.items()])
+            cur.executemany(self._q(INSERT_TURN), rows)
