@@ -1,13 +1,16 @@
-"""Shared pieces of the learning benchmarks (``trl_compare.py``, ``rtpo_compare.py``): rollouts, updates, held-out evals.
+"""Shared pieces of the learning benchmarks (``patr_compare.py``, ``rods_compare.py``, ``rtpo_compare.py``,
+``trl_compare.py``, ``svr_reves.py``): the server they start, the base model's held-out evaluation, rollouts,
+updates, held-out evals of trained versions, bootstrap CIs and the JSON they write.
 
-The loopwise side of a benchmark is the real product path: a spawned ``serve.py`` serves the model and
-the agents, rollouts are ``POST /v1/agents/{agent}/runs`` (recorded with exact ids and verifier
+The loopwise side of a benchmark is the real product path: a spawned ``serve.py`` (:func:`bench_server`) serves
+the model and the agents, rollouts are ``POST /v1/agents/{agent}/runs`` (recorded with exact ids and verifier
 rewards), and updates are the learner's own ``LearnerService.update`` (sample collection, estimator,
 re-rollouts, trainer step, publish, load). Only the promotion policy differs: :class:`PromoteService`
 serves every new version at once (alias flip), without the eval gate or an A/B experiment, so a
-benchmark measures the estimator, not the gate.
+benchmark measures the estimator, not the gate. Held-out evaluations (:func:`base_heldout`,
+:func:`final_heldout`, :func:`heldout_results`) run the same problems and sampling seeds for every model.
 
-Not a test and not part of the product.
+Not a test and not part of the product; what each benchmark trains, measures and reports is its own.
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import secrets
+import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
+from experiments.agent_eval import spawned_server
 from learner.config import LearnerSettings
 from learner.publish import publish_adapter
 from learner.service import LearnerService, ServiceConfig
@@ -36,6 +44,34 @@ class PromoteService(LearnerService):
         self.admin.load(published.path, self.family, trainer.version, sha256=published.manifest_sha256, alias=True)
         self.status.champion = published.name
         return {"decision": "promoted", "new": published.name}
+
+
+class BenchServer(NamedTuple):
+    """A spawned ``serve.py``, as a learning benchmark uses it."""
+
+    url: str
+    key: str  # its admin key (a fresh one per run)
+    data: Path  # its data folder: the interaction store the benchmark's learners read
+    model_path: Path  # the base model's files, which the learners' trainers load
+    base: str  # the name the base model is served under
+
+
+def served_model(url: str) -> str:
+    """The name the server serves its base model under (``GET /ready``)."""
+    return str(httpx.get(url + "/ready", timeout=30).json()["model"])
+
+
+@contextmanager
+def bench_server(model: str, out: Path, max_adapters: int = 12) -> Iterator[BenchServer]:
+    """Empties ``out`` (what a previous run left there is removed), then spawns ``serve.py`` for ``model`` with its data
+    folder ``out/server``, a fresh admin key and room for ``max_adapters`` loaded adapter versions; stopped on exit."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    key = secrets.token_hex(8)
+    data = out / "server"
+    with spawned_server(model, key, ["--max-loaded-adapters", str(max_adapters)], data_dir=data) as url:
+        model_path = data / "models" / ("SmolLM2-135M-Instruct" if model == "default" else model)
+        yield BenchServer(url, key, data, model_path, served_model(url))
 
 
 def service(url: str, key: str, data: Path, model_path: Path, agent: str, settings: dict[str, Any]) -> PromoteService:
@@ -97,6 +133,22 @@ def heldout_results(url: str, agent: str, task: str, n: int, model: str, seed: i
     bodies = [{"task": task, "problem_index": i, "seed": seed, "sample_seed": i, "model": model, "eval": True} for i in range(n)]
     runs = asyncio.run(_runs(url, agent, bodies, concurrency))
     return [bool(r.get("correct")) for r in runs]
+
+
+def base_heldout(server: BenchServer, eval_agent: dict[str, Any], task: str, n: int) -> list[bool]:
+    """Adds the evaluation agent ``eval_agent`` (a config without an adapter family) and evaluates the base model with it
+    on the ``n`` held-out problems: per problem, did it succeed (:func:`heldout_results`)."""
+    add_agent(server.url, server.key, eval_agent)
+    return heldout_results(server.url, eval_agent["name"], task, n, server.base)
+
+
+def final_heldout(server: BenchServer, eval_agent: str, task: str, n: int, arm: dict[str, Any]) -> None:
+    """Evaluates an arm's final version (``arm["final"]``; the base model when it published none) on the ``n`` held-out
+    problems: sets ``arm["heldout_runs"]`` (per problem) and ``arm["heldout"]`` (the success rate) and prints them."""
+    model = arm["final"] or server.base
+    arm["heldout_runs"] = heldout_results(server.url, eval_agent, task, n, model)
+    arm["heldout"] = sum(arm["heldout_runs"]) / len(arm["heldout_runs"])
+    print(f"  held-out success {arm['heldout']:.3f} ({model}), {arm['wall_s']:.0f} s", flush=True)
 
 
 def bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:

@@ -37,20 +37,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import secrets
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import HeldoutBootstrap, _runs, add_agent, heldout_results, service, write_json  # noqa: E402
-from experiments.agent_eval import spawned_server  # noqa: E402
+from bench._rl_harness import HeldoutBootstrap, _runs, add_agent, base_heldout, bench_server, final_heldout, service, write_json  # noqa: E402
 
 PROMPT = "You are an agent walking on a frozen lake. Reach the goal without falling into a hole."
 
@@ -189,26 +184,17 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "patr_compare")
     args = p.parse_args()
 
-    shutil.rmtree(args.out, ignore_errors=True)
-    args.out.mkdir(parents=True)
-    key = secrets.token_hex(8)
     arms: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    with spawned_server(args.model, key, ["--max-loaded-adapters", "12"], data_dir=args.out / "server") as url:
-        data = args.out / "server"
-        model_path = data / "models" / ("SmolLM2-135M-Instruct" if args.model == "default" else args.model)
-        base = httpx.get(url + "/ready", timeout=30).json()["model"]
-        add_agent(url, key, agent("fl-eval", None, args))
-        base_runs = heldout_results(url, "fl-eval", args.task, args.n_eval, base)
+    with bench_server(args.model, args.out) as srv:
+        base_runs = base_heldout(srv, agent("fl-eval", None, args), args.task, args.n_eval)
         where = f"{args.task} {agent('x', None, args)['task_options']}"
         print(f"base held-out success {sum(base_runs) / len(base_runs):.3f} (n={args.n_eval}, {where})", flush=True)
         for seed in [int(s) for s in args.seeds.split(",")]:
             for arm in args.arms.split(","):
                 print(f"arm {arm} seed {seed}", flush=True)
-                res = run_arm(url, key, data, model_path, arm, seed, args)
-                res["heldout_runs"] = heldout_results(url, "fl-eval", args.task, args.n_eval, res["final"] or base)
-                res["heldout"] = sum(res["heldout_runs"]) / len(res["heldout_runs"])
-                print(f"  held-out success {res['heldout']:.3f} ({res['final'] or base}), {res['wall_s']:.0f} s", flush=True)
+                res = run_arm(srv.url, srv.key, srv.data, srv.model_path, arm, seed, args)
+                final_heldout(srv, "fl-eval", args.task, args.n_eval, res)
                 arms.append(res)
                 write_json(args.out / "patr_compare.json", {"args": {k: str(v) for k, v in vars(args).items()}, "arms": arms})
     summary = report(arms, base_runs)

@@ -28,8 +28,6 @@ import argparse
 import asyncio
 import json
 import random
-import secrets
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,8 +38,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import add_agent, heldout_results, service, write_json  # noqa: E402
-from experiments.agent_eval import spawned_server  # noqa: E402
+from bench._rl_harness import add_agent, base_heldout, bench_server, heldout_results, service, write_json  # noqa: E402
 from learner.rods import boundary_score  # noqa: E402
 
 
@@ -197,22 +194,15 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rods_compare")
     args = p.parse_args()
 
-    shutil.rmtree(args.out, ignore_errors=True)
-    args.out.mkdir(parents=True)
-    key = secrets.token_hex(8)
     arms: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    with spawned_server(args.model, key, ["--max-loaded-adapters", "12"], data_dir=args.out / "server") as url:
-        data = args.out / "server"
-        model_path = data / "models" / ("SmolLM2-135M-Instruct" if args.model == "default" else args.model)
-        base = httpx.get(url + "/ready", timeout=30).json()["model"]
-        add_agent(url, key, agent("rods-eval", None, args))
-        base_runs = heldout_results(url, "rods-eval", args.task, args.n_eval, base)
+    with bench_server(args.model, args.out) as srv:
+        base_runs = base_heldout(srv, agent("rods-eval", None, args), args.task, args.n_eval)
         print(f"base held-out success {sum(base_runs) / len(base_runs):.3f} (n={args.n_eval})", flush=True)
         for seed in [int(s) for s in args.seeds.split(",")]:
             for arm in args.arms.split(","):
                 print(f"arm {arm} seed {seed}", flush=True)
-                arms.append(run_arm(url, key, data, model_path, arm, seed, args, base))
+                arms.append(run_arm(srv.url, srv.key, srv.data, srv.model_path, arm, seed, args, srv.base))
                 write_json(args.out / "rods_compare.json", {"args": {k: str(v) for k, v in vars(args).items()}, "arms": arms})
     summary = report(arms, base_runs)
     summary["wall_s"] = time.perf_counter() - t0

@@ -34,20 +34,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import secrets
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import HeldoutBootstrap, add_agent, heldout_results, rollouts, service, write_json  # noqa: E402
-from experiments.agent_eval import spawned_server  # noqa: E402
+from bench._rl_harness import HeldoutBootstrap, add_agent, base_heldout, bench_server, final_heldout, rollouts, service, write_json  # noqa: E402
 
 PROMPTS = {
     "frozenlake": "You are an agent walking on a frozen lake. Reach the goal without falling into a hole.",
@@ -147,16 +142,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rtpo_compare")
     args = p.parse_args()
 
-    shutil.rmtree(args.out, ignore_errors=True)
-    args.out.mkdir(parents=True)
-    key = secrets.token_hex(8)
     arms: list[dict[str, Any]] = []
-    with spawned_server(args.model, key, ["--max-loaded-adapters", "12"], data_dir=args.out / "server") as url:
-        data = args.out / "server"
-        model_path = data / "models" / ("SmolLM2-135M-Instruct" if args.model == "default" else args.model)
-        base = httpx.get(url + "/ready", timeout=30).json()["model"]
-        add_agent(url, key, agent("fl-eval", None, args))
-        base_runs = heldout_results(url, "fl-eval", args.task, args.n_eval, base)
+    with bench_server(args.model, args.out) as srv:
+        base_runs = base_heldout(srv, agent("fl-eval", None, args), args.task, args.n_eval)
         base_success = sum(base_runs) / len(base_runs)
         print(f"base held-out success {base_success:.3f} (n={args.n_eval})", flush=True)
         seeds = [int(s) for s in args.seeds.split(",")]
@@ -164,10 +152,8 @@ def main() -> int:
         for seed in seeds:
             for est in args.estimators.split(","):
                 print(f"arm {est} seed {seed}", flush=True)
-                arm = run_arm(url, key, data, model_path, est, seed, args)
-                arm["heldout_runs"] = heldout_results(url, "fl-eval", args.task, args.n_eval, arm["final"] or base)
-                arm["heldout"] = sum(arm["heldout_runs"]) / len(arm["heldout_runs"])
-                print(f"  held-out success {arm['heldout']:.3f} ({arm['final'] or base}), {arm['wall_s']:.0f} s", flush=True)
+                arm = run_arm(srv.url, srv.key, srv.data, srv.model_path, est, seed, args)
+                final_heldout(srv, "fl-eval", args.task, args.n_eval, arm)
                 arms.append(arm)
                 write_json(args.out / "rtpo_compare.json", {"args": {k: str(v) for k, v in vars(args).items()}, "base": base_success, "arms": arms})
     plot(arms, args.out / "rtpo_compare.png", args.task)

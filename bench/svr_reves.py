@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import add_agent, bootstrap_ci, rollouts, service, write_json  # noqa: E402
+from bench._rl_harness import add_agent, bootstrap_ci, rollouts, served_model, service, write_json  # noqa: E402
 from experiments.agent_eval import spawned_server  # noqa: E402
 from learner.reves import run_attempts  # noqa: E402
 from learner.runs_client import post_runs  # noqa: E402
@@ -99,7 +99,7 @@ def svr_part(url: str, args: argparse.Namespace, data: Path, deadline: float) ->
     }
     add_agent(url, ADMIN, {**common, "name": "bench-svr", "stop_policy": "svr", "stop_params": {"tau": args.tau}})
     add_agent(url, ADMIN, {**common, "name": "bench-svr-fixed", "stop_policy": "fixed", "stop_params": {"fmt": "svr", "tau": args.tau}})
-    base = json.loads(__import__("httpx").get(url + "/ready", timeout=30).text)["model"]
+    base = served_model(url)
 
     def evaluate(model: str) -> dict[str, Any]:
         return {
@@ -158,7 +158,7 @@ async def _sr(url: str, agent: str, model: str, n: int, rounds: int, concurrency
 
 
 def reves_part(url: str, args: argparse.Namespace, data: Path, deadline: float) -> dict[str, Any]:
-    base = json.loads(__import__("httpx").get(url + "/ready", timeout=30).text)["model"]
+    base = served_model(url)
     arms: dict[str, dict[str, Any]] = {}
     per_arm_deadline = (deadline - time.monotonic()) / 2
     for arm in ("grpo", "reves"):

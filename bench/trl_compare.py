@@ -27,13 +27,10 @@ loaded like any version). The two sides run one after the other on this machine,
 from __future__ import annotations
 
 import argparse
-import secrets
 import shutil
 import sys
 import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -41,8 +38,7 @@ sys.path.insert(0, str(ROOT))
 from agents.config import AgentConfig  # noqa: E402
 from agents.policies import make_policy  # noqa: E402
 from agents.tasks import get_task  # noqa: E402
-from bench._rl_harness import add_agent, admin, bootstrap_ci, heldout, rollouts, service, write_json  # noqa: E402
-from experiments.agent_eval import spawned_server  # noqa: E402
+from bench._rl_harness import add_agent, admin, bench_server, bootstrap_ci, heldout, rollouts, service, write_json  # noqa: E402
 
 TASK = "calc_arith"
 OPTIONS: dict = {"use_tools": False}  # plus --n-ops / --max-operand
@@ -149,9 +145,6 @@ def main() -> int:
     OPTIONS.update(n_ops=args.n_ops, max_operand=args.max_operand)
 
     out = args.out
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    key = secrets.token_hex(8)
     settings = {
         "family": "lw",
         "lora": {"rank": 8, "alpha": 16.0, "target_modules": TARGETS},
@@ -160,15 +153,13 @@ def main() -> int:
     }
     settings["trainer"].update(threads=None, progress=False, seed=0)
     result: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
-    with spawned_server(args.model, key, ["--max-loaded-adapters", "4"], data_dir=out / "server") as url:
-        model_path = out / "server" / "models" / ("SmolLM2-135M-Instruct" if args.model == "default" else args.model)
+    with bench_server(args.model, out, max_adapters=4) as (url, key, data, model_path, base):
         add_agent(url, key, agent_config("lw-train", 1.0, args.max_tokens, "lw"))
         add_agent(url, key, agent_config("lw-eval", 0.0, args.max_tokens, None))
-        base = httpx.get(url + "/ready", timeout=30).json()["model"]
 
         # ---- loopwise
         t0 = time.perf_counter()
-        svc = service(url, key, out / "server", model_path, "lw-train", settings)
+        svc = service(url, key, data, model_path, "lw-train", settings)
         svc._get_trainer()
         lw_setup = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -188,7 +179,7 @@ def main() -> int:
         print(f"TRL: {args.steps} steps in {trl['train_s']:.0f} s; rewards {trl['train_reward_per_step']}", flush=True)
         from learner.publish import publish_files
 
-        pub = publish_files(lambda d: shutil.copytree(trl["adapter"], d, dirs_exist_ok=True), out / "server" / "adapters", "trl", 1)
+        pub = publish_files(lambda d: shutil.copytree(trl["adapter"], d, dirs_exist_ok=True), data / "adapters", "trl", 1)
         admin(url, key, "POST", "/admin/adapters", json={"path": str(pub.path), "family": "trl", "version": 1, "sha256": pub.manifest_sha256})
 
         # ---- held-out, all three through the same server and agent (greedy)
