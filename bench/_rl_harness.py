@@ -15,7 +15,6 @@ Not a test and not part of the product; what each benchmark trains, measures and
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import secrets
@@ -31,6 +30,7 @@ import httpx
 from experiments.agent_eval import spawned_server
 from learner.config import LearnerSettings
 from learner.publish import publish_adapter
+from learner.runs_client import post_runs
 from learner.service import LearnerService, ServiceConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,24 +100,21 @@ def add_agent(url: str, key: str, config: dict[str, Any]) -> None:
         admin(url, key, "POST", "/admin/agents", json=config)
 
 
-async def _runs(url: str, agent: str, bodies: list[dict[str, Any]], concurrency: int) -> list[dict[str, Any]]:
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
-
-        async def one(body: dict[str, Any]) -> dict[str, Any]:
-            async with sem:
-                r = await client.post(f"/v1/agents/{agent}/runs", json=body)
-            r.raise_for_status()
-            out: dict[str, Any] = r.json()
-            return out
-
-        return list(await asyncio.gather(*(one(b) for b in bodies)))
+def agent_runs(url: str, agent: str, bodies: list[dict[str, Any]], concurrency: int = 16, admin_key: str | None = None) -> list[dict[str, Any]]:
+    """Each body posted to the agent's runs endpoint (``/v1/agents/{agent}/runs``; with ``admin_key``, the admin one),
+    ``concurrency`` at a time (``learner.runs_client``); the runs in the order of ``bodies``. A failed run stops the
+    benchmark."""
+    outs = post_runs(url, admin_key, agent, bodies, concurrency=concurrency, timeout_s=1800.0, admin=admin_key is not None)
+    failed = [o for o in outs if isinstance(o, str)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(outs)} runs of {agent} failed; the first: {failed[0]}")
+    return [o for o in outs if not isinstance(o, str)]
 
 
 def rollouts(url: str, agent: str, task: str, problems: list[int], group: int, seed: int, concurrency: int = 16) -> list[dict[str, Any]]:
     """``group`` sampled runs per training problem (problem seed 0), recorded with their verifier rewards."""
     bodies = [{"task": task, "problem_index": p, "seed": 0, "sample_seed": seed * 100_003 + p * 131 + k} for p in problems for k in range(group)]
-    runs = asyncio.run(_runs(url, agent, bodies, concurrency))
+    runs = agent_runs(url, agent, bodies, concurrency)
     time.sleep(0.5)  # the recorder commits every 50 ms: let the last turns and rewards land before an update reads them
     return runs
 
@@ -131,7 +128,7 @@ def heldout(url: str, agent: str, task: str, n: int, model: str, seed: int = 424
 def heldout_results(url: str, agent: str, task: str, n: int, model: str, seed: int = 4242, concurrency: int = 16) -> list[bool]:
     """Per held-out problem ``0..n-1`` (same problems and sampling seeds for every model): did the eval run succeed."""
     bodies = [{"task": task, "problem_index": i, "seed": seed, "sample_seed": i, "model": model, "eval": True} for i in range(n)]
-    runs = asyncio.run(_runs(url, agent, bodies, concurrency))
+    runs = agent_runs(url, agent, bodies, concurrency)
     return [bool(r.get("correct")) for r in runs]
 
 

@@ -35,7 +35,6 @@ problem. ``patr_compare.json`` under ``bench/results/patr_compare/``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -45,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import HeldoutBootstrap, _runs, add_agent, base_heldout, bench_server, final_heldout, service, write_json  # noqa: E402
+from bench._rl_harness import HeldoutBootstrap, add_agent, agent_runs, base_heldout, bench_server, final_heldout, service, write_json  # noqa: E402
 
 PROMPT = "You are an agent walking on a frozen lake. Reach the goal without falling into a hole."
 
@@ -102,7 +101,7 @@ def run_arm(url: str, key: str, data: Path, model_path: Path, arm: str, seed: in
                 for j in range(args.prompts)
                 for k in range(args.group)
             ]
-            runs = asyncio.run(_runs(url, name, bodies, 16))
+            runs = agent_runs(url, name, bodies, 16)
             time.sleep(0.5)  # the recorder's commit window
             spent += sum(r["completion_tokens"] for r in runs)
             runs_made += len(runs)

@@ -25,7 +25,6 @@ interleaved (seed by seed). ``rods_compare.json`` under ``bench/results/rods_com
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys
@@ -33,12 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import add_agent, base_heldout, bench_server, heldout_results, service, write_json  # noqa: E402
+from bench._rl_harness import add_agent, agent_runs, base_heldout, bench_server, heldout_results, service, write_json  # noqa: E402
 from learner.rods import boundary_score  # noqa: E402
 
 
@@ -53,20 +50,6 @@ def agent(name: str, family: str | None, args: argparse.Namespace) -> dict[str, 
         "task_options": json.loads(args.task_options),
         **({"adapter_family": family} if family else {}),
     }
-
-
-async def _admin_runs(url: str, key: str, agent_name: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    sem = asyncio.Semaphore(16)
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=1800) as client:
-
-        async def one(body: dict[str, Any]) -> dict[str, Any]:
-            async with sem:
-                r = await client.post(f"/admin/agents/{agent_name}/runs", json=body)
-            r.raise_for_status()
-            out: dict[str, Any] = r.json()
-            return out
-
-        return list(await asyncio.gather(*(one(b) for b in bodies)))
 
 
 def run_arm(url: str, key: str, data: Path, model_path: Path, arm: str, seed: int, args: argparse.Namespace, base: str) -> dict[str, Any]:
@@ -96,7 +79,7 @@ def run_arm(url: str, key: str, data: Path, model_path: Path, arm: str, seed: in
         if arm == "fixed":
             items = [(updates * args.items + j) % args.dataset for j in range(args.items)]
             bodies = [{"problem_index": i, "seed": 0, "sample_seed": seed * 100_003 + updates * 977 + k} for i in items for k in range(args.group)]
-            runs = asyncio.run(_admin_runs(url, key, name, bodies))
+            runs = agent_runs(url, name, bodies, admin_key=key)
             time.sleep(0.5)  # the recorder's commit window
             rewards = [[float(r.get("reward") or 0.0) for r in runs[j * args.group : (j + 1) * args.group]] for j in range(len(items))]
             zero = sum(1 for rs in rewards if boundary_score(rs) == 0.0) / len(items)
