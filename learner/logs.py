@@ -175,6 +175,9 @@ class StatusLine:
 
             self._live = Live(Text(""), console=Console(stderr=True), refresh_per_second=self._refresh, transient=True)
             self._live.start()  # redirects stdout and stderr: whatever is written prints above the line
+            # rich computes a printed line's cursor reset under the Live's lock but writes it after releasing it, so a
+            # refresh in between (its own thread) could draw the status line first and the log line would land on it
+            sys.stdout, sys.stderr = _Serialized(sys.stdout, self._live._lock), _Serialized(sys.stderr, self._live._lock)
             # keep the cursor: a server killed by SIGTERM (uvicorn re-raises it) never reaches stop() to show it again
             self._live.console.show_cursor(True)
             atexit.register(self.stop)
@@ -190,6 +193,27 @@ class StatusLine:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+
+class _Serialized:
+    """A live display's stdout/stderr redirect whose writes hold the display's lock, so no refresh lands mid-print.
+
+    Everything else (``rich_proxied_file``, ``isatty``, ``fileno``) is the wrapped proxy's; ``Live.stop`` puts the
+    original streams back."""
+
+    def __init__(self, inner: Any, lock: Any) -> None:
+        self._inner, self._lock = inner, lock
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            return int(self._inner.write(text))
+
+    def flush(self) -> None:
+        with self._lock:
+            self._inner.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def relay(stream: IO[bytes], name: str = "relay") -> threading.Thread:
