@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# test workers (pytest-xdist); a file's tests stay on one worker (--dist loadfile), so module fixtures are built once
+JOBS   ?= 2
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
@@ -44,8 +46,8 @@ serve: install            ## the server with the embedded default model (SmolLM2
 serve-tiny: install
 	$(BIN)/python serve.py --model tiny $(ARGS)
 
-test: install browser     ## the whole CPU test suite
-	$(BIN)/python -m pytest $(ARGS)
+test: install browser     ## the whole CPU test suite, on JOBS pytest-xdist workers (JOBS=0: one process)
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile $(ARGS)
 
 test-engines: install vllm   ## real engine servers (vLLM on CPU): the backend suite on vllm, replicas, restarts
 	LOOPWISE_TEST_ENGINES=1 $(BIN)/python -m pytest tests/runtime $(ARGS)
