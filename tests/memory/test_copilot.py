@@ -193,3 +193,17 @@ def test_append_all_in_episode_mode_buffers_until_a_rewarded_run(tok, tmp_path):
     assert doc.text.index("round one") < doc.text.index(out["problem"]["prompt"][:20])
     assert not any(is_copilot(r) for r in engine.calls)  # append-all makes no model call
     recorder.close()
+
+
+def test_an_agent_memory_longer_than_the_store_accepts_is_refused_when_the_agent_is_made(tmp_path):
+    """The store refuses text over its limit, so an agent allowed longer memory would keep its old memory forever
+    (each rewrite refused, logged, dropped): refuse the agent instead, at startup and on the admin API."""
+    mem = MemoryStore(tmp_path / "memory.db", max_chars=500)
+    cfg = {"name": "mem-agent", "stop_policy": "answer", "memory": {"scope": "user", "max_chars": 501}}
+    with pytest.raises(ValueError, match="memory.max_chars 501 is over the memory store's limit of 500"):
+        Host([cfg], default_registry(), memory=mem)
+    host = Host([{**cfg, "memory": {"scope": "user", "max_chars": 500}}], default_registry(), memory=mem)
+    assert host.names() == ["mem-agent"]
+    with pytest.raises(ValueError, match="over the memory store's limit"):
+        host.create({**cfg, "name": "second", "memory": {"scope": "user", "max_chars": 4000}})
+    assert host.names() == ["mem-agent"]
