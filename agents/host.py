@@ -477,14 +477,14 @@ class Host:
             raise ValueError(f"agent {cfg.name!r}: unknown tools {', '.join(missing)}; known: {', '.join(self.tools.names()) or 'none'}")
         if cfg.task is not None:
             self._task(cfg.task, dict(cfg.task_options))  # an unknown task or bad options fail now, not mid-run
-        if cfg.memory is not None and self.memory is None:
-            raise ValueError(f"agent {cfg.name!r}: memory needs a memory store, and this host has none")
-        store_limit = getattr(self.memory, "max_chars", None)
-        if cfg.memory is not None and store_limit is not None and cfg.memory.max_chars > store_limit:
-            # the store would refuse every rewrite longer than its limit: the agent's memory would silently stay old
-            raise ValueError(
-                f"agent {cfg.name!r}: memory.max_chars {cfg.memory.max_chars} is over the memory store's limit of {store_limit} (--memory-max-chars)"
-            )
+        if cfg.memory is not None:
+            if self.memory is None:
+                raise ValueError(f"agent {cfg.name!r}: memory needs a memory store, and this host has none")
+            if cfg.memory.max_chars > self.memory.max_chars:  # the store would refuse its rewrites: memory silently stays old
+                raise ValueError(
+                    f"agent {cfg.name!r}: memory.max_chars {cfg.memory.max_chars} is over the memory store's limit of"
+                    f" {self.memory.max_chars} (--memory-max-chars)"
+                )
 
     def _task(self, name: str, options: dict[str, Any]) -> Task:
         key = (name, repr(sorted(options.items())))

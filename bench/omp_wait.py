@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.serving import OUT, Server, load, prompts, run_load, start_process, stop_process  # noqa: E402
+from bench.serving import OUT, Server, load, loopwise_url, prompts, run_load, start_process, stop_process  # noqa: E402
 
 CO_RUNNER = """
 import sys, time, torch
@@ -55,8 +54,13 @@ while True:
 """
 
 
+def libgomp_defaults() -> dict[str, str]:
+    """This process's environment without the two variables that set how libgomp's idle threads wait."""
+    return {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+
 def variant_env(name: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env = libgomp_defaults()
     if name == "spin":
         env["GOMP_SPINCOUNT"] = "300000"  # libgomp's own default, said explicitly so serve.py leaves the policy alone
     elif name == "passive":
@@ -71,8 +75,7 @@ def variant_env(name: str) -> dict[str, str]:
 def start(name: str, model_path: Path, data_dir: Path) -> Server:
     cmd = [sys.executable, str(ROOT / "serve.py"), "--model", str(model_path), "--served-model-name", "m", "--port", "0", "--no-learner"]
     cmd += ["--data-dir", str(data_dir), "--log-level", "warning", "--no-record"]
-    ready = lambda line: (m := re.search(r"on (http://[\d.]+:\d+)/v1", line)) and m.group(1)  # noqa: E731
-    proc, url = start_process(cmd, ready, OUT / f"omp_wait-{name.replace('=', '')}.log", env=variant_env(name))
+    proc, url = start_process(cmd, loopwise_url, OUT / f"omp_wait-{name.replace('=', '')}.log", env=variant_env(name))
     return Server(name, url, "m", proc, ignore_eos=True)
 
 
@@ -80,22 +83,23 @@ class CoRunner:
     """A torch matmul loop in its own process; ``rate()`` is its matmuls per second since the last call."""
 
     def __init__(self, threads: int) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}  # libgomp's defaults
-        self.proc = subprocess.Popen([sys.executable, "-c", CO_RUNNER, str(threads)], stdout=subprocess.PIPE, text=True, env=env)
-        self._last = self._read()
-
-    def _read(self) -> tuple[int, float]:
+        cmd = [sys.executable, "-c", CO_RUNNER, str(threads)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=libgomp_defaults())
         assert self.proc.stdout is not None
-        n, t = self.proc.stdout.readline().split()
+        self._out = self.proc.stdout
+        self._last = self._parse(self._out.readline())
+
+    @staticmethod
+    def _parse(line: str) -> tuple[int, float]:
+        n, t = line.split()
         return int(n), float(t)
 
     def rate(self) -> float:
-        # drain what it printed while we measured: the newest line is the one that counts
-        os.set_blocking(self.proc.stdout.fileno(), False)  # type: ignore[union-attr]
-        lines = self.proc.stdout.readlines()  # type: ignore[union-attr]
-        os.set_blocking(self.proc.stdout.fileno(), True)  # type: ignore[union-attr]
-        latest = tuple(map(float, lines[-1].split())) if lines else self._read()
-        n, t = int(latest[0]), float(latest[1])
+        # drain what it printed while we measured: the newest line is the one that counts (else wait for one)
+        os.set_blocking(self._out.fileno(), False)
+        lines = self._out.readlines()
+        os.set_blocking(self._out.fileno(), True)
+        n, t = self._parse(lines[-1] if lines else self._out.readline())
         r = (n - self._last[0]) / max(1e-9, t - self._last[1])
         self._last = (n, t)
         return r

@@ -166,6 +166,12 @@ def thread_env(threads: int | None) -> dict:
     return env
 
 
+def loopwise_url(line: str) -> str | None:
+    """The base URL in ``serve.py``'s ready line (``... on http://HOST:PORT/v1``), else None."""
+    m = re.search(r"on (http://[\d.]+:\d+)/v1", line)
+    return m.group(1) if m else None
+
+
 def start_loopwise(model_path: Path, args, data_dir: Path, adapter_root: Path, root: Path = ROOT, name: str = "loopwise") -> Server:
     """``serve.py`` of the checkout at ``root`` (this one, or ``--baseline``'s older tree) with this interpreter."""
     cmd = [sys.executable, str(root / "serve.py"), "--model", str(model_path), "--served-model-name", "m", "--port", "0", "--no-learner"]
@@ -175,8 +181,7 @@ def start_loopwise(model_path: Path, args, data_dir: Path, adapter_root: Path, r
         cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    ready = lambda line: (m := re.search(r"on (http://[\d.]+:\d+)/v1", line)) and m.group(1)  # noqa: E731
-    proc, url = start_process(cmd, ready, OUT / f"{name}.log", cwd=root)
+    proc, url = start_process(cmd, loopwise_url, OUT / f"{name}.log", cwd=root)
     return Server(name, url, "m", proc, ignore_eos=True)
 
 
