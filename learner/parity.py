@@ -1,24 +1,44 @@
 """Logprob parity after every load: the serving engine and the trainer must agree on what the new version is.
 
-    report = parity_probe(admin_client, store, trainer, model="chat-lora@4", turn_ids=probe_ids, max_tokens=16)
-    report["mean_abs_logp_diff"]   # nats per token; the learner refuses the version above [parity] threshold
+    probe = probe_turns(learner_dir, store, trained_samples, k=4)     # {"greedy": [...], "sampled": [...], "constrained": [...]}
+    report = parity_probe(admin_client, store, trainer, model="chat-lora@4", probe=probe, max_tokens=16)
+    report["mean_abs_logp_diff"]        # nats per token, the worst kind's mean: the learner refuses above [parity] threshold
+    report["kinds"]["sampled"]          # the same figures for each kind of probe turn
+    refusal(report, threshold)          # the reason to refuse the version, None when it passes
 
-A fixed probe of recorded turns (chosen once, from the first update's trained turns without a decoding
-constraint, and kept in ``<learner dir>/parity_probe.json``) is decoded greedily by the served version from
-each turn's exact recorded context (``POST /admin/turns/{id}/siblings`` with ``record: false``, so nothing is
-recorded); the trainer then scores the same output tokens with its copy of the weights (teacher forcing), and
-the mean absolute difference of the per-token logprobs is the metric (TRL logs the same number as
-``sampling_logp_difference``; prime-rl's ``mismatch_kl`` is its KL form). Both sides compute logprobs of the
-raw logits (greedy decoding), so an honest load differs by float noise only; a wrong LoRA scale (alpha/r), a
-wrong dtype or a missing target module shows up as a large difference before any user is served by it.
+A fixed probe of recorded turns (chosen among an update's trained turns and kept in
+``<learner dir>/parity_probe.json``) is decoded by the served version from each turn's exact recorded context
+(``POST /admin/turns/{id}/siblings`` with ``record: false``, so nothing is recorded); the trainer then scores
+the same output tokens with its copy of the weights (teacher forcing), as it scores the turns it trains on,
+and the absolute difference of the per-token logprobs is the metric (TRL logs its mean as
+``sampling_logp_difference``; prime-rl's ``mismatch_kl`` is its KL form). Three kinds of probe turn:
 
-Not here: what the learner does with a refused version (``learner/release.py``).
+- ``greedy``: the newest ``k`` unconstrained turns, decoded at temperature 0. Both sides compute logprobs of
+  the raw logits, so an honest load differs by float noise only; a wrong LoRA scale (alpha/r), a wrong dtype
+  or a missing target module shows up as a large difference before any user is served by it.
+- ``sampled``: one unconstrained turn recorded at a temperature T other than 1, decoded at T with a fixed seed;
+  the trainer scores it with ``logits / T`` (the logprob convention of ``runtime/engine.py``, the one the
+  recorded behaviour logprobs follow). An engine that reports the logprobs of the raw logits at T != 1 (vLLM's
+  ``logprobs_mode = "raw_logprobs"``, its default) fails here and passes the greedy kind.
+- ``constrained``: one turn recorded under a decoding grammar, decoded at its recorded temperature under that
+  grammar (the endpoint replays it); the trainer re-applies the grammar's mask (``learner/grammar_mask.py``)
+  as it does when training. An engine that applies another grammar, or reports the unmasked distribution's
+  logprobs, fails here; a served output the recorded grammar does not allow at all (the trainer gives it
+  probability 0) counts :data:`FORBIDDEN_DIFF` nats per token and ``grammar_mismatch`` in the report.
+
+The sampled and constrained turns join when the candidates have them (a later update's turns may add one);
+a kind whose saved turns left the store is chosen again. The report's ``mean_abs_logp_diff`` is the largest
+of the kinds' means, so one mis-handled sampled turn is not averaged away by the greedy ones.
+
+Not here: what the learner does with a refused version (``learner/release.py``); the endpoint
+(``runtime/replay_routes.py``). Top-p is not probed (the engine's logprobs are before top-p, by convention).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,57 +46,158 @@ import httpx
 
 from learner.samples import Sample
 
+__all__ = ["FORBIDDEN_DIFF", "KINDS", "PROBE_FILE", "ParityRefused", "parity_probe", "probe_turns", "refusal"]
+
 PROBE_FILE = "parity_probe.json"
+KINDS = ("greedy", "sampled", "constrained")
+FORBIDDEN_DIFF = 30.0  # nats per token of a served output the recorded grammar forbids (the true difference is infinite; JSON has no inf)
+GRAMMAR_KINDS = ("json_schema", "json_object", "ebnf")  # the grammars the siblings endpoint replays (runtime/replay_routes.py)
+SEED = 0  # the sampled and constrained decodes' seed: the same tokens for every version's probe where the weights agree
 
 
-def probe_turns(learner_dir: Path, store: Any, candidates: Sequence[Sample], k: int) -> list[str]:
-    """The probe's turn ids: the saved ones while they are all still in the store, else the newest ``k`` unconstrained
-    candidates (saved for the next loads); [] when there is none yet."""
+class ParityRefused(RuntimeError):
+    """A loaded version's served logprobs differ from the trainer's beyond ``[parity] threshold``: it must serve nothing."""
+
+    def __init__(self, model: str, reason: str, report: Mapping[str, Any]) -> None:
+        super().__init__(f"{model}: {reason}")
+        self.model = model
+        self.reason = reason
+        self.report = dict(report)
+
+
+def probe_turns(learner_dir: Path, store: Any, candidates: Sequence[Sample], k: int) -> dict[str, list[str]]:
+    """The probe's turn ids by kind: for each kind, the saved ones while they are all still in the store, else the newest
+    candidates of that kind (``k`` greedy, one sampled at T != 1, one constrained); saved for the next loads. A kind
+    without turns is left out ({} when there is none yet). A saved list (the greedy-only probe's file) is its greedy turns."""
     path = Path(learner_dir) / PROBE_FILE
+    saved: dict[str, list[str]] = {}
     if path.exists():
-        saved = [str(t) for t in json.loads(path.read_text())]
-        if saved and all(store.get_turn(t) is not None for t in saved):
-            return saved
-    chosen = [s.turn_id for s in sorted(candidates, key=lambda s: s.created_at, reverse=True) if s.grammar is None][:k]
-    if chosen:
+        raw = json.loads(path.read_text())
+        saved = {"greedy": [str(t) for t in raw]} if isinstance(raw, list) else {str(a): [str(t) for t in b] for a, b in raw.items()}
+    newest = sorted(candidates, key=lambda s: s.created_at, reverse=True)
+    free = [s.turn_id for s in newest if s.grammar is None]
+    fresh = {
+        "greedy": free[:k],
+        "sampled": [s.turn_id for s in newest if s.grammar is None and s.temperature != 1.0][:1],  # T = 1 cannot tell logits from logits / T
+        "constrained": [s.turn_id for s in newest if s.grammar is not None and s.grammar.get("kind") in GRAMMAR_KINDS][:1],
+    }
+    chosen: dict[str, list[str]] = {}
+    for kind in KINDS:
+        kept = saved.get(kind) or []
+        if kept and all(store.get_turn(t) is not None for t in kept):
+            chosen[kind] = kept
+        elif fresh[kind]:
+            chosen[kind] = fresh[kind]
+    if chosen and chosen != saved:
         path.write_text(json.dumps(chosen))
     return chosen
 
 
-def parity_probe(client: httpx.Client, store: Any, trainer: Any, *, model: str, turn_ids: Sequence[str], max_tokens: int) -> dict[str, Any]:
-    """Served vs trainer logprobs of greedy decodes from the probe's contexts: ``{"mean_abs_logp_diff", "max_abs_logp_diff",
-    "tokens", "turns"}`` (the diff is None when no token could be compared)."""
+def parity_probe(
+    client: httpx.Client, store: Any, trainer: Any, *, model: str, probe: Mapping[str, Sequence[str]], max_tokens: int
+) -> dict[str, Any]:
+    """Served vs trainer logprobs of the probe's decodes: ``{"mean_abs_logp_diff", "max_abs_logp_diff", "tokens", "turns",
+    "kinds": {kind: {the same four, "temperatures" (decoded at; 0 = greedy), "grammar_mismatch" (turns)}}}``; a diff is None
+    when no token was compared."""
+    kinds: dict[str, dict[str, Any]] = {}
+    for kind in KINDS:
+        diffs: list[float] = []
+        mismatch = 0
+        probes, served, temperatures = _decode(client, store, kind, probe.get(kind, ()), model=model, max_tokens=max_tokens)
+        scorable = set(trainer.replayable(probes)) if probes else set()
+        mine = iter(trainer.token_logprobs([p for i, p in enumerate(probes) if i in scorable]) if scorable else [])
+        for i, lps in enumerate(served):
+            if i in scorable:
+                trained = next(mine)
+                diffs += [abs(a - b) for a, b in zip(lps, trained[: len(lps)], strict=True)]
+            else:  # the served output breaks the recorded grammar: the trainer's constrained policy cannot produce it
+                mismatch += 1
+                diffs += [FORBIDDEN_DIFF] * len(lps)
+        if served:
+            kinds[kind] = {**_summary(diffs, len(served)), "temperatures": temperatures, "grammar_mismatch": mismatch}
+    means = [k["mean_abs_logp_diff"] for k in kinds.values() if k["mean_abs_logp_diff"] is not None]
+    maxes = [k["max_abs_logp_diff"] for k in kinds.values() if k["max_abs_logp_diff"] is not None]
+    return {
+        "mean_abs_logp_diff": max(means) if means else None,
+        "max_abs_logp_diff": max(maxes) if maxes else None,
+        "tokens": sum(k["tokens"] for k in kinds.values()),
+        "turns": sum(k["turns"] for k in kinds.values()),
+        "kinds": kinds,
+    }
+
+
+def refusal(report: Mapping[str, Any] | None, threshold: float) -> str | None:
+    """Why a probed version must be refused (its worst kind's mean difference is above ``threshold``); None when it passes
+    or was not probed."""
+    if report is None or report.get("mean_abs_logp_diff") is None or report["mean_abs_logp_diff"] <= threshold:
+        return None
+    worst = max(
+        (k for k, v in report.get("kinds", {}).items() if v.get("mean_abs_logp_diff") is not None),
+        key=lambda k: report["kinds"][k]["mean_abs_logp_diff"],
+        default=None,
+    )
+    on = f" on its {worst} probe turns" if worst else ""
+    return f"parity: served and trainer logprobs differ by {report['mean_abs_logp_diff']:.3g} nats/token{on} (> {threshold:g})"
+
+
+def _decode(
+    client: httpx.Client, store: Any, kind: str, turn_ids: Sequence[str], *, model: str, max_tokens: int
+) -> tuple[list[Sample], list[list[float]], list[float]]:
+    """The served version's decodes of one kind's turns: each as the sample the trainer scores, its served logprobs, and
+    the temperature it was decoded at."""
     probes: list[Sample] = []
     served: list[list[float]] = []
+    temperatures: list[float] = []
     for tid in turn_ids:
         turn = store.get_turn(tid)
         if turn is None:
             continue
-        body = {"n": 1, "model": model, "record": False, "temperature": 0, "max_tokens": max_tokens, "seed": 0}
+        grammar = _served_grammar(turn.sampling)  # the endpoint replays a recorded grammar whatever the kind: mirror it
+        temperature = 0.0 if kind == "greedy" else _recorded_temperature(turn.sampling)
+        body = {"n": 1, "model": model, "record": False, "temperature": temperature, "max_tokens": max_tokens, "seed": SEED}
         r = client.post(f"/admin/turns/{tid}/siblings", json=body)
         r.raise_for_status()
         [choice] = r.json()["data"]
         ids, lps = list(choice["output_ids"]), list(choice["logprobs"])
         if not ids or not lps:
             continue
-        probes.append(_probe_sample(tid, turn.context_ids, ids, model))
-        served.append(lps)
-    if not probes:
-        return {"mean_abs_logp_diff": None, "max_abs_logp_diff": None, "tokens": 0, "turns": 0}
-    mine = trainer.token_logprobs(probes)
-    diffs = [abs(a - b) for s, t in zip(served, mine, strict=True) for a, b in zip(s, t[: len(s)], strict=False)]
+        probes.append(_probe_sample(tid, turn.context_ids, ids, model, temperature=temperature if temperature > 0 else 1.0, grammar=grammar))
+        served.append(lps)  # a final stop token has no logprob here: the trainer's first len(lps) are compared
+        temperatures.append(temperature)
+    return probes, served, temperatures
+
+
+def _recorded_temperature(sampling: Mapping[str, Any]) -> float:
+    """The turn's sampling temperature as the siblings endpoint reads it (1.0 when none is recorded; 0 = greedy)."""
+    t = sampling.get("temperature", 1.0)
+    return float(t) if isinstance(t, int | float) and t >= 0 else 1.0
+
+
+def _served_grammar(sampling: Mapping[str, Any]) -> dict[str, str] | None:
+    """The grammar the siblings endpoint decodes a turn under: its recorded ``{"kind", "spec"}`` of a replayable kind."""
+    g = sampling.get("grammar")
+    if isinstance(g, dict) and g.get("kind") in GRAMMAR_KINDS:
+        return {"kind": str(g["kind"]), "spec": str(g.get("spec") or "")}
+    return None
+
+
+def _summary(diffs: Sequence[float], turns: int) -> dict[str, Any]:
     return {
         "mean_abs_logp_diff": sum(diffs) / len(diffs) if diffs else None,
         "max_abs_logp_diff": max(diffs) if diffs else None,
         "tokens": len(diffs),
-        "turns": len(probes),
+        "turns": turns,
     }
 
 
-def _probe_sample(turn_id: str, context_ids: Sequence[int], output_ids: list[int], model: str) -> Sample:
-    """A greedy decode as the trainer scores it: temperature 1 (greedy logprobs are of the raw logits), no grammar."""
+def _probe_sample(
+    turn_id: str, context_ids: Sequence[int], output_ids: list[int], model: str, *, temperature: float, grammar: dict[str, str] | None
+) -> Sample:
+    """A served decode as the trainer scores it: at the decode's temperature (1 for greedy: raw logits), under its grammar.
+
+    The id is fresh per probe: the trainer caches a turn's grammar mask by id, and another probe of the turn has other tokens."""
     return Sample(
-        turn_id=f"parity:{turn_id}",
+        turn_id=f"parity:{uuid.uuid4().hex[:12]}:{turn_id}",
         trajectory_id="parity",
         group_id="parity",
         turn_index=0,
@@ -88,6 +209,7 @@ def _probe_sample(turn_id: str, context_ids: Sequence[int], output_ids: list[int
         adapter_version=0,
         reward=None,
         trajectory_reward=None,
-        temperature=1.0,
+        temperature=temperature,
         created_at=0.0,
+        grammar=grammar,
     )

@@ -11,8 +11,9 @@
   ``{"data": [{"trajectory_id", "turn_id", "text", "output_ids", "logprobs"}]}`` (``logprobs``: the engine's
   sampling logprob of each output token, a final stop token left out); 404 for an unknown turn, 409 when
   recording is off. ``"record": false`` records nothing (no ids in the answer): the learner's logprob parity
-  probe (``learner/parity.py``) decodes greedily (``"temperature": 0``) from recorded contexts that way;
-  ``temperature`` and ``max_tokens`` replace the recorded ones.
+  probe (``learner/parity.py``) decodes from recorded contexts that way, greedily (``"temperature": 0``), at a
+  turn's recorded temperature with a ``seed``, and under a constrained turn's recorded grammar, and compares
+  the ``logprobs`` with its own; ``temperature`` and ``max_tokens`` replace the recorded ones.
 - ``POST /admin/chat/completions``: a chat completion (the ``/v1`` body) that is not recorded, for the learner's
   LLM judge (any model or adapter the runtime serves) and other admin work that must never become training data.
 
