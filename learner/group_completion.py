@@ -1,6 +1,6 @@
 """Group completion for one-off chat turns: siblings from the exact recorded context, scored with the original.
 
-    completer = GroupCompleter(client, store, cfg=singletons, family="chat-lora")
+    completer = GroupCompleter(client, store, cfg=singletons, family="chat-lora", samples_cfg=samples)
     report = asyncio.run(completer.complete(samples, model="chat-lora@3", seed=7))
     report.samples   # the completed groups' samples (original + G-1 siblings, each with the scorer's reward)
 
@@ -12,39 +12,68 @@ live sample stream), then scores the whole group of ``G`` answers with one score
 
 - a **reward hook**, the user's own reward code: ``module:function`` (called as ``fn(messages, completions)``,
   sync or async, returning one number per completion) or an ``http(s)`` URL (POSTed
-  ``{"messages": [...], "completions": ["...", ...]}``, answering ``{"scores": [...]}``). It scores the
-  original too, so the group is scored by one function and one source (``hook:<name>``);
+  ``{"messages": [...], "completions": ["...", ...]}``, answering ``{"scores": [...]}``). It gets the group in
+  order, the original first, and scores the original too, so the group is scored by one function and one
+  source (``hook:<name>``);
 - an **LLM judge**: any model or adapter the runtime serves (``POST /admin/chat/completions``, not recorded),
   given the conversation once and all ``G`` answers, and asked for a score of each in one call (an integer
   0-10 per candidate under a JSON-schema grammar, so even a small judge answers in form; reward = score / 10),
   as ART's RULER does (relative scoring is easier than absolute, and GRPO only needs the order and
-  spacing within a group; Corbitt 2025, "RULER: Easy Mode for RL Rewards"); source ``judge:<model>``.
+  spacing within a group; Corbitt 2025, "RULER: Easy Mode for RL Rewards"); source ``judge:<model>``. LLM
+  judges favour candidates by position (Zheng et al. 2023, "Judging LLM-as-a-Judge with MT-Bench and Chatbot
+  Arena"; Wang et al. 2023, "Large Language Models are not Fair Evaluators"), so the judge sees the group in a
+  shuffled order (:func:`judge_order`, seeded by the update's seed and the turn id: the same update shows the
+  same order) and each score is mapped back to the member it was given for.
 
-The scores are recorded as trajectory rewards under that source through ``POST /admin/feedback`` (so the
-console shows them and they outlive the update), then the group's samples are built from the store with
-that source only, so a user's thumbs on the original and the scorer's numbers are never mixed in one
-group. A group whose scorer fails (an error, a wrong count, a non-finite number) is left out and counted.
+**The user's label is a veto, never a reward.** The group is trained on the scorer's numbers alone; the user's
+reward on the original is only read as a label. Of the rewards on the original turn or its trajectory whose source
+the learner trusts (``[samples] reward_sources``, which also ranks them) and is not an evaluator's
+(``verifier:*``, ``judge:*``, ``hook:*``: the sources the runtime reserves for its evaluators and the learner's
+scorers), the newest of the best-ranked source is the label: a thumbs-up above ``[singletons] label_threshold``
+(default 0.5), a thumbs-down below it, and no label at it, so 0/1 and -1/+1 thumbs both work (a 1-5 star rating
+sets 3). A fixed threshold rather than the traffic's running baseline: a label says what this user thought of this
+answer, and must not turn into "average" because the rest of the traffic happened to be rated well (nor mean
+nothing while a baseline warms up). When the scorer contradicts the label, ranking a thumbs-up original below the
+group's mean or a thumbs-down one above it (exact arithmetic: ``G * s_original`` against the sum of the group's
+scores), the group is skipped and counted (``contradicted``): its scores are not recorded, and the original stays
+in the update with its own reward, where ``[singletons]`` gives it the running baseline like any one-off turn not
+completed. The mean is the line because every estimator group completion runs with (GRPO, Dr.GRPO, RLOO, GiGPO,
+turn-GRPO, on a group of one-turn trajectories) gives a member the sign of its score minus the group's mean, so a
+thumbs-up answer is never trained down by its completed group and a thumbs-down one never up. A turn without a
+user label (rated only by a verifier, or never) is never a contradiction.
 
-Not here: the runtime side (``runtime/replay_routes.py``), advantages (the configured estimator).
+The scores of a group that passes are recorded as trajectory rewards under the scorer's source through
+``POST /admin/feedback`` (so the console shows them and they outlive the update), then the group's samples are
+built from the store with that source only, so a user's thumbs on the original and the scorer's numbers are
+never mixed in one group. A group whose scorer fails (an error, a wrong count, a non-finite number) is left
+out and counted (``failed``). The report's ``version_mix`` counts the completed groups by which versions
+produced their members: the original's recorded adapter (it may be several updates old) against the siblings'
+(the newest policy), ``base`` for the base model.
+
+Not here: the runtime side (``runtime/replay_routes.py``), advantages (the configured estimator), the running
+baseline (``learner/baseline.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import json
 import math
+import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import httpx
 import structlog
 
 from learner.config import SampleConfig, SingletonConfig
-from learner.records import Trajectory
+from learner.records import Trajectory, source_rank
 from learner.samples import Sample, SkipCounts, trajectory_samples
 
 log = structlog.get_logger(__name__)
@@ -56,6 +85,8 @@ JUDGE_SYSTEM = (
     'Answer only with JSON: {{"candidate_1": <score>, "candidate_2": <score>, ...}}, one entry per candidate.'
 )
 SCALE = 10  # the judge answers integers 0..SCALE (a grammar-constrained enum: a small judge cannot wander off), rewards are score / SCALE
+# sources that are an evaluator's word, never a user's label (runtime/store_routes.py reserves them the same way, case-insensitively)
+EVALUATOR_SOURCES = ("verifier:", "judge:", "hook:")
 
 
 def judge_schema(n: int) -> dict[str, Any]:
@@ -77,8 +108,8 @@ def source_name(prefix: str, name: str) -> str:
 def load_hook(spec: str) -> Callable[..., Any]:
     """``module:function`` → the function (imported once); URLs are called over HTTP instead."""
     module, _, name = spec.partition(":")
-    fn = getattr(importlib.import_module(module), name, None)
-    if not callable(fn):
+    fn: Callable[..., Any] | None = getattr(importlib.import_module(module), name, None)
+    if fn is None or not callable(fn):
         raise ValueError(f"reward hook {spec!r}: {module} has no function {name!r}")
     return fn
 
@@ -125,16 +156,81 @@ def parse_judge(text: str, n: int) -> list[float]:
     return out
 
 
+def judge_order(n: int, key: str) -> list[int]:
+    """The order the judge sees a group of ``n`` in: ``order[k]`` is the member shown as candidate ``k + 1``; a
+    uniform permutation seeded by ``key`` (the same key, the same order)."""
+    order = list(range(n))
+    random.Random(key).shuffle(order)
+    return order
+
+
+@dataclass(frozen=True)
+class Label:
+    """A user's thumbs on an answer: ``sign`` +1 (up) or -1 (down), from ``value`` under ``source``."""
+
+    sign: int
+    value: float
+    source: str
+
+
+def user_label(traj: Trajectory, *, patterns: Sequence[str], threshold: float) -> Label | None:
+    """The user's label on a one-turn trajectory's answer (module docstring): the newest reward on its first turn or on
+    the trajectory from the best-ranked trusted source that is not an evaluator's; None without one or at ``threshold``."""
+    first = traj.turns[0].turn_id if traj.turns else None
+    found: list[tuple[int, float, int, float, str]] = []  # (rank, -time, -stored position, value, source)
+    for i, r in enumerate(traj.rewards):
+        on_answer = (r.target == "turn" and r.target_id == first) or (r.target == "trajectory" and r.target_id == traj.trajectory_id)
+        rank = source_rank(r.source, patterns)
+        if on_answer and rank is not None and math.isfinite(r.value) and not r.source.lower().startswith(EVALUATOR_SOURCES):
+            found.append((rank, -r.created_at, -i, r.value, r.source))
+    if not found:
+        return None
+    _, _, _, value, source = min(found)
+    if value == threshold:
+        return None
+    return Label(1 if value > threshold else -1, value, source)
+
+
+def contradicts(label: Label | None, scores: Sequence[float], index: int = 0) -> bool:
+    """Whether ``scores`` rank member ``index`` against its ``label``: a thumbs-up strictly below the group's mean, a
+    thumbs-down strictly above it. Exact: ``G * s_index`` against ``sum(s)`` in rationals, so a member exactly at the
+    mean (every score equal, say) is no contradiction."""
+    if label is None:
+        return False
+    diff = Fraction(scores[index]) * len(scores) - sum((Fraction(s) for s in scores), Fraction(0))
+    return diff * label.sign < 0
+
+
 @dataclass
 class CompletionReport:
     samples: list[Sample] = field(default_factory=list)  # the completed groups (original + siblings), scorer's rewards
     completed: list[str] = field(default_factory=list)  # trajectory ids of the originals whose group was completed
-    siblings: int = 0
+    siblings: int = 0  # siblings in the completed groups
     failed: int = 0  # groups left out (sibling request or scorer failed)
+    contradicted: int = 0  # groups skipped: the scorer ranked the original against its user's label
     errors: list[str] = field(default_factory=list)
+    contradictions: list[str] = field(default_factory=list)  # one line per contradicted group: the label, the score, the mean
+    version_mix: dict[str, int] = field(default_factory=dict)  # completed groups per "original <adapter>, siblings <adapters>"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"completed_groups": len(self.completed), "siblings": self.siblings, "failed": self.failed, "errors": self.errors[:5]}
+        return {
+            "completed_groups": len(self.completed),
+            "siblings": self.siblings,
+            "failed": self.failed,
+            "contradicted": self.contradicted,
+            "version_mix": dict(self.version_mix),
+            "errors": self.errors[:5],
+            "contradictions": self.contradictions[:5],
+        }
+
+
+@dataclass
+class _Outcome:
+    """One original's group: its samples (none when skipped), its version mix, and why it was skipped if it was."""
+
+    samples: list[Sample]
+    versions: str
+    contradiction: str | None = None
 
 
 class GroupCompleter:
@@ -173,13 +269,18 @@ class GroupCompleter:
                 report.failed += 1
                 report.errors.append(f"{s.turn_id}: {res}")
                 log.warning("group completion failed", turn_id=s.turn_id, error=str(res))
-                continue
-            report.samples += res
-            report.completed.append(s.trajectory_id)
-            report.siblings += len({x.trajectory_id for x in res}) - 1
+            elif res.contradiction is not None:
+                report.contradicted += 1
+                report.contradictions.append(f"{s.turn_id}: {res.contradiction}")
+                log.info("group completion skipped: the scorer contradicts the user's label", turn_id=s.turn_id, why=res.contradiction)
+            else:
+                report.samples += res.samples
+                report.completed.append(s.trajectory_id)
+                report.siblings += len({x.trajectory_id for x in res.samples}) - 1
+                report.version_mix[res.versions] = report.version_mix.get(res.versions, 0) + 1
         return report
 
-    async def _one(self, original: Sample, *, model: str, seed: int) -> list[Sample]:
+    async def _one(self, original: Sample, *, model: str, seed: int) -> _Outcome:
         g = self.cfg.group_size
         body = {"n": g - 1, "model": model, "seed": seed}
         r = await self.client.post(f"/admin/turns/{original.turn_id}/siblings", json=body, timeout=self.cfg.timeout_s)
@@ -188,12 +289,23 @@ class GroupCompleter:
         sibling_ids = [d["trajectory_id"] for d in r.json()["data"]]
         orig = await asyncio.to_thread(self.store.get_trajectory, original.trajectory_id)
         sibs = [await asyncio.to_thread(self.store.get_trajectory, t) for t in sibling_ids]
-        if orig is None or any(t is None or not t.turns for t in sibs):
+        if orig is None or not orig.turns or any(t is None or not t.turns for t in sibs):
             raise ScorerError("the original or a sibling is not in the store")
         group: list[Trajectory] = [orig, *[t for t in sibs if t is not None]]
         messages = orig.turns[0].messages
         texts = [t.turns[0].output_text or "" for t in group]
-        scores = await self.score(messages, texts)
+        # the judge sees the group shuffled (position bias); a hook, the user's own code, gets it in order
+        order = judge_order(len(texts), f"{seed}:{original.turn_id}") if self.cfg.scorer == "judge" else list(range(len(texts)))
+        shown = await self.score(messages, [texts[j] for j in order])
+        scores = [0.0] * len(texts)
+        for k, j in enumerate(order):
+            scores[j] = shown[k]
+        versions = f"original {orig.turns[0].adapter or 'base'}, siblings " + "+".join(sorted({t.turns[0].adapter or "base" for t in group[1:]}))
+        label = user_label(orig, patterns=self.samples_cfg.reward_sources, threshold=self.cfg.label_threshold)
+        if label is not None and contradicts(label, scores):
+            thumbs = "thumbs-up" if label.sign > 0 else "thumbs-down"
+            why = f"{thumbs} {label.value:g} ({label.source}) scored {scores[0]:g} by {self.source}, group mean {sum(scores) / len(scores):g}"
+            return _Outcome([], versions, contradiction=why)
         for traj, score in zip(group, scores, strict=True):
             fb = await self.client.post(
                 "/admin/feedback", json={"trajectory_id": traj.trajectory_id, "reward": score, "source": self.source}, timeout=self.cfg.timeout_s
@@ -208,10 +320,10 @@ class GroupCompleter:
             # siblings are fresh by construction; the original passed the live stream's staleness check already
             out += trajectory_samples(traj, family=self.family, min_version=0, cfg=only, counts=SkipCounts())
         gid = original.group_id
-        return [s if s.group_id == gid else _regroup(s, gid) for s in out]
+        return _Outcome([s if s.group_id == gid else dataclasses.replace(s, group_id=gid) for s in out], versions)
 
     async def score(self, messages: Sequence[dict[str, Any]], completions: Sequence[str]) -> list[float]:
-        """One score per completion from the configured scorer (``ScorerError`` when it gives anything else)."""
+        """One score per completion, in the order given, from the configured scorer (``ScorerError`` when it gives anything else)."""
         n = len(completions)
         if self.cfg.scorer == "judge":
             body = {
@@ -238,9 +350,3 @@ class GroupCompleter:
         else:
             values = await asyncio.wait_for(asyncio.to_thread(self._hook, list(messages), list(completions)), self.cfg.timeout_s)
         return _scores(values, n, f"hook {self.cfg.hook}")
-
-
-def _regroup(s: Sample, group_id: str) -> Sample:
-    import dataclasses
-
-    return dataclasses.replace(s, group_id=group_id)

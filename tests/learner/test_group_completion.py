@@ -1,25 +1,42 @@
-"""Group completion: siblings from a one-off chat turn's exact recorded context, scored by a reward hook or an LLM judge.
+"""Group completion: siblings from a one-off chat turn's exact recorded context, scored by a reward hook or an LLM judge,
+and skipped when the scorer ranks the original against its user's label.
 
 In process: the app (scripted engine at the engine edge, tiny tokenizer, real recorder and SQLite store) and the
 learner's ``GroupCompleter`` talking to it over HTTP with the admin key. The expected scores are the ones the
-hook and the judge returned, exactly.
+hook and the judge returned, exactly; the expected advantage signs follow from the scores' group mean.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from learner.advantages import TurnSample, compute_advantages
+from learner.baseline import GROUP_ESTIMATORS
 from learner.config import SampleConfig, SingletonConfig
-from learner.group_completion import GroupCompleter, ScorerError, judge_messages, judge_schema, parse_judge
+from learner.group_completion import (
+    GroupCompleter,
+    Label,
+    ScorerError,
+    contradicts,
+    judge_messages,
+    judge_order,
+    judge_schema,
+    parse_judge,
+    user_label,
+)
 from learner.samples import Cursor, collect_samples
+from learner.update import estimate
 from tests.runtime._inproc import InProc, scripted_app
 
 ADMIN = "gc-admin"
@@ -53,10 +70,12 @@ def srv(tokenizer, tmp_path):
     s.close()
 
 
-def one_off(srv: InProc) -> str:
+def one_off(srv: InProc, reward: float = 1.0, target: str = "turn_id") -> str:
+    """A one-off chat turn with the user's ``reward`` on its turn (``target="trajectory_id"``: on its trajectory)."""
     r = srv.client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "say something"}], "max_tokens": 5})
-    turn = r.json()["loopwise"]["turn_id"]
-    assert srv.client.post("/v1/feedback", json={"turn_id": turn, "reward": 1.0}).status_code == 200
+    ids = r.json()["loopwise"]
+    assert srv.client.post("/v1/feedback", json={target: ids[target], "reward": reward}).status_code == 200
+    turn: str = ids["turn_id"]
     return turn
 
 
@@ -96,22 +115,133 @@ def test_a_reward_hook_scores_the_group_with_exactly_its_numbers(srv):
     assert all(t.owner == "admin" and t.meta["rerollout"] and t.meta["branch_of"] == original.trajectory_id for t in sibs)
     live = collect_samples(srv.store, family="chat-lora", cursor=Cursor(), cfg=SampleConfig(settle_s=0), current_version=0)
     assert [s.trajectory_id for s in live.samples] == [original.trajectory_id] and live.counts.rerollout == 3
+    # the original (1/3) is above the group's mean, as its thumbs-up says; all four answers came from the base model
+    assert report.contradicted == 0 and report.as_dict()["version_mix"] == {"original base, siblings base": 1}
 
 
-def test_an_llm_judge_scores_the_whole_group_in_one_call(srv):
-    one_off(srv)
+def test_an_llm_judge_scores_the_whole_group_in_one_call_shuffled(srv):
+    one_off(srv, reward=0.5)  # at label_threshold: no label, so no score can contradict it
     turns_before = srv.store.stats()["turns"]
     cfg = SingletonConfig(mode="complete", scorer="judge", judge_model="tiny", group_size=4)
     original, completer, report = complete(srv, cfg)
-    assert completer.source == "judge:tiny" and report.failed == 0
-    by_traj = {s.trajectory_id: s.trajectory_reward for s in report.samples}
-    # candidate i of the judge's prompt is member i of the group: the original first, then the siblings in order
-    assert by_traj[original.trajectory_id] == 0.2 and sorted(by_traj.values()) == [0.1, 0.2, 0.5, 0.9]
+    assert completer.source == "judge:tiny" and report.failed == 0 and report.contradicted == 0
     judge_calls = [c for c in srv.engine.calls if "<candidate" in srv.engine.tok.decode(c.input_ids)]
     assert len(judge_calls) == 1  # one call for the whole group
     prompt = srv.engine.tok.decode(judge_calls[0].input_ids)
-    assert all(f'<candidate id="{i}">' in prompt for i in range(1, 5)) and "say something" in prompt
+    shown = dict(re.findall(r'<candidate id="(\d)">\n(.*?)\n</candidate>', prompt))
+    assert sorted(shown) == ["1", "2", "3", "4"] and "say something" in prompt
+    # each member carries the score the judge gave the candidate that showed its text, whatever position it had
+    for s in report.samples:
+        text = srv.store.get_trajectory(s.trajectory_id).turns[0].output_text
+        [pos] = [i for i, t in shown.items() if t == text]
+        assert s.trajectory_reward == JUDGE[f"candidate_{pos}"] / 10 and s.trajectory_reward_source == "judge:tiny"
+    assert sorted(s.trajectory_reward for s in report.samples) == [0.1, 0.2, 0.5, 0.9]
+    # the order shown is judge_order's for this update's seed (complete: seed 3, first group) and this turn
+    order = judge_order(4, f"3000:{original.turn_id}")
+    texts = [srv.store.get_trajectory(t).turns[0].output_text for t in [original.trajectory_id, *report_siblings(report, original)]]
+    assert [shown[str(k + 1)] for k in range(4)] == [texts[j] for j in order]
     assert srv.store.stats()["turns"] == turns_before + 3  # the three siblings; the judge's call is not recorded
+
+
+def report_siblings(report: Any, original: Any) -> list[str]:
+    """The siblings' trajectory ids in the order the runtime returned them (the group's member order)."""
+    return [s.trajectory_id for s in report.samples if s.trajectory_id != original.trajectory_id]
+
+
+def test_the_judge_order_is_a_seeded_uniform_shuffle():
+    """Position bias lands nowhere in particular: over many groups the original (member 0) is shown at every position
+    about equally often, and one key always gives the same order."""
+    orders = [judge_order(4, f"{seed}:turn-x") for seed in range(400)]
+    assert all(sorted(o) == [0, 1, 2, 3] for o in orders)
+    assert [judge_order(4, f"{seed}:turn-x") for seed in range(400)] == orders
+    at = [o.index(0) for o in orders]
+    assert all(60 <= at.count(k) <= 140 for k in range(4)), [at.count(k) for k in range(4)]  # 100 expected, sd 8.7
+
+
+def top_by_position(messages: list[dict[str, Any]], completions: list[str]) -> list[float]:
+    """A hook with a known spread: the original scores highest (n-1), its siblings n-2, ..., 0."""
+    return [float(len(completions) - 1 - i) for i in range(len(completions))]
+
+
+def all_equal(messages: list[dict[str, Any]], completions: list[str]) -> list[float]:
+    """A hook that cannot tell the answers apart."""
+    return [0.7] * len(completions)
+
+
+HOOKS = "tests.learner.test_group_completion:"
+
+
+@pytest.mark.parametrize(
+    ("reward", "target", "hook", "outcome"),
+    [
+        (1.0, "turn_id", "rank_by_position", "skipped"),  # thumbs-up scored lowest (0 of 0, 1, 2, 3; mean 1.5): skipped
+        (1.0, "trajectory_id", "rank_by_position", "skipped"),  # the thumbs on the trajectory is the same label
+        (1.0, "turn_id", "top_by_position", "up"),  # thumbs-up scored highest: trained up
+        (1.0, "turn_id", "all_equal", "zero"),  # thumbs-up exactly at the mean: no contradiction, advantage 0
+        (0.0, "turn_id", "rank_by_position", "down"),  # thumbs-down scored lowest: trained down, as the user said
+        (-1.0, "trajectory_id", "top_by_position", "skipped"),  # a -1 thumbs-down scored highest: skipped
+        (0.5, "turn_id", "rank_by_position", "down"),  # at label_threshold: no label, the scorer decides alone
+    ],
+)
+def test_a_thumbs_up_original_is_never_trained_down_by_group_completion(srv, reward, target, hook, outcome):
+    one_off(srv, reward=reward, target=target)
+    cfg = SingletonConfig(mode="complete", scorer="hook", hook=HOOKS + hook, group_size=4)
+    original, completer, report = complete(srv, cfg)
+    assert report.failed == 0
+    stored = srv.store.get_trajectory(original.trajectory_id)
+    if outcome == "skipped":
+        assert (report.contradicted, report.completed, report.samples, report.siblings) == (1, [], [], 0)
+        [why] = report.as_dict()["contradictions"]
+        assert why.startswith(original.turn_id) and ("thumbs-up" if reward > 0.5 else "thumbs-down") in why
+        assert not any(r.source.startswith("hook:") for r in stored.rewards)  # a skipped group's scores are not recorded
+        return
+    assert report.contradicted == 0 and report.completed == [original.trajectory_id] and report.siblings == 3
+    assert {s.trajectory_reward_source for s in report.samples} == {completer.source}  # the scorer's numbers alone
+    [adv] = [a for s, a in zip(report.samples, estimate(report.samples, "grpo"), strict=True) if s.trajectory_id == original.trajectory_id]
+    assert {"up": adv > 0, "zero": adv == 0, "down": adv < 0}[outcome], adv
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    scores=st.lists(st.floats(min_value=-100, max_value=100, allow_nan=False, allow_infinity=False), min_size=2, max_size=16),
+    sign=st.sampled_from([1, -1]),
+)
+def test_no_group_estimator_trains_an_original_against_a_label_the_scorer_did_not_contradict(scores, sign):
+    """The veto's line (the group's mean) is every group estimator's sign, so a group it lets through never trains the
+    original (member 0) against its label; float rounding of a member exactly at the mean is far below 1e-6."""
+    label = Label(sign, float(sign), "feedback")
+    if contradicts(label, scores):
+        assert sign * (scores[0] - sum(scores) / len(scores)) < 1e-9
+        return
+    group = [TurnSample(f"t{i}", "g", 0, None, s, n_tokens=1, anchor="ctx", state="ctx") for i, s in enumerate(scores)]
+    for name in GROUP_ESTIMATORS:
+        adv = compute_advantages(name, group)[0]
+        assert sign * adv >= -1e-6, (name, scores, adv)
+
+
+def test_the_user_label_is_the_newest_trusted_non_evaluator_reward_on_the_answer():
+    from learner.records import Reward, Trajectory, Turn
+
+    turn = Turn(
+        turn_id="tu1", trajectory_id="tr1", session_id="s", index=0, completion_id="c", model="tiny",
+        context_ids=[1], output_ids=[2], logprobs=[-0.1], loss_mask=[1], finish_reason="stop",
+    )  # fmt: skip
+    patterns = ["verifier:*", "feedback", "stars"]
+
+    def label(*rewards: tuple[str, str, float, str, float], threshold: float = 0.5) -> Label | None:
+        rs = [Reward(target=t, target_id=i, value=v, source=src, created_at=at) for t, i, v, src, at in rewards]  # type: ignore[arg-type]
+        return user_label(Trajectory(trajectory_id="tr1", session_id="s", turns=[turn], rewards=rs), patterns=patterns, threshold=threshold)
+
+    assert label() is None
+    assert label(("trajectory", "tr1", 1.0, "verifier:math", 1.0)) is None  # an evaluator's reward is no user label
+    assert label(("turn", "tu1", 1.0, "untrusted", 1.0)) is None  # a source the learner does not train on
+    assert label(("turn", "tu9", 1.0, "feedback", 1.0)) is None  # on another turn
+    assert label(("turn", "tu1", 0.5, "feedback", 1.0)) is None  # at the threshold: no label
+    assert label(("turn", "tu1", 1.0, "feedback", 1.0)) == Label(1, 1.0, "feedback")
+    assert label(("turn", "tu1", -1.0, "feedback", 1.0)) == Label(-1, -1.0, "feedback")
+    assert label(("turn", "tu1", 1.0, "feedback", 1.0), ("trajectory", "tr1", 0.0, "feedback", 2.0)) == Label(-1, 0.0, "feedback")  # newest
+    assert label(("turn", "tu1", 0.0, "feedback", 1.0), ("turn", "tu1", 5.0, "stars", 2.0)) == Label(-1, 0.0, "feedback")  # best-ranked
+    assert label(("turn", "tu1", 2.0, "stars", 1.0), threshold=3.0) == Label(-1, 2.0, "stars")  # 1-5 stars with threshold 3
 
 
 def test_admin_replay_endpoints_are_the_admins(srv):
