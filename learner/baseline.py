@@ -11,7 +11,7 @@ The rule, per trajectory in the order given (oldest first; each trajectory once,
 advantage, as GRPO's trajectory score; ``x`` is its score, the sum of its reward stream):
 
     n == 0:  A = 0                                  (no baseline yet: the first reward only seeds it)
-    else:    A = (x - m) / s   if norm_by_std and s > 0,   else   A = x - m
+    else:    A = clip((x - m) / max(s, floor), -c, c)   if norm_by_std and s > 0,   else   A = clip(x - m, -c, c)
     then     a = max(1 / (n + 1), 1 - decay);  d = x - m;  m += a d;  v = (1 - a) (v + a d^2);  s = sqrt(v);  n += 1
 
 ``m`` and ``v`` are the key's exponentially weighted mean and variance (a plain average and population
@@ -20,8 +20,15 @@ trainer's checkpoint), so the baseline carries over.
 
 Bias and variance: the baseline of a trajectory never includes its own reward, only rewards of earlier,
 independently sampled trajectories, so it does not depend on the sampled action and the policy gradient
-stays unbiased (REINFORCE with baseline; Williams 1992; Sutton & Barto 2018, 13.4). The dividing ``s`` is a
-positive per-key scale, not a per-sample one. The variance is higher than a per-prompt group mean's: the
+stays unbiased (REINFORCE with baseline; Williams 1992; Sutton & Barto 2018, 13.4). The dividing ``max(s, floor)``
+is a positive per-key scale, not a per-sample one, so the floor (``std_floor``, default 0.1) changes the step size
+only, never its direction: without it one 0 after many 1s (``s`` near 0 but positive) gave about -10. While a key has
+seen no spread at all (``s == 0``: one reward, or all equal) the raw difference ``x - m`` is used.
+
+**Bounded**: ``|A| <= c`` (``clip``, default 3, about the largest ``|A|`` a GRPO group of ten has). The clip is the one
+biased part: it bites only on a reward more than ``c`` floored stds from its key's mean, and there it shrinks that
+trajectory's weight, trading a little bias on rare outliers (a key's first 0 after a run of 1s, a garbage reward)
+for a bounded step, as PPO's ratio clip trades bias for stability (Schulman et al. 2017). The variance is higher than a per-prompt group mean's: the
 baseline ignores how hard *this* prompt is (a hard prompt's reward lands below ``m`` whatever the answer),
 and ``m`` lags a policy that is improving (its advantages then run positive until it catches up). More
 traffic per key reduces both.
@@ -56,7 +63,14 @@ def baseline_key(meta: dict[str, Any], tag: str | None, source: str | None) -> s
 
 
 def running_baseline(
-    scores: Sequence[float], keys: Sequence[str], state: dict[str, dict[str, float]] | None, *, decay: float, norm_by_std: bool = True
+    scores: Sequence[float],
+    keys: Sequence[str],
+    state: dict[str, dict[str, float]] | None,
+    *,
+    decay: float,
+    norm_by_std: bool = True,
+    std_floor: float = 0.1,
+    clip: float = 3.0,
 ) -> tuple[list[float], dict[str, dict[str, float]], list[bool]]:
     """One advantage per trajectory score (same order), the updated state, and per score whether its key had no baseline yet.
 
@@ -65,6 +79,8 @@ def running_baseline(
         raise ValueError(f"need one key per score, got {len(keys)} keys for {len(scores)} scores")
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"decay must be in [0, 1), got {decay}")
+    if not (std_floor > 0.0 and clip > 0.0):
+        raise ValueError(f"std_floor and clip must be positive, got {std_floor}, {clip}")
     out_state = {k: dict(v) for k, v in (state or {}).items()}
     adv: list[float] = []
     warmup: list[bool] = []
@@ -77,8 +93,8 @@ def running_baseline(
         if n == 0:
             adv.append(0.0)
         else:
-            s = math.sqrt(v)
-            adv.append((x - m) / s if norm_by_std and s > 1e-12 else x - m)
+            a_raw = (x - m) / max(math.sqrt(v), std_floor) if norm_by_std and v > 0.0 else x - m  # v == 0: no spread seen yet
+            adv.append(min(clip, max(-clip, a_raw)))
         a = max(1.0 / (n + 1), 1.0 - decay)
         d = x - m
         st.update(n=n + 1, mean=m + a * d, var=(1.0 - a) * (v + a * d * d))
@@ -95,7 +111,14 @@ def trajectory_score(samples: Sequence[Sample]) -> float | None:
 
 
 def apply_to_singletons(
-    samples: Sequence[Sample], advantages: Advantages, state: dict[str, dict[str, float]] | None, *, decay: float, norm_by_std: bool
+    samples: Sequence[Sample],
+    advantages: Advantages,
+    state: dict[str, dict[str, float]] | None,
+    *,
+    decay: float,
+    norm_by_std: bool,
+    std_floor: float = 0.1,
+    clip: float = 3.0,
 ) -> tuple[Advantages, dict[str, dict[str, float]], set[str]]:
     """The estimator's ``advantages`` with every singleton trajectory's turns set to its running-baseline advantage.
 
@@ -120,7 +143,9 @@ def apply_to_singletons(
         source = first.trajectory_reward_source or next((m.reward_source for m in members if m.reward_source), None)
         singles.append((max(m.created_at for m in members), baseline_key(first.meta, first.meta.get("tag"), source), score, idx))
     singles.sort(key=lambda t: t[0])
-    adv, new_state, warm = running_baseline([t[2] for t in singles], [t[1] for t in singles], state, decay=decay, norm_by_std=norm_by_std)
+    adv, new_state, warm = running_baseline(
+        [t[2] for t in singles], [t[1] for t in singles], state, decay=decay, norm_by_std=norm_by_std, std_floor=std_floor, clip=clip
+    )
     values = list(advantages)
     warmup: set[str] = set()
     for (_, _, _, idx), a, w in zip(singles, adv, warm, strict=True):

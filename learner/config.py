@@ -192,6 +192,17 @@ class SampleConfig(BaseModel):
             "runs through the admin API); None = every owner"
         ),
     )
+    max_owner_share: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "the largest share of one update's trajectories (and of an A/B arm's evidence, for the learner's experiments) one "
+            "owner (API key) may make up; with K owners present the bound is max(max_owner_share, 1/K), so a lone owner is "
+            "never cut. An owner over it keeps its oldest trajectories up to the bound, the rest are skipped as 'owner_share'. "
+            "1.0 = no bound"
+        ),
+    )
 
     @field_validator("reward_sources")
     @classmethod
@@ -226,7 +237,9 @@ class SingletonConfig(BaseModel):
       *before* this one (``learner/baseline.py`` states the rule, its variance and its bias).
     - ``complete``: group completion by re-rollout: the learner samples ``group_size - 1`` siblings from the turn's
       exact recorded context through the runtime and scores the whole group with ``scorer`` (``learner/group_completion.py``);
-      one-off trajectories it does not complete (multi-turn ones, failed ones, beyond ``max_turns_per_update``) get the baseline.
+      a group whose scorer ranks the original against its user's label (``label_threshold``: a thumbs-up below the
+      group's mean, a thumbs-down above it) is skipped. One-off trajectories it does not complete (multi-turn ones,
+      failed or contradicted ones, beyond ``max_turns_per_update``) get the baseline.
     - ``drop``: a singleton gets advantage 0 (the estimators' own rule: a lone reward carries no relative signal).
     """
 
@@ -236,6 +249,12 @@ class SingletonConfig(BaseModel):
         0.98, ge=0.0, lt=1.0, description="baseline: the running mean's decay (plain average over the first 1/(1-decay) rewards, then EMA)"
     )
     baseline_norm_by_std: bool = Field(True, description="baseline: divide by the running std once it is positive (GRPO's scale)")
+    baseline_std_floor: float = Field(
+        0.1, gt=0.0, description="baseline: the running std is taken as at least this (a key whose rewards barely vary would blow up A)"
+    )
+    baseline_clip: float = Field(
+        3.0, gt=0.0, description="baseline: |A| is clipped to this (biased where it bites: a reward over 3 running stds out; learner/baseline.py)"
+    )
     group_size: int = Field(4, ge=2, le=16, description="complete: G, the group size; G-1 siblings are sampled per rewarded one-off turn")
     max_turns_per_update: int = Field(16, ge=1, le=1024, description="complete: most one-off turns completed per update (newest first)")
     scorer: Literal["hook", "judge"] = Field("hook", description="complete: who scores the group: the reward hook or an LLM judge")
@@ -256,6 +275,15 @@ class SingletonConfig(BaseModel):
         description="judge: the rubric the judge is given (RULER-style relative scoring of the group)",
     )
     timeout_s: float = Field(120.0, gt=0, description="complete: seconds one sibling request, hook call or judge call may take")
+    label_threshold: float = Field(
+        0.5,
+        allow_inf_nan=False,
+        description=(
+            "complete: a user's reward on the original above this is a thumbs-up, below it a thumbs-down, equal to it no label "
+            "(0.5 reads 0/1 and -1/+1 thumbs; 3 reads 1-5 stars); a group whose scorer ranks a thumbs-up original below the "
+            "group's mean, or a thumbs-down one above it, is skipped"
+        ),
+    )
 
     @model_validator(mode="after")
     def _scorer_named(self) -> SingletonConfig:
@@ -269,13 +297,27 @@ class SingletonConfig(BaseModel):
 
 
 class ParityConfig(BaseModel):
-    """The logprob parity probe after each load (``learner/parity.py``): served vs trainer logprobs on recorded turns."""
+    """The logprob parity probe after each load (``learner/parity.py``): served vs trainer logprobs on recorded turns,
+    decoded greedily, at a sampled turn's recorded temperature and under a constrained turn's grammar; RTPO's
+    intermediate versions are probed too."""
 
     model_config = _FROZEN
     enabled: bool = Field(True, description="score a fixed probe of recorded turns with the served version and the trainer after every load")
-    turns: int = Field(4, ge=1, le=64, description="recorded turns in the probe (the same ones every time, chosen at the first probe)")
-    max_tokens: int = Field(16, ge=1, le=256, description="output tokens of each probe turn that are compared")
-    threshold: float = Field(0.1, gt=0, description="refuse the version when the mean absolute logprob difference (nats per token) exceeds this")
+    turns: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description=(
+            "greedy turns in the probe (the same ones every time, chosen at the first probe), plus one turn sampled at a "
+            "temperature other than 1 and one constrained turn once the trained turns have them"
+        ),
+    )
+    max_tokens: int = Field(16, ge=1, le=256, description="output tokens decoded for each probe turn and compared")
+    threshold: float = Field(
+        0.1,
+        gt=0,
+        description="refuse the version when the mean absolute logprob difference (nats per token) of any kind of probe turn exceeds this",
+    )
 
 
 class RerolloutConfig(BaseModel):
@@ -505,6 +547,14 @@ class LearnerSettings(BaseModel):
     svr_r1: SVRR1Config = Field(default_factory=SVRR1Config)
     reves: RevesConfig = Field(default_factory=RevesConfig)
     parity: ParityConfig = Field(default_factory=ParityConfig)
+    ab_max_duration_s: float = Field(
+        1800.0,
+        gt=0,
+        description=(
+            "the learner's A/B experiments end undecided ('inconclusive': the champion stays, the held version is released next) "
+            "after this many seconds, also when no evidence came at all, so an experiment never holds the learner forever"
+        ),
+    )
     restart_from_champion: bool = Field(
         True,
         description=(

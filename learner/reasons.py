@@ -43,6 +43,9 @@ REASONS: dict[str, str] = {
     "grammar_unrecorded": "constrained turns recorded without their grammar",
     "no_tokens": "turns without output tokens to train on",
     "surplus": "beyond max_trajectories for one update",
+    "after_last_reward": "turns after the last rated turn of a conversation (nobody judged them; rate the last reply or the trajectory)",
+    "owner_share": "over one API key's share of the update ([samples] max_owner_share)",
+    "quarantined": "trajectories of a batch that failed the learner twice (quarantine.json)",
 }
 # skips that lose nothing (evaluation runs, re-rollouts trained by the update that asked for them, T2PO drafts): not reasons
 

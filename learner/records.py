@@ -16,22 +16,29 @@ Every record has an **owner**: the identity of the API key that made it (``key-<
 ``runtime/identity.py``), or ``public`` on a server without keys. Sessions are named per owner, and a
 reward's owner is the owner of what it rewards.
 
+Two rules that every reader of rewards applies alike, the learner when it trains and the runtime's A/B
+experiments when they judge (so an experiment decides on the rewards its learner trains on):
+:func:`source_rank` (a reward source's precedence under shell patterns; one rank per group) and
+:func:`owner_quota` (how many of its records one owner may contribute under a share bound).
+
 Not here: storage (``learner/store.py``) or how samples are built for training.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import math
 import time
 import uuid
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PUBLIC_OWNER = "public"  # the owner of everything on a server without API keys
+ADMIN_OWNER = "admin"  # the owner of what the admin API does itself (the learner's own runs); never a key's hash
 
 
 class UnknownTarget(LookupError):
@@ -51,6 +58,41 @@ def context_sha256(ids: Sequence[int]) -> str:
     if a.itemsize != 4 or array("i", [1]).tobytes() != b"\x01\x00\x00\x00":
         raise RuntimeError("context_sha256 needs 4-byte little-endian C ints")
     return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+PROCESS_SUFFIX = ":process"  # an agent task's per-turn process scores: ``<outcome source>:process`` (agents/loop.py)
+
+
+def source_rank(source: str, patterns: Sequence[str]) -> int | None:
+    """The precedence of a reward source under ``patterns`` (shell patterns, best first): the index of the first
+    pattern it matches; None when it matches none (such a reward never counts)."""
+    return next((i for i, p in enumerate(patterns) if fnmatch.fnmatchcase(source, p)), None)
+
+
+def owner_quota(counts: Mapping[str, int], max_share: float) -> dict[str, int]:
+    """How many of its records each owner keeps so that no owner exceeds ``max_share`` of what is kept.
+
+    With K owners present the bound is ``max(max_share, 1/K)`` (a lone owner, or equal ones, are never cut). Each owner
+    keeps ``min(n_o, c)`` for the largest integer cap ``c`` with ``c <= share * sum_o min(n_o, c)``: water-filling, so
+    the owners under the cap keep everything and the largest ones are cut down to one common cap. ``g(c) = share *
+    sum_o min(n_o, c) - c`` is concave with ``g(0) = 0``, so the feasible caps are an interval ``[0, c*]`` and a
+    binary search finds ``c*``. Callers keep each owner's *oldest* records up to its quota, so the kept set only grows
+    as data arrives (a sequential test's observations are never taken back)."""
+    if not 0.0 < max_share <= 1.0:
+        raise ValueError(f"max_share must be in (0, 1], got {max_share}")
+    present = {o: n for o, n in counts.items() if n > 0}
+    if not present:
+        return {o: 0 for o in counts}
+    share = max(max_share, 1.0 / len(present))
+    lo, hi = 0, max(present.values())
+    while lo < hi:  # the largest c with g(c) >= 0
+        mid = (lo + hi + 1) // 2
+        if mid <= share * sum(min(n, mid) for n in present.values()) + 1e-9:
+            lo = mid
+        else:
+            hi = mid - 1
+    cap = max(lo, 1)
+    return {o: min(n, cap) for o, n in counts.items()}
 
 
 class _Record(BaseModel):

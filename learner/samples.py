@@ -13,11 +13,25 @@ which the trainer re-applies), its turn index, trajectory id, group id, the envi
 **Rewards and their sources** (``SampleConfig.reward_sources``, patterns in precedence order; default
 ``verifier:*``, ``judge:*``, ``hook:*``, ``feedback``, ``*``). For each turn and each trajectory the reward used is
 the newest one of the first pattern any of its rewards match; a source matching no pattern never
-trains. Then, within a group, every member is scored by the group's best source (separately for
-trajectory rewards and turn rewards): a member whose only reward comes from a lower-ranked source loses
-it (``other_source``), so a verifier's 0/1 and a user's thumbs are never normalised against each other.
+trains. Then, within a group, every member is scored by the group's best source, ranked **once across turn
+and trajectory rewards** (:func:`resolve_sources`): a reward from a lower-ranked source is dropped
+(``other_source``), so a verifier's 0/1 and a user's thumbs are never normalised against each other, and a
+click on a turn never adds to (or cancels) a verifier's outcome; an agent task's own process scores
+(``<S>:process`` beside an outcome of source ``<S>``) stay with that outcome.
 A sample keeps the turn reward and the trajectory (outcome) reward separately; ``learner.advantages``
 combines them by one rule (its docstring: the reward stream).
+
+**Multi-turn conversations** (a stitched chat, a Responses ``previous_response_id`` chain, an agent run). A
+reward on the trajectory rates the whole conversation: every turn is kept. Without one, the conversation is
+judged up to its last rated turn: the unrated turns before it are kept with reward 0 in the stream (each one's
+return, and the trajectory's score, is the later rating: the reply the user rated answered a context those
+turns wrote), the turns after it are left out (``after_last_reward``: nobody judged them, and a later reply
+cannot have caused an earlier rating). A regenerated or edited turn starts its own trajectory
+(``parent_turn_id``), judged by its own rewards; each of ``n`` choices is a trajectory of its own.
+
+**Owners** (``SampleConfig.max_owner_share``, default 0.5): no API key makes up more than that share of one
+update's trajectories (with K keys present, ``max(share, 1/K)``); a key over it keeps its oldest ones
+(``owner_share``). The learner's own runs (owner ``admin``) are not a tenant and are never cut.
 
 Which trajectories a call takes (the **cursor**): each trajectory belongs to the time window that holds
 its *last* turn's ``created_at``. A call takes the trajectories whose last turn lies in
@@ -53,6 +67,9 @@ whole or not at all, because its outcome reward is the outcome of all its turns:
 - ``no_reward``: a trajectory with no reward from a training source at all (NaN/None are never 0); a
   turn without a reward of its own in a rewarded trajectory is kept (its reward is 0 in the stream);
 - ``other_source`` (in rewards): see above;
+- ``after_last_reward``: a turn after the last rated turn of a trajectory without an outcome (above);
+- ``owner_share``: a trajectory over its owner's share (above);
+- ``quarantined``: a trajectory of a batch that failed the learner twice (``learner/quarantine.py``);
 - ``no_tokens``: a turn with no output token with loss mask 1.
 Samples without behaviour logprobs are kept (the trainer then uses its own detached logprobs, i.e.
 ratio 1) and counted in ``missing_logprobs``.
@@ -65,19 +82,18 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import hashlib
 import math
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from learner.config import SampleConfig, TrafficFilter
-from learner.records import Reward, Trajectory, TurnCheck, context_sha256
+from learner.records import ADMIN_OWNER, PROCESS_SUFFIX, Reward, Trajectory, TurnCheck, context_sha256, owner_quota, source_rank
 
 if TYPE_CHECKING:
     from learner.advantages import TurnSample
@@ -128,6 +144,7 @@ class Sample:
     trajectory_reward_source: str | None = None  # the source of ``trajectory_reward``
     state_key: str | None = None  # the environment's state when the turn was taken (GiGPO's anchor), if it reported one
     self_check: TurnCheck | None = field(default=None, compare=False)  # svr / svr_r1 turns: the stored self-check (learner.svr_rewards)
+    owner: str | None = None  # the API key identity that made the trajectory (``Trajectory.owner``)
 
     @classmethod
     def of_turn(cls, turn: Any, *, trajectory_id: str, group_id: str, version: int, **fields: Any) -> Sample:
@@ -154,13 +171,6 @@ class Sample:
         """Output tokens that are trained on (loss mask 1)."""
         return sum(self.loss_mask)
 
-    @property
-    def value(self) -> float:
-        """The reward used for statistics: the turn reward, else the trajectory reward."""
-        r = self.reward if self.reward is not None else self.trajectory_reward
-        assert r is not None  # collect_samples drops samples without a finite reward
-        return r
-
 
 @dataclass
 class SkipCounts:
@@ -183,6 +193,9 @@ class SkipCounts:
     missing_logprobs: int = 0  # kept, but trained with ratio 1
     deferred_trajectories: int = 0  # still within settle_s; a later call takes them
     surplus: int = 0  # beyond max_trajectories: the smallest and oldest groups left out
+    after_last_reward: int = 0  # turns after the last rated turn of a trajectory without an outcome: never judged
+    owner_share: int = 0  # turns of trajectories over their owner's share (``SampleConfig.max_owner_share``)
+    quarantined: int = 0  # turns of trajectories the learner quarantined (a batch that failed it twice)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -262,11 +275,6 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def source_rank(source: str, patterns: Sequence[str]) -> int | None:
-    """The precedence of a reward source under ``reward_sources``: the index of the first matching pattern, None if none matches."""
-    return next((i for i, p in enumerate(patterns) if fnmatch.fnmatchcase(source, p)), None)
-
-
 def _pick(rewards: Sequence[Reward], target: str, target_id: str, patterns: Sequence[str]) -> tuple[float, str, int] | None:
     """The newest reward on ``target_id`` from its best-ranked source: (value, source, rank); None without a matching one.
 
@@ -317,11 +325,13 @@ def collect_samples(
     min_version: int | None = None,
     now: float | None = None,
     traffic: TrafficFilter | None = None,
+    exclude: Collection[str] = (),
 ) -> SampleBatch:
     """Build the samples of every settled trajectory past ``cursor`` (module docstring: window, skips, groups, sources).
 
     Staleness: give ``min_version`` (the oldest fresh version; the learner service counts it in updates), or
     ``current_version`` (the family's latest version, 0 before the first) for ``current_version - max_staleness``.
+    ``exclude``: trajectory ids never to take (the learner's quarantine, ``learner/quarantine.py``), counted as ``quarantined``.
     """
     if min_version is None:
         min_version = (current_version or 0) - cfg.max_staleness
@@ -341,6 +351,9 @@ def collect_samples(
             continue
         if last < cursor.since:  # belongs to an earlier window (only a turn of it was new)
             continue
+        if tid in exclude:
+            counts.quarantined += len(traj.turns)
+            continue
         if traj.meta.get("resampled_draft"):
             counts.draft += len(traj.turns)
             continue
@@ -358,6 +371,7 @@ def collect_samples(
             continue
         samples += trajectory_samples(traj, family=family, min_version=min_version, cfg=cfg, counts=counts)
     samples = resolve_sources(samples, cfg.reward_sources, counts)
+    samples = bound_owner_share(samples, cfg.max_owner_share, counts)
     if cfg.max_trajectories is not None:
         samples = _cap_trajectories(samples, cfg.max_trajectories, counts)
     next_cursor = Cursor(since=max(cursor.since, horizon))
@@ -420,42 +434,88 @@ def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: 
                 trajectory_reward_source=traj_pick[1] if traj_pick else None,
                 state_key=key if isinstance(key, str) and key else None,
                 self_check=turn.self_check,
+                owner=traj.owner,
             )
         )
     return out
 
 
 def resolve_sources(samples: Sequence[Sample], patterns: Sequence[str], counts: SkipCounts) -> list[Sample]:
-    """One reward source per group and target kind: every member is scored by the group's best-ranked source.
+    """One reward source per group: every member is scored by the group's best-ranked source, ranked once across its
+    turn rewards and trajectory rewards; then every trajectory is cut to its judged turns.
 
-    A trajectory reward (or turn reward) from a lower-ranked source than the best one in its group is dropped
-    (``counts.other_source``, in rewards); a trajectory left with no reward at all is dropped (``no_reward``)."""
-    best_traj: dict[str, int] = {}
-    best_turn: dict[str, int] = {}
+    * A reward (turn or trajectory) of a lower rank than the group's best is dropped (``counts.other_source``, in
+      rewards), so a user's click never adds to or cancels a verifier's outcome, and a verifier's 0/1 is never
+      normalised against a thumbs. The one exception is an agent task's own process scores (turn rewards of source
+      ``<S>:process`` beside a kept outcome of source ``<S>``): they are part of that outcome's reward stream, so they
+      neither compete for the group's rank nor are dropped by it.
+    * A trajectory without a trajectory reward is judged up to its last rewarded turn: the turns after it were never
+      rated and could not have caused an earlier rating, so they are left out (``counts.after_last_reward``, in turns).
+      The unrated turns before a rated one stay (reward 0 in the stream: they share the later rating through the
+      return or the trajectory score; ``learner/advantages.py``).
+    * A trajectory left with no reward at all is dropped (``no_reward``)."""
+
+    def is_process(s: Sample) -> bool:
+        return (
+            s.reward_source is not None and s.trajectory_reward_source is not None and s.reward_source == s.trajectory_reward_source + PROCESS_SUFFIX
+        )
+
+    best: dict[str, int] = {}
     for s in samples:
-        if s.trajectory_reward_source is not None:
-            r = source_rank(s.trajectory_reward_source, patterns)
-            if r is not None:
-                best_traj[s.group_id] = min(best_traj.get(s.group_id, r), r)
-        if s.reward_source is not None:
-            r = source_rank(s.reward_source, patterns)
-            if r is not None:
-                best_turn[s.group_id] = min(best_turn.get(s.group_id, r), r)
+        for src in (s.trajectory_reward_source, None if is_process(s) else s.reward_source):
+            rank = source_rank(src, patterns) if src is not None else None
+            if rank is not None:
+                best[s.group_id] = min(best.get(s.group_id, rank), rank)
     resolved: list[Sample] = []
     dropped_traj: set[str] = set()
     for s in samples:
         tr, tr_src, r, r_src = s.trajectory_reward, s.trajectory_reward_source, s.reward, s.reward_source
-        if tr_src is not None and source_rank(tr_src, patterns) != best_traj.get(s.group_id):
+        process = is_process(s)
+        if tr_src is not None and source_rank(tr_src, patterns) != best.get(s.group_id):
             tr, tr_src = None, None
             dropped_traj.add(s.trajectory_id)
-        if r_src is not None and source_rank(r_src, patterns) != best_turn.get(s.group_id):
+        if r_src is not None and not (process and tr_src is not None) and source_rank(r_src, patterns) != best.get(s.group_id):
             r, r_src = None, None
             counts.other_source += 1
         resolved.append(dataclasses.replace(s, trajectory_reward=tr, trajectory_reward_source=tr_src, reward=r, reward_source=r_src))
     counts.other_source += len(dropped_traj)
-    rewarded = {s.trajectory_id for s in resolved if s.trajectory_reward is not None or s.reward is not None}
-    out = [s for s in resolved if s.trajectory_id in rewarded]
-    counts.no_reward += len(resolved) - len(out)
+    last_judged: dict[str, float] = {}  # trajectory -> the last turn index it is judged to (inf: it has an outcome)
+    for s in resolved:
+        if s.trajectory_reward is not None:
+            last_judged[s.trajectory_id] = math.inf
+        elif s.reward is not None:
+            last_judged[s.trajectory_id] = max(last_judged.get(s.trajectory_id, -1.0), float(s.turn_index))
+    out: list[Sample] = []
+    for s in resolved:
+        if s.trajectory_id not in last_judged:
+            counts.no_reward += 1
+        elif s.turn_index > last_judged[s.trajectory_id]:
+            counts.after_last_reward += 1
+        else:
+            out.append(s)
+    return out
+
+
+def bound_owner_share(samples: Sequence[Sample], max_share: float, counts: SkipCounts) -> list[Sample]:
+    """No API key makes up more than ``max_share`` of the trajectories (``learner.records.owner_quota``: with K owners
+    the bound is ``max(max_share, 1/K)``); an owner over it keeps its oldest trajectories (by last turn), the rest are
+    skipped as ``owner_share`` (in turns). The learner's own runs (owner ``admin``) are not a tenant: never cut, not
+    counted among the owners."""
+    if max_share >= 1.0:
+        return list(samples)
+    last: dict[str, tuple[float, str]] = {}  # trajectory -> (its last turn's time, owner)
+    for s in samples:
+        if s.owner == ADMIN_OWNER:
+            continue
+        t, _ = last.get(s.trajectory_id, (-math.inf, ""))
+        last[s.trajectory_id] = (max(t, s.created_at), s.owner or "")
+    by_owner: dict[str, list[tuple[float, str]]] = {}
+    for tid, (t, owner) in last.items():
+        by_owner.setdefault(owner, []).append((t, tid))
+    quota = owner_quota({o: len(ts) for o, ts in by_owner.items()}, max_share)
+    dropped = {tid for o, ts in by_owner.items() for _, tid in sorted(ts)[quota[o] :]}
+    out = [s for s in samples if s.trajectory_id not in dropped]
+    counts.owner_share += len(samples) - len(out)
     return out
 
 

@@ -33,6 +33,8 @@ and one advantage per sample, and computes nothing about rewards itself. One ``s
 4. ``learner.losses.policy_loss`` per micro-batch, weighted so the sum equals the loss of the whole
    batch under the aggregation mode; gradients accumulate; the LoRA gradients are clipped to
    ``max_grad_norm``; AdamW and a linear warm-up scheduler step.
+A step refuses samples holding token ids outside the model's vocabulary (:class:`SampleError`, naming their
+trajectories) before any forward pass, so the learner can quarantine them (``learner/quarantine.py``).
 Metrics per step (``StepMetrics``): loss, kl, clip_frac, entropy, grad norm, reward mean/std,
 ``frac_reward_zero_std``, advantage mean/std, tokens/s, and the skipped counts given by the caller.
 
@@ -97,6 +99,15 @@ LORA_FILE, STATE_FILE, META_FILE = "lora.safetensors", "trainer_state.pt", "stat
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or none that is complete and intact could be read."""
+
+
+class SampleError(ValueError):
+    """Samples this model cannot be trained on (token ids outside its vocabulary, as a store shared across a model switch
+    holds); ``trajectory_ids`` names their trajectories, so the learner quarantines those (``learner/quarantine.py``)."""
+
+    def __init__(self, message: str, trajectory_ids: Sequence[str]) -> None:
+        super().__init__(message)
+        self.trajectory_ids = list(dict.fromkeys(trajectory_ids))
 
 
 @dataclass
@@ -304,9 +315,28 @@ class LoRATrainer:
                 ent = lse - (probs * torch.nan_to_num(logits, neginf=0.0)).sum(-1)  # (B, T); masked tokens have p = 0
         return logp, ent
 
+    def check_token_ids(self, samples: Sequence[Sample]) -> None:
+        """Raise :class:`SampleError` naming the turns and trajectories whose context or output ids fall outside ``[0, vocab_size)``
+        (an embedding lookup would fail on them with a bare IndexError on a CPU, a device-side assert on a GPU)."""
+        bad = [
+            s
+            for s in samples
+            if (s.context_ids and (min(s.context_ids) < 0 or max(s.context_ids) >= self.vocab_size))
+            or (s.output_ids and (min(s.output_ids) < 0 or max(s.output_ids) >= self.vocab_size))
+        ]
+        if bad:
+            first = next(t for s in bad for t in s.context_ids + s.output_ids if not 0 <= t < self.vocab_size)
+            turns = ", ".join(f"{s.turn_id} (trajectory {s.trajectory_id})" for s in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise SampleError(
+                f"{len(bad)} recorded turn{'s' if len(bad) > 1 else ''} with token ids outside this model's vocabulary (size {self.vocab_size}; "
+                f"e.g. id {first}), so not recorded with {self.base_model_dir.name}: {turns}",
+                [s.trajectory_id for s in bad],
+            )
+
     @torch.no_grad()
     def token_logprobs(self, samples: Sequence[Sample], *, adapter: bool = True) -> list[list[float]]:
         """Each sample's output-token logprobs (the trainer's view of the recorded behaviour logprobs)."""
+        self.check_token_ids(samples)
         self.model.eval()
         back: list[list[float]] = [[] for _ in samples]
         for idx in plan_micro_batches([len(s.context_ids) + len(s.output_ids) for s in samples], self.cfg.micro_batch_tokens):
@@ -334,6 +364,7 @@ class LoRATrainer:
         t0 = time.perf_counter()
         if len(advantages) != len(samples) or not all(math.isfinite(a) for a in advantages):
             raise ValueError(f"step needs one finite advantage per sample: got {len(advantages)} for {len(samples)} samples, or non-finite ones")
+        self.check_token_ids(samples)  # before any forward pass: a bad id must not half-step the trainer (or assert on a GPU)
         m = StepMetrics(version=self.version, optimizer_step=False, samples=len(samples), trained_samples=0, tokens=0, skipped=dict(skipped or {}))
         self._reward_stats(samples, advantages, m)
         est_stats = getattr(advantages, "stats", None)  # learner.advantages.Advantages carries the estimator's own view
@@ -452,18 +483,23 @@ class LoRATrainer:
     def _reward_stats(samples: Sequence[Sample], advantages: Sequence[float], m: StepMetrics) -> None:
         if not samples:
             return
-        # one value per trajectory: its outcome reward (what the estimators normalise; a task's per-turn process
-        # scores are a different scale), else the mean of its turn rewards
+        # one value per trajectory: its outcome reward (a task's per-turn process scores are a different scale), else
+        # the mean of its rated turns' rewards; a trajectory with neither (never handed to a step) has no value
         per_traj: dict[str, list[float]] = {}
         outcome: dict[str, float] = {}
         for s in samples:
             if s.trajectory_reward is not None:
                 outcome[s.trajectory_id] = s.trajectory_reward
-            per_traj.setdefault(s.trajectory_id, []).append(s.value)
-        values = np.array([outcome.get(t, float(np.mean(v))) for t, v in per_traj.items()], dtype=np.float64)
-        m.reward_mean, m.reward_std = float(values.mean()), float(values.std())
-        groups = make_groups(samples)
-        m.frac_reward_zero_std = sum(1 for g in groups if np.std([s.value for s in g.samples]) == 0.0) / len(groups)
+            rated = per_traj.setdefault(s.trajectory_id, [])
+            if s.reward is not None:
+                rated.append(s.reward)
+        value = {t: outcome[t] if t in outcome else float(np.mean(v)) for t, v in per_traj.items() if t in outcome or v}
+        if value:
+            values = np.array(list(value.values()), dtype=np.float64)
+            m.reward_mean, m.reward_std = float(values.mean()), float(values.std())
+        groups = [[value[t] for t in g.trajectory_ids if t in value] for g in make_groups(samples)]
+        groups = [g for g in groups if g]
+        m.frac_reward_zero_std = sum(1 for g in groups if np.std(g) == 0.0) / len(groups) if groups else 0.0
         a = np.asarray(advantages, dtype=np.float64)
         m.adv_mean, m.adv_std = float(a.mean()), float(a.std())
 

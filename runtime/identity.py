@@ -33,11 +33,9 @@ from typing import Any
 
 from fastapi import Request
 
-from learner.records import PUBLIC_OWNER
+from learner.records import ADMIN_OWNER, PUBLIC_OWNER
 
 __all__ = ["ADMIN_OWNER", "PUBLIC_OWNER", "Caller", "KeyRing", "bearer_token", "bind_caller", "current_caller", "owner_of", "owner_of_token"]
-
-ADMIN_OWNER = "admin"  # owner of what the admin API does itself (the learner's runs); never a key's hash
 
 
 @dataclass(frozen=True)

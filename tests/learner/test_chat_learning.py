@@ -170,3 +170,70 @@ def test_an_update_that_learns_nothing_says_why(srv, tiny_model_path):
     assert record["unused"]["counts"] == {"singleton": 3, "no_reward": 1} and record["unused"]["top_key"] == "singleton"
     assert "one-off prompts" in record["gate"]["reason"] and "one-off prompts" in svc.status.detail
     assert svc.status.last_reasons["top_key"] == "singleton"
+
+
+def two_turn(s: InProc, prompt: str, follow_up: str = "Are you sure? Answer with the number only.") -> tuple[Any, Any]:
+    """A question, the reply as returned, then a follow-up: the second request continues the first's trajectory."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    first = client(s).chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": follow_up}]
+    second = client(s).chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    return first, second
+
+
+def test_two_turn_chats_rated_on_the_second_reply_train(srv, tiny_model_path):
+    """The most ordinary shape of chat traffic: two-turn chats, a thumbs (source named by the client) on the second
+    reply only. The learner's update trains both turns of each chat (the first shares the rating it led to) and raises
+    nothing; a chat rated on its first reply only leaves the unrated second turn out (never judged)."""
+    pairs = [two_turn(srv, f"What is {a}+{a}?") for a in range(4)]
+    for (first, second), v in zip(pairs, [1.0, 0.0, 1.0, 0.0], strict=True):
+        assert ids(second)["trajectory_id"] == ids(first)["trajectory_id"]  # stitched by its messages
+        feedback(srv, turn_id=ids(second)["turn_id"], reward=v, source="user")
+    early_first, _ = two_turn(srv, "rated on the first reply")
+    feedback(srv, turn_id=ids(early_first)["turn_id"], reward=1.0, source="thumbs")
+
+    batch = collect(srv)
+    by_traj: dict[str, list[Any]] = {}
+    for smp in batch.samples:
+        by_traj.setdefault(smp.trajectory_id, []).append(smp)
+    assert sorted(len(v) for v in by_traj.values()) == [1, 2, 2, 2, 2]
+    assert batch.counts.after_last_reward == 1 and batch.counts.no_reward == 0
+
+    settings = LearnerSettings.model_validate(
+        {
+            "family": "chat-lora",
+            "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "trainer": {"progress": False},
+            "samples": {"settle_s": 0},
+        }
+    )
+    cfg = ServiceConfig(data_dir=srv.data, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=settings, gate_n=0)
+    record = LearnerService(cfg).update(publish=False)
+    m = record["metrics"]
+    # five one-off chats against the running baselines (one per reward source): the four rated "user" (1, 0, 1, 0, oldest
+    # first) share one, whose first reward only seeds it; the chat rated "thumbs" seeds its own. So three chats train,
+    # both turns of each: 6 of the 9 kept turns
+    assert m["optimizer_step"] is True and m["samples"] == 9 and m["trained_samples"] == 6
+    assert record["unused"]["counts"]["baseline_warmup"] == 3
+    assert m["reward_mean"] == pytest.approx(3 / 5)
+
+
+def test_baseline_advantages_are_bounded():
+    """One 0 after a long run of 1s (a little spread early on): the running std is near 0, so the raw advantage would be
+    about -1/s; the std floor (0.1) and the clip (3) bound it. Hand-computed: scores 0, then fifty 1s, then 0, decay 0.98."""
+    scores = [0.0] + [1.0] * 50 + [0.0]
+    keys = ["k"] * len(scores)
+    raw, state, _ = running_baseline(scores, keys, None, decay=0.98, std_floor=1e-9, clip=1e9)
+    n, m, v = 0, 0.0, 0.0
+    for x in scores[:-1]:  # the recursion from the definition: a = max(1/(n+1), 1 - decay)
+        a = max(1.0 / (n + 1), 0.02)
+        d = x - m
+        m, v, n = m + a * d, (1 - a) * (v + a * d * d), n + 1
+    assert raw[-1] == pytest.approx(-m / math.sqrt(v)) and raw[-1] < -5  # unbounded: about -1/s
+    floored, _, _ = running_baseline(scores, keys, None, decay=0.98, std_floor=0.1, clip=1e9)
+    assert floored[-1] == pytest.approx(-m / max(math.sqrt(v), 0.1))
+    bounded, _, _ = running_baseline(scores, keys, None, decay=0.98)  # the defaults: floor 0.1, clip 3
+    assert bounded[-1] == -3.0 and all(abs(a) <= 3.0 for a in bounded)
+    # garbage rewards of any size stay bounded too
+    wild, _, _ = running_baseline([0.0, 100.0, -100.0, 50.0, 0.0], ["g"] * 5, None, decay=0.98)
+    assert all(abs(a) <= 3.0 for a in wild) and wild[1] == 3.0

@@ -76,7 +76,7 @@ def collect(store: Any, *, current: int = 3, cursor: Cursor | None = None, cfg: 
 
 def test_samples_carry_the_exact_recorded_turn(store: SqliteStore) -> None:
     turns = add_trajectory(store, "tr-a", turns=2, meta={"agent": "calc", "task_key": "arith:7", "correct": True, "score": 0.5})
-    store.add_reward(Reward(target="turn", target_id=turns[1].turn_id, value=0.25))
+    store.add_reward(Reward(target="turn", target_id=turns[1].turn_id, value=0.25, source="verifier:x:process"))  # the task's process score
     batch = collect(store)
     assert [s.turn_id for s in batch.samples] == [t.turn_id for t in turns]
     for s, t in zip(batch.samples, turns, strict=True):
@@ -85,7 +85,6 @@ def test_samples_carry_the_exact_recorded_turn(store: SqliteStore) -> None:
         assert s.group_id == "task:calc:arith:7"
         assert s.trajectory_reward == 1.0
     assert [s.reward for s in batch.samples] == [None, 0.25]
-    assert [s.value for s in batch.samples] == [1.0, 0.25]
     ts = to_turn_samples(batch.samples)
     assert [(x.trajectory_id, x.group_id, x.turn_index, x.reward, x.trajectory_reward, x.n_tokens, x.correct, x.score) for x in ts] == [
         ("tr-a", "task:calc:arith:7", 0, None, 1.0, 3, True, 0.5),
@@ -201,7 +200,7 @@ def test_nan_rewards_are_excluded_and_counted(store: SqliteStore) -> None:
     assert set(by_traj) == {"tr-nan-turn", "tr-good"}
     assert by_traj["tr-nan-turn"].reward is None and by_traj["tr-nan-turn"].trajectory_reward == 0.5
     assert batch.counts.no_reward == 1
-    assert all(math.isfinite(s.value) for s in batch.samples)
+    assert all(math.isfinite(s.trajectory_reward) for s in batch.samples if s.trajectory_reward is not None)
 
 
 def test_cursor_takes_each_settled_trajectory_once_and_whole(store: SqliteStore) -> None:
@@ -221,9 +220,9 @@ def test_cursor_takes_each_settled_trajectory_once_and_whole(store: SqliteStore)
     assert third.samples == [] and third.cursor.since == NOW + 300
 
 
-def test_sample_value_prefers_the_turn_reward() -> None:
-    s = Sample("t", "tr", "g", 0, [1], [2], [-1.0], [1], None, 0, reward=0.2, trajectory_reward=1.0, temperature=1.0, created_at=0.0)
-    assert s.value == 0.2 and s.n_tokens == 1
+def test_sample_counts_its_trained_tokens() -> None:
+    s = Sample("t", "tr", "g", 0, [1], [2, 3], [-1.0, -1.0], [1, 0], None, 0, reward=0.2, trajectory_reward=1.0, temperature=1.0, created_at=0.0)
+    assert s.n_tokens == 1
 
 
 def test_a_stale_turn_drops_its_whole_trajectory(store: SqliteStore) -> None:
@@ -266,6 +265,37 @@ def test_turns_of_a_rewarded_trajectory_are_kept_without_their_own_reward(store:
     store.add_reward(Reward(target="turn", target_id=ts[1].turn_id, value=1.0, source="feedback"))
     batch = collect(store)
     assert [(s.turn_index, s.reward, s.trajectory_reward) for s in batch.samples] == [(0, None, None), (1, 1.0, None)]
+
+
+def test_a_click_never_cancels_a_verifier_one_rank_per_group(store: SqliteStore) -> None:
+    """A verifier failed run with a user's thumbs-up on its turn vs a verifier-passed run: the thumbs used to add to the
+    failed run's score (1 = 0 + 1, a tie with the passed run's 1); ranked once across turn and trajectory rewards, the
+    group is scored by the verifier alone. A task's own process scores stay beside their outcome."""
+    meta = {"agent": "calc", "task_key": "k"}
+    failed = add_trajectory(store, "tr-failed", meta=meta, reward=0.0)
+    store.add_reward(Reward(target="turn", target_id=failed[0].turn_id, value=1.0, source="thumbs"))
+    passed = add_trajectory(store, "tr-passed", meta=meta, reward=1.0, turns=2)
+    store.add_reward(Reward(target="turn", target_id=passed[1].turn_id, value=0.5, source="verifier:x:process"))
+    batch = collect(store)
+    got = {(s.trajectory_id, s.turn_index): (s.reward, s.trajectory_reward) for s in batch.samples}
+    assert got == {("tr-failed", 0): (None, 0.0), ("tr-passed", 0): (None, 1.0), ("tr-passed", 1): (0.5, 1.0)}
+    assert batch.counts.other_source == 1
+    from learner.update import estimate
+
+    adv = dict(zip([(s.trajectory_id, s.turn_index) for s in batch.samples], estimate(batch.samples, "grpo"), strict=True))
+    assert adv[("tr-failed", 0)] < 0 < adv[("tr-passed", 0)]  # scores 0 and 1.5 (outcome + process): no tie
+
+
+def test_turns_after_the_last_rating_are_never_judged(store: SqliteStore) -> None:
+    """A three-turn chat rated on its middle reply: the first two train (the first led to the rated one), the third is
+    left out; the same chat with a trajectory rating keeps all three."""
+    ts = add_trajectory(store, "tr-mid", turns=3, reward=None)
+    store.add_reward(Reward(target="turn", target_id=ts[1].turn_id, value=1.0, source="user"))
+    add_trajectory(store, "tr-whole", turns=3, reward=1.0, source="user", t0=1_010.0)
+    batch = collect(store)
+    kept = sorted((s.trajectory_id, s.turn_index) for s in batch.samples)
+    assert kept == [("tr-mid", 0), ("tr-mid", 1), ("tr-whole", 0), ("tr-whole", 1), ("tr-whole", 2)]
+    assert batch.counts.after_last_reward == 1
 
 
 def test_grammar_and_state_keys_come_with_the_samples(store: SqliteStore) -> None:
