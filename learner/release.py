@@ -6,8 +6,8 @@ runs endpoint, and then makes the first passing version the champion (alias) or 
 against the champion. ``_experiment_running`` follows that experiment to its decision; a version refused by
 the parity probe or the gate, or rolled back, is rejected: with ``restart_from_champion`` the next update
 starts from the champion's weights (``_restart_from_champion``). ``_publish_intermediate`` publishes an
-RTPO sweep's step for its next re-rollouts (no gate, no alias); ``_publish_held`` releases a version trained
-while an experiment ran.
+RTPO sweep's step for its next re-rollouts (parity probe, no eval gate, no alias; a refused one is unloaded and
+raises ``learner.parity.ParityRefused``); ``_publish_held`` releases a version trained while an experiment ran.
 
 Not here: the publish protocol and the admin client (``learner/publish.py``), the experiment's statistics
 (the runtime's ``runtime/experiments.py``), when a release happens (``learner/scheduler.py``).
@@ -18,13 +18,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 import structlog
 
+from learner.adapter_manifest import manifest_sha256
+from learner.parity import refusal
 from learner.publish import AdminError, adapter_path, publish_adapter
 from learner.reward_plot import plot_rewards
+from learner.samples import Sample
 from learner.service_state import INTERMEDIATE, LINEAGE_START, RESTART_FILE, UPDATE_VERSIONS, ServiceState, _update_versions
 from learner.svr_rollouts import adaptive_report
 from learner.update import checkpoint_and_publish
@@ -45,27 +49,61 @@ class Release(ServiceState):
             f.write(json.dumps(record) + "\n")
         plot_rewards(self.dir, self.family)
 
-    def _publish_intermediate(self, trainer: Any) -> str:
-        """Checkpoint, publish and load the trainer's current weights for the next step's re-rollouts (no gate, no alias).
+    def _publish_current(self, trainer: Any) -> str:
+        """Publish (once) and load the trainer's current weights as ``family@N`` without an alias: the held version, for the
+        learner's own runs while an experiment runs (``RolloutSteps._rollout_model``). Its checkpoint was written by the
+        update that made it; ``_publish_and_gate`` later releases the same folder."""
+        version = trainer.version
+        path = adapter_path(self.adapter_root, self.family, version)
+        if not path.exists():
+            publish_adapter(trainer.model, self.adapter_root, self.family, version, meta={INTERMEDIATE: True, "held": True})
+        name = f"{self.family}@{version}"
+        if name not in {a["name"] for a in self.admin.list_adapters().get("data", [])}:
+            self.admin.load(path, self.family, version, sha256=manifest_sha256(path))
+        return name
+
+    def _publish_intermediate(self, trainer: Any, candidates: Sequence[Sample] | None = None) -> str:
+        """Checkpoint, publish and load the trainer's current weights for the next step's re-rollouts (no eval gate, no alias),
+        then probe its logprob parity (``candidates``: the sweep's samples, where the probe picks its turns; default the
+        last update's).
 
         The checkpoint comes first and keeps the update's old data cursor: a learner killed after this publish
-        resumes at this version (never publishing it a second time with other weights) and redoes the update."""
+        resumes at this version (never publishing it a second time with other weights) and redoes the update.
+        A version the probe refuses is unloaded, joins the rejected names and raises :class:`learner.parity.ParityRefused`:
+        nothing may be sampled from it (the sweep goes on with the policy it sampled from before)."""
+        from learner.parity import ParityRefused, refusal
+
         ckpt = self.dir / "checkpoints"
         published = checkpoint_and_publish(trainer, ckpt, self.adapter_root, self.family, meta={INTERMEDIATE: True}, admin=self.admin)
-        return published.name
+        name = published.name
+        report = self._parity(trainer, name, candidates=candidates, intermediate=True)
+        reason = refusal(report, self.cfg.settings.parity.threshold)
+        if reason is not None:
+            assert report is not None
+            self._unload(name)
+            self._rejected_names.add(name)
+            log.warning("an intermediate version was refused by the parity probe", version=name, reason=reason)
+            raise ParityRefused(name, reason, report)
+        return name
 
     def _publish_and_gate(self, trainer: Any) -> dict[str, Any]:
         version = trainer.version
         self._set("publishing", f"{self.family}@{version}")
-        published = publish_adapter(trainer.model, self.adapter_root, self.family, version, meta={"metrics": self.status.last_metrics})
-        self.admin.load(published.path, self.family, version, sha256=published.manifest_sha256)
-        new = published.name
+        path = adapter_path(self.adapter_root, self.family, version)
+        if path.exists():  # published as the held weights' intermediate for the learner's own runs: the same weights (version N has one)
+            if f"{self.family}@{version}" not in {a["name"] for a in self.admin.list_adapters().get("data", [])}:
+                self.admin.load(path, self.family, version, sha256=manifest_sha256(path))
+        else:
+            published = publish_adapter(trainer.model, self.adapter_root, self.family, version, meta={"metrics": self.status.last_metrics})
+            self.admin.load(published.path, self.family, version, sha256=published.manifest_sha256)
+        new = f"{self.family}@{version}"
         parity = self._parity(trainer, new)
         pc = self.cfg.settings.parity
-        if parity is not None and parity["mean_abs_logp_diff"] is not None and parity["mean_abs_logp_diff"] > pc.threshold:
+        refused = refusal(parity, pc.threshold)
+        if parity is not None and refused is not None:
             gate = {
                 "decision": "refused",
-                "reason": f"parity: served and trainer logprobs differ by {parity['mean_abs_logp_diff']:.3g} nats/token (> {pc.threshold:g})",
+                "reason": refused,
                 "new": new,
                 "parity": parity,
             }
@@ -87,44 +125,60 @@ class Release(ServiceState):
             self._set("idle", f"{new} is the first champion")
         else:
             name = f"{self.family}-v{version}"
-            task = self._task()
-            self.admin.create_experiment(
-                {
-                    "name": name,
-                    "family": self.family,
-                    "arms": [{"adapter": champion, "weight": 1}, {"adapter": new, "weight": 1}],
-                    "sticky": "session",
-                    # the agent task's verifier; a learner without one (chat traffic) is judged by the users' own feedback,
-                    # the rewards it trains on (an experiment's default, the runtime's trusted sources, would never see any)
-                    "metric": f"verifier:{task}" if task else "feedback",
-                    "min_samples": self.cfg.ab_min_samples,
-                    "max_samples": self.cfg.ab_max_samples,
-                    "auto_promote": True,
-                    "auto_rollback": True,
-                }
-            )
+            self.admin.create_experiment(self._experiment_config(name, champion, new))
             self.status.experiment, self.status.challenger = name, new
             self._set("ab", f"experiment {name}: {champion} vs {new}")
         return gate
 
-    def _parity(self, trainer: Any, model: str) -> dict[str, Any] | None:
-        """The logprob parity probe of a just-loaded version (``learner/parity.py``); None when it is off or has no turns yet."""
+    def _parity(self, trainer: Any, model: str, candidates: Sequence[Sample] | None = None, *, intermediate: bool = False) -> dict[str, Any] | None:
+        """The logprob parity probe of a just-loaded version (``learner/parity.py``): its greedy, sampled and constrained
+        turns, picked among ``candidates`` (default: the last update's trained samples) the first time; None when it is
+        off or has no turns yet."""
         from learner.parity import parity_probe, probe_turns
 
         pc = self.cfg.settings.parity
         if not pc.enabled:
             return None
-        turn_ids = probe_turns(self.dir, self.store, self._trained, pc.turns)
-        if not turn_ids:
+        probe = probe_turns(self.dir, self.store, self._trained if candidates is None else candidates, pc.turns)
+        if not probe:
             return None
-        self._set("probing", f"logprob parity of {model} on {len(turn_ids)} recorded turns")
+        what = ", ".join(f"{len(ids)} {kind}" for kind, ids in probe.items())
+        self._set("probing", f"logprob parity of {model} on recorded turns ({what})")
         headers = {"Authorization": f"Bearer {self.cfg.admin_key}"}
         with httpx.Client(base_url=self.cfg.admin_url, headers=headers, timeout=300) as client:
-            report = parity_probe(client, self.store, trainer, model=model, turn_ids=turn_ids, max_tokens=pc.max_tokens)
+            report = parity_probe(client, self.store, trainer, model=model, probe=probe, max_tokens=pc.max_tokens)
         report["model"] = model
+        if intermediate:
+            report["intermediate"] = True
         self.status.last_parity = report
         log.info("parity probe", **report)
         return report
+
+    def _experiment_config(self, name: str, champion: str, new: str) -> dict[str, Any]:
+        """The A/B experiment of a new version against the champion, judged by the evidence the learner trains on.
+
+        An agent's task is judged by its verifier's outcome (``verifier:<task>``, the source that ranks first for its runs);
+        any other learner (chat traffic) by its own ``[samples] reward_sources`` rule, whatever a client names its
+        feedback source. Both count only the owners it trains on, bounded by the same ``max_owner_share``, never the
+        learner's own runs (the runtime leaves out everything done through the admin API), and end undecided after
+        ``ab_max_duration_s``, so an experiment that collects no evidence never holds the learner forever."""
+        sc = self.cfg.settings.samples
+        task = self._task()
+        rule: dict[str, Any] = {"metric": f"verifier:{task}"} if task else {"reward_sources": list(sc.reward_sources)}
+        return {
+            "name": name,
+            "family": self.family,
+            "arms": [{"adapter": champion, "weight": 1}, {"adapter": new, "weight": 1}],
+            "sticky": "session",
+            **rule,
+            "owners": list(sc.owners) if sc.owners is not None else None,
+            "max_owner_share": sc.max_owner_share,
+            "max_duration_s": self.cfg.settings.ab_max_duration_s,
+            "min_samples": self.cfg.ab_min_samples,
+            "max_samples": self.cfg.ab_max_samples,
+            "auto_promote": True,
+            "auto_rollback": True,
+        }
 
     def _rejected(self, version: str, why: str) -> None:
         """A version was refused or rolled back: with ``restart_from_champion`` the next update starts from the champion."""

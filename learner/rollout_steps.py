@@ -25,6 +25,7 @@ import structlog
 from learner.adapter_manifest import manifest_sha256
 from learner.advantages import Advantages
 from learner.baseline import GROUP_ESTIMATORS, apply_to_singletons
+from learner.parity import ParityRefused
 from learner.publish import adapter_path
 from learner.records import Trajectory
 from learner.rerollout import BranchRunner, PointRuns, counterfactual_scores, plan_rtpo, refresh_point, rtpo_estimator_input, tcpo_branch_points
@@ -66,7 +67,13 @@ class RolloutSteps(ServiceState):
         advantages = estimate(samples, tcfg.estimator, tcfg.estimator_params)
         if sc.mode in ("baseline", "complete") and tcfg.estimator in GROUP_ESTIMATORS:  # "complete": what it did not complete
             advantages, self._baseline_state, self._warmup = apply_to_singletons(
-                samples, advantages, trainer.cursor.get(BASELINE), decay=sc.baseline_decay, norm_by_std=sc.baseline_norm_by_std
+                samples,
+                advantages,
+                trainer.cursor.get(BASELINE),
+                decay=sc.baseline_decay,
+                norm_by_std=sc.baseline_norm_by_std,
+                std_floor=sc.baseline_std_floor,
+                clip=sc.baseline_clip,
             )
         if own is not None and own[0]:
             from learner.sources import join_tree_samples
@@ -85,7 +92,7 @@ class RolloutSteps(ServiceState):
         if not candidates:
             return samples, {"group_completion": "no one-off turns"}
         self._set("completing", f"group completion: {min(len(candidates), sc.max_turns_per_update)} one-off turns x {sc.group_size - 1} siblings")
-        model = self._rollout_model()
+        model = self._rollout_model(trainer)
 
         async def run() -> Any:
             headers = {"Authorization": f"Bearer {self.cfg.admin_key}"}
@@ -112,7 +119,7 @@ class RolloutSteps(ServiceState):
         rng = random.Random(f"{trainer.cfg.seed}:{trainer.version}")
         backbones = [t for tid in dict.fromkeys(s.trajectory_id for s in samples) if (t := self.store.get_trajectory(tid)) is not None]
         plan = plan_rtpo(backbones, [s.turn_index for s in samples], branches=rr.branches, bucket_size=rr.bucket_size, rng=rng)
-        model = self._rollout_model()
+        model = self._rollout_model(trainer)
         info: dict[str, Any] = {"estimator": "rtpo", "backbones": len(backbones), "branch_points": len(plan.points), "sibling_runs": 0}
         info.update(refresh_runs=0, failed=0, siblings=0, sampled_tokens=0, steps=[], refreshed=[])
 
@@ -147,10 +154,15 @@ class RolloutSteps(ServiceState):
             info["siblings"] += n_sib
             info["steps"].append({"turns": turns, "samples": len(chosen), "siblings": n_sib, "optimizer_step": m.optimizer_step})
             merged = _merge_metrics(merged, m)
-            if rr.refresh and m.optimizer_step and k + 1 < len(plan.segments):
-                model = self._publish_intermediate(trainer)  # the next step's re-rollouts continue with this policy
-                published_here.append(model)
-                info["refreshed"].append(model)
+            if rr.refresh and m.optimizer_step and k + 1 < len(plan.segments) and "parity_refused" not in info:
+                try:  # the next step's re-rollouts continue with this policy, once the parity probe accepts its load
+                    model = self._publish_intermediate(trainer, candidates=samples)
+                except ParityRefused as exc:  # unloaded and rejected already: the sweep goes on with the last accepted policy
+                    info["parity_refused"], info["parity"] = exc.model, exc.report
+                    log.warning("rtpo intermediate refused by the parity probe; no more refreshes this sweep", model=exc.model, reason=exc.reason)
+                else:
+                    published_here.append(model)
+                    info["refreshed"].append(model)
         for name in published_here:
             self._unload(name)  # intermediate versions served only this sweep's re-rollouts; the final one is published and gated next
         log.info("rtpo sweep", **{k: v for k, v in info.items() if k != "steps"})
@@ -160,7 +172,11 @@ class RolloutSteps(ServiceState):
         """TCPO (``docs/methods.md``): M one-step alternatives from the exact history of each high-surprisal turn, scored by the verifier."""
         rr = self.cfg.settings.rerollouts
         chosen, points = tcpo_branch_points(samples, self.store, top_q=rr.cf_top_q, threshold=rr.cf_threshold)
-        runs = runner.run(points, n=rr.cf_samples, model=self._rollout_model(), kind="tcpo", one_step=True, seed=trainer.version) if points else []
+        runs = (
+            runner.run(points, n=rr.cf_samples, model=self._rollout_model(trainer), kind="tcpo", one_step=True, seed=trainer.version)
+            if points
+            else []
+        )
         scores = counterfactual_scores(runs)
         info = {
             "estimator": "tcpo",
@@ -223,7 +239,7 @@ class RolloutSteps(ServiceState):
         self._set("expanding", f"REVES: augmenting items {first}..{first + rc.items_per_round - 1}")
         return reves_round(
             self.cfg.admin_url, self.cfg.admin_key, self.cfg.agent, rc, first_item=first, sample_seed=trainer.version * 1000,
-            model=self._rollout_model(), concurrency=self.cfg.settings.rerollouts.concurrency,
+            model=self._rollout_model(trainer), concurrency=self.cfg.settings.rerollouts.concurrency,
         )  # fmt: skip
 
     def _await_recorded(self, trajectory_ids: list[str], timeout_s: float = 30.0) -> None:
@@ -249,12 +265,20 @@ class RolloutSteps(ServiceState):
                 self.cfg.settings, self.dir, self.cfg.admin_url, self.cfg.admin_key, agent=self.cfg.agent, store=self.store, family=self.family
             )
         self._set("expanding", "own rollouts: " + ("PATR trees" if self.cfg.settings.rollouts == "patr" else "RODS pool items"))
-        out: tuple[list[Sample], Advantages, dict[str, Any]] = self._sources.round(self._rollout_model(), trainer.version, trainer.cursor)
+        out: tuple[list[Sample], Advantages, dict[str, Any]] = self._sources.round(self._rollout_model(trainer), trainer.version, trainer.cursor)
         return out
 
-    def _rollout_model(self) -> str:
-        """The newest policy the runtime can serve: the family's newest published version (loaded if it is not), else the base model."""
+    def _rollout_model(self, trainer: Any) -> str:
+        """The policy the learner's own runs sample from: the trainer's current weights.
+
+        Usually that is the family's newest published version (loaded if it is not), or the base model before the first.
+        While a version is held (an A/B experiment runs, ``Release``), the trainer is ahead of everything published: its
+        weights are published as an unaliased intermediate ``family@N`` (as an RTPO sweep's steps are) and sampled from,
+        so the learner's runs never sample the experiment's arms (whose routing they would otherwise join through the
+        alias) and are fresh by construction; the held version is later released from that same folder."""
         version = self._published_version()
+        if trainer.version > version and self._held:
+            return self._publish_current(trainer)
         if version == 0:
             return self._base_model_name()
         name = f"{self.family}@{version}"

@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
-from learner.records import Reward, Trajectory, Turn, TurnRef, UnknownTarget
+from learner.records import ADMIN_OWNER, Reward, Trajectory, Turn, TurnRef, UnknownTarget
 from learner.store_rows import N_TURN_COLUMNS, REWARD_COLUMNS, TURN_COLUMNS, encode_json, reward_from_row, reward_row, turn_from_row, unpack
 
 __all__ = ["POSTGRESQL", "SQLITE", "Dialect", "StoreQueries", "first_seen"]
@@ -469,12 +469,16 @@ class StoreQueries:
         return out
 
     # ---- the A/B experiments' per-arm data (their config and state: runtime/experiments_store.py) ----
-    def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[float]]:
+    def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[Any]]:
         """For one adapter version since ``since``: the rewards on its turns and on the trajectories it served (a
         verifier's outcome reward is on the trajectory), of one ``source``, or with ``source=None`` of the trusted
         sources (the runtime's own ``verifier:*`` and ``judge:*``; every source with ``trusted_only=False``), in
         the order they came (ties: in the order they were stored); and per turn, oldest first, its total latency
-        and output tokens/s."""
+        and output tokens/s. Work done through the admin API (owner ``admin``: the learner's own runs, re-rollouts,
+        siblings, gate and evaluation runs) is never an observation: an A/B experiment judges by users' evidence.
+
+        ``evidence`` has one row per reward, in the same order: ``(value, source, target, target_id, owner)``, for
+        the experiments' source and owner rules (``runtime/experiments.py``)."""
         d = self._d
         if source is not None:
             where_source, source_args = " AND r.source = ?", [source]
@@ -482,26 +486,29 @@ class StoreQueries:
             where_source, source_args = " AND (r.source LIKE 'verifier:%' OR r.source LIKE 'judge:%')", []
         else:
             where_source, source_args = "", []
-        query = f"""SELECT r.value, r.created_at, r.{d.order} FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
-                    WHERE t.adapter {d.same} ? AND t.created_at >= ?{where_source}
+        cols = f"r.value, r.created_at, r.{d.order}, r.source, r.target, r.target_id, r.owner"
+        query = f"""SELECT {cols} FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
+                    WHERE t.adapter {d.same} ? AND t.created_at >= ? AND r.owner <> ?{where_source}
                     UNION ALL
-                    SELECT r.value, r.created_at, r.{d.order} FROM rewards r
+                    SELECT {cols} FROM rewards r
                     WHERE r.target = 'trajectory' AND r.target_id IN
-                          (SELECT DISTINCT trajectory_id FROM turns WHERE adapter {d.same} ? AND created_at >= ?){where_source}
+                          (SELECT DISTINCT trajectory_id FROM turns WHERE adapter {d.same} ? AND created_at >= ?) AND r.owner <> ?{where_source}
                     ORDER BY 2, 3"""
-        one: list[Any] = [adapter, since, *source_args]
+        one: list[Any] = [adapter, since, ADMIN_OWNER, *source_args]
         timings_sql = f"""SELECT {d.byte_length}(output_ids), timings FROM turns
-                          WHERE adapter {d.same} ? AND created_at >= ? ORDER BY created_at, {d.order}"""
+                          WHERE adapter {d.same} ? AND created_at >= ? AND owner <> ? ORDER BY created_at, {d.order}"""
         with self._read() as conn:
-            rewards = [row[0] for row in conn.execute(self._q(query), one + one)]
-            timing_rows = conn.execute(self._q(timings_sql), (adapter, since)).fetchall()
+            rows = conn.execute(self._q(query), one + one).fetchall()
+            timing_rows = conn.execute(self._q(timings_sql), (adapter, since, ADMIN_OWNER)).fetchall()
+        rewards = [row[0] for row in rows]
+        evidence = [(row[0], row[3], row[4], row[5], row[6]) for row in rows]
         latency, tps = [], []
         for n_bytes, timings in timing_rows:
             total = json.loads(timings).get("total_s") or 0.0
             latency.append(total)
             if total > 0:
                 tps.append((n_bytes // 4) / total)
-        return {"rewards": rewards, "latency_s": latency, "tokens_per_s": tps}
+        return {"rewards": rewards, "latency_s": latency, "tokens_per_s": tps, "evidence": evidence}
 
     # ---- the adapter registry's shared state ---------------------------------------------------
     def save_registry(self, kind: str, name: str, value: dict[str, Any] | None) -> None:

@@ -3,10 +3,15 @@
 An experiment holds arms (``family@N`` with weights), a sticky key (``session`` or ``user``), the reward
 source it judges by (``metric``; None = every *trusted* source, i.e. the runtime's own evaluators
 ``verifier:*`` and ``judge:*``, unless ``sources: "any"``: a client's feedback can then sway the
-decision), ``min_samples``, ``alpha`` and whether to
-``auto_promote`` / ``auto_rollback``. The champion is the family alias's target when the experiment
-starts (it must be an arm). While it runs, requests naming the family alias are assigned an arm by
-``routing.assign_arm`` over the sticky key (a pure hash: a session never flips arms).
+decision; or ``reward_sources``, patterns in precedence order as a learner's ``[samples]`` has them: the
+experiment judges by its best-ranked source present, ranked once across turn and trajectory rewards, the newest
+reward per rated turn or trajectory, so it decides on the rewards its learner trains on), which owners' evidence
+counts (``owners``; None = all) and how much one owner may weigh (``max_owner_share``: with K owners an owner
+keeps its oldest observations up to ``max(share, 1/K)`` of an arm's, ``learner.records.owner_quota``),
+``min_samples``, ``alpha``, ``max_duration_s`` and whether to ``auto_promote`` / ``auto_rollback``. Work done
+through the admin API (the learner's own runs, re-rollouts, siblings, gates, evaluations) is never evidence.
+The champion is the family alias's target when the experiment starts (it must be an arm). While it runs,
+requests naming the family alias are assigned an arm by ``routing.assign_arm`` over the sticky key (a pure hash: a session never flips arms).
 
 ``evaluate`` reads each arm's turn rewards since the start from the store, compares every challenger
 with the champion by the always-valid mixture-SPRT p-value (``experiment_stats.decide``, safe to check
@@ -14,7 +19,9 @@ continuously; a fixed-horizon Welch t-test is reported beside it for reference),
 decision: ``promote`` flips the alias to the winner and ends the experiment; ``rollback`` stops routing
 to that arm, and once every challenger is rolled back the experiment ends (``rolled_back``); with
 ``max_samples``, an experiment still undecided when every live arm has that many rewards ends
-``inconclusive`` (the champion stays), so an A/B between near-equal versions cannot run forever.
+``inconclusive`` (the champion stays), so an A/B between near-equal versions cannot run forever; with
+``max_duration_s`` it also ends ``inconclusive`` once that much time has passed undecided, evidence or none
+(the status says ``evidence`` in words while an arm has none).
 Each change of a challenger's p-value is kept in ``p_history`` (time, p, both arms' n; at most
 ``P_HISTORY_MAX`` points, thinned evenly), so the p-value can be drawn over time.
 Config, state and every decision are saved in the store (``runtime/experiments_store.py``), so experiments
@@ -34,6 +41,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from learner.records import owner_quota, source_rank
 from runtime.experiment_stats import decide, summarize, welch_t_test
 from runtime.experiments_store import ExperimentDatabase, ExperimentStore
 from runtime.routing import Arm, assign_arm
@@ -55,6 +63,10 @@ class ExperimentConfig(BaseModel):
     sticky: Literal["session", "user"] = "session"
     metric: str | None = None  # one reward source (exact); None = the sources below
     sources: Literal["trusted", "any"] = "trusted"  # with metric None: trusted = verifier:* and judge:* only
+    reward_sources: list[str] | None = Field(None, min_length=1, max_length=32)  # patterns, best first (a learner's rule); excludes metric
+    owners: list[str] | None = Field(None, max_length=10_000)  # only these owners' evidence counts; None = every owner
+    max_owner_share: float = Field(1.0, gt=0, le=1)  # one owner's observations per arm at most max(share, 1/K) of them
+    max_duration_s: float | None = Field(None, gt=0)  # undecided after this long: ends "inconclusive", the champion stays
     min_samples: int = Field(100, ge=2)
     max_samples: int | None = Field(None, ge=2)  # undecided with this many per arm: ends "inconclusive", the champion stays
     alpha: float = Field(0.05, gt=0, lt=0.5)
@@ -72,13 +84,26 @@ class ExperimentConfig(BaseModel):
                 raise ValueError(f"arm {n} is not a version of family {self.family!r}")
         if self.max_samples is not None and self.max_samples < self.min_samples:
             raise ValueError(f"max_samples ({self.max_samples}) must be at least min_samples ({self.min_samples})")
+        if self.reward_sources is not None:
+            if self.metric is not None:
+                raise ValueError("give metric (one exact source) or reward_sources (patterns in precedence order), not both")
+            if any(not p.strip() or len(p) > 200 for p in self.reward_sources) or len(set(self.reward_sources)) != len(self.reward_sources):
+                raise ValueError("reward_sources must be distinct, non-empty source patterns (e.g. 'verifier:*', 'feedback', '*')")
         return self
+
+    def describe_sources(self) -> str:
+        """The evidence this experiment counts, in words (for its status)."""
+        if self.metric is not None:
+            return f"rewards of source {self.metric!r}"
+        if self.reward_sources is not None:
+            return "rewards of the best-ranked source of " + ", ".join(self.reward_sources)
+        return "rewards of any source" if self.sources == "any" else "the runtime's verifier:* and judge:* rewards"
 
 
 class _Store(ExperimentDatabase, Protocol):
     """The interaction store: the database that keeps the experiments (``ExperimentStore``) and answers the arms' data."""
 
-    def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[float]]: ...
+    def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[Any]]: ...
 
 
 class _Registry(Protocol):
@@ -167,15 +192,47 @@ class Experiments:
         self.saved.save(name, cfg.model_dump(), state)
         return self.status(name)
 
-    def _observations(self, cfg: ExperimentConfig, adapter: str, since: float) -> dict[str, list[float]]:
-        return self.store.arm_observations(adapter, since, cfg.metric, trusted_only=cfg.sources == "trusted")
+    def _observations(self, cfg: ExperimentConfig, since: float) -> dict[str, dict[str, list[Any]]]:
+        """Every arm's observations under the experiment's source and owner rules (module docstring)."""
+        patterns = cfg.reward_sources
+        raw = {
+            a.adapter: self.store.arm_observations(a.adapter, since, cfg.metric, trusted_only=cfg.sources == "trusted" and patterns is None)
+            for a in cfg.arms
+        }
+        rows = {arm: [e for e in o["evidence"] if cfg.owners is None or e[4] in cfg.owners] for arm, o in raw.items()}
+        if patterns is not None:  # one source for the experiment: the best rank present on any arm, turn and trajectory rewards alike
+            ranks = {arm: [source_rank(e[1], patterns) for e in es] for arm, es in rows.items()}
+            present = [r for rs in ranks.values() for r in rs if r is not None]
+            best = min(present, default=None)
+            for arm, es in rows.items():
+                newest: dict[tuple[str, str], int] = {}  # (target, target_id) -> index of its newest reward of that rank
+                for i, (e, r) in enumerate(zip(es, ranks[arm], strict=True)):
+                    if r is not None and r == best:
+                        newest[(e[2], e[3])] = i
+                keep = sorted(newest.values())
+                rows[arm] = [es[i] for i in keep]
+        out: dict[str, dict[str, list[Any]]] = {}
+        for arm, es in rows.items():
+            if cfg.max_owner_share < 1.0:
+                counts: dict[str, int] = {}
+                for e in es:
+                    counts[e[4]] = counts.get(e[4], 0) + 1
+                quota, taken = owner_quota(counts, cfg.max_owner_share), dict.fromkeys(counts, 0)
+                kept = []
+                for e in es:  # oldest first: an owner's first observations up to its quota
+                    if taken[e[4]] < quota[e[4]]:
+                        taken[e[4]] += 1
+                        kept.append(e)
+                es = kept
+            out[arm] = {**raw[arm], "rewards": [e[0] for e in es], "owners": sorted({e[4] for e in es})}
+        return out
 
     def evaluate(self, name: str) -> dict[str, Any]:
         """Recompute statistics and, for a running experiment with auto actions, apply the decision."""
         cfg, state = self.configs[name], self._state(name)
         if state["status"] != "running":
             return self.status(name)
-        obs = {a.adapter: self._observations(cfg, a.adapter, state["started_at"]) for a in cfg.arms}
+        obs = self._observations(cfg, state["started_at"])
         champion = state["champion"]
         changed = False
         for arm in cfg.arms:
@@ -208,10 +265,14 @@ class Experiments:
         """End an experiment with nothing left to decide: every challenger rolled back, or ``max_samples`` reached undecided."""
         champion = state["champion"]
         live = [a.adapter for a in cfg.arms if a.adapter != champion and a.adapter not in state["stopped_arms"]]
+        elapsed = time.time() - float(state["started_at"])
         if not live:
             status, reason = "rolled_back", "every challenger was rolled back: the champion stays"
         elif cfg.max_samples is not None and all(len(obs[a]["rewards"]) >= cfg.max_samples for a in [champion, *live]):
             status, reason = "inconclusive", f"no decision after {cfg.max_samples} rewards per arm: the champion stays"
+        elif cfg.max_duration_s is not None and elapsed >= cfg.max_duration_s:
+            counts = ", ".join(f"{a}: n = {len(obs[a]['rewards'])}" for a in [champion, *live])
+            status, reason = "inconclusive", f"no decision after {cfg.max_duration_s:g} s ({counts}; {cfg.describe_sources()}): the champion stays"
         else:
             return False
         state["status"] = status
@@ -221,7 +282,7 @@ class Experiments:
     def status(self, name: str, obs: dict[str, dict[str, list[float]]] | None = None) -> dict[str, Any]:
         cfg, state = self.configs[name], self._state(name)
         if obs is None:
-            obs = {a.adapter: self._observations(cfg, a.adapter, state["started_at"]) for a in cfg.arms}
+            obs = self._observations(cfg, state["started_at"])
         champion = state["champion"]
         arms = []
         for a in cfg.arms:
@@ -245,7 +306,9 @@ class Experiments:
                     t, p = welch_t_test(obs[champion]["rewards"], o["rewards"])
                     row["welch_t"], row["welch_p_fixed_horizon"] = _num(t), _num(p)
             arms.append(row)
-        return {"name": name, "config": cfg.model_dump(), **{k: v for k, v in state.items() if k != "p_values"}, "arms": arms}
+        out = {"name": name, "config": cfg.model_dump(), **{k: v for k, v in state.items() if k != "p_values"}, "arms": arms}
+        out["evidence"] = _evidence_note(cfg, state, arms)
+        return out
 
     def _state(self, name: str) -> dict[str, Any]:
         if name not in self.states:
@@ -262,6 +325,19 @@ def _append_p(state: dict[str, Any], arm: str, p: float, n_champion: int, n: int
     hist.append({"t": time.time(), "p": p, "n_champion": n_champion, "n": n})
     if len(hist) > P_HISTORY_MAX:
         hist[:] = [*hist[:-1:2], hist[-1]]
+
+
+def _evidence_note(cfg: ExperimentConfig, state: dict[str, Any], arms: list[dict[str, Any]]) -> str:
+    """What the experiment has to decide on, in words: says so when an arm has no evidence at all, and when it ends."""
+    elapsed = time.time() - float(state["started_at"])
+    empty = [a["adapter"] for a in arms if a["n"] == 0 and not a["stopped"]]
+    counts = ", ".join(f"{a['adapter']} n = {a['n']}" for a in arms)
+    line = f"{counts} ({cfg.describe_sources()}; at least {cfg.min_samples} per arm to decide)"
+    if empty and state["status"] == "running":
+        line = f"no evidence yet on {', '.join(empty)} after {elapsed:.0f} s: {line}"
+    if state["status"] == "running" and cfg.max_duration_s is not None:
+        line += f"; ends undecided in {max(0.0, cfg.max_duration_s - elapsed):.0f} s"
+    return line
 
 
 def _num(x: float) -> float | None:

@@ -138,6 +138,10 @@ def test_console_shows_the_loop_without_errors(loop, browser, shots):
         if adapter == "fam@2":  # the challenger's always-valid p-value, as the API computed it
             assert tab.text(f"{row} [data-col=p]") == f"{api[adapter]['msprt_p_value']:.4f}"
     assert page.locator('[data-testid=experiment][data-name="fam-ab"] svg.plot').count() == 2  # CI bars, p-value over time
+    evidence = admin(loop, "GET", "/admin/experiments/fam-ab").json()["evidence"]
+    assert (
+        "rewards of source 'feedback'" in evidence and page.locator('[data-testid=experiment][data-name="fam-ab"]').inner_text().count(evidence) == 1
+    )
     page.screenshot(path=str(shots / "experiments.png"), full_page=True)
 
     tab.view("learners", '[data-testid=learner][data-family="calc-lora"]')

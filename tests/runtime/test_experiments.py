@@ -36,7 +36,9 @@ def registry_with(*names: str) -> AdapterRegistry:
     return reg
 
 
-def add_rewards(store: SqliteStore, adapter: str, values: list[float], start: int) -> None:
+def add_rewards(
+    store: SqliteStore, adapter: str, values: list[float], start: int, *, source: str = "verifier:exact", owner: str = "public", target: str = "turn"
+) -> None:
     turns = [
         Turn(
             turn_id=f"t-{adapter}-{start + i}",
@@ -51,12 +53,14 @@ def add_rewards(store: SqliteStore, adapter: str, values: list[float], start: in
             logprobs=[-0.1],
             loss_mask=[1],
             finish_reason="stop",
+            owner=owner,
         )
         for i in range(len(values))
     ]
     store.append_turns(turns)
     for t, v in zip(turns, values, strict=True):
-        store.add_reward(Reward(target="turn", target_id=t.turn_id, value=v, source="verifier:exact"))
+        target_id = t.turn_id if target == "turn" else t.trajectory_id
+        store.add_reward(Reward(target=target, target_id=target_id, value=v, source=source, owner=owner))
 
 
 def config(**kw) -> ExperimentConfig:
@@ -187,3 +191,71 @@ def test_p_value_history_records_each_change_and_stays_bounded(tmp_path, monkeyp
         experiments_module._append_p(state, "a", 1.0 / (i + 1), i, i)
     kept = [h["n"] for h in state["p_history"]["a"]]
     assert len(kept) <= 4 and kept[0] == 0 and kept[-1] == 8  # thinned evenly, first and newest kept
+
+
+def test_a_learners_source_rule_counts_the_feedback_clients_name(tmp_path):
+    """An experiment with the learner's reward_sources rule judges by whatever source a client names its feedback
+    ("user", "thumbs": both rank with "*"), ranked once across turn and trajectory rewards; the metric "feedback" the
+    learner used to pass saw none of it (n = 0 on both arms while the users rated thousands of turns)."""
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    sources = ["verifier:*", "judge:*", "hook:*", "feedback", "*"]
+    exps.create(config(metric=None, reward_sources=sources, min_samples=20, auto_promote=True, auto_rollback=True), {"f@1", "f@2"})
+    add_rewards(store, "f@1", [0.0, 1.0] * 15, 0, source="user")
+    add_rewards(store, "f@2", [1.0] * 30, 0, source="thumbs", target="trajectory")
+    assert [len(store.arm_observations(a, 0.0, "feedback")["rewards"]) for a in ("f@1", "f@2")] == [0, 0]
+    status = exps.evaluate("e")
+    assert {a["adapter"]: a["n"] for a in status["arms"]} == {"f@1": 30, "f@2": 30}
+    assert status["status"] == "promoted" and status["winner"] == "f@2"
+
+
+def test_a_verifier_outranks_clicks_in_the_experiment_as_in_training(tmp_path):
+    store = SqliteStore(tmp_path / "x.db")
+    exps = Experiments(store, registry_with("f@1", "f@2"))
+    exps.create(config(metric=None, reward_sources=["verifier:*", "feedback", "*"], min_samples=5), {"f@1", "f@2"})
+    add_rewards(store, "f@1", [1.0] * 10, 0, source="user")
+    add_rewards(store, "f@2", [1.0] * 10, 0, source="user")
+    assert [a["n"] for a in exps.evaluate("e")["arms"]] == [10, 10]
+    add_rewards(store, "f@1", [0.0, 1.0, 1.0], 10, source="verifier:task", target="trajectory")  # one verified run on the champion
+    arms = exps.evaluate("e")["arms"]
+    assert [a["n"] for a in arms] == [3, 0] and arms[0]["mean_reward"] == pytest.approx(2 / 3)  # the clicks no longer count
+
+
+def test_the_admins_own_runs_are_never_evidence(tmp_path):
+    """The learner's runs (re-rollouts, siblings, gates) go through the admin API and are owned by "admin": never counted."""
+    store = SqliteStore(tmp_path / "x.db")
+    exps = Experiments(store, registry_with("f@1", "f@2"))
+    exps.create(config(min_samples=5), {"f@1", "f@2"})
+    add_rewards(store, "f@2", [1.0] * 40, 0, owner="admin", target="trajectory")
+    add_rewards(store, "f@2", [0.0] * 40, 100, owner="admin")
+    status = exps.evaluate("e")
+    assert [a["n"] for a in status["arms"]] == [0, 0] and [a["requests"] for a in status["arms"]] == [0, 0]
+    assert status["evidence"].startswith("no evidence yet on f@1, f@2")
+
+
+def test_one_key_weighs_at_most_its_share_of_an_arm(tmp_path):
+    """max_owner_share 0.5 with three keys: the loud key keeps its oldest observations up to half of the arm's."""
+    store = SqliteStore(tmp_path / "x.db")
+    exps = Experiments(store, registry_with("f@1", "f@2"))
+    exps.create(config(max_owner_share=0.5, min_samples=5), {"f@1", "f@2"})
+    add_rewards(store, "f@2", [0.0] * 100, 0, owner="key-loud")
+    add_rewards(store, "f@2", [1.0] * 10, 100, owner="key-a")
+    add_rewards(store, "f@2", [1.0] * 10, 200, owner="key-b")
+    arm = {a["adapter"]: a for a in exps.evaluate("e")["arms"]}["f@2"]
+    # water-filling: caps c with c <= 0.5 (20 + min(100, c)) -> c = 20; kept 20 + 10 + 10 = 40, the loud key half of it
+    assert arm["n"] == 40 and arm["mean_reward"] == pytest.approx(0.5)
+
+
+def test_an_experiment_without_evidence_ends_inconclusive_after_its_time(tmp_path, monkeypatch):
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    exps.create(config(max_duration_s=600, auto_promote=True, auto_rollback=True), {"f@1", "f@2"})
+    status = exps.evaluate("e")
+    assert status["status"] == "running" and "no evidence yet" in status["evidence"] and "ends undecided in" in status["evidence"]
+    start = exps.states["e"]["started_at"]
+    monkeypatch.setattr("runtime.experiments.time.time", lambda: start + 601)
+    status = exps.evaluate("e")
+    assert status["status"] == "inconclusive" and "no decision after 600 s" in status["decisions"][-1]["reason"]
+    assert reg.aliases()["f"] == "f@1"
