@@ -3,9 +3,11 @@
 Builds the frozen settings (flags > ``LOOPWISE_…`` env > config file > defaults), configures logging
 once (``learner/logs.py``: readable lines on a terminal, JSON lines otherwise or with ``--log-format
 json``), resolves the model (converting SmolLM2 on first use), builds the engine and the app, runs
-uvicorn and prints where the API and the console (``/console``) are. The learner process it starts
-logs in the same format, relayed through this process's stderr. Flags are generated from the
-settings fields, so ``--help`` lists every setting with its description and default.
+uvicorn and prints where the API and the console (``/console``) are. The learner processes it starts
+log in the same format, relayed through this process's stderr, and are supervised (``learner/supervisor.py``):
+one that exits while the server runs is restarted with backoff (1 s doubling to 60 s), its exits and restarts
+reported in ``<data-dir>/learner/<family>/supervisor.json`` (``GET /admin/learner``, ``/metrics``). Flags are
+generated from the settings fields, so ``--help`` lists every setting with its description and default.
 
 Not here: any serving logic (``runtime/``), training (``learner/``).
 """
@@ -23,6 +25,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -136,7 +139,7 @@ def start_learner(
     job: LearnerJob, settings: Settings, server: ServerSettings, model_path: Path, url: str, log_format: str
 ) -> subprocess.Popen[bytes]:
     """``python -m learner run`` for one job, logging into our stderr; stopped when we stop (``server``: as built, with the
-    learner's internal admin key when none was given)."""
+    learner's internal admin key when none was given). Its supervisor calls it for every (re)start."""
     from learner import logs
 
     cmd = [
@@ -356,7 +359,9 @@ def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None
     config = uvicorn.Config(built.app, log_config=None, timeout_graceful_shutdown=5)
     uv = uvicorn.Server(config)
 
-    learners: list[subprocess.Popen[bytes]] = []
+    from learner.supervisor import Supervisor
+
+    learners: list[Supervisor] = []
 
     async def announce_then_serve() -> None:
         serving = asyncio.create_task(uv.serve(sockets=[sock]))
@@ -367,7 +372,15 @@ def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None
             local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             url = f"http://{'[' + local + ']' if ':' in local else local}:{port}"
             print(console_line(url, server.admin_key, with_key=sys.stdout.isatty()), flush=True)
-            learners.extend(start_learner(job, settings, server, model_path, url, log_format) for job in built.learner_jobs)
+            for job in built.learner_jobs:
+                sup = Supervisor(
+                    job.family,
+                    partial(start_learner, job, settings, server, model_path, url, log_format),
+                    Path(server.data_dir) / "learner" / job.family,
+                    stopping=lambda: bool(uv.should_exit),
+                )
+                sup.start()
+                learners.append(sup)
             if demo:
                 from experiments.demo_users import DemoUsers
 
@@ -378,14 +391,10 @@ def serve(settings: Settings, built: Built, log_format: str, demo: bool) -> None
     try:
         asyncio.run(announce_then_serve())
     finally:
-        for proc in learners:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in learners:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for sup in learners:
+            sup.request_stop()
+        for sup in learners:
+            sup.join(timeout=20)  # a learner finishes its round first; killed after 20 s
     if not uv.started:
         sys.exit("error: the server did not start (see the log above)")
 

@@ -2,8 +2,9 @@
 
 ``Scheduler.tick`` runs one round: publish a version held during an A/B experiment once the experiment has
 decided, else wait for ``min_new_trajectories`` new settled, rewarded trajectories of the learner's traffic
-(or an update request file), then run an update (``LearnerService.update``), publishing only when no
-experiment is running. ``_sleep`` waits between rounds, wakes on a request file and notices a dead parent
+(quarantined ones not counted: ``learner/quarantine.py``), an update request file, or an update the previous
+learner process did not finish (retried at the first round), then run an update (``LearnerService.update``),
+publishing only when no experiment is running. ``_sleep`` waits between rounds, wakes on a request file and notices a dead parent
 server; ``_staleness_floor`` is the oldest version whose data is still fresh.
 
 Not here: the update itself (``learner/service.py``), training (``learner/rollout_steps.py``), publishing,
@@ -32,6 +33,7 @@ class Scheduler(ServiceState):
         requested = (self.dir / REQUEST_FILE).exists()
         if requested:
             (self.dir / REQUEST_FILE).unlink(missing_ok=True)
+        requested, self._retry = requested or self._retry, False  # a crashed predecessor's update is retried at once
         running = self.status.experiment is not None and self._experiment_running(self.status.experiment)
         if not running and self._held:
             self._publish_held()
@@ -64,10 +66,15 @@ class Scheduler(ServiceState):
         settled = time.time() - self.cfg.settings.samples.settle_s
         rows = self.store.list_trajectories(limit=100_000, since=self._seen_since, rewarded=True)
         kind = self.traffic.model_copy(update={"models": None, "tags": None})
+        quarantined = self.ledger.quarantined()
         return sum(
             1
             for r in rows
-            if not r["meta"].get("eval") and not r["meta"].get("rerollout") and traffic_match(r["meta"], kind) and (r["last_turn_at"] or 0) < settled
+            if not r["meta"].get("eval")
+            and not r["meta"].get("rerollout")
+            and traffic_match(r["meta"], kind)
+            and (r["last_turn_at"] or 0) < settled
+            and r["trajectory_id"] not in quarantined
         )
 
     def _staleness_floor(self, trainer: Any) -> int:

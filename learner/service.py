@@ -35,6 +35,15 @@ samples; RODS runs: through the store, like traffic). Their figures go to the st
 State for people: ``<data-dir>/learner/<family>/status.json`` (served by ``GET /admin/learner``),
 ``history.jsonl`` (one line per update) and ``reward.png`` (reward per update).
 
+**Crashes** (``learner/quarantine.py``): an update that raises an unexpected exception is recorded (status
+``error`` with ``last_error``: type, message, the traceback's last lines; the batch's failure count in
+``inflight.json``) and the process exits with status 1: ``serve.py`` restarts it (``learner/supervisor.py``)
+from its last checkpoint, because a half-stepped trainer must not go on. The restarted process counts a batch
+whose update a dead predecessor left unfinished (SIGKILL, OOM) as failed too, and retries the batch at once.
+A batch that failed twice is quarantined: its trajectories are skipped by every later update (``quarantined``
+in the skip counts) and named in the status (``quarantine``). The runtime being away (admin API or HTTP errors)
+is not a crash: the round is retried. A configuration the learner refuses exits with status 2.
+
 Where each job lives: this module is the process (start-up, the round loop, signals, a dead parent server)
 and one update (samples → train → checkpoint → history); ``learner/scheduler.py`` decides when an update runs;
 ``learner/rollout_steps.py`` does the optimizer work with re-rollouts (RTPO, TCPO, group completion) and the
@@ -53,13 +62,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import structlog
 
 from learner.config import TrafficFilter
 from learner.publish import AdminError, RuntimeAdmin, clean_staging
+from learner.quarantine import BatchLedger, Outcome, error_record
 from learner.reasons import unused_reasons
 from learner.release import Release
 from learner.reward_plot import plot_rewards
@@ -79,6 +89,7 @@ from learner.service_state import (
     ServiceConfig,
     Status,
     _update_versions,
+    carried_over,
     learner_dir,
 )
 from learner.store import db_path, open_store
@@ -127,7 +138,10 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         s = cfg.settings.traffic
         # --agent names the one agent this learner trains (and gates) on; otherwise the [traffic] table decides
         self.traffic = TrafficFilter(chat=False, agents=[cfg.agent], models=s.models, tags=s.tags) if cfg.agent else s
-        self.status = Status(self.family, traffic=self.traffic.model_dump())
+        self.status = Status(self.family, traffic=self.traffic.model_dump(), **carried_over(self.dir))
+        self.ledger = BatchLedger(self.dir)
+        self._retry = False
+        self._failure: Outcome | None = None  # what the last failed update did to its batch's count (for the crash record)
         self._restart = (self.dir / RESTART_FILE).exists()  # a version was rejected: the next update starts from the champion's weights
         self._rejected_names: set[str] = set()  # versions refused or rolled back: never used for re-rollouts
         self._trained: list[Sample] = []  # the last update's samples (the parity probe picks its turns among them)
@@ -153,6 +167,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         if removed:
             log.info("removed half-published adapters", paths=[str(p) for p in removed])
         self._restore_cursor()
+        self._recover_batch()
         try:
             self.check_setup()
         except LearnerConfigError as exc:
@@ -167,6 +182,10 @@ class LearnerService(Scheduler, RolloutSteps, Release):
             except (AdminError, httpx.HTTPError) as exc:  # the runtime is away (restarting?): retry next round
                 self._set("error", f"runtime admin API: {exc}")
                 log.warning("learner round failed", error=str(exc))
+            except LearnerConfigError:
+                raise
+            except Exception as exc:  # anything else: record it and exit, so serve.py restarts us from the last checkpoint
+                self._crash(exc)
             finally:
                 self._busy = False
             self._sleep(self.cfg.poll_s)
@@ -178,10 +197,44 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         self._stop = True
 
     def _on_sigterm(self, *_: Any) -> None:
-        """Stop after this round; orphaned mid-round (the server died), abandon it: checkpoints and publishes are atomic."""
+        """Stop after this round; orphaned mid-round (the server died), abandon it: checkpoints and publishes are atomic.
+        Either way an update cut short from now on is a stop, not a failure of its batch (``ledger.terminating``)."""
+        self.ledger.terminating()
         self.stop()
         if self._busy and self._parent is not None and os.getppid() != self._parent:
             raise SystemExit(143)
+
+    # ---- crashes --------------------------------------------------------------------------------
+    def _recover_batch(self) -> None:
+        """At start: a batch the previous process did not finish is counted (a death mid-update is a failure) and retried
+        at the first round; the quarantine and a failing batch go into the status."""
+        outcome = self.ledger.recover()
+        if outcome is not None:
+            self._retry = True
+            if outcome.counted:
+                self.status.crashes += 1
+                self.status.last_error = outcome.error | {"failures": outcome.failures, "quarantined": outcome.quarantined}
+                log.error("the previous learner process died during an update", error=outcome.error["message"], failures=outcome.failures)
+            log.info("retrying the update the previous learner process did not finish", failures_so_far=outcome.failures)
+        self._ledger_status()
+
+    def _crash(self, exc: Exception) -> NoReturn:
+        """Record an update that raised (status ``error``, ``last_error``, the log) and exit with status 1."""
+        outcome, self._failure = self._failure, None
+        err = error_record(exc)
+        err |= {"failures": outcome.failures if outcome else 0, "quarantined": outcome.quarantined if outcome else []}
+        self.status.crashes += 1
+        self.status.last_error = err
+        self._ledger_status()
+        if outcome is not None and outcome.quarantined:
+            what = f"; its batch failed {outcome.failures} times: {len(outcome.quarantined)} trajectories quarantined"
+        elif outcome is not None:
+            what = f"; its batch failed {outcome.failures} of {self.ledger.after} times before quarantine"
+        else:
+            what = ""
+        self._set("error", f"update failed: {err['type']}: {err['message'][:300]}{what}; restarting from the last checkpoint")
+        log.error("learner update failed; exiting to restart from the last checkpoint", error=f"{err['type']}: {err['message']}", exc_info=exc)
+        raise SystemExit(1) from exc
 
     # ---- one update ----------------------------------------------------------------------------
     def check_setup(self) -> None:
@@ -236,7 +289,24 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         """One update; with ``force=False`` nothing happens (no version) when no sample is ready.
 
         With ``publish=False`` (an experiment is running) a trained version is held: checkpointed, not
-        published; ``tick`` publishes the newest held version once the experiment has decided."""
+        published; ``tick`` publishes the newest held version once the experiment has decided.
+
+        Between reading its batch and its checkpoint an update is in flight (``self.ledger``): an exception there counts
+        against the batch, unless it is a stop or the runtime being away (module docstring: crashes)."""
+        try:
+            return self._update(force, publish)
+        except (AdminError, httpx.HTTPError):
+            self.ledger.interrupted()
+            raise
+        except Exception as exc:
+            self._failure = self.ledger.failed(exc)
+            self._ledger_status()
+            raise
+        except BaseException:  # SystemExit (a SIGTERM while orphaned), KeyboardInterrupt: a stop
+            self.ledger.interrupted()
+            raise
+
+    def _update(self, force: bool, publish: bool) -> dict[str, Any]:
         self.check_setup()
         trainer = self._get_trainer()
         if self._restart:
@@ -255,6 +325,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
             cursor=Cursor.from_dict(trainer.cursor),
             cfg=self.cfg.settings.samples,
             traffic=self.traffic,
+            exclude=self.ledger.quarantined(),
         )
         samples = batch.samples
         skipped = batch.counts.as_dict()
@@ -266,8 +337,9 @@ class LearnerService(Scheduler, RolloutSteps, Release):
             self._set("waiting", self._nothing_to_train(why))
             return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
         self._baseline_state, self._warmup = None, set()
+        self.ledger.begin(s.trajectory_id for s in samples)  # until its checkpoint, a failure counts against this batch
         metrics, rerollouts, advantages, used = self._train(trainer, samples, skipped, own)
-        self._trained = used
+        self._trained = used or samples  # RTPO/TCPO steps report no one list: the parity probe picks among the live samples
         why = unused_reasons(skipped, used, advantages, warmup=self._warmup) | {"trained": metrics.trained_samples}
         keep = self.cfg.settings.samples.max_staleness + 1
         leap_next = int(trainer.cursor.get(LEAP_NEXT, 0)) + (self.cfg.settings.leap.problems_per_update if leap is not None else 0)
@@ -287,6 +359,8 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         }
         self._seen_since = batch.cursor.since
         trainer.save_checkpoint(self.dir / "checkpoints")
+        self.ledger.done()
+        self._ledger_status()
         (self.dir / RESTART_FILE).unlink(missing_ok=True)  # a restart from the champion is durable only from its first checkpoint on
         record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict(), "unused": why}
         self.status.last_reasons = why

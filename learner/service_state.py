@@ -1,7 +1,8 @@
 """What the learner service's jobs share: its configuration, its status, and the state and helpers they all use.
 
 ``ServiceConfig`` (what ``python -m learner run`` and ``serve.py`` pass in), ``Status`` (what
-``GET /admin/learner`` shows, written to ``status.json`` by ``ServiceState._set``), the file and cursor keys,
+``GET /admin/learner`` shows, written to ``status.json`` by ``ServiceState._set``; a restarted learner keeps its
+predecessor's last error and crash count, :func:`carried_over`), the file and cursor keys,
 and ``ServiceState``: the attributes ``LearnerService.__init__`` sets, read by the jobs in
 ``learner/scheduler.py``, ``learner/rollout_steps.py`` and ``learner/release.py``, and the small queries of the
 runtime they all make (the champion, the agent's task, the base model's name, the newest published version).
@@ -23,6 +24,7 @@ import structlog
 
 from learner.config import LearnerSettings, TrafficFilter, schedule_default
 from learner.publish import AdminError, RuntimeAdmin
+from learner.quarantine import BatchLedger
 from learner.samples import Sample
 
 log = structlog.get_logger(__name__)
@@ -44,6 +46,18 @@ class LearnerConfigError(ValueError):
 
 def learner_dir(data_dir: Path, family: str) -> Path:
     return Path(data_dir) / "learner" / family
+
+
+CARRIED = ("last_error", "crashes")  # what a restarted learner keeps of its predecessor's status
+
+
+def carried_over(folder: Path) -> dict[str, Any]:
+    """The fields of ``CARRIED`` from the status the previous learner process of ``folder`` left (empty when none is readable)."""
+    try:
+        old = json.loads((folder / "status.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {k: old[k] for k in CARRIED if isinstance(old, dict) and old.get(k) is not None}
 
 
 @dataclass
@@ -86,6 +100,11 @@ class Status:
     restarts: int = 0  # times the trainer restarted from the champion after a rejected version
     traffic: dict[str, Any] = field(default_factory=dict)  # the traffic filter this learner trains on
     sources: dict[str, Any] = field(default_factory=dict)  # the last update's own rollouts: PATR budget, RODS pool figures
+    # supervision (learner/quarantine.py; serve.py's restarts are in supervisor.json, merged in by GET /admin/learner)
+    last_error: dict[str, Any] | None = None  # the last crash: type, message, traceback (last lines), at, failures of its batch
+    crashes: int = 0  # updates that raised and processes that died mid-update, counted across restarts of the learner
+    failing_batch: dict[str, Any] | None = None  # a batch that failed once and is retried: trajectories, suspects, failures, since
+    quarantine: dict[str, Any] = field(default_factory=dict)  # quarantined trajectories: count, batches, the newest (ids, when, why)
     pid: int = field(default_factory=os.getpid)
     updated_at: float = field(default_factory=time.time)
 
@@ -114,6 +133,8 @@ class ServiceState:
     _seen_since: float
     _checked: bool
     _parent: int | None
+    ledger: BatchLedger  # the in-flight marker and the quarantine (learner/quarantine.py)
+    _retry: bool  # the previous process did not finish an update: run one at the first round
 
     def _get_trainer(self) -> Any:
         if self._trainer is None:
@@ -155,6 +176,11 @@ class ServiceState:
             self.admin._call("DELETE", f"/admin/adapters/{name}", idempotent=True)
         except AdminError as exc:
             log.warning("could not unload a refused version", adapter=name, error=str(exc))
+
+    def _ledger_status(self) -> None:
+        """The quarantine and a failing batch, as the ledger files say, into the status (written by the next ``_set``)."""
+        self.status.quarantine = self.ledger.summary()
+        self.status.failing_batch = self.ledger.pending()
 
     def _set(self, state: str, detail: str) -> None:
         self.status.state, self.status.detail, self.status.updated_at = state, detail, time.time()

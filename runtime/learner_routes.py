@@ -10,6 +10,13 @@ boundary histogram (``loopwise_learner_rods_*``), PATR's sampled tokens, tool ca
 (``loopwise_learner_patr_*``), read at scrape time. Files keep the runtime free of learner imports and work when the learner runs on
 another host that shares the data folder.
 
+Supervision: ``serve.py`` writes ``supervisor.json`` next to a learner's status (``learner/supervisor.py``: restarts,
+last exit code or signal and when, the learner's error, the next restart); it is merged into that learner's status
+as ``supervisor`` (a learner in backoff or stopped by its supervisor is not ``running``; one that crashed before it
+wrote any status is listed from that file alone). The learner's own ``last_error``, ``crashes``, ``failing_batch``
+and ``quarantine`` (``learner/quarantine.py``) are in its status. ``/metrics`` adds ``loopwise_learner_restarts_total``,
+``loopwise_learner_crashes_total`` and ``loopwise_learner_quarantined_trajectories``.
+
 Not here: training (``learner/``).
 """
 
@@ -32,25 +39,50 @@ from runtime.store_routes import check_admin_key
 
 MAX_HISTORY = 1000  # updates per learner one GET /admin/learner returns at most
 STALE_S = 120.0  # a status not refreshed for this long belongs to a learner that is not running
+SUPERVISOR_FILE = "supervisor.json"  # written by serve.py's supervisor (learner/supervisor.py)
+SUPERVISED_DOWN = ("backoff", "stopped", "failed")  # supervisor states in which no learner process runs
 
 
 def _statuses(root: Path, history: int = 20) -> list[dict[str, Any]]:
     """Every learner's status with its last ``history`` updates (``GET /admin/learner?history=N``; ``/metrics`` asks for none)."""
     out = []
-    for path in sorted(root.glob("*/status.json")):
+    folders = sorted({p.parent for p in root.glob("*/status.json")} | {p.parent for p in root.glob(f"*/{SUPERVISOR_FILE}")})
+    for folder in folders:
+        path = folder / "status.json"
+        supervisor = _read_supervisor(folder)
+        if not path.exists() and supervisor is not None:  # started (and maybe crashed) before it wrote a status
+            down = supervisor.get("state") in SUPERVISED_DOWN
+            detail = "the learner process exited before it reported" if down else "the learner process is starting"
+            state = "error" if down else "starting"
+            out.append({"family": folder.name, "state": state, "detail": detail, "running": not down, "supervisor": supervisor})
+            continue
         try:
             status = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:  # mid-replace on another host, or damaged: report, don't fail
-            out.append({"family": path.parent.name, "state": "unknown", "detail": f"unreadable status: {exc}"})
+            out.append({"family": folder.name, "state": "unknown", "detail": f"unreadable status: {exc}"})
             continue
         age = time.time() - float(status.get("updated_at", 0))
         status["running"] = status.get("state") != "stopped" and age < STALE_S
+        if supervisor is not None:
+            status["supervisor"] = supervisor
+            # down since the supervisor's last word, unless a learner (on another host?) wrote its status after that
+            down = supervisor.get("state") in SUPERVISED_DOWN and float(status.get("updated_at", 0)) <= float(supervisor.get("updated_at") or 0)
+            status["running"] = status["running"] and not down
         status["status_age_s"] = round(age, 1)
-        hist = path.parent / "history.jsonl"
+        hist = folder / "history.jsonl"
         if history > 0:
             status["history"] = _tail_jsonl(hist, history)
         out.append(status)
     return out
+
+
+def _read_supervisor(folder: Path) -> dict[str, Any] | None:
+    """``supervisor.json`` of a learner folder, None when absent or unreadable (then the status stands alone)."""
+    try:
+        data = json.loads((folder / SUPERVISOR_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _tail_jsonl(path: Path, n: int) -> list[dict[str, Any]]:
@@ -106,6 +138,17 @@ class LearnerCollector:
         version = GaugeMetricFamily("loopwise_learner_version", "the learner's trainer version", labels=["family"])
         running = GaugeMetricFamily("loopwise_learner_running", "1 while the learner keeps its status fresh", labels=["family"])
         updates = CounterMetricFamily("loopwise_learner_updates", "updates run by the learner", labels=["family"])
+        restarts = CounterMetricFamily(
+            "loopwise_learner_restarts", "times serve.py restarted the learner process after it exited (this server run)", labels=["family"]
+        )
+        crashes = CounterMetricFamily(
+            "loopwise_learner_crashes", "updates that raised, and learner processes that died mid-update", labels=["family"]
+        )
+        quarantined = GaugeMetricFamily(
+            "loopwise_learner_quarantined_trajectories",
+            "trajectories quarantined after their batch failed twice (later updates skip them)",
+            labels=["family"],
+        )
         gauges = {k: GaugeMetricFamily(name, doc, labels=["family"]) for k, (name, doc) in LEARNER_GAUGES.items()}
         parity = GaugeMetricFamily(
             "loopwise_learner_parity_logp_diff",
@@ -121,6 +164,12 @@ class LearnerCollector:
             version.add_metric([fam], float(st.get("version") or 0))
             running.add_metric([fam], 1.0 if st.get("running") else 0.0)
             updates.add_metric([fam], float(st.get("updates") or 0))
+            sup = st.get("supervisor")
+            if isinstance(sup, dict) and isinstance(sup.get("restarts"), int):
+                restarts.add_metric([fam], float(sup["restarts"]))
+            crashes.add_metric([fam], float(st.get("crashes") or 0))
+            q = st.get("quarantine")
+            quarantined.add_metric([fam], float(q.get("trajectories") or 0) if isinstance(q, dict) else 0.0)
             for k, g in gauges.items():
                 v = (st.get("last_metrics") or {}).get(k)
                 if isinstance(v, int | float):
@@ -142,6 +191,9 @@ class LearnerCollector:
         yield version
         yield running
         yield updates
+        yield restarts
+        yield crashes
+        yield quarantined
         yield from gauges.values()
         yield from sources.values()
         yield hist

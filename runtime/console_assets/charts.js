@@ -309,12 +309,53 @@
     return out;
   }
 
+  // What crashed, how often, and what was quarantined (serve.py's supervisor.json, the learner's last_error and
+  // quarantine: learner/supervisor.py, learner/quarantine.py); null while none of it has happened.
+  function learnerHealth(st) {
+    const obj = (v) => (v && typeof v === "object" ? v : null);
+    const sup = obj(st.supervisor);
+    const err = obj(st.last_error);
+    const q = obj(st.quarantine) || {};
+    const fb = obj(st.failing_batch);
+    const restarted = sup && (num(sup.restarts) > 0 || (sup.state && sup.state !== "running" && sup.state !== "stopped"));
+    if (!err && !(num(q.trajectories) > 0) && !fb && !restarted && !(num(st.crashes) > 0)) return null;
+    const box = el("div", { class: "health", dataset: { testid: "learner-health" } }, el("h4", { text: "crashes and quarantine" }));
+    const rows = [];
+    if (sup) {
+      const next = sup.state === "backoff" && num(sup.next_restart_at) !== null ? `; next restart in ${Math.max(0, Math.round(sup.next_restart_at - Date.now() / 1000))} s` : "";
+      rows.push(["restarts", `${sup.restarts ?? 0}${next}`]);
+      if (num(sup.last_exit_at) !== null) rows.push(["last exit", `${sup.last_exit_signal || "exit code " + sup.last_exit_code}, ${fmtAgo(sup.last_exit_at)} (after ${fmt(sup.last_ran_s, 1)} s)`]);
+      if (sup.state === "failed") rows.push(["supervisor", "not restarted: the learner refused its configuration"]);
+    }
+    rows.push(["crashes", st.crashes ?? 0]);
+    if (fb) rows.push(["failing batch", `${fb.failures} failure(s), ${fb.suspects} suspect trajectories: retried, quarantined at the next failure`]);
+    rows.push(["quarantined", `${q.trajectories || 0} trajectories in ${q.batches || 0} batches`]);
+    box.append(kv(rows));
+    if (err) {
+      box.append(el("p", { class: "error-line", dataset: { testid: "learner-error" }, text: `last error (${fmtAgo(err.at)}): ${err.type}: ${err.message}` }));
+      if (Array.isArray(err.traceback) && err.traceback.length) box.append(el("pre", { class: "traceback", text: err.traceback.join("\n") }));
+    }
+    const recent = Array.isArray(q.recent) ? q.recent : [];
+    if (recent.length) {
+      const items = recent.map((b) => {
+        const ids = Array.isArray(b.trajectory_ids) ? b.trajectory_ids : [];
+        const shown = ids.slice(0, 10).join(", ") + (ids.length > 10 ? ` and ${ids.length - 10} more` : "");
+        return el("li", { text: `${fmtDateTime(b.at)}: ${ids.length} trajectories (${shown}): ${b.reason || "?"}` });
+      });
+      box.append(el("ul", { class: "why", dataset: { testid: "learner-quarantine" } }, items));
+    }
+    return box;
+  }
+
   function learnerPanel(st, opts) {
     opts = opts || {};
     const hist = Array.isArray(st.history) ? st.history : [];
     const panel = el("section", { class: "panel learner", dataset: { testid: "learner", family: st.family || "" } });
     const head = el("header", { class: "panel-head" }, el("h3", { text: `learner · ${st.family || "?"}` }), badge(st.state || "unknown"));
     if (st.running === false) head.append(badge("not running", "stopped"));
+    const supState = st.supervisor && st.supervisor.state;
+    if (supState === "backoff") head.append(badge("restarting", "error"));
+    else if (supState === "failed") head.append(badge("not restarted", "error"));
     if (opts.actions) head.append(opts.actions);
     panel.append(head);
     panel.append(kv([
@@ -326,6 +367,8 @@
       ["last update", st.last_update_at ? fmtAgo(st.last_update_at) : "–"],
     ]));
     panel.append(el("ul", { class: "why", dataset: { testid: "learner-why" } }, learnerWhy(st).map((t) => el("li", { text: t }))));
+    const health = learnerHealth(st);
+    if (health) panel.append(health);
     const trained = hist.filter((h) => h && h.metrics && Object.keys(h.metrics).length);
     const gated = hist.filter((h) => h && h.gate && num(h.gate.new_success) !== null);
     const width = opts.width;
@@ -375,8 +418,9 @@
       ["family", cfg.family || "–"],
       ["champion", ex.champion || "–"],
       ["winner", ex.winner || (ex.status === "running" ? "undecided" : "–")],
-      ["metric", cfg.metric || "any reward"],
-      ["samples per arm", `min ${cfg.min_samples ?? "–"}` + (cfg.max_samples ? `, max ${cfg.max_samples}` : "")],
+      ["metric", cfg.metric || (Array.isArray(cfg.reward_sources) ? `best-ranked of ${cfg.reward_sources.join(", ")}` : cfg.sources === "any" ? "any reward" : "verifier:* and judge:*")],
+      ["evidence", ex.evidence || "–"],
+      ["samples per arm", `min ${cfg.min_samples ?? "–"}` + (cfg.max_samples ? `, max ${cfg.max_samples}` : "") + (cfg.max_duration_s ? `; ends undecided after ${cfg.max_duration_s} s` : "")],
       ["alpha", cfg.alpha ?? "–"],
       ["started", fmtDateTime(ex.started_at)],
       ["decided", final ? `${final.action} at ${fmtDateTime(final.time)}` : "–"],
@@ -419,5 +463,5 @@
     return panel;
   }
 
-  root.LW = { el, svg, num, fmt, fmtP, fmtTime, fmtDateTime, fmtAgo, badge, kv, table, niceTicks, columns, cellWidth, lineChart, ciChart, learnerPanel, learnerWhy, experimentPanel };
+  root.LW = { el, svg, num, fmt, fmtP, fmtTime, fmtDateTime, fmtAgo, badge, kv, table, niceTicks, columns, cellWidth, lineChart, ciChart, learnerPanel, learnerWhy, learnerHealth, experimentPanel };
 })(window);

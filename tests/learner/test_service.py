@@ -111,6 +111,11 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     assert not (data / "adapters" / "fam" / "v3").exists()
     history = [json.loads(x) for x in (learner_dir(data, "fam") / "history.jsonl").read_text().splitlines()]
     assert history[-1]["version"] == 3 and history[-1]["gate"]["decision"] == "held"
+    # the learner's own runs (re-rollouts, siblings, data engines) sample the held weights, never the experiment's arms:
+    # an unaliased fam@3, which the release below then uses as it is
+    assert svc._rollout_model(svc._get_trainer()) == "fam@3"
+    assert json.loads((data / "adapters" / "fam" / "v3" / "manifest.json").read_text())["held"] is True
+    assert admin(server, "GET", "/admin/adapters").json()["aliases"] == {"fam": "fam@1"}
     # once the experiment has decided (here: stopped by hand), the held version is published, gated and put up against the champion
     assert admin(server, "POST", "/admin/experiments/fam-v2/stop", json={}).status_code == 200
     assert svc.tick() is True
@@ -299,8 +304,8 @@ def test_a_learner_killed_after_an_intermediate_publish_resumes(server, tiny_mod
     svc = rr_service(server, tiny_model_path, "rk", "rtpo", {"branches": 1, "siblings": 2, "refresh": True})
     real = svc._publish_intermediate
 
-    def publish_then_die(trainer):
-        real(trainer)
+    def publish_then_die(trainer, **kw):
+        real(trainer, **kw)
         raise SystemExit("killed")
 
     svc._publish_intermediate = publish_then_die  # type: ignore[method-assign]
@@ -612,7 +617,7 @@ def test_reves_runs_each_update_from_the_next_items_with_the_current_policy(tmp_
         agent="a",
     )
     svc = LearnerService(cfg)
-    monkeypatch.setattr(svc, "_rollout_model", lambda: "fam@4")
+    monkeypatch.setattr(svc, "_rollout_model", lambda trainer: "fam@4")
     out = svc._reves_round(SimpleNamespace(version=4, cursor={"reves_next_item": 6}))
     assert calls == [("a", 6, 4000, "fam@4", 3)] and out["items"] == [6, 9]
     with pytest.raises(Exception, match=r"\[reves\] enabled needs the learner's agent"):
@@ -620,14 +625,19 @@ def test_reves_runs_each_update_from_the_next_items_with_the_current_policy(tmp_
     svc.store.close()
 
 
-def test_group_completion_trains_one_off_chat_turns(server, tiny_model_path):
-    """Two one-off chat prompts with feedback: the learner samples 2 siblings of each from the recorded context
-    through the runtime, the hook scores each group 0, 1, 2, and GRPO trains the 4 members with advantage +-1."""
-    for p in ("first one-off", "second one-off"):
+def test_a_thumbs_up_answer_is_never_trained_down_by_group_completion(server, tiny_model_path):
+    """Two one-off chat prompts, a thumbs-down (0) and a thumbs-up (1), and a hook that scores each original lowest of
+    its group (0, its 2 siblings 1 and 2). The thumbs-down group agrees with its label and trains: GRPO on [0, 1, 2]
+    (mean 1, std 1) gives -1, 0, +1, the original down. The thumbs-up group contradicts its label, so it is skipped and
+    counted; that answer keeps the user's own reward under the running baseline (the first reward of its key only seeds
+    the baseline: advantage 0), and is never trained down."""
+    ids: dict[float, str] = {}
+    for p, reward in (("first one-off", 0.0), ("second one-off", 1.0)):
         r = httpx.post(
             server.url + "/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": p}], "max_tokens": 4}, timeout=60
         )
-        fb = httpx.post(server.url + "/feedback", json={"turn_id": r.json()["loopwise"]["turn_id"], "reward": 1.0}, timeout=60)
+        ids[reward] = r.json()["loopwise"]["trajectory_id"]
+        fb = httpx.post(server.url + "/feedback", json={"turn_id": r.json()["loopwise"]["turn_id"], "reward": reward}, timeout=60)
         assert fb.status_code == 200, fb.text
     s = settings().model_dump()
     s.update(family="gc", traffic={"chat": True, "agents": []})
@@ -641,11 +651,30 @@ def test_group_completion_trains_one_off_chat_turns(server, tiny_model_path):
         settings=LearnerSettings.model_validate(s),
         gate_n=0,
     )
-    record = LearnerService(cfg).update()
-    assert record["group_completion"]["completed_groups"] == 2 and record["group_completion"]["siblings"] == 4
-    # GRPO on [0, 1, 2]: mean 1, std 1, so A = -1, 0, +1; the middle member of each group has nothing to learn
-    assert record["metrics"]["optimizer_step"] is True and record["metrics"]["trained_samples"] == 4
-    assert record["unused"]["counts"]["at_group_mean"] == 2
+    svc = LearnerService(cfg)
+    steps = []  # what the optimizer step got: (metrics, report, advantages, samples)
+    train = svc._train
+
+    def spy(*a, **kw):
+        steps.append(train(*a, **kw))
+        return steps[-1]
+
+    svc._train = spy
+    record = svc.update()
+    gc = record["group_completion"]
+    assert (gc["completed_groups"], gc["siblings"], gc["contradicted"], gc["failed"]) == (1, 2, 1, 0)
+    assert gc["version_mix"] == {"original base, siblings base": 1}  # no version published yet: the base model made all of them
+    [(_, _, advantages, samples)] = steps
+    adv: dict[str, list[float]] = {}
+    for sample, a in zip(samples, advantages, strict=True):
+        adv.setdefault(sample.trajectory_id, []).append(a)
+    [up] = [x for x in samples if x.trajectory_id == ids[1.0]]
+    assert adv[ids[1.0]] == [0.0] and (up.reward, up.reward_source) == (1.0, "feedback")  # its own label, not the hook's 0
+    assert adv[ids[0.0]] == [pytest.approx(-1.0, abs=1e-5)]  # the thumbs-down answer scored lowest: trained down
+    siblings = sorted(a for tid, a_s in adv.items() if tid not in ids.values() for a in a_s)
+    assert siblings == [pytest.approx(0.0, abs=1e-9), pytest.approx(1.0, abs=1e-5)]
+    assert record["metrics"]["optimizer_step"] is True and record["metrics"]["trained_samples"] == 2
+    assert record["unused"]["counts"]["at_group_mean"] == 1 and record["unused"]["counts"]["baseline_warmup"] == 1
     assert admin(server, "GET", "/admin/adapters").json()["aliases"]["gc"] == "gc@1"
 
 
@@ -703,7 +732,7 @@ def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(serve
     assert "par@2" not in {a["name"] for a in admin(server, "GET", "/admin/adapters").json()["data"]}
     assert svc._restart is True  # the next update starts from the champion, par@1
     assert LearnerService(svc.cfg)._restart is True  # also after a learner restart
-    assert svc._rollout_model() == "par@1"  # re-rollouts are never sampled from the refused version
+    assert svc._rollout_model(svc._get_trainer()) == "par@1"  # re-rollouts are never sampled from the refused version
 
     # the next update starts from the champion's (par@1's) weights with a fresh optimizer, not from the refused par@2's
     from safetensors.torch import load_file
