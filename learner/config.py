@@ -26,7 +26,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 # the runtime's own evaluators first (clients cannot send verifier:*, judge:* or hook:* rewards), then users' feedback, then the rest
-DEFAULT_REWARD_SOURCES = ("verifier:*", "judge:*", "hook:*", "feedback", "*")
+DEFAULT_REWARD_SOURCES = ("verifier:*", "judge:*", "hook:*", "*")
 
 
 class LoRAConfig(BaseModel):
@@ -182,7 +182,7 @@ class SampleConfig(BaseModel):
             "reward of the first matching pattern counts, and within one group every member is scored by the group's best "
             "source (members that only have a lower one lose that reward), so a verifier's rewards and a user's are never "
             "compared; sources matching no pattern are ignored. Default: the runtime's verifiers, then its judges, then "
-            "the learner's reward hooks, then user feedback, then any other source"
+            "the learner's reward hooks, then every other source alike (users' feedback, whatever source name the client gives it)"
         ),
     )
     owners: tuple[str, ...] | None = Field(
@@ -548,7 +548,7 @@ class LearnerSettings(BaseModel):
     reves: RevesConfig = Field(default_factory=RevesConfig)
     parity: ParityConfig = Field(default_factory=ParityConfig)
     ab_max_duration_s: float = Field(
-        1800.0,
+        900.0,
         gt=0,
         description=(
             "the learner's A/B experiments end undecided ('inconclusive': the champion stays, the held version is released next) "

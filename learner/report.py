@@ -83,7 +83,8 @@ def experiments(store: SqliteStore) -> list[dict[str, Any]]:
     out = []
     for name, config, state in ExperimentStore(store).load():
         champion = state.get("champion")
-        obs = {a["adapter"]: store.arm_observations(a["adapter"], state.get("started_at", 0.0), config.get("metric")) for a in config.get("arms", [])}
+        since, until = state.get("started_at", 0.0), state.get("ended_at")
+        obs = {a["adapter"]: store.arm_observations(a["adapter"], since, config.get("metric"), until=until) for a in config.get("arms", [])}
         arms = []
         for a in config.get("arms", []):
             o = obs[a["adapter"]]

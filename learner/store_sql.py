@@ -469,13 +469,16 @@ class StoreQueries:
         return out
 
     # ---- the A/B experiments' per-arm data (their config and state: runtime/experiments_store.py) ----
-    def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[Any]]:
+    def arm_observations(
+        self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True, until: float | None = None
+    ) -> dict[str, list[Any]]:
         """For one adapter version since ``since``: the rewards on its turns and on the trajectories it served (a
         verifier's outcome reward is on the trajectory), of one ``source``, or with ``source=None`` of the trusted
         sources (the runtime's own ``verifier:*`` and ``judge:*``; every source with ``trusted_only=False``), in
         the order they came (ties: in the order they were stored); and per turn, oldest first, its total latency
         and output tokens/s. Work done through the admin API (owner ``admin``: the learner's own runs, re-rollouts,
         siblings, gate and evaluation runs) is never an observation: an A/B experiment judges by users' evidence.
+        ``until`` (an experiment's end) leaves out rewards given, and turns made, after it: a decided experiment's figures stay.
 
         ``evidence`` has one row per reward, in the same order: ``(value, source, target, target_id, owner)``, for
         the experiments' source and owner rules (``runtime/experiments.py``)."""
@@ -486,20 +489,22 @@ class StoreQueries:
             where_source, source_args = " AND (r.source LIKE 'verifier:%' OR r.source LIKE 'judge:%')", []
         else:
             where_source, source_args = "", []
+        end = float("inf") if until is None else until
         cols = f"r.value, r.created_at, r.{d.order}, r.source, r.target, r.target_id, r.owner"
         query = f"""SELECT {cols} FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
-                    WHERE t.adapter {d.same} ? AND t.created_at >= ? AND r.owner <> ?{where_source}
+                    WHERE t.adapter {d.same} ? AND t.created_at >= ? AND r.owner <> ? AND r.created_at <= ?{where_source}
                     UNION ALL
                     SELECT {cols} FROM rewards r
                     WHERE r.target = 'trajectory' AND r.target_id IN
-                          (SELECT DISTINCT trajectory_id FROM turns WHERE adapter {d.same} ? AND created_at >= ?) AND r.owner <> ?{where_source}
+                          (SELECT DISTINCT trajectory_id FROM turns WHERE adapter {d.same} ? AND created_at >= ?)
+                          AND r.owner <> ? AND r.created_at <= ?{where_source}
                     ORDER BY 2, 3"""
-        one: list[Any] = [adapter, since, ADMIN_OWNER, *source_args]
+        one: list[Any] = [adapter, since, ADMIN_OWNER, end, *source_args]
         timings_sql = f"""SELECT {d.byte_length}(output_ids), timings FROM turns
-                          WHERE adapter {d.same} ? AND created_at >= ? AND owner <> ? ORDER BY created_at, {d.order}"""
+                          WHERE adapter {d.same} ? AND created_at >= ? AND created_at <= ? AND owner <> ? ORDER BY created_at, {d.order}"""
         with self._read() as conn:
             rows = conn.execute(self._q(query), one + one).fetchall()
-            timing_rows = conn.execute(self._q(timings_sql), (adapter, since, ADMIN_OWNER)).fetchall()
+            timing_rows = conn.execute(self._q(timings_sql), (adapter, since, end, ADMIN_OWNER)).fetchall()
         rewards = [row[0] for row in rows]
         evidence = [(row[0], row[3], row[4], row[5], row[6]) for row in rows]
         latency, tps = [], []

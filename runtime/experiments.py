@@ -21,7 +21,8 @@ to that arm, and once every challenger is rolled back the experiment ends (``rol
 ``max_samples``, an experiment still undecided when every live arm has that many rewards ends
 ``inconclusive`` (the champion stays), so an A/B between near-equal versions cannot run forever; with
 ``max_duration_s`` it also ends ``inconclusive`` once that much time has passed undecided, evidence or none
-(the status says ``evidence`` in words while an arm has none).
+(the status says ``evidence`` in words while an arm has none). A decided experiment's figures are those at its end
+(``ended_at``): later rewards on its arms' turns do not move them.
 Each change of a challenger's p-value is kept in ``p_history`` (time, p, both arms' n; at most
 ``P_HISTORY_MAX`` points, thinned evenly), so the p-value can be drawn over time.
 Config, state and every decision are saved in the store (``runtime/experiments_store.py``), so experiments
@@ -103,7 +104,9 @@ class ExperimentConfig(BaseModel):
 class _Store(ExperimentDatabase, Protocol):
     """The interaction store: the database that keeps the experiments (``ExperimentStore``) and answers the arms' data."""
 
-    def arm_observations(self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True) -> dict[str, list[Any]]: ...
+    def arm_observations(
+        self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True, until: float | None = None
+    ) -> dict[str, list[Any]]: ...
 
 
 class _Registry(Protocol):
@@ -177,7 +180,7 @@ class Experiments:
     def stop(self, name: str) -> dict[str, Any]:
         state = self._state(name)
         if state["status"] == "running":
-            state["status"] = "stopped"
+            state["status"], state["ended_at"] = "stopped", time.time()
             state["decisions"].append({"time": time.time(), "action": "stop", "arm": None, "reason": "stopped by an admin"})
             self.saved.save(name, self.configs[name].model_dump(), state)
         return self.status(name)
@@ -187,18 +190,18 @@ class Experiments:
         if arm not in {a.adapter for a in cfg.arms}:
             raise ExperimentError(f"{arm} is not an arm of {name}")
         self.registry.set_alias(cfg.family, arm)
-        state.update(status="promoted", winner=arm)
+        state.update(status="promoted", winner=arm, ended_at=time.time())
         state["decisions"].append({"time": time.time(), "action": "promote", "arm": arm, "reason": reason})
         self.saved.save(name, cfg.model_dump(), state)
         return self.status(name)
 
-    def _observations(self, cfg: ExperimentConfig, since: float) -> dict[str, dict[str, list[Any]]]:
-        """Every arm's observations under the experiment's source and owner rules (module docstring)."""
+    def _observations(self, cfg: ExperimentConfig, state: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
+        """Every arm's observations under the experiment's source and owner rules (module docstring), from its start to its
+        end (``ended_at``: a decided experiment's figures no longer move)."""
         patterns = cfg.reward_sources
-        raw = {
-            a.adapter: self.store.arm_observations(a.adapter, since, cfg.metric, trusted_only=cfg.sources == "trusted" and patterns is None)
-            for a in cfg.arms
-        }
+        trusted = cfg.sources == "trusted" and patterns is None
+        since, until = float(state["started_at"]), state.get("ended_at")
+        raw = {a.adapter: self.store.arm_observations(a.adapter, since, cfg.metric, trusted_only=trusted, until=until) for a in cfg.arms}
         rows = {arm: [e for e in o["evidence"] if cfg.owners is None or e[4] in cfg.owners] for arm, o in raw.items()}
         if patterns is not None:  # one source for the experiment: the best rank present on any arm, turn and trajectory rewards alike
             ranks = {arm: [source_rank(e[1], patterns) for e in es] for arm, es in rows.items()}
@@ -232,7 +235,7 @@ class Experiments:
         cfg, state = self.configs[name], self._state(name)
         if state["status"] != "running":
             return self.status(name)
-        obs = self._observations(cfg, state["started_at"])
+        obs = self._observations(cfg, state)
         champion = state["champion"]
         changed = False
         for arm in cfg.arms:
@@ -275,14 +278,14 @@ class Experiments:
             status, reason = "inconclusive", f"no decision after {cfg.max_duration_s:g} s ({counts}; {cfg.describe_sources()}): the champion stays"
         else:
             return False
-        state["status"] = status
-        state["decisions"].append({"time": time.time(), "action": "end", "arm": None, "reason": reason})
+        state["status"], state["ended_at"] = status, time.time()
+        state["decisions"].append({"time": state["ended_at"], "action": "end", "arm": None, "reason": reason})
         return True
 
     def status(self, name: str, obs: dict[str, dict[str, list[float]]] | None = None) -> dict[str, Any]:
         cfg, state = self.configs[name], self._state(name)
         if obs is None:
-            obs = self._observations(cfg, state["started_at"])
+            obs = self._observations(cfg, state)
         champion = state["champion"]
         arms = []
         for a in cfg.arms:

@@ -67,8 +67,8 @@ def arms(server: Any) -> dict[str, int]:
 
 def test_users_named_feedback_decides_and_the_learners_runs_never_count(server):
     body = learner_experiment()
-    assert body["reward_sources"] == ["verifier:*", "judge:*", "hook:*", "feedback", "*"] and body["max_owner_share"] == 0.5
-    assert body["max_duration_s"] == 1800.0
+    assert body["reward_sources"] == ["verifier:*", "judge:*", "hook:*", "*"] and body["max_owner_share"] == 0.5
+    assert body["max_duration_s"] == 900.0
     r = httpx.post(server.base_url + "/admin/experiments", json=body, headers=auth(ADMIN), timeout=30)
     assert r.status_code == 200, r.text
 

@@ -259,3 +259,17 @@ def test_an_experiment_without_evidence_ends_inconclusive_after_its_time(tmp_pat
     status = exps.evaluate("e")
     assert status["status"] == "inconclusive" and "no decision after 600 s" in status["decisions"][-1]["reason"]
     assert reg.aliases()["f"] == "f@1"
+
+
+def test_a_decided_experiments_figures_stay_as_they_were_at_its_end(tmp_path):
+    store = SqliteStore(tmp_path / "x.db")
+    exps = Experiments(store, registry_with("f@1", "f@2"))
+    exps.create(config(max_samples=40), {"f@1", "f@2"})
+    same = [float(i % 2) for i in range(40)]
+    add_rewards(store, "f@1", same, 0)
+    add_rewards(store, "f@2", same, 0)
+    ended = exps.evaluate("e")
+    assert ended["status"] == "inconclusive" and ended["ended_at"] >= ended["started_at"]
+    add_rewards(store, "f@1", [1.0] * 30, 100)  # the champion goes on serving, and its users go on rating
+    again = exps.status("e")
+    assert [a["n"] for a in again["arms"]] == [40, 40] and again["arms"][0]["mean_reward"] == ended["arms"][0]["mean_reward"]
