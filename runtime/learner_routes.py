@@ -215,7 +215,8 @@ def install_learner_routes(app: FastAPI, data_dir: Path, admin_key: str | None, 
         check_admin_key(request, admin_key)
         body = await read_json(request) if int(request.headers.get("content-length") or 0) else {}
         family = body.get("family")
-        families = [p.parent.name for p in root.glob("*/status.json")]
+        # a learner the supervisor started that has not reported yet takes the request when it starts
+        families = sorted({p.parent.name for p in root.glob("*/status.json")} | {p.parent.name for p in root.glob(f"*/{SUPERVISOR_FILE}")})
         if family is not None:
             if family not in families:
                 raise APIError(404, f"no learner for family {family!r} (known: {', '.join(families) or 'none'})", param="family", code="not_found")
