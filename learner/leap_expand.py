@@ -234,6 +234,7 @@ async def _expand(
     timeout_s: float,
     transport: httpx.AsyncBaseTransport | None,
     admin: bool,
+    model: str | None = None,
 ) -> tuple[dict[str, int], dict[str, list[dict[str, Any]]], PruneReport, dict[str, list[dict[str, Any]]]]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(max(1, concurrency))
@@ -244,6 +245,8 @@ async def _expand(
             body: dict[str, Any] = {"task": TASK, **problem_ref(i), "seed": seed, "sample_seed": k, "max_turns": turns}
             if group is not None:
                 body["group"] = group
+            if model is not None:
+                body["model"] = model
             async with sem:
                 r = await client.post(f"/{'admin' if admin else 'v1'}/agents/{agent}/runs", json=body)
             if r.status_code != 200:
@@ -289,13 +292,15 @@ def expand(
     probe_out: list[ProbeSample] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     admin: bool = False,
+    model: str | None = None,
 ) -> ExpandReport:
     """Probe, prune and expand ``task_names_or_indices`` of the ``kernels`` task through ``agent`` (module docstring).
 
     ``max_turns`` is the expansion's turn cap (the agent's own: 4 for ``kernel-agent``). ``probe_out``, if given,
     receives every probe sample (for saving as a probe file that ``python -m learner.leap --probe`` reads);
     ``transport`` replaces httpx's network transport (tests). ``admin``: ``api_key`` is the runtime's admin key
-    and the runs go through ``POST /admin/agents/{agent}/runs`` (the learner's runs; the admin key is refused on /v1).
+    and the runs go through ``POST /admin/agents/{agent}/runs`` (the learner's runs; the admin key is refused on /v1);
+    ``model`` (a ``family@N``) runs them on that policy instead of the agent's own model (the learner: its current weights).
     Raises :class:`RunFailed` on a server error and :class:`ProbeParseError` on a probe it cannot read."""
     if G < 1 or max_turns < 1:
         raise ValueError(f"need G >= 1 and max_turns >= 1, got G={G}, max_turns={max_turns}")
@@ -319,6 +324,7 @@ def expand(
             timeout_s=timeout_s,
             transport=transport,
             admin=admin,
+            model=model,
         )
     )
     if probe_out is not None:

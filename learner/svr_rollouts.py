@@ -24,12 +24,23 @@ __all__ = ["adaptive_report", "calibration_error", "fixed_horizon_runs"]
 
 
 def fixed_horizon_runs(
-    base_url: str, api_key: str | None, agent: str, cfg: SVRConfig, *, first_problem: int, sample_seed: int, concurrency: int = 8, **kw: Any
+    base_url: str,
+    api_key: str | None,
+    agent: str,
+    cfg: SVRConfig,
+    *,
+    first_problem: int,
+    sample_seed: int,
+    concurrency: int = 8,
+    model: str | None = None,
+    **kw: Any,
 ) -> dict[str, Any]:
     """Run problems ``first_problem ..`` (``cfg.problems_per_update`` of them, seed ``cfg.seed``) ``cfg.group`` times each
-    at ``cfg.horizon`` turns; returns counts (runs, failed, correct, sampled tokens) and the first error."""
+    at ``cfg.horizon`` turns (on ``model`` when given, else the agent's own); returns counts (runs, failed, correct,
+    sampled tokens) and the first error."""
+    extra = {"model": model} if model is not None else {}
     bodies = [
-        {"problem_index": i, "seed": cfg.seed, "sample_seed": sample_seed + k, "horizon": cfg.horizon}
+        {"problem_index": i, "seed": cfg.seed, "sample_seed": sample_seed + k, "horizon": cfg.horizon, **extra}
         for i in range(first_problem, first_problem + cfg.problems_per_update)
         for k in range(cfg.group)
     ]
