@@ -305,7 +305,7 @@ def build(settings: Settings) -> Built:
     holder["m"] = Metrics(engine.stats)
     recorder = None
     if settings.recorder.record:
-        from learner.store import db_path, is_postgres_url, open_store
+        from learner.records.store import db_path, is_postgres_url, open_store
         from runtime.recorder import Recorder
 
         spec = settings.recorder.store or db_path(server.data_dir)
@@ -530,7 +530,7 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "learner": ("learner.__main__:main", (), "the learner: run | export | report (as `python -m learner`)"),
     "export": ("learner.__main__:main", ("export",), "recorded turn samples as JSONL for external trainers (`loopwise learner export`)"),
     "report": ("learner.__main__:main", ("report",), "a standalone HTML report of the learners and experiments (`loopwise learner report`)"),
-    "eval": ("experiments.agent_eval:main", (), "evaluate a served agent on a task's problems (as `python -m agents.eval`)"),
+    "eval": ("experiments.agent_eval:main", (), "evaluate a served agent on a task's problems (as `python -m experiments.agent_eval`)"),
     "leap": ("learner.leap:main", (), "LEAP's probe-and-prune report for recorded kernel probes (as `python -m learner.leap`)"),
 }
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from agents.tasks import get_task  # noqa: E402
 from bench._rl_harness import HeldoutBootstrap  # noqa: E402
 from experiments.agent_eval import spawned_server  # noqa: E402
-from learner.adapter_manifest import manifest_sha256  # noqa: E402
+from learner.records.adapter_manifest import manifest_sha256  # noqa: E402
 
 FAMILY, BASE = "chat-lora", "bench-base"
 TRAIN_SEED, HELDOUT_SEED = 0, 4242

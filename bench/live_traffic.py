@@ -826,7 +826,7 @@ def evaluate(model: str, champion: str | None, path: Path | None, problems: list
     """A fresh server (no learner, nothing recorded) loads the champion by path + SHA-256; both answer the held-out problems."""
     from bench._rl_harness import HeldoutBootstrap, served_model
     from experiments.agent_eval import spawned_server
-    from learner.adapter_manifest import manifest_sha256
+    from learner.records.adapter_manifest import manifest_sha256
 
     key = secrets.token_hex(8)
     flags = ["--no-record"] + (["--adapter-root", str(path.parent.parent)] if path else [])

@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from experiments.agent_eval import spawned_server  # noqa: E402
-from learner.adapter_manifest import manifest_sha256  # noqa: E402
-from learner.store import SqliteStore  # noqa: E402
+from learner.records.adapter_manifest import manifest_sha256  # noqa: E402
+from learner.records.store import SqliteStore  # noqa: E402
 from serve import DEMO_AGENT  # noqa: E402
 
 FAMILY, AGENT, TASK = "calc-lora", "demo-agent", "calc_arith"

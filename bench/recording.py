@@ -64,7 +64,7 @@ def request_path_cost(n: int = 2000) -> list[float]:
     """In process: what recording adds to one request's path (stitching ids + building the turn + queueing it),
     with the real SQLite store and writer thread running, async durability."""
     from learner.records import Turn
-    from learner.store import SqliteStore
+    from learner.records.store import SqliteStore
     from runtime.recorder import Recorder, messages_key
 
     async def run(rec: Recorder) -> list[float]:

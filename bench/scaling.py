@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.store_ingest import make_turns  # noqa: E402
-from learner.store import SqliteStore  # noqa: E402
-from learner.store_pg import PostgresStore  # noqa: E402
+from learner.records.store import SqliteStore  # noqa: E402
+from learner.records.store_pg import PostgresStore  # noqa: E402
 from tests.pgcluster import PgCluster  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -56,7 +56,7 @@ def _load() -> str:
 
 
 def _array_row(t: Any) -> tuple:
-    from learner.store import turn_row
+    from learner.records.store import turn_row
 
     row = list(turn_row(t))
     row[10:14] = [list(t.context_ids), list(t.output_ids), list(t.logprobs), list(t.loss_mask)]

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from learner.records import Turn, TurnTimings  # noqa: E402
-from learner.store import SqliteStore, turn_row  # noqa: E402
+from learner.records.store import SqliteStore, turn_row  # noqa: E402
 
 TARGET = 5_000
 

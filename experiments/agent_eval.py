@@ -1,4 +1,4 @@
-"""``loopwise eval`` (or ``python -m agents.eval``): evaluate a served agent on a task, through a server's runs endpoint.
+"""``loopwise eval`` (or ``python -m experiments.agent_eval``): evaluate a served agent on a task, through a server's runs endpoint.
 
     loopwise eval --agent calc-agent --task calc_arith --n 200 [--adapter family@N] [--seed 0]
                   [--url http://127.0.0.1:8000 | --spawn default|tiny|PATH] [--concurrency 16] [--json]

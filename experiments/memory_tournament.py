@@ -377,8 +377,8 @@ def base_model_name(client: httpx.Client) -> str:
 
 def load_memopilot(url: str, admin_key: str | None, adapter_root: Path, version: int) -> None:
     """Load ``adapter_root/memopilot/v<version>`` as ``memopilot@version`` unless the server already has it."""
-    from learner.adapter_manifest import manifest_sha256
     from learner.publish import RuntimeAdmin, adapter_path
+    from learner.records.adapter_manifest import manifest_sha256
 
     if not admin_key:
         raise SystemExit("error: loading a memopilot adapter needs --admin-key (or --spawn)")

@@ -60,7 +60,7 @@ from typing import Any, get_args
 from pydantic import BaseModel, ValidationError
 
 from learner.config import ScheduleConfig
-from learner.store import DEFAULT_DB_NAME, SqliteStore, db_path, is_postgres_url, open_store
+from learner.records.store import DEFAULT_DB_NAME, SqliteStore, db_path, is_postgres_url, open_store
 
 FORMATS = ("jsonl",)
 

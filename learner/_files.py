@@ -1,5 +1,5 @@
 """File helpers shared by checkpoints (``trainer``) and adapter publishing (``publish``): fsync, and whether
-the process that owns a temp folder is still alive. The file hash is ``learner.adapter_manifest.sha256_file``."""
+the process that owns a temp folder is still alive. The file hash is ``learner.records.adapter_manifest.sha256_file``."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ own staging folder, and ``clean_staging`` (run at the start of every publish and
 start-up) removes those of dead processes. ``runtime.adapter_validation.validate_adapter`` checks the manifest
 hashes before the runtime loads anything, and the manifest's own sha256 pins the version in
 ``POST /admin/adapters``. The file names, the manifest model and the hash are the publish contract in
-``learner/adapter_manifest.py``, which the runtime's validator reads too.
+``learner/records/adapter_manifest.py``, which the runtime's validator reads too.
 
 ``RuntimeAdmin`` is a small synchronous httpx client of the runtime's admin API (adapters, aliases,
 experiments). Only idempotent calls (GET, the alias PUT) are retried, a bounded number of times,
@@ -53,7 +53,7 @@ import httpx
 import structlog
 
 from learner._files import fsync_path, writer_alive
-from learner.adapter_manifest import (
+from learner.records.adapter_manifest import (
     CONFIG_FILE,
     MANIFEST_FILE,
     MANIFEST_FORMAT,

@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 import structlog
 
-from learner.adapter_manifest import manifest_sha256
 from learner.parity import refusal
 from learner.publish import AdminError, adapter_path, publish_adapter
+from learner.records.adapter_manifest import manifest_sha256
 from learner.reward_plot import plot_rewards
 from learner.samples import Sample
 from learner.service_state import INTERMEDIATE, LINEAGE_START, RESTART_FILE, UPDATE_VERSIONS, ServiceState, _update_versions

@@ -8,7 +8,7 @@ p-value over time and the decisions. It draws them with the console's own chart 
 report and the live console show the same pictures.
 
 The data is read from files only, the way the runtime serves it: ``<data-dir>/learner/*/status.json``
-and ``history.jsonl`` (every update) and the A/B experiments (``runtime/experiments_store.py``) in the
+and ``history.jsonl`` (every update) and the A/B experiments (``learner/records/experiments_store.py``) in the
 interaction store's database (``--db``, default ``<data-dir>/interactions.db``), with each arm's rewards since the experiment started summarised as
 ``GET /admin/experiments/{name}`` does (mean, 95% t-interval, Welch's test for reference; the
 always-valid p-values are the stored ones).
@@ -26,8 +26,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from learner.store import SqliteStore
-from runtime.experiments_store import ExperimentStore
+from learner.records.experiments_store import ExperimentStore
+from learner.records.store import SqliteStore
 
 ASSETS = ("charts.js", "console.css")
 
@@ -153,7 +153,7 @@ def render(data: dict[str, Any]) -> str:
 def build_report(data_dir: Path, out: Path, db: Path | str | None = None) -> dict[str, int]:
     """Write the report; returns what it holds (learners, updates, experiments). ``db``: the store's file or
     ``postgresql://`` URL (default ``<data-dir>/interactions.db``)."""
-    from learner.store import db_path, is_postgres_url, open_store
+    from learner.records.store import db_path, is_postgres_url, open_store
 
     path = db or db_path(data_dir)
     exps: list[dict[str, Any]] = []

@@ -22,12 +22,12 @@ from typing import Any
 import httpx
 import structlog
 
-from learner.adapter_manifest import manifest_sha256
 from learner.advantages import Advantages
 from learner.baseline import GROUP_ESTIMATORS, apply_to_singletons
 from learner.parity import ParityRefused
 from learner.publish import adapter_path
 from learner.records import Trajectory
+from learner.records.adapter_manifest import manifest_sha256
 from learner.rerollout import BranchRunner, PointRuns, counterfactual_scores, plan_rtpo, refresh_point, rtpo_estimator_input, tcpo_branch_points
 from learner.samples import Sample, SkipCounts, trajectory_samples
 from learner.service_state import BASELINE, LEAP_NEXT, REVES_NEXT, SVR_NEXT, ServiceState
@@ -215,6 +215,7 @@ class RolloutSteps(ServiceState):
             s_hi=lc.s_hi,
             concurrency=self.cfg.settings.rerollouts.concurrency,
             admin=True,
+            model=self._rollout_model(trainer),
         )
         out = report.to_dict()
         return {k: out[k] for k in ("n_probed", "fraction_pruned", "expanded", "compile_calls", "elapsed_s")} | {"pruned": out["dcp"]["pruned"]}
@@ -226,7 +227,7 @@ class RolloutSteps(ServiceState):
         self._set("expanding", f"SVR: fixed-horizon runs of problems {first}..{first + self.cfg.settings.svr.problems_per_update - 1}")
         return fixed_horizon_runs(
             self.cfg.admin_url, self.cfg.admin_key, self.cfg.agent, self.cfg.settings.svr, first_problem=first,
-            sample_seed=trainer.version * 1000, concurrency=self.cfg.settings.rerollouts.concurrency,
+            sample_seed=trainer.version * 1000, concurrency=self.cfg.settings.rerollouts.concurrency, model=self._rollout_model(trainer),
         )  # fmt: skip
 
     def _reves_round(self, trainer: Any) -> dict[str, Any]:

@@ -71,6 +71,7 @@ from learner.config import TrafficFilter
 from learner.publish import AdminError, RuntimeAdmin, clean_staging
 from learner.quarantine import BatchLedger, Outcome, error_record
 from learner.reasons import unused_reasons
+from learner.records.store import db_path, open_store
 from learner.release import Release
 from learner.reward_plot import plot_rewards
 from learner.rollout_steps import RolloutSteps
@@ -92,7 +93,6 @@ from learner.service_state import (
     carried_over,
     learner_dir,
 )
-from learner.store import db_path, open_store
 from learner.svr_rewards import apply_self_check_rewards
 
 __all__ = [

@@ -116,7 +116,7 @@ class ServiceState:
     family: str
     dir: Path  # <data-dir>/learner/<family>: checkpoints, history.jsonl, status.json, reward.png
     adapter_root: Path
-    store: Any  # the interaction store (SQLite or PostgreSQL: learner/store.py, learner/store_pg.py)
+    store: Any  # the interaction store (SQLite or PostgreSQL: learner/records/store.py, learner/records/store_pg.py)
     admin: RuntimeAdmin
     traffic: TrafficFilter
     status: Status

@@ -84,11 +84,11 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from learner._files import fsync_path, writer_alive
-from learner.adapter_manifest import sha256_file
 from learner.config import LoRAConfig, TrainerConfig
 from learner.distributed import allreduce_grads, allreduce_sums, world
 from learner.grammar_mask import GrammarMasks, GrammarReplayError, unpack_bitmask
 from learner.losses import LossConfig, policy_loss
+from learner.records.adapter_manifest import sha256_file
 from learner.samples import Sample, make_groups
 
 log = structlog.get_logger(__name__)

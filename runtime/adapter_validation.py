@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from learner.adapter_manifest import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, AdapterManifest, ManifestError, sha256_file
+from learner.records.adapter_manifest import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, AdapterManifest, ManifestError, sha256_file
 from runtime.adapter_names import AdapterInvalid
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def validate_adapter(
     differs from ``base_name_or_path`` only logs a warning: paths differ between machines.
 
     Hashes: when ``manifest.json`` exists (``{"files": {relpath: sha256}}`` or ``{"files": [{"path",
-    "sha256"}]}``, written last by the publisher; the model is ``learner.adapter_manifest.AdapterManifest``)
+    "sha256"}]}``, written last by the publisher; the model is ``learner.records.adapter_manifest.AdapterManifest``)
     every listed file must match it, the weights file must be listed, and ``expected_sha256`` is the manifest's
     own hash; without a manifest ``expected_sha256`` is the hash of ``adapter_model.safetensors``. Embedding LoRA tensors are not shape-checked.
     """

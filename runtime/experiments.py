@@ -25,7 +25,7 @@ to that arm, and once every challenger is rolled back the experiment ends (``rol
 (``ended_at``): later rewards on its arms' turns do not move them.
 Each change of a challenger's p-value is kept in ``p_history`` (time, p, both arms' n; at most
 ``P_HISTORY_MAX`` points, thinned evenly), so the p-value can be drawn over time.
-Config, state and every decision are saved in the store (``runtime/experiments_store.py``), so experiments
+Config, state and every decision are saved in the store (``learner/records/experiments_store.py``), so experiments
 survive restarts; on a store shared by several runtimes each of them re-reads them every sync
 (``runtime/registry_sync.py``), so they route a family alike, and a decision taken on one (the later write
 wins) is followed by all.
@@ -43,8 +43,8 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.records import owner_quota, source_rank
+from learner.records.experiments_store import ExperimentDatabase, ExperimentStore
 from runtime.experiment_stats import decide, summarize, welch_t_test
-from runtime.experiments_store import ExperimentDatabase, ExperimentStore
 from runtime.routing import Arm, assign_arm
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from learner.adapter_manifest import sha256_file
+from learner.records.adapter_manifest import sha256_file
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ PostgreSQL), the lookup always asks the store, so a session's next turn may land
 faster than the 50 ms commit window can start a new trajectory instead. Two runtimes continuing the same
 turn at the same instant can both extend its trajectory (no cross-process lock on the hot path).
 
-Not here: the storage engine (``learner/store.py``, reached through :class:`InteractionStore`).
+Not here: the storage engine (``learner/records/store.py``, reached through :class:`InteractionStore`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ ANONYMOUS = "anonymous"
 
 
 class InteractionStore(Protocol):
-    """What the runtime needs from the interaction store (``learner.store.SqliteStore`` and ``learner.store_pg.PostgresStore``)."""
+    """What the runtime needs from the interaction store (``learner.records.store.SqliteStore`` and ``learner.records.store_pg.PostgresStore``)."""
 
     def append_turns(self, turns: Sequence[Turn]) -> None: ...
     def add_reward(self, reward: Reward) -> tuple[Reward, bool]: ...

@@ -41,7 +41,14 @@ def modules_of(package: str) -> list[str]:
 
 # the kernel tasks' reference programs are PyTorch modules: they run in the sandbox, and import torch on purpose
 KERNEL_REFERENCES = re.compile(r"agents\.tasks\.kernels\.level\d+\.")
-LIGHT_LEARNER = ["learner.records", "learner.adapter_manifest", "learner.advantages", "learner.samples", "learner.store", "learner.config"]
+LIGHT_LEARNER = [
+    "learner.records",
+    "learner.records.adapter_manifest",
+    "learner.advantages",
+    "learner.samples",
+    "learner.records.store",
+    "learner.config",
+]
 
 
 def test_agents_memory_tools_and_the_learners_data_modules_do_not_import_torch() -> None:

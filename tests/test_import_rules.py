@@ -2,14 +2,15 @@
 
 What each library package may import from the project:
 
-- ``runtime`` → ``learner.records`` (the record types it writes), ``learner.adapter_manifest`` (the publish contract it reads),
-  ``learner.config``, ``agents.settings``, ``memory.settings`` (the packages' settings, which the runtime's settings embed;
-  these settings modules import nothing from the project, pydantic and the standard library only)
+- ``learner.records`` (the neutral floor: the record types, the adapter manifest, the interaction store on SQLite and
+  PostgreSQL, the experiments and adapter-registry tables) → nothing else of the project, and no torch
+- ``runtime`` → ``learner.records``; ``learner.config``, ``agents.settings``, ``memory.settings`` (the packages'
+  settings, which the runtime's settings embed; these settings modules import nothing from the project, pydantic and
+  the standard library only)
 - ``tools`` → nothing
 - ``memory`` → the runtime's client protocol, ``learner.records``
 - ``agents`` → the runtime's client protocol, ``tools``, ``memory``, ``learner.records``
-- ``learner`` → ``tools``, ``runtime.experiments_store`` (the report reads the A/B experiments from the store's
-  database; the learner reaches the runtime otherwise only over its admin API, agents' tasks over the runs endpoint)
+- ``learner`` → ``tools`` (it reaches the runtime only over its admin API, agents' tasks over the runs endpoint)
 
 ``serve.py`` (the composition root), ``experiments/`` and ``bench/`` may import anything; no library package
 imports them. Imports inside functions count the same as those at the top.
@@ -28,23 +29,19 @@ LIBRARY = ("runtime", "tools", "memory", "agents", "learner")
 DRIVERS = ("serve", "experiments", "bench", "tests")  # may import anything; nothing in LIBRARY imports them
 PROJECT = {*LIBRARY, *DRIVERS}
 RUNTIME_CLIENT = ("runtime.agent_api", "runtime.engine", "runtime.identity")  # what agents and memory call the runtime through
-RECORDS = ("learner.records",)
-PUBLISH_CONTRACT = ("learner.adapter_manifest",)  # a published adapter's file names, manifest model and the file hash
+RECORDS = ("learner.records",)  # the floor both sides share: records, the adapter manifest, the stores, their tables
 LEARNER_SETTINGS = ("learner.config",)  # the runtime's [learner] settings embed the learner's own (pydantic only)
 AGENTS_SETTINGS = ("agents.settings",)  # the runtime's [agents] settings are the agents package's own (pydantic only)
 MEMORY_SETTINGS = ("memory.settings",)  # the runtime's [memory] settings are the memory package's own (pydantic only)
 SETTINGS_MODULES = (*LEARNER_SETTINGS, *AGENTS_SETTINGS, *MEMORY_SETTINGS)
 
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
-    "runtime": (*RECORDS, *PUBLISH_CONTRACT, *SETTINGS_MODULES),
+    "runtime": (*RECORDS, *SETTINGS_MODULES),
     "tools": (),
     "memory": (*RUNTIME_CLIENT, *RECORDS),
     "agents": (*RUNTIME_CLIENT, *RECORDS, "tools", "memory"),
-    "learner": ("tools", "runtime.experiments_store"),
+    "learner": ("tools",),
 }
-
-# Entry points kept for their users, forwarding to a driver that moved to experiments/: allowed, and named here.
-ENTRY_SHIMS: set[tuple[str, str]] = {("agents/eval.py", "experiments.agent_eval")}
 
 
 def _is_module(dotted: str, root: Path) -> bool:
@@ -106,8 +103,9 @@ def test_the_scanner_resolves_from_imports_and_sees_nested_ones(tmp_path: Path) 
     ("package", "module", "ok"),
     [
         ("runtime", "learner.records", True),
-        ("runtime", "learner.store", False),
-        ("runtime", "learner.adapter_manifest", True),
+        ("runtime", "learner.records.store", True),
+        ("runtime", "learner.records.adapter_manifest", True),
+        ("runtime", "learner.samples", False),
         ("runtime", "learner.publish", False),
         ("runtime", "agents.loop", False),
         ("runtime", "agents.settings", True),
@@ -124,8 +122,10 @@ def test_the_scanner_resolves_from_imports_and_sees_nested_ones(tmp_path: Path) 
         ("learner", "tools.cuda.api", True),
         ("learner", "agents.tasks", False),
         ("learner", "runtime.adapter_validation", False),
-        ("learner", "runtime.experiments_store", True),
+        ("learner", "learner.records.experiments_store", True),
         ("learner", "runtime.experiments", False),
+        ("learner", "runtime.experiments_store", False),
+        ("memory", "learner.records.store", True),
         ("memory", "learner.store", False),
         ("learner", "torch", True),
     ],
@@ -134,10 +134,36 @@ def test_the_rules(package: str, module: str, ok: bool) -> None:
     assert allowed(package, module) is ok
 
 
+FLOOR = "learner.records"
+HEAVY = ("torch", "transformers", "peft", "numpy")
+
+
+def floor_violations(root: Path = ROOT) -> set[tuple[str, str]]:
+    """Imports of the floor's modules beyond itself and the third-party packages it may use (no torch, no other project code)."""
+    found = set()
+    for path in sorted(root.joinpath(*FLOOR.split(".")).rglob("*.py")):
+        for m in imported_modules(path, root):
+            top = m.split(".")[0]
+            if (top in PROJECT and not (m == FLOOR or m.startswith(FLOOR + "."))) or top in HEAVY:
+                found.add((str(path.relative_to(root)), m))
+    return found
+
+
+def test_the_floor_imports_nothing_else_of_the_project_and_no_torch() -> None:
+    assert floor_violations() == set()
+
+
+def test_the_floor_check_sees_a_violation(tmp_path: Path) -> None:
+    (tmp_path / "learner" / "records").mkdir(parents=True)
+    (tmp_path / "learner" / "__init__.py").write_text("")
+    (tmp_path / "learner" / "samples.py").write_text("")
+    (tmp_path / "learner" / "records" / "__init__.py").write_text("import json\n")
+    (tmp_path / "learner" / "records" / "store.py").write_text("from learner.samples import Sample\nimport torch\nfrom learner.records import Turn\n")
+    assert floor_violations(tmp_path) == {("learner/records/store.py", "learner.samples"), ("learner/records/store.py", "torch")}
+
+
 def test_library_packages_keep_the_layering() -> None:
-    found = violations()
-    assert found - ENTRY_SHIMS == set(), "imports that break the layering (docs/architecture.md)"
-    assert ENTRY_SHIMS - found == set(), "the shim no longer forwards: remove it from ENTRY_SHIMS"
+    assert violations() == set(), "imports that break the layering (docs/architecture.md)"
 
 
 def test_the_check_sees_a_violation(tmp_path: Path) -> None:

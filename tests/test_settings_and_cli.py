@@ -250,7 +250,7 @@ def test_loopwise_serve_is_serve_py_and_export_is_the_learners_export(tmp_path: 
     bad = loopwise("serve", "--no-such-flag")
     assert bad.returncode == 2 and "loopwise serve: error: unrecognized arguments: --no-such-flag" in bad.stderr
     from learner.records import Reward
-    from learner.store import SqliteStore, db_path
+    from learner.records.store import SqliteStore, db_path
     from tests.learner.test_store import make_turn
 
     store = SqliteStore(db_path(tmp_path))

@@ -21,7 +21,7 @@ experiments when they judge (so an experiment decides on the rewards its learner
 :func:`source_rank` (a reward source's precedence under shell patterns; one rank per group) and
 :func:`owner_quota` (how many of its records one owner may contribute under a share bound).
 
-Not here: storage (``learner/store.py``) or how samples are built for training.
+Not here: storage (``learner/records/store.py``) or how samples are built for training.
 """
 
 from __future__ import annotations

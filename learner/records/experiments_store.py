@@ -7,7 +7,7 @@ PostgreSQL store shared by several runtimes, every runtime sees the same ones. I
 it is missing (``CREATE TABLE IF NOT EXISTS``: a database made before this module existed already has it,
 with these columns; on PostgreSQL under an advisory lock, so runtimes starting together do not race).
 
-``db`` is the interaction store (``learner.store.SqliteStore`` or ``learner.store_pg.PostgresStore``), used
+``db`` is the interaction store (``learner.records.store.SqliteStore`` or ``learner.records.store_pg.PostgresStore``), used
 only through ``ExperimentDatabase``: one connection per transaction, its placeholder and its dialect. The
 connections, their settings and the file belong to it; the table and its queries belong here.
 

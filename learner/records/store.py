@@ -9,9 +9,9 @@ What it does:
   ``append_turns`` writes a batch in ONE transaction (group commit): all of it or none of it.
   Re-appending a turn id that is already stored is a no-op (``ON CONFLICT DO NOTHING``: the first copy
   wins), so a recorder may safely retry a batch whose commit outcome it did not see.
-- The queries are said once for this store and the PostgreSQL one: ``learner/store_sql.py`` (``StoreQueries``
+- The queries are said once for this store and the PostgreSQL one: ``learner/records/store_sql.py`` (``StoreQueries``
   with the ``SQLITE`` dialect); this module adds the file, its connections and transactions, the batch append,
-  the WAL truncation after deletions and the schema migrations. Rows ↔ records: ``learner/store_rows.py``.
+  the WAL truncation after deletions and the schema migrations. Rows ↔ records: ``learner/records/store_rows.py``.
 - Token data is stored compactly as packed little-endian arrays, not JSON: ``context_ids`` and
   ``output_ids`` as int32 (``array('i')``), ``loss_mask`` as int8 (``array('b')``) and ``logprobs``
   as float32 (``array('f')``). Engines produce float32 logprobs, so those round-trip exactly;
@@ -34,10 +34,10 @@ What it does:
   (``wal_checkpoint(TRUNCATE)``) so no copy of the deleted pages is left in the ``-wal`` file.
 
 - ``transaction(write=...)``, ``placeholder`` and ``dialect`` let a module that owns a table of its own in this
-  file use the store's connections: the A/B experiments' table (``runtime/experiments_store.py``).
+  file use the store's connections: the A/B experiments' table (``learner/records/experiments_store.py``).
 
 - ``open_store(spec)``: the store a ``--store`` value names: a ``postgresql://`` URL opens
-  ``learner.store_pg.PostgresStore`` (same public methods, same tables and columns, BYTEA for the packed
+  ``learner.records.store_pg.PostgresStore`` (same public methods, same tables and columns, BYTEA for the packed
   arrays), anything else is an SQLite file path.
 
 What it doesn't do: build training batches: ``iter_samples`` yields plain per-turn dicts (also what
@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from learner.records import Turn, UnknownTarget
-from learner.store_rows import REWARD_COLUMNS, TURN_COLUMNS, turn_row
-from learner.store_sql import INSERT_SESSION, INSERT_TRAJECTORY, INSERT_TURN, SQLITE, StoreQueries, first_seen
+from learner.records.store_rows import REWARD_COLUMNS, TURN_COLUMNS, turn_row
+from learner.records.store_sql import INSERT_SESSION, INSERT_TRAJECTORY, INSERT_TURN, SQLITE, StoreQueries, first_seen
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def is_postgres_url(spec: object) -> bool:
 def open_store(spec: str | Path, *, synchronous_full: bool = False) -> Any:
     """The interaction store ``spec`` names: a ``postgresql://`` (or ``postgres://``) URL, else an SQLite file path."""
     if is_postgres_url(spec):
-        from learner.store_pg import PostgresStore  # psycopg is imported only for a PostgreSQL store
+        from learner.records.store_pg import PostgresStore  # psycopg is imported only for a PostgreSQL store
 
         return PostgresStore(spec, synchronous_full=synchronous_full)
     return SqliteStore(Path(spec), synchronous_full=synchronous_full)
@@ -169,7 +169,7 @@ def _v2_unique_idempotency_key(conn: sqlite3.Connection) -> None:
 
 def _v3_experiments(conn: sqlite3.Connection) -> None:
     # Turns get an (adapter, created_at) index for the A/B experiments' per-arm statistics. Version 3 also
-    # created the experiments table itself; it now belongs to runtime/experiments_store.py, which creates it
+    # created the experiments table itself; it now belongs to learner/records/experiments_store.py, which creates it
     # when it is missing (a file migrated before then has it already, with the same columns).
     conn.execute("CREATE INDEX turns_adapter ON turns (adapter, created_at)")
 
@@ -258,7 +258,7 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Con
 
 
 class SqliteStore(StoreQueries):
-    """The interaction store on one SQLite file. See the module docstring; the queries are ``learner/store_sql.py``'s."""
+    """The interaction store on one SQLite file. See the module docstring; the queries are ``learner/records/store_sql.py``'s."""
 
     _d = SQLITE
 
@@ -334,7 +334,7 @@ class SqliteStore(StoreQueries):
     @contextmanager
     def transaction(self, *, write: bool = False) -> Iterator[sqlite3.Connection]:
         """This thread's connection in one transaction (``write``: ``BEGIN IMMEDIATE``), for tables other modules own
-        in this file (``runtime/experiments_store.py``)."""
+        in this file (``learner/records/experiments_store.py``)."""
         with self._write() if write else self._snapshot() as conn:
             yield conn
 

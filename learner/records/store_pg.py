@@ -6,10 +6,10 @@ What it does:
   password never printed) and migrates the schema. Every method borrows one pooled connection for one
   transaction, so the recorder's writer thread, the reader pool and a learner in another process run
   side by side; several runtime processes may append to one database at once.
-- Same tables, columns, semantics and public methods as ``learner.store.SqliteStore`` (sessions keyed by
+- Same tables, columns, semantics and public methods as ``learner.records.store.SqliteStore`` (sessions keyed by
   owner + name, append-only turns whose re-insert is a no-op, rewards only on the owner's own records,
   idempotency keys unique per owner, the adapter registry's shared state): the queries are
-  ``learner/store_sql.py``'s (``StoreQueries`` with the ``POSTGRESQL`` dialect); this module adds the pool, its
+  ``learner/records/store_sql.py``'s (``StoreQueries`` with the ``POSTGRESQL`` dialect); this module adds the pool, its
   transactions, the pipelined batch append and the migrations. Token arrays are
   the same packed little-endian bytes in ``BYTEA`` columns (``bench/store_ingest.py --postgres`` measures
   them against native ``int4[]``/``real[]``/``smallint[]`` arrays); insertion order is a ``BIGSERIAL`` ``seq``
@@ -43,9 +43,9 @@ from psycopg.types.string import StrDumperUnknown
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from learner.records import Turn
-from learner.store import SchemaTooNew, is_postgres_url
-from learner.store_rows import turn_row
-from learner.store_sql import INSERT_SESSION, INSERT_TRAJECTORY, INSERT_TURN, POSTGRESQL, StoreQueries, first_seen
+from learner.records.store import SchemaTooNew, is_postgres_url
+from learner.records.store_rows import turn_row
+from learner.records.store_sql import INSERT_SESSION, INSERT_TRAJECTORY, INSERT_TURN, POSTGRESQL, StoreQueries, first_seen
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class _NulSafeStr(StrDumperUnknown):
 
 
 class PostgresStore(StoreQueries):
-    """The interaction store on PostgreSQL. See the module docstring; the queries are ``learner/store_sql.py``'s."""
+    """The interaction store on PostgreSQL. See the module docstring; the queries are ``learner/records/store_sql.py``'s."""
 
     _d = POSTGRESQL
 
@@ -262,7 +262,7 @@ class PostgresStore(StoreQueries):
     @contextmanager
     def transaction(self, *, write: bool = False) -> Iterator[psycopg.Connection]:
         """One pooled connection in one transaction, for tables other modules own in this database
-        (``runtime/experiments_store.py``); ``write`` is accepted for the SQLite store's interface."""
+        (``learner/records/experiments_store.py``); ``write`` is accepted for the SQLite store's interface."""
         with self._tx() as conn:
             yield conn
 

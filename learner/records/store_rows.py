@@ -6,8 +6,8 @@ little-endian arrays (``pack`` / ``unpack``: int32 ids, int8 loss mask, float32 
 byte order; messages, sampling, tool calls, timings and self-checks are compact JSON text (``encode_json``).
 The same bytes go into SQLite ``BLOB`` and PostgreSQL ``BYTEA`` columns.
 
-What it does not: talk to a database (``learner/store_sql.py`` holds the queries, ``learner/store.py`` and
-``learner/store_pg.py`` the connections).
+What it does not: talk to a database (``learner/records/store_sql.py`` holds the queries, ``learner/records/store.py`` and
+``learner/records/store_pg.py`` the connections).
 """
 
 from __future__ import annotations

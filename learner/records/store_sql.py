@@ -10,7 +10,7 @@ What it does:
 - ``StoreQueries`` holds every read and write whose SQL and Python are the same on both backends once the
   dialect has spoken: listing, trajectories, turns, training samples, stitching lookups, owners, deletion,
   pruning, trajectory metadata, rewards, arm statistics, the adapter registry's state. A backend
-  (``learner.store.SqliteStore``, ``learner.store_pg.PostgresStore``) supplies its dialect and the three
+  (``learner.records.store.SqliteStore``, ``learner.records.store_pg.PostgresStore``) supplies its dialect and the three
   ways it runs them: ``_read`` (one or more independent reads), ``_snapshot`` (several reads seeing one
   state) and ``_write`` (one write transaction), plus ``_after_delete`` (SQLite truncates its WAL).
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Self
 
 from learner.records import ADMIN_OWNER, Reward, Trajectory, Turn, TurnRef, UnknownTarget
-from learner.store_rows import N_TURN_COLUMNS, REWARD_COLUMNS, TURN_COLUMNS, encode_json, reward_from_row, reward_row, turn_from_row, unpack
+from learner.records.store_rows import N_TURN_COLUMNS, REWARD_COLUMNS, TURN_COLUMNS, encode_json, reward_from_row, reward_row, turn_from_row, unpack
 
 __all__ = ["POSTGRESQL", "SQLITE", "Dialect", "StoreQueries", "first_seen"]
 
@@ -468,7 +468,7 @@ class StoreQueries:
                 out.setdefault(x[2], []).append(((x[5], x[9]), reward_from_row(x)))
         return out
 
-    # ---- the A/B experiments' per-arm data (their config and state: runtime/experiments_store.py) ----
+    # ---- the A/B experiments' per-arm data (their config and state: learner/records/experiments_store.py) ----
     def arm_observations(
         self, adapter: str, since: float, source: str | None = None, *, trusted_only: bool = True, until: float | None = None
     ) -> dict[str, list[Any]]:

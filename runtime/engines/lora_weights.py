@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from learner.adapter_manifest import CONFIG_FILE, WEIGHTS_FILE
+from learner.records.adapter_manifest import CONFIG_FILE, WEIGHTS_FILE
 from runtime.adapter_validation import unsupported_lora_features
 from runtime.engine import AdapterError
 

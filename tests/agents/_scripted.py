@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from learner.store import SqliteStore
+from learner.records.store import SqliteStore
 from runtime.adapter_registry import AdapterRegistry
 from runtime.agent_api import LocalRuntimeClient
 from runtime.chat_format import ChatFormatter

@@ -164,7 +164,19 @@ def test_eval_cli_reports_its_numbers(server):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent.parent
-    cmd = [sys.executable, "-m", "agents.eval", "--agent", "echo-agent", "--task", "basic_arithmetic", "--n", "3", "--url", server.base_url]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.agent_eval",
+        "--agent",
+        "echo-agent",
+        "--task",
+        "basic_arithmetic",
+        "--n",
+        "3",
+        "--url",
+        server.base_url,
+    ]
     proc = subprocess.run([*cmd, "--json"], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from agents.config import AgentConfig
 from agents.loop import AgentLoop, Branch, BranchMismatch, context_sha256
-from learner.store import SqliteStore
+from learner.records.store import SqliteStore
 from tests.agents._scripted import ScriptedEngine, make_client
 from tools.builtins import default_registry
 

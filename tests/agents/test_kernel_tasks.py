@@ -392,7 +392,7 @@ def _record_run(tok, tmp_path, task):
 
     result = asyncio.run(go())
     recorder.close()
-    from learner.store import SqliteStore
+    from learner.records.store import SqliteStore
 
     view = SqliteStore(tmp_path / "interactions.db")
     try:

@@ -50,7 +50,7 @@ def run(tok, tmp_path: Path, script, *, problem=None, task=None, rewrite=None, m
 
 class SqliteStoreView:
     def __init__(self, path: Path) -> None:
-        from learner.store import SqliteStore
+        from learner.records.store import SqliteStore
 
         self.store = SqliteStore(path / "interactions.db")
 

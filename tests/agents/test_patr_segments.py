@@ -17,9 +17,9 @@ from transformers import AutoTokenizer
 from agents.tasks.frozenlake import shortest_path
 from learner.config import PatrConfig, SampleConfig
 from learner.patr import RuntimeStepper, grow_tree, read_nodes, tree_advantages
+from learner.records.store import SqliteStore
 from learner.samples import Cursor, collect_samples
 from learner.sources import tree_samples
-from learner.store import SqliteStore
 from tests.agents._scripted import ScriptedEngine
 from tests.security._app import ADMIN, KEY1, auth, served
 

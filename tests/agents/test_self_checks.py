@@ -19,7 +19,7 @@ from agents.host import RunRequest
 from agents.loop import AgentLoop
 from agents.self_checks import turn_check
 from agents.tasks import get_task
-from learner.store import SqliteStore
+from learner.records.store import SqliteStore
 from tests.agents._scripted import ScriptedEngine, make_client
 from tools.builtins import default_registry
 

@@ -18,7 +18,7 @@ from agents.loop import AgentLoop, ContextTracker, RunResult
 from agents.run_state import Phase, RunState, Stop, ending
 from agents.stop import StopDecision
 from agents.t2po import T2POCounters
-from learner.store import SqliteStore
+from learner.records.store import SqliteStore
 from tests.agents._scripted import ScriptedEngine, make_client
 from tools.builtins import default_registry
 

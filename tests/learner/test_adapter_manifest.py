@@ -1,4 +1,4 @@
-"""The publish contract (``learner/adapter_manifest.py``): one manifest model and one file hash for writer and reader."""
+"""The publish contract (``learner/records/adapter_manifest.py``): one manifest model and one file hash for writer and reader."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.adapter_manifest import MANIFEST_FILE, AdapterManifest, ManifestError, manifest_sha256, sha256_file
+from learner.records.adapter_manifest import MANIFEST_FILE, AdapterManifest, ManifestError, manifest_sha256, sha256_file
 
 ABC_SHA256 = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # FIPS 180-2, appendix B.1
 

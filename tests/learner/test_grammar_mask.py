@@ -18,8 +18,8 @@ import torch
 
 from learner.config import LoRAConfig, SampleConfig, TrainerConfig
 from learner.grammar_mask import GrammarMasks, GrammarReplayError, compile_grammar, unpack_bitmask
+from learner.records.store import SqliteStore
 from learner.samples import Cursor, collect_samples
-from learner.store import SqliteStore
 from learner.trainer import LoRATrainer
 from learner.update import estimate
 

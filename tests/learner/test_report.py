@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from learner.store import SqliteStore
-from runtime.experiments_store import ExperimentStore
+from learner.records.experiments_store import ExperimentStore
+from learner.records.store import SqliteStore
 from tests.runtime.test_experiments import add_rewards
 
 ROOT = Path(__file__).resolve().parent.parent.parent

@@ -12,8 +12,8 @@ import pytest
 
 from learner.config import SampleConfig
 from learner.records import Reward, Trajectory, Turn
+from learner.records.store import SqliteStore
 from learner.samples import Cursor, Sample, collect_samples, group_id_of, make_groups, parse_adapter, to_turn_samples
-from learner.store import SqliteStore
 
 NOW = 10_000.0
 CFG = SampleConfig(max_staleness=2, settle_s=100.0)

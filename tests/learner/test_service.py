@@ -253,7 +253,7 @@ def rr_service(server, tiny_model_path, family: str, estimator: str, rerollouts:
 
 
 def test_rtpo_sweeps_turns_in_reverse_with_siblings_from_the_exact_stored_contexts(server, tiny_model_path):
-    from learner.store import SqliteStore
+    from learner.records.store import SqliteStore
 
     backbones = multi_traffic(server, range(2), 4)
     svc = rr_service(server, tiny_model_path, "rt", "rtpo", {"branches": 1, "siblings": 2, "refresh": True})
@@ -496,7 +496,7 @@ def test_leap_runs_its_data_engine_before_each_update(tmp_path, tiny_model_path,
     calls = []
 
     def fake_expand(url, key, agent, problems, G, max_turns, **kw):
-        calls.append((agent, problems, G, max_turns, kw["sample_seed"]))
+        calls.append((agent, problems, G, max_turns, kw["sample_seed"], kw["model"]))
         report = {"n_probed": len(problems), "fraction_pruned": 0.5, "expanded": ["p1"], "compile_calls": {}, "elapsed_s": 0.1}
         return SimpleNamespace(to_dict=lambda: {**report, "dcp": {"pruned": {"p0": {"class": "catastrophic"}}}})
 
@@ -512,9 +512,11 @@ def test_leap_runs_its_data_engine_before_each_update(tmp_path, tiny_model_path,
         agent="kernel-agent",
     )
     svc = LearnerService(cfg)
+    # the probes and episodes sample the learner's current policy, never the agent's alias (an experiment's arms)
+    monkeypatch.setattr(svc, "_rollout_model", lambda trainer: f"kfam@{trainer.version}")
     trainer = SimpleNamespace(version=2, cursor={"leap_next_problem": 6})
     out = svc._leap_expand(trainer)
-    assert calls == [("kernel-agent", [6, 7, 8], 2, 4, 2000)] and out["pruned"] == {"p0": {"class": "catastrophic"}}
+    assert calls == [("kernel-agent", [6, 7, 8], 2, 4, 2000, "kfam@2")] and out["pruned"] == {"p0": {"class": "catastrophic"}}
     with pytest.raises(Exception, match="needs the learner's agent"):
         LearnerService(replace(cfg, agent=None)).check_setup()
     svc.store.close()

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from learner import store as store_mod
 from learner.records import Reward, ToolCallRecord, Turn, TurnCheck, TurnTimings
-from learner.store import MIGRATIONS, SCHEMA_VERSION, SqliteStore, UnknownTarget, db_path
-from runtime.experiments_store import ExperimentStore
+from learner.records import store as store_mod
+from learner.records.experiments_store import ExperimentStore
+from learner.records.store import MIGRATIONS, SCHEMA_VERSION, SqliteStore, UnknownTarget, db_path
 
 ROOT = Path(__file__).resolve().parents[2]
 # the columns before version 7 added self-checks, and before version 5 added owners: what genuine older files hold
@@ -92,7 +92,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path):
     if request.param == "sqlite":
         s = SqliteStore(tmp_path / "nested" / "interactions.db")
     else:
-        from learner.store_pg import PostgresStore
+        from learner.records.store_pg import PostgresStore
 
         s = PostgresStore(request.getfixturevalue("pg_url"))
     yield s
@@ -710,7 +710,7 @@ def test_racing_rewards_with_one_idempotency_key_store_one(store) -> None:
 
 
 def test_pg_migrates_an_empty_database_and_reopens_without_migrating(pg_url: str) -> None:
-    from learner.store_pg import PG_SCHEMA_VERSION, PostgresStore
+    from learner.records.store_pg import PG_SCHEMA_VERSION, PostgresStore
 
     s = PostgresStore(pg_url)
     assert s.schema_version == PG_SCHEMA_VERSION == SCHEMA_VERSION  # the two backends' schemas are one version
@@ -725,8 +725,8 @@ def test_pg_migrates_an_empty_database_and_reopens_without_migrating(pg_url: str
 def test_pg_migrates_the_previous_schema(pg_url: str) -> None:
     import psycopg
 
-    from learner import store_pg
-    from learner.store_pg import PostgresStore
+    from learner.records import store_pg
+    from learner.records.store_pg import PostgresStore
 
     with psycopg.connect(pg_url, autocommit=True) as conn:
         assert store_pg.migrate_pg(conn, target=5) == 5  # a database as the previous version left it
@@ -736,7 +736,7 @@ def test_pg_migrates_the_previous_schema(pg_url: str) -> None:
         conn.execute("INSERT INTO sessions VALUES ('public', 'sess-a', 1.0)")
         conn.execute("INSERT INTO trajectories (trajectory_id, session_id, created_at) VALUES ('traj-a', 'sess-a', 1.0)")
         conn.execute(f"INSERT INTO turns ({V6_TURN_COLUMNS}) VALUES ({', '.join(['%s'] * 23)})", v6_turn_row(t))
-        # the experiments table as version 5 created it before runtime/experiments_store.py owned it, with a row
+        # the experiments table as version 5 created it before learner/records/experiments_store.py owned it, with a row
         conn.execute(
             """CREATE TABLE experiments (name TEXT PRIMARY KEY, config TEXT NOT NULL, state TEXT NOT NULL,
                                          created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL)"""
@@ -753,8 +753,8 @@ def test_pg_migrates_the_previous_schema(pg_url: str) -> None:
 def test_pg_failing_migration_leaves_the_previous_version_and_newer_is_refused(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import psycopg
 
-    from learner import store_pg
-    from learner.store_pg import PostgresStore
+    from learner.records import store_pg
+    from learner.records.store_pg import PostgresStore
 
     with psycopg.connect(pg_url, autocommit=True) as conn:
         store_pg.migrate_pg(conn, target=5)
@@ -776,7 +776,7 @@ def test_pg_failing_migration_leaves_the_previous_version_and_newer_is_refused(p
 
 
 def test_pg_concurrent_openers_migrate_once(pg_url: str) -> None:
-    from learner.store_pg import PostgresStore
+    from learner.records.store_pg import PostgresStore
 
     stores: list = []
     errors: list[BaseException] = []
@@ -799,7 +799,7 @@ def test_pg_concurrent_openers_migrate_once(pg_url: str) -> None:
 
 
 def test_pg_bad_url_says_why_without_the_password() -> None:
-    from learner.store_pg import PostgresStore
+    from learner.records.store_pg import PostgresStore
 
     with pytest.raises(ConnectionError) as err:
         PostgresStore("postgresql://u:hunter2@127.0.0.1:1/db", timeout_s=1)
@@ -832,7 +832,7 @@ def test_sqlite_v6_turns_migrate_without_self_checks(tmp_path: Path) -> None:
 
 
 def test_export_cli_reads_a_postgres_store(pg_url: str, tmp_path: Path) -> None:
-    from learner.store_pg import PostgresStore
+    from learner.records.store_pg import PostgresStore
 
     s = PostgresStore(pg_url)
     s.append_turns([make_turn(1), make_turn(2, index=1, parent="turn-1")])

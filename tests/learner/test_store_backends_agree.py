@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from learner.records import Reward, ToolCallRecord, Turn, TurnCheck, TurnTimings
-from learner.store import SqliteStore
+from learner.records.store import SqliteStore
 
 
 def _turn(i: int, *, owner: str, session: str, trajectory: str, index: int, created_at: float, **kw: Any) -> Turn:
@@ -141,7 +141,7 @@ def _reads(s: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def stores(tmp_path: Path, pg_url: str):
-    from learner.store_pg import PostgresStore
+    from learner.records.store_pg import PostgresStore
 
     lite, pg = SqliteStore(tmp_path / "interactions.db"), PostgresStore(pg_url)
     yield lite, pg

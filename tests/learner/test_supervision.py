@@ -295,7 +295,7 @@ def poison(data: Path, vocab: int, group_of: str) -> str:
     in the group of the trajectory ``group_of`` (same prompt), so that its advantage is not 0 (without the trainer's check,
     the forward pass would raise a bare IndexError)."""
     from learner.records import Reward, Turn
-    from learner.store import SqliteStore
+    from learner.records.store import SqliteStore
 
     store = SqliteStore(data / "interactions.db")
     try:

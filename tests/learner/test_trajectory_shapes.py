@@ -34,8 +34,8 @@ from learner.advantages import ADVANTAGES
 from learner.baseline import apply_to_singletons
 from learner.config import DEFAULT_REWARD_SOURCES, SampleConfig
 from learner.records import PROCESS_SUFFIX, Reward, Turn, source_rank
+from learner.records.store import SqliteStore
 from learner.samples import Cursor, Sample, collect_samples, make_groups
-from learner.store import SqliteStore
 from learner.update import estimate
 
 NOW = 50_000.0

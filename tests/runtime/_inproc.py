@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 from fastapi.testclient import TestClient
 
-from learner.store import SqliteStore
+from learner.records.store import SqliteStore
 from runtime.app import create_app
 from runtime.recorder import Recorder
 from runtime.settings import EngineSettings, RecorderSettings, ServerSettings

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from learner.records import Reward, Turn
-from learner.store import SqliteStore
+from learner.records.store import SqliteStore
 from runtime.adapter_names import AdapterRef
 from runtime.adapter_registry import AdapterRegistry
 from runtime.experiments import ExperimentConfig, ExperimentError, Experiments

@@ -1,4 +1,4 @@
-"""The A/B experiments' table (runtime/experiments_store.py) on both interaction-store backends, and on a file
+"""The A/B experiments' table (learner/records/experiments_store.py) on both interaction-store backends, and on a file
 written before the table moved out of the learner's store module."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from learner.store import SCHEMA_VERSION, SqliteStore
+from learner.records.experiments_store import ExperimentStore
+from learner.records.store import SCHEMA_VERSION, SqliteStore
 from runtime.experiments import Experiments
-from runtime.experiments_store import ExperimentStore
 from tests.runtime.test_experiments import registry_with
 
 OLD_FILE = Path(__file__).with_name("interactions_v6.sql")
@@ -21,7 +21,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path):
     if request.param == "sqlite":
         s = SqliteStore(tmp_path / "interactions.db")
     else:
-        from learner.store_pg import PostgresStore
+        from learner.records.store_pg import PostgresStore
 
         s = PostgresStore(request.getfixturevalue("pg_url"))
     yield s

@@ -11,7 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter
 
 from learner.records import Turn
-from learner.store import SqliteStore
+from learner.records.store import SqliteStore
 from runtime.recorder import Recorder, lookup_key, messages_key
 
 

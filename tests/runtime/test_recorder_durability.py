@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from learner.records import Turn
-from learner.store import SqliteStore
+from learner.records.store import SqliteStore
 from runtime.recorder import Recorder
 
 

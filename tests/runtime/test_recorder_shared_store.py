@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from learner.records import Turn
-from learner.store_pg import PostgresStore
+from learner.records.store_pg import PostgresStore
 from runtime.recorder import Recorder, TurnSlot, messages_key
 
 

@@ -82,7 +82,7 @@ def app_client(tiny_model_path, tmp_path):
     from fastapi.testclient import TestClient
     from transformers import AutoTokenizer
 
-    from learner.store import SqliteStore
+    from learner.records.store import SqliteStore
     from runtime.app import create_app
     from runtime.engine import EngineOverloaded
     from runtime.recorder import Recorder

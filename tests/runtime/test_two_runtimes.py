@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from learner.store_pg import PostgresStore
+from learner.records.store_pg import PostgresStore
 
 ADMIN = "two-admin"
 AGENT = {"name": "learn-agent", "temperature": 1.0, "max_turns": 1, "max_tokens_per_turn": 8, "task": "basic_arithmetic", "adapter_family": "fam"}

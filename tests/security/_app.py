@@ -34,7 +34,7 @@ def served(
 ) -> Iterator[Any]:
     from fastapi.testclient import TestClient
 
-    from learner.store import SqliteStore
+    from learner.records.store import SqliteStore
     from runtime.app import create_app
     from runtime.engines.embedded import EmbeddedEngine
     from runtime.recorder import Recorder

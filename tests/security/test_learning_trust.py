@@ -9,8 +9,8 @@ import pytest
 
 from learner.config import SampleConfig
 from learner.records import Reward, Turn
+from learner.records.store import SqliteStore
 from learner.samples import Cursor, collect_samples
-from learner.store import SqliteStore
 
 
 def _turn(tid: str, traj: str, owner: str, adapter: str | None = "fam@1", created_at: float = 1_000.0) -> Turn:
