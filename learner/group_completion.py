@@ -73,7 +73,7 @@ import httpx
 import structlog
 
 from learner.config import SampleConfig, SingletonConfig
-from learner.records import Trajectory, source_rank
+from learner.records import RESERVED_SOURCES, Trajectory, source_rank
 from learner.samples import Sample, SkipCounts, trajectory_samples
 
 log = structlog.get_logger(__name__)
@@ -85,8 +85,6 @@ JUDGE_SYSTEM = (
     'Answer only with JSON: {{"candidate_1": <score>, "candidate_2": <score>, ...}}, one entry per candidate.'
 )
 SCALE = 10  # the judge answers integers 0..SCALE (a grammar-constrained enum: a small judge cannot wander off), rewards are score / SCALE
-# sources that are an evaluator's word, never a user's label (runtime/store_routes.py reserves them the same way, case-insensitively)
-EVALUATOR_SOURCES = ("verifier:", "judge:", "hook:")
 
 
 def judge_schema(n: int) -> dict[str, Any]:
@@ -181,7 +179,7 @@ def user_label(traj: Trajectory, *, patterns: Sequence[str], threshold: float) -
     for i, r in enumerate(traj.rewards):
         on_answer = (r.target == "turn" and r.target_id == first) or (r.target == "trajectory" and r.target_id == traj.trajectory_id)
         rank = source_rank(r.source, patterns)
-        if on_answer and rank is not None and math.isfinite(r.value) and not r.source.lower().startswith(EVALUATOR_SOURCES):
+        if on_answer and rank is not None and math.isfinite(r.value) and not r.source.lower().startswith(RESERVED_SOURCES):
             found.append((rank, -r.created_at, -i, r.value, r.source))
     if not found:
         return None

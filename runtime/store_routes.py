@@ -37,7 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
-from learner.records import PUBLIC_OWNER, Reward, UnknownTarget
+from learner.records import PUBLIC_OWNER, RESERVED_SOURCES, Reward, UnknownTarget
 from runtime.admission import RateLimiter
 from runtime.errors import APIError, from_validation
 from runtime.http_body import read_json
@@ -94,7 +94,6 @@ def check_admin_key(request: Request, admin_key: str | None) -> None:
         )
 
 
-RESERVED_SOURCES = ("verifier:", "judge:", "hook:")  # the runtime's evaluators and the learner's judges and reward hooks; never a client's word
 SOURCE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 
 
