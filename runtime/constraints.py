@@ -55,11 +55,25 @@ def grammar_for(req: GenRequest, parser_name: str) -> Grammar | None:
     return Grammar("json_schema", json.dumps(fmt.schema or {}))
 
 
+# xgrammar 0.2.9 writes a length-bounded string (maxLength / minLength) as repeats of this class, which admits raw
+# control characters (a tab, \x01, ...) that JSON forbids inside strings: a strict parser (the tool-call parser, the
+# client's json.loads) then refuses the call. Its unbounded strings exclude them; the bounded class is made the same.
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> Any:
+    """xgrammar's compact grammar of a JSON schema, with bounded strings that admit only characters JSON allows raw."""
+    g = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    text = str(g)
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)) if _BOUNDED_STRING_CHAR in text else g
+
+
 def _format_grammar(kind: str, schema: dict[str, Any] | None) -> Any:
     if kind == "json_object":
         return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
     try:
-        return xgr.Grammar.from_json_schema(json.dumps(schema or {}), any_whitespace=False)
+        return json_schema_grammar(schema or {})
     except (RuntimeError, ValueError) as exc:
         raise InvalidRequest(f"cannot build a grammar for the output schema: {exc}", param="response_format") from exc
 
@@ -78,7 +92,7 @@ def tool_call_ebnf(tools: dict[str, dict[str, Any]], parser_name: str) -> str:
         # schema, so its local `$ref`s (`#/$defs/...`) resolve against that schema's root
         head = prefix + "{" + json.dumps("name") + ": " + json.dumps(name) + ", " + json.dumps(args_key) + ": "
         try:
-            arguments = xgr.Grammar.from_json_schema(json.dumps(params), any_whitespace=False)
+            arguments = json_schema_grammar(params)
         except (RuntimeError, ValueError) as exc:
             raise InvalidRequest(f"cannot build a grammar for the parameters of tool {name!r}: {exc}", param="tools") from exc
         tail = "}" + suffix

@@ -120,6 +120,22 @@ def test_tool_call_grammar_rejects_unknown_function_and_bad_arguments(compiler: 
     assert not accepts(compiler, ebnf, '<tool_call>\n{"name": "f", "arguments": {"q": "x"}}\n</tool_call>')  # g's args for f
 
 
+def test_length_bounded_strings_admit_only_what_json_allows_raw(compiler: Any) -> None:
+    """A ``maxLength`` argument (pydantic's ``Field(max_length=...)`` in a function tool): xgrammar 0.2.9's bounded-string
+    rule admitted raw control characters, so a sampled tab made the call unparsable and it came back as text."""
+    params = {"type": "object", "properties": {"expr": {"type": "string", "maxLength": 8}}, "required": ["expr"]}
+    ebnf = tool_call_ebnf({"calc": params}, "qwen25")
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expr": "%s"}}\n</tool_call>'
+    assert accepts(compiler, ebnf, call % "2+3")
+    assert not accepts(compiler, ebnf, call % "2\t+3") and not accepts(compiler, ebnf, call % "2\x01")
+    assert not accepts(compiler, ebnf, call % "123456789")  # still at most 8 characters
+    raw = xgr.Grammar.from_json_schema(json.dumps(params), any_whitespace=False)  # what xgrammar alone admits
+    assert xgr.testing._is_grammar_accept_string(raw, '{"expr": "2\t+3"}')
+    fields = {"tools": TOOLS, "tool_choice": "auto", "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": params}}}
+    fmt = grammar_for(to_internal(chat(**fields)), "qwen25")  # tools or the format: the union grammar
+    assert fmt is not None and not accepts(compiler, fmt.spec, '{"expr": "a\tb"}') and accepts(compiler, fmt.spec, '{"expr": "ab"}')
+
+
 def test_named_choice_grammar_admits_only_that_function(compiler: Any) -> None:
     ebnf = tool_call_ebnf({"g": G_PARAMS}, "qwen25")
     assert accepts(compiler, ebnf, '<tool_call>\n{"name": "g", "arguments": {"q": "x"}}\n</tool_call>')

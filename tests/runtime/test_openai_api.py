@@ -347,6 +347,18 @@ def test_tool_choice_required(oai, seed):
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+def test_a_forced_call_with_a_length_bounded_argument_is_always_a_tool_call(oai):
+    """pydantic's Field(max_length=40) in a function tool (openai-agents users write it): the random tiny model sampled raw
+    control characters into the bounded string about one time in five, and the call came back as text."""
+    params = {"type": "object", "properties": {"expr": {"type": "string", "maxLength": 40}}, "required": ["expr"]}
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": params}}]
+    for seed in range(20):
+        r = oai.chat.completions.create(model=MODEL, messages=USER, tools=tools, tool_choice="required", max_tokens=80, seed=seed, temperature=1.0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, (seed, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), params)
+
+
 @pytest.mark.parametrize("name", ["set_light", "get_weather"])
 def test_tool_choice_named(oai, name):
     r = oai.chat.completions.create(
