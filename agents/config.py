@@ -36,7 +36,7 @@ class AgentConfig(BaseModel):
     stop_policy: Literal["answer", "fixed", "svr", "svr_r1"] = Field(
         "answer", description="answer: stop at the first answer without tool calls; fixed: run max_turns; svr / svr_r1: self-verifying stop"
     )
-    stop_params: dict[str, Any] = Field(default_factory=dict, description="parameters of the stop policy (svr: tau; fixed: fmt)")
+    stop_params: dict[str, Any] = Field(default_factory=dict, description="parameters of the stop policy (svr: tau; svr_r1: cap; fixed: fmt)")
     max_turns: int = Field(6, ge=1, le=64, description="most model calls in one run")
     token_budget: int = Field(4096, ge=1, description="most generated tokens in one run, over all turns")
     max_tokens_per_turn: int = Field(384, ge=1, description="most generated tokens in one model call")

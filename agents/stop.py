@@ -18,8 +18,8 @@ Policies (``make_stop_policy(name, **params)``):
   differs only in the stop rule.
 * ``svr``    — stop when verdict is Correct and confidence ≥ τ; else refine with feedback built from the
   model's own verdict; at the cap return the best self-rated answer.
-* ``svr_r1`` — Yes stops; the first non-Yes answer turn gets exactly one rethink; the turn after the
-  rethink is final whatever it says.
+* ``svr_r1`` — Yes stops; a non-Yes answer turn gets a rethink while the run has fewer than ``cap``
+  answer turns (default 2: one second chance); the answer turn at the cap is final whatever it says.
 
 Turns with ``tool_calls > 0`` are action turns: the loop runs the tools and the observation is the next
 user turn, so every policy answers ``continue`` (reason ``tool_call``, no feedback) for them and never
@@ -46,12 +46,12 @@ Verdict = Literal["correct", "incorrect"]
 
 StopReason = Literal[
     "verified",  # stop: the self-check passed (svr: Correct and confidence ≥ τ; svr_r1: Yes)
-    "final_answer",  # stop: svr_r1, the turn after the one rethink
+    "final_answer",  # stop: svr_r1, the answer turn at its cap (the last rethink's reply)
     "max_turns",  # stop: the cap; the answer is the last answer turn's
     "max_turns_best",  # stop: svr at the cap; the answer is the best self-rated one
     "continue",  # continue: fixed policy below the cap
     "continue_refine",  # continue: svr, not verified; feedback built from the model's own verdict
-    "rethink",  # continue: svr_r1, the one second chance after a No
+    "rethink",  # continue: svr_r1, another chance after a No (below its cap)
     "format_failure",  # continue: the turn was unparsable; feedback restates the format
     "tool_call",  # continue: the turn called tools; the tool results are the next observation
 ]
@@ -416,25 +416,29 @@ class SVRPolicy:
 
 
 class SVRR1Policy:
-    """``svr_r1`` (``docs/methods.md``): a binary self-check with exactly one second chance.
+    """``svr_r1`` (``docs/methods.md``; after VL-Rethinker's forced rethinking): a binary self-check; a No
+    buys a rethink until the run has ``cap`` answer turns.
 
-    Over answer turns (tool turns are skipped and only count towards the cap):
+    Over answer turns (tool turns are skipped for ``cap`` and only count towards ``max_turns``):
 
     * the latest answer turn says Yes (and parses) → stop, ``verified``, its answer;
-    * it is the first answer turn and did not say Yes → continue: No gets the rethink message
-      (``rethink``); an unparsable turn gets the format restated (``format_failure``). Either way this
-      is the one second chance;
-    * it is the second answer turn (the rethink's reply) → stop, ``final_answer``, its answer whatever
-      its verdict; if it did not parse, the text extracted from it (``format_failure=True``);
-    * the cap comes first (e.g. ``max_turns=1``) → stop, ``max_turns``, the last answer turn's answer.
+    * it did not say Yes and is answer turn k < ``cap`` → continue: No gets the rethink message
+      (``rethink``); an unparsable turn gets the format restated (``format_failure``);
+    * it is answer turn ``cap`` → stop, ``final_answer``, its answer whatever its verdict; if it did not
+      parse, the text extracted from it (``format_failure=True``);
+    * ``max_turns`` comes first → stop, ``max_turns``, the last answer turn's answer.
 
-    §7's natural cap is 2 turns; a larger ``max_turns`` still allows only one rethink.
+    ``cap`` = 2 (the default) is the "second chance" reading: one rethink. A larger ``cap`` allows
+    ``cap`` − 1 rethinks, still bounded by the loop's ``max_turns``.
     """
 
     name = "svr_r1"
     fmt: AnswerFormat = "svr_r1"
 
-    def __init__(self, think: bool = False) -> None:
+    def __init__(self, cap: int = 2, think: bool = False) -> None:
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"cap (most answer turns) must be an integer >= 1, got {cap!r}")
+        self.cap = cap
         self.instructions = prompts.format_instructions("svr_r1", think=think)
 
     def decide(self, history: Sequence[TurnView], max_turns: int) -> StopDecision:
@@ -453,8 +457,8 @@ class SVRR1Policy:
         if not failed and check.verdict == "correct":
             return StopDecision(True, "verified", check.solution, None, False, last, check, check.p_correct)
         n_answer_turns = sum(1 for t in history if not t.tool_calls)
-        if n_answer_turns >= 2 or at_cap:
-            reason: StopReason = "final_answer" if n_answer_turns >= 2 else "max_turns"
+        if n_answer_turns >= self.cap or at_cap:
+            reason: StopReason = "final_answer" if n_answer_turns >= self.cap else "max_turns"
             return StopDecision(True, reason, _answer_of(turn, check), None, failed, last, check, check.p_correct)
         if failed:
             return StopDecision(False, "format_failure", None, prompts.format_failure_feedback("svr_r1", check.error), True, None, check)

@@ -393,12 +393,12 @@ class SVRConfig(BaseModel):
 
 class SVRR1Config(BaseModel):
     """SVR-R1 training rewards (``learner/svr_rewards.py``) for the agent whose stop policy is ``svr_r1``: a trajectory reward
-    ``r_acc(final) + w_v * sum_t 1[verdict_t matches correctness_t] + w_f * (share of turns in format)
-    + alpha * (r_acc(last) - r_acc(first))``; pair with a trajectory estimator (``grpo``)."""
+    ``r_acc(final) + w_v * (share of turns whose verdict matches their correctness) + w_f * (share of turns in format)
+    + alpha * (r_acc(last) - r_acc(first))``, so more turns earn nothing by themselves; pair with a trajectory estimator (``grpo``)."""
 
     model_config = _FROZEN
     enabled: bool = Field(False, description="score the agent's trajectories with the SVR-R1 reward (replaces the verifier's outcome)")
-    w_v: float = Field(0.5, ge=0.0, description="per turn whose Yes/No matches whether its answer is right")
+    w_v: float = Field(0.5, ge=0.0, description="times the share of the trajectory's turns whose Yes/No matches whether their answer is right")
     w_f: float = Field(0.25, ge=0.0, description="times the share of the trajectory's turns that parsed")
     alpha: float = Field(0.0, ge=0.0, description="correction shaping: alpha * (last answer right - first answer right); 0 = off")
 

@@ -15,12 +15,17 @@ in every turn's reward); ``turn_grpo`` with ``source = "reward"`` then normalise
 index of the group's other runs. Training runs are fixed-horizon (meta ``horizon``, ``agents/self_checks.py``):
 turns after a right answer are scored too, so the model learns to keep it.
 
-**SVR-R1** (binary self-verdict with one rethink): one trajectory reward ::
+**SVR-R1** (binary self-verdict; a No buys a rethink, up to the stop policy's answer-turn ``cap``): one
+trajectory reward over its T answer turns ::
 
-    R = c_final + w_v·Σ_t 1[format_ok_t and (verdict_t = Correct) = c_t] + w_f·(share of turns that parsed)
+    R = c_final + w_v·(1/T)·Σ_t 1[format_ok_t and (verdict_t = Yes) = c_t] + w_f·(1/T)·Σ_t 1[format_ok_t]
         + α·(c_last − c_first)          (correction shaping, only with two or more turns; α = 0 turns it off)
 
-on ``Sample.trajectory_reward`` (source ``svr_r1``), turn rewards cleared, for a trajectory estimator (``grpo``).
+The verdict and format terms are shares of the turns, not counts: a run earns nothing for taking more turns
+(with α = 0 a right first answer with Yes and a wrong → right run with No, Yes both score 1 + w_v + w_f), and
+R lies in [−α, 1 + w_v + w_f + α]. The only term that sets a correction apart from a right first answer is the
+SCoRe shaping α (Kumar et al. 2024, arXiv 2409.12917). The reward goes on ``Sample.trajectory_reward``
+(source ``svr_r1``), turn rewards cleared, for a trajectory estimator (``grpo``).
 
 A turn whose correctness was not measured (``correct`` None: no task problem) gives no reward: SVR leaves that
 turn out (``turn_grpo`` excludes it), SVR-R1 the trajectory. Samples without a self-check keep their rewards.
@@ -60,10 +65,11 @@ def svr_r1_reward(checks: Sequence[TurnCheck], cfg: SVRR1Config) -> float | None
     if not checks or any(ch.correct is None for ch in checks):
         return None
     right = [1.0 if ch.correct else 0.0 for ch in checks]
+    n = len(checks)
     matches = sum(1 for ch, c in zip(checks, right, strict=True) if ch.format_ok and ch.verdict is not None and (ch.verdict == "correct") == bool(c))
-    fmt = sum(1 for ch in checks if ch.format_ok) / len(checks)
-    shaping = cfg.alpha * (right[-1] - right[0]) if len(checks) > 1 else 0.0
-    return right[-1] + cfg.w_v * matches + cfg.w_f * fmt + shaping
+    fmt = sum(1 for ch in checks if ch.format_ok)
+    shaping = cfg.alpha * (right[-1] - right[0]) if n > 1 else 0.0
+    return right[-1] + cfg.w_v * matches / n + cfg.w_f * fmt / n + shaping
 
 
 def apply_self_check_rewards(samples: Sequence[Sample], svr: SVRConfig, svr_r1: SVRR1Config) -> tuple[list[Sample], dict[str, Any]]:

@@ -355,7 +355,7 @@ R1_TABLE = [
     ("no → rethink", [NO], 2, False, "rethink", None, None, False, prompts.SVR_R1_RETHINK),
     ("no → rethink → yes", [NO, YES], 2, True, "verified", "42", 1, False, None),
     ("no → rethink → no stops with the rethink's answer", [NO, r1("43", "No")], 2, True, "final_answer", "43", 1, False, None),
-    ("only one rethink even with more turns", [NO, r1("43", "No")], 5, True, "final_answer", "43", 1, False, None),
+    ("default cap: one rethink even with more turns", [NO, r1("43", "No")], 5, True, "final_answer", "43", 1, False, None),
     ("no at a cap of 1", [NO], 1, True, "max_turns", "41", 0, False, None),
     ("format failure → one second chance", [GARBAGE], 2, False, "format_failure", None, None, True, None),
     ("format failure → rethink yes", [GARBAGE, YES], 2, True, "verified", "42", 1, False, None),
@@ -378,6 +378,24 @@ def test_svr_r1_policy(
     if feedback is not None:
         assert d.feedback == feedback
     assert (d.feedback is None) is stop
+
+
+def test_svr_r1_cap_allows_more_rethinks() -> None:
+    """``cap`` answer turns: a No below it gets another rethink; the answer turn at it is final whatever it says."""
+    policy = SVRR1Policy(cap=3)
+    d = policy.decide(turns(NO, r1("43", "No")), 5)
+    assert (d.stop, d.reason, d.feedback) == (False, "rethink", prompts.SVR_R1_RETHINK)
+    d = policy.decide(turns(NO, r1("43", "No"), YES), 5)
+    assert (d.stop, d.reason, d.answer, d.best_turn) == (True, "verified", "42", 2)
+    d = policy.decide(turns(NO, r1("43", "No"), r1("44", "No")), 5)
+    assert (d.stop, d.reason, d.answer, d.best_turn) == (True, "final_answer", "44", 2)
+    d = policy.decide(turns(NO, r1("43", "No")), 2)  # the loop's max_turns comes first
+    assert (d.stop, d.reason, d.answer, d.best_turn) == (True, "max_turns", "43", 1)
+    d = SVRR1Policy(cap=1).decide(turns(NO), 5)  # no rethink at all
+    assert (d.stop, d.reason, d.answer) == (True, "final_answer", "41")
+    assert make_stop_policy("svr_r1", cap=4).cap == 4  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="cap"):
+        SVRR1Policy(cap=0)
 
 
 def test_svr_r1_format_failure_feedback_restates_the_format() -> None:

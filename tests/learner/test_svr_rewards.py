@@ -66,22 +66,39 @@ def r1(correct: bool, verify: str | None, ok: bool = True) -> TurnCheck:
 @pytest.mark.parametrize(
     ("turns", "expected"),
     [
-        ([r1(True, "correct")], 1.7),  # acc 1 + 0.5*1 match + 0.2*1 format (one turn: no shaping)
+        # verdict and format terms are shares of the turns: acc + 0.5*(matches/T) + 0.2*(parsed/T) + 0.3*(last - first)
+        ([r1(True, "correct")], 1.7),  # acc 1 + 0.5*(1/1) match + 0.2*(1/1) format (one turn: no shaping)
         ([r1(False, "correct")], 0.2),  # acc 0, Yes on a wrong answer: no match; format 0.2
         ([r1(False, "incorrect")], 0.7),  # acc 0, No on a wrong answer matches: 0.5; + 0.2
-        ([r1(False, "incorrect"), r1(True, "correct")], 2.5),  # acc 1 + 0.5*2 + 0.2 + 0.3*(1-0) a real correction
-        ([r1(True, "incorrect"), r1(False, "correct")], -0.1),  # acc 0 + 0 matches + 0.2 - 0.3 (right -> wrong flip)
-        ([r1(True, "incorrect"), r1(True, "correct")], 1.7),  # acc 1 + 0.5*1 (turn 2) + 0.2 + 0 (no change)
-        ([r1(False, None, ok=False), r1(True, "correct")], 1.9),  # acc 1 + 0.5 + 0.2*0.5 + 0.3
+        ([r1(False, "incorrect"), r1(True, "correct")], 2.0),  # acc 1 + 0.5*(2/2) + 0.2 + 0.3*(1-0): above 1.7 only by the shaping
+        ([r1(True, "incorrect"), r1(False, "correct")], -0.1),  # acc 0 + 0.5*(0/2) + 0.2 - 0.3 (right -> wrong flip)
+        ([r1(True, "incorrect"), r1(True, "correct")], 1.45),  # acc 1 + 0.5*(1/2) (turn 2 only) + 0.2 + 0 (no change)
+        ([r1(False, None, ok=False), r1(True, "correct")], 1.65),  # acc 1 + 0.5*(1/2) + 0.2*(1/2) + 0.3
     ],
 )
 def test_svr_r1_reward_table(turns: list[TurnCheck], expected: float) -> None:
     assert svr_r1_reward(turns, SVR_R1) == pytest.approx(expected)
 
 
+def test_svr_r1_reward_does_not_grow_with_turns() -> None:
+    """The verdict term is the share of turns whose Yes/No matches, not a count: a run does not score more for
+    taking more turns. Default weights (w_v=0.5, w_f=0.25, alpha=0), each number by hand."""
+    cfg = SVRR1Config(enabled=True, w_v=0.5, w_f=0.25, alpha=0.0)
+    right_first = [r1(True, "correct")]  # acc 1 + 0.5*(1/1) + 0.25*(1/1) = 1.75
+    wrong_then_right = [r1(False, "incorrect"), r1(True, "correct")]  # acc 1 + 0.5*(2/2) + 0.25*(2/2) = 1.75
+    two_rethinks = [r1(False, "incorrect"), r1(False, "incorrect"), r1(True, "correct")]  # 1 + 0.5*(3/3) + 0.25 = 1.75
+    wrong_twice = [r1(False, "incorrect"), r1(False, "correct")]  # acc 0 + 0.5*(1/2) + 0.25*(2/2) = 0.5
+    assert svr_r1_reward(right_first, cfg) == pytest.approx(1.75)
+    assert svr_r1_reward(wrong_then_right, cfg) == pytest.approx(1.75)
+    assert svr_r1_reward(two_rethinks, cfg) == pytest.approx(1.75)
+    assert svr_r1_reward(wrong_twice, cfg) == pytest.approx(0.5)
+
+
 def test_svr_r1_without_shaping_and_unmeasured() -> None:
     plain = SVRR1Config(enabled=True, w_v=0.5, w_f=0.2, alpha=0.0)
-    assert svr_r1_reward([r1(False, "incorrect"), r1(True, "correct")], plain) == pytest.approx(2.2)  # 1 + 1 + 0.2
+    # without shaping a correction scores what a right first answer does: 1 + 0.5*(2/2) + 0.2 = 1 + 0.5*(1/1) + 0.2 = 1.7
+    assert svr_r1_reward([r1(False, "incorrect"), r1(True, "correct")], plain) == pytest.approx(1.7)
+    assert svr_r1_reward([r1(True, "correct")], plain) == pytest.approx(1.7)
     assert svr_r1_reward([r1(True, "correct"), TurnCheck(format="svr_r1", verdict="correct", format_ok=True)], plain) is None
 
 
@@ -125,7 +142,7 @@ def test_svr_rewards_replace_the_outcome_and_advantages_are_per_turn_index() -> 
 def test_svr_r1_rewards_go_on_the_trajectory() -> None:
     t = [sample("t", 1, r1(True, "correct")), sample("t", 0, r1(False, "incorrect"))]  # given out of order: sorted by turn
     out, info = apply_self_check_rewards(t, SVRConfig(), SVR_R1)
-    assert [s.trajectory_reward for s in out] == pytest.approx([2.5, 2.5]) and all(s.reward is None for s in out) and info["scored"] == 2
+    assert [s.trajectory_reward for s in out] == pytest.approx([2.0, 2.0]) and all(s.reward is None for s in out) and info["scored"] == 2
     untouched, _ = apply_self_check_rewards(t, SVRConfig(), SVRR1Config())
     assert untouched == t
 
