@@ -118,6 +118,9 @@ class TurnSample:
     n_tokens: int = 0  # output tokens (for rank tie-breaks / aggregation)
     correct: bool | None = None  # for rank rewards
     score: float | None = None  # for rank rewards (e.g. speedup)
+    # what ``correct``/``score`` describe: this turn's own result ("turn", e.g. one kernel attempt's outcome), or its
+    # trajectory's final outcome repeated on each of its turns ("trajectory"); rank's per="turn" ranks only the former
+    result_of: Literal["turn", "trajectory"] = "turn"
     anchor: str | None = None  # the exact context's id: RTPO's sibling key (turns that share it were sampled from one context)
     state: str | None = None  # GiGPO's anchor state (the environment's state key, history excluded); None: use ``anchor``
 
@@ -669,7 +672,10 @@ def tcpo(
     (high-surprisal) turn, ``credit_t = mu * cf_t + (1 - mu) * (retro_t + hind_t)``. Then
     ``A_{i,t} = (credit - mean) / (std + eps)`` over all turns of the group. Missing turn scores are filled by
     :func:`tcpo_scores` (the outcome on the last turn, no progress elsewhere); a trajectory with neither turn
-    scores nor an outcome is excluded.
+    scores nor an outcome is excluded. ``cf_t`` compares like with like: a turn's own score against its
+    alternatives' (process scores), or, for an unscored last turn, its run's outcome against theirs (a one-step
+    alternative of the last turn ends its run too); an unscored earlier turn has no comparable value (its
+    alternatives' truncated-run outcomes are not its filled-in score), so its counterfactual is ignored.
     """
     _check(eps, zero_std_tol)
     b = _batch(samples)
@@ -687,7 +693,9 @@ def tcpo(
         c = tcpo_retrospective(v, best0=best0) + tcpo_hindsight(v, lambda_h=lambda_h, gamma=gamma, best0=best0)
         for pos, i in enumerate(idx.tolist()):
             alts = cf.get((samples[i].trajectory_id, samples[i].turn_index))
-            if alts is not None:
+            # like with like: an unscored non-final turn's v_t is a fill-in (best_{t-1}), not the outcome of a
+            # one-step run as its alternatives' scores are; no comparable value, so no counterfactual for it
+            if alts is not None and (not np.isnan(b.reward[i]) or pos == len(idx) - 1):
                 c[pos] = mu * tcpo_counterfactual(float(v[pos]), alts) + (1.0 - mu) * c[pos]
         credit[idx] = c
     adv, n_g, n_z = _normalise(credit, b.group, valid, norm_by_std=norm_by_std, eps=eps, zero_std_tol=zero_std_tol)
@@ -755,7 +763,9 @@ def rank(
     ``A_i = r_i - 0.5`` (``normalize="center"``) or ``(r_i - mean) / (std + eps)`` (``"std"``); all-tie
     groups give 0. ``per="trajectory"``: a participant is a trajectory, judged on its last turn's
     ``correct``/``score`` and the sum of its turns' ``n_tokens``; every turn gets its trajectory's advantage.
-    ``per="turn"``: participants are the turns sharing ``(group_id, turn_index)``. ``correct=None`` is excluded.
+    ``per="turn"``: participants are the turns sharing ``(group_id, turn_index)``, each judged on its own result:
+    a turn whose ``correct``/``score`` are its trajectory's final outcome (``result_of="trajectory"``) has no result
+    of its own and is excluded, never ranked by the outcome. ``correct=None`` is excluded.
     """
     _check(eps, zero_std_tol)
     b = _batch(samples)
@@ -776,7 +786,10 @@ def rank(
         part_group = _codes(list(zip(b.group.tolist(), b.turn.tolist(), strict=True)))
     else:
         raise AdvantageInputError(f"per must be 'trajectory' or 'turn', got {per!r}")
-    part_ok = np.array([samples[i].correct is not None for i in part_sample.tolist()], dtype=np.bool_)
+    part_ok = np.array(
+        [samples[i].correct is not None and (per == "trajectory" or samples[i].result_of == "turn") for i in part_sample.tolist()],
+        dtype=np.bool_,
+    )
     r = np.zeros(part_sample.shape[0], dtype=np.float64)
     for grp in np.unique(part_group[part_ok]).tolist():
         members = np.flatnonzero((part_group == grp) & part_ok)

@@ -24,7 +24,8 @@ Planning (pure; the service executes the plan: runs, estimator, trainer, publish
   the sibling sets the ``rtpo`` estimator scores (whole continuations, not the branch turn alone).
 - TCPO: :func:`tcpo_branch_points` picks the high-surprisal turns (``advantages.tcpo_select_turns``) that
   can be replayed; :func:`counterfactual_scores` collects the verifier's scores of their one-step
-  alternatives (:func:`counterfactual_score`: the step's process score, else the run's reward).
+  alternatives (:func:`counterfactual_score`: the step's process score, else the run's reward, the latter only
+  for a backbone's last turn, where the backbone's own score is its outcome too).
 
 Not here: running the sweep against the trainer (``learner/rollout_steps.py``), advantages (``learner.advantages``).
 """
@@ -247,13 +248,30 @@ def tcpo_branch_points(samples: Sequence[Sample], store: _Store, *, top_q: float
 
 
 def counterfactual_scores(runs: Sequence[BranchRun]) -> dict[tuple[str, int], list[float]]:
-    """``(backbone trajectory id, turn) → the verifier's scores of its one-step alternatives`` (what ``tcpo`` takes)."""
+    """``(backbone trajectory id, turn) → the verifier's scores of its one-step alternatives`` (what ``tcpo`` takes).
+
+    Like with like: an alternative scored only by its truncated run's reward (the task has no per-turn score)
+    is comparable with the backbone turn only where that turn is the backbone's last (its own run ended there
+    too, so ``v_t`` is the outcome); for an earlier turn the backbone has no such value and the alternative is
+    dropped (counted in the log line; ``tcpo`` applies the same rule to what it is given)."""
     scores: dict[tuple[str, int], list[float]] = {}
+    incomparable = 0
     for r in runs:
         v = counterfactual_score(r.run) if r.error is None else None
-        if v is not None:
-            scores.setdefault((r.point.trajectory.trajectory_id, r.point.turn), []).append(v)
+        if v is None:
+            continue
+        if not _process_scored(r.run) and r.point.turn < len(r.point.trajectory.turns) - 1:
+            incomparable += 1
+            continue
+        scores.setdefault((r.point.trajectory.trajectory_id, r.point.turn), []).append(v)
+    if incomparable:
+        log.info("tcpo counterfactuals without a comparable turn score dropped", runs=incomparable)
     return scores
+
+
+def _process_scored(run: dict[str, Any]) -> bool:
+    steps = [s for s in run.get("steps", []) if not s.get("replayed")]
+    return bool(steps) and isinstance(steps[-1].get("process_score"), int | float)
 
 
 def counterfactual_score(run: dict[str, Any]) -> float | None:

@@ -546,7 +546,10 @@ def make_groups(samples: Iterable[Sample]) -> list[Group]:
 def to_turn_samples(samples: Sequence[Sample]) -> list[TurnSample]:
     """The estimators' view of ``samples`` (same order).
 
-    ``correct`` and ``score`` come from the trajectory meta when an agent recorded them (bool / number);
+    ``correct`` and ``score`` (LEAP's rank) are the turn's own result when the trajectory recorded one for its index
+    (meta ``turn_correct``: bool, and ``turn_scores``: number, lists indexed by turn index like ``state_keys``;
+    ``result_of="turn"``), else the trajectory's final outcome (meta ``correct`` / ``score``, ``result_of="trajectory"``),
+    which rank's ``per="turn"`` leaves out;
     ``anchor`` is the exact context's id (:func:`learner.records.context_sha256`): turns with byte-identical
     contexts (the first turns of one problem's runs, RTPO siblings and their backbone turn) share it (RTPO's
     sibling key). ``state`` is GiGPO's anchor state: the environment's state key when the run recorded one
@@ -554,21 +557,32 @@ def to_turn_samples(samples: Sequence[Sample]) -> list[TurnSample]:
     """
     from learner.advantages import TurnSample  # numpy-only; imported here so this module stays importable on its own
 
-    return [
-        TurnSample(
-            trajectory_id=s.trajectory_id,
-            group_id=s.group_id,
-            turn_index=s.turn_index,
-            reward=s.reward,
-            trajectory_reward=s.trajectory_reward,
-            n_tokens=s.n_tokens,
-            correct=_opt_bool(s.meta.get("correct")),
-            score=_finite(s.meta.get("score")) if isinstance(s.meta.get("score"), int | float) else None,
-            anchor=(anchor := context_sha256(s.context_ids)),
-            state=f"state:{s.state_key}" if s.state_key else anchor,
+    def at(key: str, s: Sample) -> Any:
+        v = s.meta.get(key)
+        return v[s.turn_index] if isinstance(v, list) and 0 <= s.turn_index < len(v) else None
+
+    def number(v: Any) -> float | None:
+        return _finite(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+    out: list[TurnSample] = []
+    for s in samples:
+        own = _opt_bool(at("turn_correct", s))
+        out.append(
+            TurnSample(
+                trajectory_id=s.trajectory_id,
+                group_id=s.group_id,
+                turn_index=s.turn_index,
+                reward=s.reward,
+                trajectory_reward=s.trajectory_reward,
+                n_tokens=s.n_tokens,
+                correct=own if own is not None else _opt_bool(s.meta.get("correct")),
+                score=number(at("turn_scores", s)) if own is not None else number(s.meta.get("score")),
+                result_of="turn" if own is not None else "trajectory",
+                anchor=(anchor := context_sha256(s.context_ids)),
+                state=f"state:{s.state_key}" if s.state_key else anchor,
+            )
         )
-        for s in samples
-    ]
+    return out
 
 
 def _opt_bool(v: Any) -> bool | None:

@@ -233,7 +233,8 @@ def ref_tcpo(samples: Sequence[TurnSample], cf: dict[tuple[str, int], list[float
         for pos, i in enumerate(idxs):
             key = (samples[i].trajectory_id, samples[i].turn_index)
             c = credit[pos]
-            if key in cf:
+            # an unscored turn is comparable with its one-step alternatives only as its run's last turn (the outcome)
+            if key in cf and (samples[i].reward is not None or pos == len(idxs) - 1):
                 c = mu * (v[pos] - sum(cf[key]) / len(cf[key])) + (1 - mu) * c  # type: ignore[operator]
             groups[samples[i].group_id].append((i, c))
     return ref_norm(groups, len(samples), True)
@@ -698,6 +699,24 @@ def test_tcpo_falls_back_to_the_outcome_when_turns_have_no_score() -> None:
     out = compute_advantages("tcpo", samples)
     approx(out, [(c - mean) / (sd + EPS) for c in credit])
     assert out.n_excluded == 0
+
+
+def test_tcpo_counterfactual_compares_like_with_like_when_turns_have_no_score() -> None:
+    # no per-turn scores: d's turn 0 has v_0 = best0 = 0 (a fill-in, not a measurement) while its one-step alternatives
+    # are scored by their truncated runs' outcome. Equally good alternatives (1.0 each) used to give
+    # cf_0 = 0 - 1 = -1 and, with mu=1, replace d's credit 0.9 -> credits [-1, 1, 0, 0]: A_d0 = -1 / sqrt(2/3) = -1.22.
+    # Now an unscored non-final turn has no comparable value: its counterfactual is skipped (retro + hind kept).
+    samples = [S("d", 0, 1.0), S("d", 1, 1.0), S("e", 0, 0.0), S("e", 1, 0.0)]
+    cf = {("d", 0): [1.0, 1.0], ("d", 1): [1.0, 1.0]}
+    # d's last turn: v_1 = outcome 1 and its one-step alternatives end the run too (same measure): cf_1 = 1 - 1 = 0
+    credit = [0.9, 0.0, 0.0, 0.0]
+    mean, sd = 0.225, 0.45  # ss = 0.675^2 + 3 * 0.225^2 = 0.6075; sd = sqrt(0.6075 / 3) = 0.45
+    out = compute_advantages("tcpo", samples, counterfactual_scores=cf, mu=1.0)
+    approx(out, [(c - mean) / (sd + EPS) for c in credit])
+    assert out[0] == pytest.approx(1.5, abs=1e-5)  # the successful run's first turn keeps its positive credit
+    # only d's turn 0 alternatives: credits [0.9, 1, 0, 0] as without counterfactuals (A_d0 = 0.425 / 0.55 = +0.77)
+    approx(compute_advantages("tcpo", samples, counterfactual_scores={("d", 0): [1.0, 1.0]}, mu=1.0), compute_advantages("tcpo", samples))
+    assert compute_advantages("tcpo", samples, counterfactual_scores={("d", 0): [1.0, 1.0]})[0] == pytest.approx(0.425 / 0.55, abs=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from learner.advantages import compute_advantages
 from learner.leap import KernelEpisode, ProbeSample, classify_probe, explain_probe, kernel_rank_advantages, kernel_rank_samples, load_probe, prune
+from learner.samples import Sample, to_turn_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -199,3 +200,46 @@ def test_rank_multi_turn_uses_the_last_turn_and_summed_tokens():
     adv = compute_advantages("rank", kernel_rank_samples(eps))
     assert adv == pytest.approx([-0.5, -0.5, 0.5])  # same speed; q used fewer tokens over its trajectory
     assert kernel_rank_samples(eps)[0].trajectory_reward == pytest.approx(1.8)  # the trajectory's last turn
+
+
+def _live(tid: str, turn: int, meta: dict) -> Sample:
+    # one recorded turn (one trained token) of trajectory ``tid`` in group "g"; ``meta`` is the trajectory's meta
+    return Sample(
+        f"{tid}{turn}", tid, "g", turn, [1], [2], [-1.0], [1], None, 0, reward=None, trajectory_reward=1.0, temperature=1.0, created_at=0.0, meta=meta
+    )
+
+
+def test_rank_per_turn_ranks_each_turn_by_its_own_result():
+    # issue 39: per="turn" used to rank every turn by its trajectory's final outcome (meta correct / score), copied
+    # onto each turn by to_turn_samples. The final outcomes are a (correct, 2.0), b (correct, 1.0), c (incorrect);
+    # the runs' own per-turn results (meta turn_correct / turn_scores, one entry per turn index) differ from them:
+    #   turn 0: a0 incorrect, b0 correct 1.5, c0 correct 3.0   turn 1: a1 correct 2.0, b1 correct 1.0, c1 incorrect
+    # round robin on turn 0: c0 beats b0 (faster) and a0 (correct) -> 2, b0 beats a0 -> 1, a0 -> 0; r = wins / 2
+    # = [0, 1/2, 1] -> A = r - 1/2 = [-1/2, 0, 1/2]. Turn 1: a1 2 wins, b1 1, c1 0 -> [1/2, 0, -1/2].
+    # (Ranked by the final outcome both turns would be a +1/2, b 0, c -1/2: [0.5, 0.5, 0, 0, -0.5, -0.5].)
+    meta = {
+        "a": {"correct": True, "score": 2.0, "turn_correct": [False, True], "turn_scores": [None, 2.0]},
+        "b": {"correct": True, "score": 1.0, "turn_correct": [True, True], "turn_scores": [1.5, 1.0]},
+        "c": {"correct": False, "score": 0.0, "turn_correct": [True, False], "turn_scores": [3.0, None]},
+    }
+    ts = to_turn_samples([_live(t, k, meta[t]) for t in "abc" for k in (0, 1)])
+    out = compute_advantages("rank", ts, per="turn")
+    assert list(out) == pytest.approx([-0.5, 0.5, 0.0, 0.0, 0.5, -0.5])
+    assert out.n_excluded == 0
+    # per trajectory nothing changes: the final outcomes a > b (faster) > c (incorrect), every turn gets its run's
+    assert list(compute_advantages("rank", ts)) == pytest.approx([0.5, 0.5, 0.0, 0.0, -0.5, -0.5])
+
+
+def test_rank_per_turn_excludes_turns_without_their_own_result():
+    # no per-turn results recorded: a turn is not given its trajectory's final outcome, it is left out (advantage 0);
+    # b's turn 1 has its own result, but alone at its turn index it has nobody to play -> 0 as well
+    meta = {
+        "a": {"correct": True, "score": 2.0},
+        "b": {"correct": True, "score": 1.0, "turn_correct": [None, True], "turn_scores": [None, 1.0]},
+        "c": {"correct": False, "score": 0.0},
+    }
+    ts = to_turn_samples([_live(t, k, meta[t]) for t in "abc" for k in (0, 1)])
+    out = compute_advantages("rank", ts, per="turn")
+    assert list(out) == [0.0] * 6
+    assert out.n_excluded == 5
+    assert list(compute_advantages("rank", ts)) == pytest.approx([0.5, 0.5, 0.0, 0.0, -0.5, -0.5])

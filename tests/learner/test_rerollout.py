@@ -13,11 +13,13 @@ from learner.config import SampleConfig
 from learner.records import Reward, Trajectory, Turn, context_sha256
 from learner.rerollout import (
     BranchPoint,
+    BranchRun,
     PointRuns,
     branch_body,
     branchable,
     choose_branch_turns,
     counterfactual_score,
+    counterfactual_scores,
     plan_rtpo,
     rtpo_buckets,
     rtpo_estimator_input,
@@ -117,6 +119,20 @@ def test_counterfactual_score_prefers_the_sampled_turns_process_score():
     assert counterfactual_score(run) == 0.25
     assert counterfactual_score({"steps": [{"replayed": False, "process_score": None}], "reward": 1.0}) == 1.0
     assert counterfactual_score({"steps": [], "reward": None}) is None
+
+
+def test_counterfactual_scores_compare_like_with_like():
+    # traj() has 3 turns. Process-scored alternatives count at any turn; reward-only alternatives (a task without
+    # per-turn scores: the truncated run's outcome) only at the backbone's last turn, whose own score is its outcome
+    step = {"replayed": False, "process_score": 0.5}
+    runs = [
+        BranchRun(BranchPoint(traj(), 0), run={"steps": [step], "reward": 0.0}),
+        BranchRun(BranchPoint(traj(), 0), run={"steps": [{"replayed": False}], "reward": 1.0}),  # dropped: not comparable
+        BranchRun(BranchPoint(traj(), 1), run={"steps": [{"replayed": False}], "reward": 1.0}),  # dropped
+        BranchRun(BranchPoint(traj(), 2), run={"steps": [{"replayed": False}], "reward": 1.0}),
+        BranchRun(BranchPoint(traj(), 2), run={}, error="409"),
+    ]
+    assert counterfactual_scores(runs) == {("tr", 0): [0.5], ("tr", 2): [1.0]}
 
 
 # ---- RTPO's sweep plan and estimator input ------------------------------------------------------------

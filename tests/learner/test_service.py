@@ -319,13 +319,22 @@ def test_a_learner_killed_after_an_intermediate_publish_resumes(server, tiny_mod
     assert (data / "adapters" / "rk" / f"v{record['version']}").is_dir()
 
 
-def test_tcpo_scores_one_step_counterfactuals_of_high_surprisal_turns(server, tiny_model_path):
+def test_tcpo_scores_one_step_counterfactuals_of_high_surprisal_turns(server, tiny_model_path, monkeypatch):
+    import learner.rollout_steps as rollout_steps
+
+    seen: list = []
+    real = rollout_steps.counterfactual_scores
+    monkeypatch.setattr(rollout_steps, "counterfactual_scores", lambda runs: (seen.extend(runs), real(runs))[1])
     multi_traffic(server, range(10, 11), 4)
     svc = rr_service(server, tiny_model_path, "tc", "tcpo", {"cf_top_q": 0.25, "cf_samples": 2})
     record = svc.update()
     info = record["rerollouts"]
     assert info["selected_turns"] >= 1 and info["counterfactual_runs"] == 2 * info["branch_points"] and info["failed"] == 0
-    assert info["scored_turns"] == info["branch_points"]
+    # the backbones' turns have no per-turn score (feedback only) and the one-step alternatives are scored by their
+    # runs' reward: comparable only at a backbone's last turn (turn 2 of these 3-turn runs), dropped elsewhere
+    last = {(r.point.trajectory.trajectory_id, r.point.turn) for r in seen if r.point.turn == len(r.point.trajectory.turns) - 1}
+    assert len(seen) == info["counterfactual_runs"] and info["scored_turns"] == len(last)
+    assert record["metrics"]["optimizer_step"] is True and record["metrics"]["trained_samples"] >= 12  # 4 runs x 3 turns, + others' runs
 
 
 def test_a_learner_dies_with_the_server_that_started_it(tmp_path):
