@@ -510,7 +510,8 @@ class PatrConfig(BaseModel):
 
 class RodsConfig(BaseModel):
     """RODS (``learner/rods.py``): the learner's task source for procedural tasks: a replay pool of problems sampled by
-    boundary score ``4 * Var_G(r)``, grown with verified variants of the boundary problems (the runtime's
+    boundary score ``Var_G(r) / ((r_max - r_min)^2 / 4)`` (``4 * Var_G(r)`` for rewards in [0, 1]; the range widens to every reward
+    seen, so it never saturates; under PATR one independent leaf per root), grown with verified variants of the boundary problems (the runtime's
     ``POST /admin/agents/{name}/variants``). Each update rolls out ``items_per_update`` pool items ``group`` times (or
     grows their PATR trees when ``rollouts = "patr"``) and trains on those runs."""
 

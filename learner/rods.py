@@ -4,15 +4,21 @@
     pool.add_seeds([ItemRef(0, 0), ItemRef(1, 0)])           # the human seed items: never evicted
     batch = pool.sample(4)                                    # priority by boundary score
     ... G rollouts of each item ...
-    pool.observe(batch[0], [1.0, 0.0, 0.0, 1.0])             # b(x) = 4 * Var_G(r) from those rollouts
+    pool.observe(batch[0], [1.0, 0.0, 0.0, 1.0])             # b(x) = Var_G(r) / ((r_max - r_min)^2 / 4): 4 * Var on [0, 1]
     pool.add_variants([ItemRef(5, 10**9 + 7)], parent=batch[0])   # validated by the task's verifier (agents/tasks/variants.py)
     pool.end_update()                                         # this update's pool size, zero-variance fraction, histogram
 
 **Boundary score** (Fang et al. 2026, arXiv 2606.19047: GRPO's gradient concentrates where the rollout
 reward variance is high, bounded by Popoviciu's inequality ``Var <= (r_max - r_min)^2 / 4``):
-``b(x) = 4 * Var_G(r)`` for rewards in ``[0, 1]``, the population variance of the item's ``G`` rewards of
-one update (``p(1-p)*4`` for binary rewards: 1 at ``p = 0.5``, 0 when all equal). It costs no inference:
-it is read off the rollouts the update trains on.
+``b(x) = Var_G(r) / ((r_max - r_min)^2 / 4)``, the population variance of the item's ``G`` rewards of one
+update over Popoviciu's bound for the task's reward range ``[r_min, r_max]`` (``reward_range``, default
+``[0, 1]``: ``b = 4 * Var``, ``p(1-p)*4`` for binary rewards: 1 at ``p = 0.5``, 0 when all equal). A reward
+outside the stated range widens it (the pool keeps the range of every reward it has seen, so its items
+share one scale): ``b`` stays in ``[0, 1]`` without clipping, and rewards outside ``[0, 1]`` (Kevin's
+uncapped ``0.3 + speedup``, negative penalties) do not saturate it. The ``G`` rewards must be independent
+rollouts of the item (its ``G`` runs; under PATR one leaf per root run, ``learner.sources``): leaves that
+share a forked prefix are correlated and would misstate the variance. It costs no inference: it is read off
+the rollouts the update trains on.
 
 **Pool** (items are ``(problem_index, seed)`` of the learner's task, as the runs endpoint addresses them):
 - ``sample(n)``: ``n`` distinct items, with probability proportional to ``(b + floor) ** exponent``
@@ -48,14 +54,25 @@ __all__ = ["HIST_EDGES", "ItemRef", "PoolItem", "ReplayPool", "boundary_score"]
 HIST_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-def boundary_score(rewards: Sequence[float]) -> float:
-    """``4 * Var_G(r)`` (population variance) of one item's rewards in ``[0, 1]``; 0 for fewer than two rewards."""
+def _check_range(reward_range: tuple[float, float]) -> tuple[float, float]:
+    lo, hi = float(reward_range[0]), float(reward_range[1])
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError(f"reward_range must be finite with r_min < r_max, got {reward_range!r}")
+    return lo, hi
+
+
+def boundary_score(rewards: Sequence[float], reward_range: tuple[float, float] = (0.0, 1.0)) -> float:
+    """``Var_G(r) / ((r_max - r_min)^2 / 4)`` (population variance over Popoviciu's bound) of one item's independent
+    rollout rewards, ``[r_min, r_max]`` = ``reward_range`` widened to every reward given; in ``[0, 1]``; 0 for fewer
+    than two rewards. On ``[0, 1]`` this is ``4 * Var``."""
+    lo, hi = _check_range(reward_range)
     vals = [float(r) for r in rewards if r is not None and math.isfinite(float(r))]
     if len(vals) < 2:
         return 0.0
+    lo, hi = min(lo, *vals), max(hi, *vals)
     mean = sum(vals) / len(vals)
     var = sum((r - mean) ** 2 for r in vals) / len(vals)
-    return min(1.0, 4.0 * var)
+    return min(1.0, var / ((hi - lo) ** 2 / 4.0))  # <= 1 by Popoviciu; min() only absorbs rounding
 
 
 @dataclass(frozen=True)
@@ -98,10 +115,19 @@ class _UpdateFigures:
 class ReplayPool:
     """The RODS replay pool (module docstring)."""
 
-    def __init__(self, capacity: int = 800, patience: int = 2, floor: float = 0.05, exponent: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        capacity: int = 800,
+        patience: int = 2,
+        floor: float = 0.05,
+        exponent: float = 1.0,
+        seed: int = 0,
+        reward_range: tuple[float, float] = (0.0, 1.0),
+    ) -> None:
         if capacity < 1 or patience < 1 or floor < 0 or exponent <= 0:
             raise ValueError("capacity and patience must be >= 1, floor >= 0, exponent > 0")
         self.capacity, self.patience, self.floor, self.exponent = capacity, patience, floor, exponent
+        self.reward_range = _check_range(reward_range)  # the task's stated range, widened by every reward observed
         self.items: dict[str, PoolItem] = {}
         self.updates = 0
         self.rng = random.Random(seed)
@@ -165,7 +191,10 @@ class ReplayPool:
         it = self.items.get(ref.key)
         if it is None:
             return None
-        b = boundary_score(rewards)
+        vals = [float(r) for r in rewards if r is not None and math.isfinite(float(r))]
+        if vals:
+            self.reward_range = (min(self.reward_range[0], *vals), max(self.reward_range[1], *vals))
+        b = boundary_score(vals, self.reward_range)
         it.boundary, it.visits = b, it.visits + 1
         it.zero_streak = it.zero_streak + 1 if b == 0.0 else 0
         self._fig.visited += 1
@@ -206,6 +235,7 @@ class ReplayPool:
         return {
             "capacity": self.capacity,
             "updates": self.updates,
+            "reward_range": list(self.reward_range),
             "items": [{**asdict(it), "ref": asdict(it.ref)} for it in self.items.values()],
             "rng": self.rng.getstate()[1][:625],
         }
@@ -214,6 +244,9 @@ class ReplayPool:
     def from_dict(cls, d: dict[str, Any], *, patience: int, floor: float, exponent: float, capacity: int | None = None) -> ReplayPool:
         pool = cls(capacity=capacity or int(d["capacity"]), patience=patience, floor=floor, exponent=exponent)
         pool.updates = int(d.get("updates", 0))
+        rr = d.get("reward_range")
+        if isinstance(rr, list) and len(rr) == 2:
+            pool.reward_range = _check_range((float(rr[0]), float(rr[1])))
         for raw in d.get("items", []):
             ref = ItemRef(**raw["ref"])
             pool.items[ref.key] = PoolItem(**{**raw, "ref": ref})

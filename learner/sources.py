@@ -13,7 +13,11 @@ Which problems: with RODS on, ``items_per_update`` items sampled from the replay
   keep ``[samples] settle_s`` small); their rewards give the item's boundary score.
 - **PATR** (with or without RODS): each problem's tree is grown through the runs endpoint's segments
   (``learner/patr.py``); its nodes' recorded turns become samples in the group ``patr:<tree>`` with the tree
-  advantage; with RODS on, the leaves' rewards give the item's boundary score (no extra inference).
+  advantage; with RODS on, the item's boundary score is read off the tree's independent runs (no extra
+  inference): one leaf per root path, reached by following each forked node's first child
+  (:func:`independent_leaf_rewards`). Leaves that share a forked prefix are not independent, and forks
+  concentrate them under the prefixes the process scorer ranked highest, so all leaves would misstate the
+  item's reward variance. ``[patr] roots`` is therefore the boundary score's sample size (at least 2).
 - **Synthesis**: items whose boundary score reached ``tau`` in this update ask the runtime for ``variants``
   new problems of the same structure (``POST /admin/agents/{agent}/variants``, validated by the task's
   verifier there); the pool takes the new ones.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import zlib
@@ -59,6 +64,21 @@ class _Store(Protocol):
 def variant_seed(item: ItemRef, round_: int) -> int:
     """The problem seed searched for variants of ``item`` in its ``round_``-th synthesis (new problems each time)."""
     return VARIANT_SEED_BASE + zlib.crc32(f"{item.key}:{round_}".encode()) % 1_000_000_000
+
+
+def independent_leaf_rewards(tree: Tree) -> list[float]:
+    """One reward per root path of ``tree``, in root order: the leaf reached from the root by always taking a node's
+    first (successfully run) child. Children of a fork are i.i.d. policy continuations of one prefix, so taking the
+    first, whatever the outcomes, gives each root one run distributed as an unforked rollout; roots are independent.
+    A root whose first-child path ends without a leaf reward (its runs failed) contributes nothing."""
+    out: list[float] = []
+    for root in (n for n in tree.nodes.values() if n.parent is None):
+        node = root
+        while node.children:
+            node = tree.nodes[node.children[0]]
+        if node.id in tree.leaves and node.leaf_reward is not None and math.isfinite(node.leaf_reward):
+            out.append(float(node.leaf_reward))
+    return out
 
 
 def tree_samples(tree: Tree, trajs: dict[int, Trajectory], adv: dict[int, float], *, family: str, group: str) -> tuple[list[Sample], list[float]]:
@@ -165,7 +185,7 @@ class RolloutSources:
                 ss, vv = tree_samples(tree, trajs, adv, family=self.family, group=f"patr:{tree_id}")
                 samples += ss
                 values += vv
-                rewards[item.key] = [r for i in tree.leaves if (r := tree.nodes[i].leaf_reward) is not None]
+                rewards[item.key] = independent_leaf_rewards(tree)  # not all leaves: forked siblings are correlated
                 trees.append({"tree": tree_id, "problem": item.key, **tree.summary()})
             info["patr"] = {"trees": len(trees), **budget.as_dict(), "leaves": sum(t["leaves"] for t in trees), "per_tree": trees}
         elif self.pool is not None:

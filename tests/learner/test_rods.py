@@ -127,3 +127,72 @@ def test_the_pool_round_trips_through_json():
         k: (v.is_seed, v.boundary, v.parent) for k, v in pool.items.items()
     }
     assert back.sample(3) == pool.sample(3)  # the sampling RNG's state rides along
+
+
+# ---- issue 39: the reward scale and independent rollouts -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rewards", "reward_range", "expected"),
+    [
+        # b = Var / ((r_max - r_min)^2 / 4) over the stated range: no saturation outside [0, 1]
+        ([0, 2, 0, 2], (0.0, 2.0), 1.0),  # Var 1 over a range of 2: the Popoviciu maximum
+        ([0.5, 1.5, 0.5, 1.5], (0.0, 2.0), 0.25),  # Var 1/4 over a range of 2 (4 * Var would say 1.0: saturated)
+        ([-0.5, 0.5], (-1.0, 1.0), 0.25),  # negative rewards: Var 1/4 over a range of 2
+        ([0.3, 1.8], (0.0, 3.0), 0.25),  # mean 1.05, Var 0.75^2 = 0.5625 over 3^2 / 4 = 2.25
+        # rewards outside the stated range widen it: [0, 1] -> [0, 1.8], 0.5625 / (1.8^2 / 4) = 0.5625 / 0.81
+        ([0.3, 1.8], (0.0, 1.0), 0.5625 / 0.81),
+        ([1, 0, 1, 0], (0.0, 1.0), 1.0),  # [0, 1] rewards keep 4 * Var
+    ],
+)
+def test_boundary_score_is_normalised_by_the_reward_range(rewards, reward_range, expected):
+    assert boundary_score(rewards, reward_range=reward_range) == pytest.approx(expected)
+    assert boundary_score(rewards, reward_range=reward_range) <= 1.0
+
+
+def test_the_pool_scores_on_the_reward_range_seen_so_far_and_keeps_it():
+    # Kevin-style uncapped rewards: A's spread 0..2 sets the scale [0, 2] (b = 1); B's narrower spread then scores
+    # Var 1/4 / (2^2 / 4) = 0.25, not the clipped 4 * Var = 1.0 that made A and B look alike
+    pool = ReplayPool(reward_range=(0.0, 1.0))
+    a, b = ItemRef(0, 0), ItemRef(1, 0)
+    pool.add_seeds([a, b])
+    assert pool.observe(a, [0, 2, 0, 2]) == pytest.approx(1.0)
+    assert pool.observe(b, [0.5, 1.5, 0.5, 1.5]) == pytest.approx(0.25)
+    assert pool.boundary(0.5) == [a]
+    import json
+
+    back = ReplayPool.from_dict(json.loads(json.dumps(pool.to_dict())), patience=2, floor=0.05, exponent=1.0)
+    assert back.reward_range == (0.0, 2.0)
+    with pytest.raises(ValueError):
+        ReplayPool(reward_range=(1.0, 1.0))
+
+
+def _tree():
+    from learner.patr import Node, NodeRun, Tree
+
+    def node(i, parent, depth, reward=None):
+        return Node(i, parent, depth, NodeRun(f"t{i}", 1, reward is not None, reward), leaf_reward=reward)
+
+    # two independent root runs. Root 0 was forked into three children that all succeed (leaves 2, 3, 4: reward 1);
+    # root 1 went on without a fork and failed (leaf 5: reward 0). Leaves 2-4 share root 0's prefix: one root run.
+    nodes = {0: node(0, None, 1), 1: node(1, None, 1), 2: node(2, 0, 2, 1.0), 3: node(3, 0, 2, 1.0), 4: node(4, 0, 2, 1.0), 5: node(5, 1, 2, 0.0)}
+    nodes[0].children, nodes[1].children = [2, 3, 4], [5]
+    return Tree(nodes=nodes, leaves=[2, 3, 4, 5], fork_points=[0])
+
+
+def test_patr_boundary_score_uses_one_leaf_per_independent_root_run(tmp_path, monkeypatch):
+    # the leaves [1, 1, 1, 0] would give 4 * Var = 4 * 3/16 = 0.75: three correlated leaves under one fork counted as
+    # three samples. One leaf per root run (its first child at every fork: an unselected policy continuation):
+    # [1 (leaf 2), 0 (leaf 5)] -> p = 1/2, b = 4 * 1/4 = 1.0
+    import learner.sources as src
+    from learner.config import LearnerSettings, RodsConfig
+
+    settings = LearnerSettings(family="fam", rollouts="patr", rods=RodsConfig(enabled=True, seeds=1, items_per_update=1, variants=0))
+    monkeypatch.setattr(src, "RuntimeStepper", lambda *a, **k: None)
+    monkeypatch.setattr(src, "grow_tree", lambda *a, **k: _tree())
+    monkeypatch.setattr(src, "read_nodes", lambda *a, **k: {})
+    sources = src.RolloutSources(settings, tmp_path, "http://x", None, agent="a", store=None, family="fam")  # type: ignore[arg-type]
+    _, _, info = sources.round(None, 1, {})
+    assert sources.pool is not None and sources.pool.items[ItemRef(0, 0).key].boundary == pytest.approx(1.0)
+    assert info["rods"]["boundary_histogram"] == [0, 0, 0, 1]
+    assert src.independent_leaf_rewards(_tree()) == [1.0, 0.0]
