@@ -155,6 +155,7 @@ class PointRuns:
     point: BranchPoint
     siblings: list[Trajectory] = field(default_factory=list)
     refresh: Trajectory | None = None
+    refresh_failed: bool = False  # a refresh run was asked for and failed: the point gets no sibling set
 
 
 def rtpo_estimator_input(
@@ -186,7 +187,7 @@ def rtpo_estimator_input(
         own = by_turn.get((bb.trajectory_id, t))
         sib_samples = [[s for s in to_samples(traj) if s.turn_index >= t] for traj in pr.siblings]
         sib_samples = [ss for ss in sib_samples if ss and ss[0].turn_index == t]
-        if own is None or not sib_samples:
+        if own is None or not sib_samples or pr.refresh_failed:
             continue  # no sibling set: the backbone turn keeps its trajectory-GRPO advantage
         gid = f"{own.group_id}|branch:{bb.trajectory_id}:{t}"
         group: list[Sample] = []
@@ -200,7 +201,7 @@ def rtpo_estimator_input(
                 trajectory_reward_source=rt.trajectory_reward_source,
             )
             group += [copy, *refreshed]
-        else:  # the backbone's recorded continuation (t is its last turn, or the refresh failed)
+        else:  # the backbone's recorded continuation (t is its last turn, or refresh is off)
             tid = f"{bb.trajectory_id}#from{t}"
             group += [
                 dataclasses.replace(s, trajectory_id=tid) for s in backbone_samples if s.trajectory_id == bb.trajectory_id and s.turn_index >= t

@@ -111,7 +111,9 @@ class RolloutSteps(ServiceState):
 
         Before each step, the siblings of its branch points and a refresh of each backbone's own continuation
         are sampled from the exact stored contexts by the newest policy (``refresh``: each step is checkpointed,
-        then published as an intermediate ``family@N`` before the next step's re-rollouts). A sibling, and the
+        then published as an intermediate ``family@N`` before the next step's re-rollouts; ``refresh = false``
+        samples no refresh runs and keeps the recorded continuations). A branch point whose refresh run failed gets
+        no sibling set (its backbone turn keeps trajectory GRPO): the old policy's continuation never stands in for it. A sibling, and the
         backbone turn it is compared with, are scored by their whole continuation's return; every other turn
         gets trajectory GRPO. Without a branch point the sweep is one step: trajectory GRPO."""
         rr = self.cfg.settings.rerollouts
@@ -121,7 +123,7 @@ class RolloutSteps(ServiceState):
         plan = plan_rtpo(backbones, [s.turn_index for s in samples], branches=rr.branches, bucket_size=rr.bucket_size, rng=rng)
         model = self._rollout_model(trainer)
         info: dict[str, Any] = {"estimator": "rtpo", "backbones": len(backbones), "branch_points": len(plan.points), "sibling_runs": 0}
-        info.update(refresh_runs=0, failed=0, siblings=0, sampled_tokens=0, steps=[], refreshed=[])
+        info.update(refresh_runs=0, refresh_failed_points=0, failed=0, siblings=0, sampled_tokens=0, steps=[], refreshed=[])
 
         def to_samples(traj: Trajectory) -> list[Sample]:  # branches are fresh by construction: no staleness floor
             return trajectory_samples(traj, family=self.family, min_version=0, cfg=self.cfg.settings.samples, counts=SkipCounts())
@@ -132,7 +134,8 @@ class RolloutSteps(ServiceState):
             points = [p for p in plan.points if p.turn in turns]
             point_runs = [PointRuns(p) for p in points]
             if points:
-                refresh = [(i, q) for i, p in enumerate(points) if (q := refresh_point(p)) is not None]
+                # refresh = false: the backbones keep their recorded continuations (no refresh runs are sampled)
+                refresh = [(i, q) for i, p in enumerate(points) if (q := refresh_point(p)) is not None] if rr.refresh else []
                 sib = runner.run(points, n=rr.siblings, model=model, kind="rtpo", seed=trainer.version * 131 + k)
                 seed = trainer.version * 131 + k
                 ref = runner.run([q for _, q in refresh], n=1, model=model, kind="rtpo_refresh", seed=seed + 7) if refresh else []
@@ -141,11 +144,13 @@ class RolloutSteps(ServiceState):
                         point_runs[points.index(r.point)].siblings.append(r.trajectory)
                 for (i, _), r in zip(refresh, ref, strict=True):
                     point_runs[i].refresh = r.trajectory
+                    point_runs[i].refresh_failed = r.trajectory is None  # never replaced by the old policy's continuation
                 runs = [*sib, *ref]
                 info["sibling_runs"] += len(sib)
                 info["refresh_runs"] += len(ref)
                 info["failed"] += sum(1 for r in runs if r.error)
                 info["sampled_tokens"] += sum(len(t.output_ids) for r in runs if r.trajectory is not None for t in r.trajectory.turns)
+            info["refresh_failed_points"] += sum(1 for pr in point_runs if pr.refresh_failed)
             est_in, train_idx = rtpo_estimator_input(samples, point_runs, set(turns), to_samples, self.cfg.settings.samples.reward_sources)
             advantages = estimate(est_in, "rtpo", params)
             chosen = [est_in[i] for i in train_idx]

@@ -195,6 +195,26 @@ def test_rtpo_scores_siblings_by_their_continuations_return():
     assert not any(s.trajectory_id == "B" and s.turn_index == 1 for s in (est_in[i] for i in train))
 
 
+def test_rtpo_a_failed_refresh_never_falls_back_to_the_old_policys_continuation():
+    """The refresh run of B's continuation failed: the old code silently compared the siblings (the current policy) with
+    B's recorded continuation (the old policy's failure, return 0) as if it were this policy's. Now the point gets no
+    sibling set: B's turn 1 keeps its trajectory-GRPO advantage (one backbone: 0) and the siblings train nothing."""
+    c0, c1, c2 = [1, 2], [1, 2, 7, 8, 3], [1, 2, 7, 8, 3, 7, 8, 4]
+    backbone = run_traj("B", [(0, c0, 0.5), (1, c1, 0.0), (2, c2, 0.0)], outcome=0.0)
+    s1 = run_traj("S1", [(1, c1, 0.0), (2, [9, 9, 1], 1.0)], outcome=1.0, meta={"rerollout": "rtpo"})
+    s2 = run_traj("S2", [(1, c1, 0.5), (2, [9, 9, 2], 0.0)], outcome=0.0, meta={"rerollout": "rtpo"})
+    bb = to_samples(backbone)
+    point = BranchPoint(backbone, 1)
+    failed = PointRuns(point, [s1, s2], None, refresh_failed=True)
+    est_in, train = rtpo_estimator_input(bb, [failed], {1}, to_samples, ["verifier:*"])
+    assert est_in == bb and [est_in[i].turn_id for i in train] == ["B-1"]  # no sibling set: only the backbone's own turn
+    assert list(estimate(est_in, "rtpo")) == [0.0, 0.0, 0.0]  # one backbone: trajectory GRPO has nothing to compare
+    # the same point with refresh off (no refresh asked for): the recorded continuation stands in, by design
+    off = PointRuns(point, [s1, s2], None)
+    est_in, train = rtpo_estimator_input(bb, [off], {1}, to_samples, ["verifier:*"])
+    assert len(est_in) > len(bb) and {est_in[i].trajectory_id for i in train} == {"B#from1", "S1", "S2"}
+
+
 def test_rtpo_without_branches_is_trajectory_grpo():
     # four runs of one problem: the same first context, then their own histories; outcome rewards only
     turns = [[(0, [1, 2], None), (1, [1, 2, 7, 8, k], None), (2, [1, 2, 7, 8, k, 7, 8], None)] for k in range(4)]

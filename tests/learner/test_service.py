@@ -296,6 +296,15 @@ def test_rtpo_sweeps_turns_in_reverse_with_siblings_from_the_exact_stored_contex
     assert not any(s.meta.get("rerollout") for s in batch.samples)
 
 
+def test_rtpo_without_refresh_samples_no_refresh_runs(server, tiny_model_path):
+    """refresh = false: siblings only, the backbones keep their recorded continuations (it used to sample refresh runs)."""
+    multi_traffic(server, range(30, 32), 4)
+    svc = rr_service(server, tiny_model_path, "rn", "rtpo", {"branches": 1, "siblings": 2, "refresh": False})
+    rr = svc.update()["rerollouts"]
+    assert rr["branch_points"] >= 1 and rr["sibling_runs"] == 2 * rr["branch_points"]
+    assert rr["refresh_runs"] == 0 and rr["refreshed"] == [] and rr["refresh_failed_points"] == 0
+
+
 def test_a_learner_killed_after_an_intermediate_publish_resumes(server, tiny_model_path):
     # an RTPO sweep publishes family@N for its next step's siblings; killed right after, the resumed learner must
     # not try to publish another, different family@N (it crashed on the existing version before the checkpoint
