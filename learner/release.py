@@ -26,7 +26,6 @@ import structlog
 
 from learner.parity import refusal
 from learner.publish import AdminError, adapter_path, publish_adapter
-from learner.records.adapter_manifest import manifest_sha256
 from learner.reward_plot import plot_rewards
 from learner.samples import Sample
 from learner.service_state import INTERMEDIATE, LINEAGE_START, RESTART_FILE, UPDATE_VERSIONS, ServiceState, _update_versions
@@ -49,18 +48,15 @@ class Release(ServiceState):
             f.write(json.dumps(record) + "\n")
         plot_rewards(self.dir, self.family)
 
-    def _publish_current(self, trainer: Any) -> str:
-        """Publish (once) and load the trainer's current weights as ``family@N`` without an alias: the held version, for the
-        learner's own runs while an experiment runs (``RolloutSteps._rollout_model``). Its checkpoint was written by the
-        update that made it; ``_publish_and_gate`` later releases the same folder."""
+    def _publish_current(self, trainer: Any, meta: dict[str, Any] | None = None) -> str:
+        """Publish (once) and load the trainer's current weights as ``family@N`` without an alias. Without ``meta``: the held
+        version, for the learner's own runs while an experiment runs (``RolloutSteps._rollout_model``); its checkpoint was
+        written by the update that made it, and ``_publish_and_gate`` later releases the same folder (version N has one
+        set of weights)."""
         version = trainer.version
-        path = adapter_path(self.adapter_root, self.family, version)
-        if not path.exists():
-            publish_adapter(trainer.model, self.adapter_root, self.family, version, meta={INTERMEDIATE: True, "held": True})
-        name = f"{self.family}@{version}"
-        if name not in {a["name"] for a in self.admin.list_adapters().get("data", [])}:
-            self.admin.load(path, self.family, version, sha256=manifest_sha256(path))
-        return name
+        if not adapter_path(self.adapter_root, self.family, version).exists():
+            publish_adapter(trainer.model, self.adapter_root, self.family, version, meta=meta or {INTERMEDIATE: True, "held": True})
+        return self._ensure_loaded(version)
 
     def _publish_intermediate(self, trainer: Any, candidates: Sequence[Sample] | None = None) -> str:
         """Checkpoint, publish and load the trainer's current weights for the next step's re-rollouts (no eval gate, no alias),
@@ -89,14 +85,7 @@ class Release(ServiceState):
     def _publish_and_gate(self, trainer: Any) -> dict[str, Any]:
         version = trainer.version
         self._set("publishing", f"{self.family}@{version}")
-        path = adapter_path(self.adapter_root, self.family, version)
-        if path.exists():  # published as the held weights' intermediate for the learner's own runs: the same weights (version N has one)
-            if f"{self.family}@{version}" not in {a["name"] for a in self.admin.list_adapters().get("data", [])}:
-                self.admin.load(path, self.family, version, sha256=manifest_sha256(path))
-        else:
-            published = publish_adapter(trainer.model, self.adapter_root, self.family, version, meta={"metrics": self.status.last_metrics})
-            self.admin.load(published.path, self.family, version, sha256=published.manifest_sha256)
-        new = f"{self.family}@{version}"
+        new = self._publish_current(trainer, meta={"metrics": self.status.last_metrics})
         parity = self._parity(trainer, new)
         pc = self.cfg.settings.parity
         refused = refusal(parity, pc.threshold)

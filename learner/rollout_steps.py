@@ -25,9 +25,7 @@ import structlog
 from learner.advantages import Advantages
 from learner.baseline import GROUP_ESTIMATORS, apply_to_singletons
 from learner.parity import ParityRefused
-from learner.publish import adapter_path
 from learner.records import Trajectory
-from learner.records.adapter_manifest import manifest_sha256
 from learner.rerollout import BranchRunner, PointRuns, counterfactual_scores, plan_rtpo, refresh_point, rtpo_estimator_input, tcpo_branch_points
 from learner.samples import Sample, SkipCounts, trajectory_samples
 from learner.service_state import BASELINE, LEAP_NEXT, REVES_NEXT, SVR_NEXT, ServiceState
@@ -290,11 +288,7 @@ class RolloutSteps(ServiceState):
         name = f"{self.family}@{version}"
         if name in self._rejected_names and self.cfg.settings.restart_from_champion:
             return self._champion() or self._base_model_name()  # the trainer restarted from the champion: sample from it
-        loaded = {a["name"] for a in self.admin.list_adapters().get("data", [])}
-        if name not in loaded:  # e.g. refused by the gate and unloaded: still the weights the trainer continues from
-            path = adapter_path(self.adapter_root, self.family, version)
-            self.admin.load(path, self.family, version, sha256=manifest_sha256(path))
-        return name
+        return self._ensure_loaded(version)  # e.g. refused by the gate and unloaded: still the weights the trainer continues from
 
 
 def _merge_metrics(acc: Any, m: Any) -> Any:

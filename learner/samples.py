@@ -379,6 +379,13 @@ def collect_samples(
     return SampleBatch(samples=samples, counts=counts, cursor=next_cursor)
 
 
+def per_turn(meta: dict[str, Any], key: str, index: int) -> Any:
+    """Turn ``index``'s entry of a per-turn list in a trajectory's meta (``state_keys``, ``turn_correct``, ``turn_scores``);
+    None when the meta has no such list or it is too short."""
+    v = meta.get(key)
+    return v[index] if isinstance(v, list) and 0 <= index < len(v) else None
+
+
 def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: SampleConfig, counts: SkipCounts) -> list[Sample]:
     """The trainable turns of one trajectory, or none of them (skips counted in ``counts``); ``collect_samples``
     calls it per settled trajectory, the re-rollout code on the branches it just ran. Pass the result (with the
@@ -411,7 +418,6 @@ def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: 
     if traj_pick is None and all(p is None for p in turn_picks):
         counts.no_reward += n
         return []
-    state_keys = traj.meta.get("state_keys")
     out: list[Sample] = []
     for turn, version, grammar, pick in zip(traj.turns, versions, grammars, turn_picks, strict=True):
         if not any(turn.loss_mask):
@@ -419,7 +425,7 @@ def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: 
             continue
         if not turn.logprobs:
             counts.missing_logprobs += 1
-        key = state_keys[turn.index] if isinstance(state_keys, list) and 0 <= turn.index < len(state_keys) else None
+        key = per_turn(traj.meta, "state_keys", turn.index)
         out.append(
             Sample.of_turn(
                 turn,
@@ -557,16 +563,12 @@ def to_turn_samples(samples: Sequence[Sample]) -> list[TurnSample]:
     """
     from learner.advantages import TurnSample  # numpy-only; imported here so this module stays importable on its own
 
-    def at(key: str, s: Sample) -> Any:
-        v = s.meta.get(key)
-        return v[s.turn_index] if isinstance(v, list) and 0 <= s.turn_index < len(v) else None
-
     def number(v: Any) -> float | None:
         return _finite(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
     out: list[TurnSample] = []
     for s in samples:
-        own = _opt_bool(at("turn_correct", s))
+        own = _opt_bool(per_turn(s.meta, "turn_correct", s.turn_index))
         out.append(
             TurnSample(
                 trajectory_id=s.trajectory_id,
@@ -576,7 +578,7 @@ def to_turn_samples(samples: Sequence[Sample]) -> list[TurnSample]:
                 trajectory_reward=s.trajectory_reward,
                 n_tokens=s.n_tokens,
                 correct=own if own is not None else _opt_bool(s.meta.get("correct")),
-                score=number(at("turn_scores", s)) if own is not None else number(s.meta.get("score")),
+                score=number(per_turn(s.meta, "turn_scores", s.turn_index)) if own is not None else number(s.meta.get("score")),
                 result_of="turn" if own is not None else "trajectory",
                 anchor=(anchor := context_sha256(s.context_ids)),
                 state=f"state:{s.state_key}" if s.state_key else anchor,

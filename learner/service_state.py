@@ -23,8 +23,9 @@ import httpx
 import structlog
 
 from learner.config import LearnerSettings, TrafficFilter, schedule_default
-from learner.publish import AdminError, RuntimeAdmin
+from learner.publish import AdminError, RuntimeAdmin, adapter_path
 from learner.quarantine import BatchLedger
+from learner.records.adapter_manifest import manifest_sha256
 from learner.samples import Sample
 
 log = structlog.get_logger(__name__)
@@ -170,6 +171,14 @@ class ServiceState:
         r = httpx.get(f"{self.cfg.admin_url}/ready", timeout=30)
         r.raise_for_status()
         return str(r.json()["model"])
+
+    def _ensure_loaded(self, version: int) -> str:
+        """``family@version`` (published) loaded into the runtime unless it already is; its name."""
+        name = f"{self.family}@{version}"
+        if name not in {a["name"] for a in self.admin.list_adapters().get("data", [])}:
+            path = adapter_path(self.adapter_root, self.family, version)
+            self.admin.load(path, self.family, version, sha256=manifest_sha256(path))
+        return name
 
     def _unload(self, name: str) -> None:
         try:

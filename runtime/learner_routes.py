@@ -46,7 +46,7 @@ SUPERVISED_DOWN = ("backoff", "stopped", "failed")  # supervisor states in which
 def _statuses(root: Path, history: int = 20) -> list[dict[str, Any]]:
     """Every learner's status with its last ``history`` updates (``GET /admin/learner?history=N``; ``/metrics`` asks for none)."""
     out = []
-    folders = sorted({p.parent for p in root.glob("*/status.json")} | {p.parent for p in root.glob(f"*/{SUPERVISOR_FILE}")})
+    folders = _learner_folders(root)
     for folder in folders:
         path = folder / "status.json"
         supervisor = _read_supervisor(folder)
@@ -74,6 +74,11 @@ def _statuses(root: Path, history: int = 20) -> list[dict[str, Any]]:
             status["history"] = _tail_jsonl(hist, history)
         out.append(status)
     return out
+
+
+def _learner_folders(root: Path) -> list[Path]:
+    """Every learner's folder: one with a status, or one the supervisor started that has not reported yet."""
+    return sorted({p.parent for p in root.glob("*/status.json")} | {p.parent for p in root.glob(f"*/{SUPERVISOR_FILE}")})
 
 
 def _read_supervisor(folder: Path) -> dict[str, Any] | None:
@@ -215,8 +220,7 @@ def install_learner_routes(app: FastAPI, data_dir: Path, admin_key: str | None, 
         check_admin_key(request, admin_key)
         body = await read_json(request) if int(request.headers.get("content-length") or 0) else {}
         family = body.get("family")
-        # a learner the supervisor started that has not reported yet takes the request when it starts
-        families = sorted({p.parent.name for p in root.glob("*/status.json")} | {p.parent.name for p in root.glob(f"*/{SUPERVISOR_FILE}")})
+        families = [f.name for f in _learner_folders(root)]  # one not reported yet takes the request when it starts
         if family is not None:
             if family not in families:
                 raise APIError(404, f"no learner for family {family!r} (known: {', '.join(families) or 'none'})", param="family", code="not_found")

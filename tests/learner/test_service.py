@@ -733,18 +733,9 @@ def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(serve
     prom = httpx.get(server.base_url + "/metrics", timeout=30).text
     assert f'loopwise_learner_parity_logp_diff{{family="par"}} {parity["mean_abs_logp_diff"]}' in prom
 
-    real = release_mod.publish_adapter
+    from tests.learner.test_parity import wrong_scale  # the adapter's config says alpha x 8: the runtime applies 8x the update
 
-    def wrong_scale(model, *a, **kw):  # the adapter's config says alpha x 8: the runtime applies 8x the trained update
-        cfg = model.peft_config["default"]
-        alpha = cfg.lora_alpha
-        cfg.lora_alpha = alpha * 8
-        try:
-            return real(model, *a, **kw)
-        finally:
-            cfg.lora_alpha = alpha
-
-    monkeypatch.setattr(release_mod, "publish_adapter", wrong_scale)
+    monkeypatch.setattr(release_mod, "publish_adapter", wrong_scale(release_mod.publish_adapter))
     chat_traffic(server, "parity")
     record = svc.update()
     assert record["gate"]["decision"] == "refused" and record["gate"]["reason"].startswith("parity:")
