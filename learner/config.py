@@ -43,11 +43,35 @@ class LoRAConfig(BaseModel):
     )
 
 
+LR_ANCHOR = (576, 1e-3)  # (hidden size, lr): SmolLM2-135M with rank-8 LoRA, measured on this project's CPU runs (learner/demo.toml)
+
+
+def default_lr(hidden_size: int) -> float:
+    """The learning rate of ``TrainerConfig.lr = None``: ``1e-3 * min(1, 576 / hidden_size)``.
+
+    Adam's best step for hidden weights shrinks as 1 / width (Yang et al. 2022, "Tensor Programs V", arXiv 2203.03466),
+    and LoRA's best step stays about ten times full fine-tuning's across sizes (Schulman et al. 2025, "LoRA Without
+    Regret"); the anchor is the step that moved SmolLM2-135M (576 wide) within minutes here, where 1e-4 and 3e-4 did
+    not in 45 minutes. It gives 2.3e-4 at 2,560 (3-4B models) and 1.4e-4 at 4,096 (7-8B), where LoRA RL recipes sit.
+    A heuristic, not a tuned value: set ``lr`` for a model you care about."""
+    if hidden_size < 1:
+        raise ValueError(f"hidden_size must be positive, got {hidden_size}")
+    width, lr = LR_ANCHOR
+    return lr * min(1.0, width / hidden_size)
+
+
 class TrainerConfig(BaseModel):
     """Optimizer, loss and resource knobs of one learner update step."""
 
     model_config = _FROZEN
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (LoRA tolerates more than full fine-tuning)")
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "AdamW learning rate; None = by the base model's width (``default_lr``): 1e-3 for a model 576 wide or narrower "
+            "(SmolLM2-135M), scaled by 576 / hidden_size above (2.3e-4 at 2,560, 1.4e-4 at 4,096)"
+        ),
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up over this many optimizer steps, then constant")
@@ -67,7 +91,7 @@ class TrainerConfig(BaseModel):
         description="optimizer steps per update over the same batch (PPO epochs); the clip on the ratio to the behaviour logprobs bounds the drift",
     )
     old_logprobs: Literal["behaviour", "recompute"] = Field(
-        "behaviour",
+        "recompute",
         description=(
             "the PPO ratio's old policy: 'behaviour' = the recorded sampling logprobs; 'recompute' = the trainer's own "
             "logprobs at the start of the update (verl's recomputed old_log_prob; AReaL's proximal policy), so turns "
@@ -75,11 +99,12 @@ class TrainerConfig(BaseModel):
         ),
     )
     behaviour_weight_cap: float | None = Field(
-        None,
+        2.0,
         gt=0,
         description=(
             "with old_logprobs='recompute': weight each token by min(pi_old / pi_behaviour, cap) (AReaL's decoupled PPO "
-            "importance weight, correcting for who sampled it); None = no weight"
+            "importance weight, correcting for who sampled it); None = no weight. Ignored (None) with old_logprobs='behaviour' "
+            "unless given explicitly, which is an error"
         ),
     )
     estimator: str = Field(
@@ -125,6 +150,14 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"unknown loss aggregation {v!r}; choose one of {', '.join(AGG_MODES)}")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_weight_only_with_recompute(cls, data: Any) -> Any:
+        """The default cap belongs to the default old policy: with old_logprobs = 'behaviour' and no cap given, there is none."""
+        if isinstance(data, dict) and data.get("old_logprobs") == "behaviour" and "behaviour_weight_cap" not in data:
+            return {**data, "behaviour_weight_cap": None}
+        return data
+
     @model_validator(mode="after")
     def _weight_needs_recompute(self) -> TrainerConfig:
         if self.behaviour_weight_cap is not None and self.old_logprobs != "recompute":
@@ -152,11 +185,13 @@ class SampleConfig(BaseModel):
 
     model_config = _FROZEN
     max_staleness: int = Field(
-        2,
+        4,
         ge=0,
         description=(
             "skip trajectories with a turn produced by a version older than the one the trainer reached max_staleness updates ago "
-            "(updates counted whether published or held during an A/B experiment; the base model is version 0)"
+            "(updates counted whether published or held during an A/B experiment; the base model is version 0). The default "
+            "old policy (trainer old_logprobs = 'recompute' with the behaviour weight, AReaL's decoupled PPO) keeps turns that "
+            "many versions old useful; with old_logprobs = 'behaviour' keep it small (1-2): their ratios are clipped away"
         ),
     )
     settle_s: float = Field(
@@ -552,8 +587,21 @@ class LearnerSettings(BaseModel):
         900.0,
         gt=0,
         description=(
-            "the learner's A/B experiments end undecided ('inconclusive': the champion stays, the held version is released next) "
-            "after this many seconds, also when no evidence came at all, so an experiment never holds the learner forever"
+            "the learner's A/B experiments end undecided after this many seconds, also when no evidence came at all, so an "
+            "experiment never holds the learner forever (then ab_non_inferiority_margin decides; the held version is released next)"
+        ),
+    )
+    ab_non_inferiority_margin: float | None = Field(
+        0.2,
+        ge=0,
+        le=2,
+        description=(
+            "how the learner's experiment ends when undecided (at ab_max_samples per arm or ab_max_duration_s): the new version "
+            "is promoted when the users' evidence shows it worse than the champion by less than this many pooled standard "
+            "deviations (a one-sided 95% non-inferiority test, looked at once; 0.2 = a 'small' effect, Cohen's d); with fewer "
+            "than ab_min_samples per arm, or None, the champion stays. A continual learner's next version is trained on the "
+            "latest evidence and the experiment's mSPRT still rolls back a clearly worse one; requiring it to be proven "
+            "better would freeze the champion whenever gains are smaller than what a few hundred noisy ratings resolve"
         ),
     )
     restart_from_champion: bool = Field(

@@ -150,7 +150,8 @@ class Release(ServiceState):
         any other learner (chat traffic) by its own ``[samples] reward_sources`` rule, whatever a client names its
         feedback source. Both count only the owners it trains on, bounded by the same ``max_owner_share``, never the
         learner's own runs (the runtime leaves out everything done through the admin API), and end undecided after
-        ``ab_max_duration_s``, so an experiment that collects no evidence never holds the learner forever."""
+        ``ab_max_duration_s``, so an experiment that collects no evidence never holds the learner forever; undecided, the
+        new version is promoted if shown non-inferior (``ab_non_inferiority_margin``), else the champion stays."""
         sc = self.cfg.settings.samples
         task = self._task()
         rule: dict[str, Any] = {"metric": f"verifier:{task}"} if task else {"reward_sources": list(sc.reward_sources)}
@@ -163,6 +164,7 @@ class Release(ServiceState):
             "owners": list(sc.owners) if sc.owners is not None else None,
             "max_owner_share": sc.max_owner_share,
             "max_duration_s": self.cfg.settings.ab_max_duration_s,
+            "non_inferiority_margin": self.cfg.settings.ab_non_inferiority_margin,
             "min_samples": self.cfg.ab_min_samples,
             "max_samples": self.cfg.ab_max_samples,
             "auto_promote": True,

@@ -84,7 +84,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from learner._files import fsync_path, writer_alive
-from learner.config import LoRAConfig, TrainerConfig
+from learner.config import LoRAConfig, TrainerConfig, default_lr
 from learner.distributed import allreduce_grads, allreduce_sums, world
 from learner.grammar_mask import GrammarMasks, GrammarReplayError, unpack_bitmask
 from learner.losses import LossConfig, policy_loss
@@ -224,7 +224,8 @@ class LoRATrainer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.lr = cfg.lr if cfg.lr is not None else default_lr(int(base.config.get_text_config().hidden_size))
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         warm = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
 
@@ -520,7 +521,7 @@ class LoRATrainer:
                 raise ValueError(f"the adapter to restart from lacks {len(missing)} LoRA weights of this trainer (e.g. {missing[0]})")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         cfg, warm = self.cfg, self.cfg.warmup_steps
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
         log.info("restarted from other weights", base_only=lora_state is None, version=self.version)
 

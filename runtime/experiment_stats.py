@@ -11,6 +11,8 @@ What it does:
   *always valid*: it may be checked after every sample and the experiment stopped whenever it drops below
   alpha, with the false-decision rate still <= alpha.
 - ``decide``: continue / promote / rollback for a challenger against the champion, built on the mSPRT.
+- ``non_inferiority``: the one-look test an experiment may apply when it ends undecided: is the challenger shown
+  to be worse by less than a margin (in pooled standard deviations)?
 
 What it does not do: route traffic (``runtime.routing``), store rewards, correct for several challengers
 tested at once (split alpha across them, e.g. Bonferroni, if you run more than one), or handle rewards whose
@@ -36,8 +38,10 @@ __all__ = [
     "DEFAULT_TAU_FRACTION",
     "ArmSummary",
     "Decision",
+    "NonInferiority",
     "decide",
     "msprt_p_value",
+    "non_inferiority",
     "summarize",
     "two_proportion_z_test",
     "welch_t_test",
@@ -204,3 +208,44 @@ def decide(
         return Decision("rollback", p, diff, n_a, n_b, f"challenger worse by {-diff:.4g}, always-valid p={p:.4g} < alpha={alpha}")
     # p < alpha can only come from an earlier look (prev_p) when the means are now equal: do not act on it.
     return Decision("continue", p, diff, n_a, n_b, f"p={p:.4g} < alpha from an earlier look, but the means are now equal")
+
+
+@dataclass(frozen=True)
+class NonInferiority:
+    passed: bool
+    diff: float  # mean(challenger) - mean(champion)
+    lower: float  # one-sided (1 - alpha) lower confidence bound of diff (Welch)
+    margin: float  # margin_sd * pooled sd, in reward units: passed iff lower > -margin
+    reason: str
+
+
+def non_inferiority(champion: Sequence[float], challenger: Sequence[float], *, margin_sd: float, alpha: float = 0.05) -> NonInferiority:
+    """One-sided non-inferiority test of ``challenger`` against ``champion``: ``H0: diff <= -margin`` vs ``H1: diff > -margin``.
+
+    ``diff = mean(challenger) - mean(champion)``, ``margin = margin_sd * s`` with the pooled standard deviation ``s``
+    (the margin is an effect size, Cohen's d: 0.2 is "small", so rewards of any scale get the same rule), and the
+    challenger passes when Welch's one-sided lower bound ``diff - t_{1-alpha, df} * sqrt(var_a/n_a + var_b/n_b)`` is
+    above ``-margin`` (the confidence-interval form of the test, e.g. Wellek, "Testing Statistical Hypotheses of
+    Equivalence and Noninferiority", 2nd ed., 2010, ch. 2). A challenger worse by the margin or more passes with
+    probability at most ``alpha``. A fixed-horizon test: look once, at the end (an experiment that ends undecided).
+    """
+    if margin_sd < 0:
+        raise ValueError(f"margin_sd must be >= 0, got {margin_sd}")
+    a, b = _as_array(champion), _as_array(challenger)
+    n_a, n_b = int(a.size), int(b.size)
+    if n_a < 2 or n_b < 2:
+        raise ValueError(f"the test needs at least 2 samples per arm, got {n_a} and {n_b}")
+    var_a, var_b = float(a.var(ddof=1)), float(b.var(ddof=1))
+    diff = float(b.mean() - a.mean())
+    pooled_sd = math.sqrt(((n_a - 1) * var_a + (n_b - 1) * var_b) / (n_a + n_b - 2))
+    margin = margin_sd * pooled_sd
+    se2 = var_a / n_a + var_b / n_b
+    if se2 == 0.0:  # both arms constant: the difference is exact
+        lower = diff
+    else:
+        df = se2**2 / ((var_a / n_a) ** 2 / (n_a - 1) + (var_b / n_b) ** 2 / (n_b - 1))  # Welch-Satterthwaite
+        lower = diff - float(stats.t.ppf(1 - alpha, df)) * math.sqrt(se2)
+    passed = lower > -margin
+    verdict = "non-inferior" if passed else "not shown non-inferior"
+    reason = f"{verdict}: diff {diff:.4g}, one-sided {1 - alpha:.0%} lower bound {lower:.4g} vs margin -{margin:.4g} ({margin_sd:g} sd)"
+    return NonInferiority(passed, diff, lower, margin, reason)

@@ -21,7 +21,10 @@ to that arm, and once every challenger is rolled back the experiment ends (``rol
 ``max_samples``, an experiment still undecided when every live arm has that many rewards ends
 ``inconclusive`` (the champion stays), so an A/B between near-equal versions cannot run forever; with
 ``max_duration_s`` it also ends ``inconclusive`` once that much time has passed undecided, evidence or none
-(the status says ``evidence`` in words while an arm has none). A decided experiment's figures are those at its end
+(the status says ``evidence`` in words while an arm has none). With ``non_inferiority_margin`` (pooled sds) an
+experiment that ends undecided with ``min_samples`` per arm promotes instead the best challenger shown non-inferior
+(``experiment_stats.non_inferiority``, looked at once, at the end): a continual learner's next version ships unless
+the evidence allows it to be worse by the margin. A decided experiment's figures are those at its end
 (``ended_at``): later rewards on its arms' turns do not move them.
 Each change of a challenger's p-value is kept in ``p_history`` (time, p, both arms' n; at most
 ``P_HISTORY_MAX`` points, thinned evenly), so the p-value can be drawn over time.
@@ -44,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.records import owner_quota, source_rank
 from learner.records.experiments_store import ExperimentDatabase, ExperimentStore
-from runtime.experiment_stats import decide, summarize, welch_t_test
+from runtime.experiment_stats import decide, non_inferiority, summarize, welch_t_test
 from runtime.routing import Arm, assign_arm
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,9 @@ class ExperimentConfig(BaseModel):
     max_duration_s: float | None = Field(None, gt=0)  # undecided after this long: ends "inconclusive", the champion stays
     min_samples: int = Field(100, ge=2)
     max_samples: int | None = Field(None, ge=2)  # undecided with this many per arm: ends "inconclusive", the champion stays
+    # in pooled sds: an experiment that ends undecided (max_samples or max_duration_s) with min_samples per arm promotes the
+    # best challenger shown non-inferior by that margin (experiment_stats.non_inferiority) instead of keeping the champion
+    non_inferiority_margin: float | None = Field(None, ge=0, le=2)
     alpha: float = Field(0.05, gt=0, lt=0.5)
     test: Literal["msprt"] = "msprt"
     auto_promote: bool = False
@@ -263,9 +269,9 @@ class Experiments:
             self.saved.save(name, cfg.model_dump(), state)
         return self.status(name, obs)
 
-    @staticmethod
-    def _end_if_over(cfg: ExperimentConfig, state: dict[str, Any], obs: dict[str, dict[str, list[float]]]) -> bool:
-        """End an experiment with nothing left to decide: every challenger rolled back, or ``max_samples`` reached undecided."""
+    def _end_if_over(self, cfg: ExperimentConfig, state: dict[str, Any], obs: dict[str, dict[str, list[float]]]) -> bool:
+        """End an experiment with nothing left to decide: every challenger rolled back, or ``max_samples`` or ``max_duration_s``
+        reached undecided (then, with ``non_inferiority_margin``, the best non-inferior challenger is promoted)."""
         champion = state["champion"]
         live = [a.adapter for a in cfg.arms if a.adapter != champion and a.adapter not in state["stopped_arms"]]
         elapsed = time.time() - float(state["started_at"])
@@ -278,7 +284,15 @@ class Experiments:
             status, reason = "inconclusive", f"no decision after {cfg.max_duration_s:g} s ({counts}; {cfg.describe_sources()}): the champion stays"
         else:
             return False
-        state["status"], state["ended_at"] = status, time.time()
+        state["ended_at"] = time.time()
+        winner = _non_inferior_winner(cfg, champion, live, obs) if status == "inconclusive" else None
+        if winner is not None:
+            arm, why = winner
+            self.registry.set_alias(cfg.family, arm)
+            state.update(status="promoted", winner=arm)
+            state["decisions"].append({"time": state["ended_at"], "action": "promote", "arm": arm, "reason": f"undecided at the end; {why}"})
+            return True
+        state["status"] = status
         state["decisions"].append({"time": state["ended_at"], "action": "end", "arm": None, "reason": reason})
         return True
 
@@ -328,6 +342,21 @@ def _append_p(state: dict[str, Any], arm: str, p: float, n_champion: int, n: int
     hist.append({"t": time.time(), "p": p, "n_champion": n_champion, "n": n})
     if len(hist) > P_HISTORY_MAX:
         hist[:] = [*hist[:-1:2], hist[-1]]
+
+
+def _non_inferior_winner(cfg: ExperimentConfig, champion: str, live: list[str], obs: dict[str, dict[str, list[float]]]) -> tuple[str, str] | None:
+    """With ``non_inferiority_margin``: the live challenger with the highest mean among those shown non-inferior to the
+    champion (each arm with at least ``min_samples`` rewards), and why; None keeps the champion."""
+    if cfg.non_inferiority_margin is None or len(obs[champion]["rewards"]) < cfg.min_samples:
+        return None
+    best: tuple[float, str, str] | None = None
+    for arm in live:
+        if len(obs[arm]["rewards"]) < cfg.min_samples:
+            continue
+        t = non_inferiority(obs[champion]["rewards"], obs[arm]["rewards"], margin_sd=cfg.non_inferiority_margin, alpha=cfg.alpha)
+        if t.passed and (best is None or t.diff > best[0]):
+            best = (t.diff, arm, t.reason)
+    return None if best is None else (best[1], best[2])
 
 
 def _evidence_note(cfg: ExperimentConfig, state: dict[str, Any], arms: list[dict[str, Any]]) -> str:

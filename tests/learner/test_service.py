@@ -60,6 +60,11 @@ def settings() -> LearnerSettings:
     )
 
 
+def stale_after(updates: int) -> LearnerSettings:
+    base = settings()
+    return base.model_copy(update={"samples": base.samples.model_copy(update={"max_staleness": updates})})
+
+
 @pytest.fixture(scope="module")
 def server(start_server, tmp_path_factory):
     return start_server("--admin-key", ADMIN, "--agent", json.dumps(AGENT), data_dir=tmp_path_factory.mktemp("learner-data"))
@@ -386,7 +391,7 @@ def test_staleness_counts_updates_held_during_an_experiment(tmp_path, tiny_model
     for v in (1, 2):
         (tmp_path / "adapters" / "fam" / f"v{v}").mkdir(parents=True)
         (tmp_path / "adapters" / "fam" / f"v{v}" / "manifest.json").write_text("{}")
-    cfg = ServiceConfig(data_dir=tmp_path, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=settings())
+    cfg = ServiceConfig(data_dir=tmp_path, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=stale_after(2))
     svc = LearnerService(cfg)
     trainer = SimpleNamespace(version=6, cursor={"since": 1.0, "update_versions": [3, 4, 5, 6]})
     assert svc._staleness_floor(trainer) == 4
@@ -411,7 +416,7 @@ def test_a_restart_from_the_champion_makes_the_traffic_it_serves_fresh_again(tmp
     folder.mkdir(parents=True)
     save_file({"w": torch.zeros(1)}, str(folder / "adapter_model.safetensors"))
     (folder / "manifest.json").write_text("{}")
-    cfg = ServiceConfig(data_dir=tmp_path, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=settings())
+    cfg = ServiceConfig(data_dir=tmp_path, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=stale_after(2))
     svc = LearnerService(cfg)
     svc._champion = lambda: "fam@8"  # type: ignore[method-assign]
     loaded: list[object] = []

@@ -32,7 +32,8 @@ def step(trainer: LoRATrainer, samples: list[Sample]):
 
 
 def cfg(**kw) -> TrainerConfig:
-    base = dict(threads=1, progress=False, lr=1e-2, seed=0, micro_batch_tokens=4096)
+    # the recorded behaviour logprobs as the old policy unless a test says otherwise: the PPO ratio these tests compute by hand
+    base = dict(threads=1, progress=False, lr=1e-2, seed=0, micro_batch_tokens=4096, old_logprobs="behaviour")
     return TrainerConfig(**{**base, **kw})
 
 
@@ -193,7 +194,7 @@ def test_recomputed_old_logprobs_keep_stale_turns_from_being_clipped_away(model_
     assert behaviour.clip_frac > 0.4  # ratio e^2 > 1.2 on every token; only the negative-advantage ones are unclipped
     plain = LoRATrainer(model_path, cfg(), LORA)
     m_plain = step(plain, fresh)
-    recompute = LoRATrainer(model_path, cfg(old_logprobs="recompute"), LORA)
+    recompute = LoRATrainer(model_path, cfg(old_logprobs="recompute", behaviour_weight_cap=None), LORA)
     m_re = step(recompute, stale)
     assert m_re.clip_frac == 0.0 and m_re.loss == pytest.approx(m_plain.loss, abs=1e-7)
     for k, w in plain.lora_state().items():
@@ -202,6 +203,20 @@ def test_recomputed_old_logprobs_keep_stale_turns_from_being_clipped_away(model_
     assert capped.loss == pytest.approx(3.0 * m_plain.loss, rel=1e-5)  # every weight e^2 = 7.4, capped at 3
     with pytest.raises(ValueError, match="needs old_logprobs"):
         cfg(behaviour_weight_cap=2.0)
+    default = step(LoRATrainer(model_path, TrainerConfig(threads=1, progress=False, lr=1e-2, seed=0, micro_batch_tokens=4096), LORA), stale)
+    assert default.clip_frac == 0.0 and default.loss == pytest.approx(2.0 * m_plain.loss, rel=1e-5)  # the default: recompute, cap 2
+
+
+def test_the_default_learning_rate_follows_the_models_width(model_path: Path) -> None:
+    """lr None = 1e-3 * min(1, 576 / hidden_size): 1e-3 for SmolLM2-135M (576) and narrower, 1.4e-4 at 4,096."""
+    from learner.config import default_lr
+
+    assert default_lr(576) == pytest.approx(1e-3) and default_lr(64) == pytest.approx(1e-3)
+    assert default_lr(4096) == pytest.approx(1e-3 * 576 / 4096) and default_lr(2560) == pytest.approx(2.25e-4)
+    tr = LoRATrainer(model_path, TrainerConfig(threads=1, progress=False), LORA)
+    assert tr.lr == pytest.approx(1e-3) and tr.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # the tiny model is narrow
+    assert LoRATrainer(model_path, TrainerConfig(threads=1, progress=False, lr=5e-5), LORA).optimizer.param_groups[0]["lr"] == 5e-5
+    assert TrainerConfig(old_logprobs="behaviour").behaviour_weight_cap is None  # the default cap goes with the default old policy
 
 
 def test_reward_stats_are_per_trajectory_outcomes_not_turn_process_scores(model_path: Path) -> None:

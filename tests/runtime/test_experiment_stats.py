@@ -251,3 +251,31 @@ def test_aa_msprt_holds_alpha_with_unbalanced_arms_and_unequal_variances() -> No
     assert msprt_false_rate_unbalanced(quiet_big, noisy_small, ratio=9) <= ALPHA + MC_SLACK
     noisy_big, quiet_small = rng.normal(0.0, 3.0, (RUNS, 9_000)), rng.normal(0.0, 1.0, (RUNS, 1_000))
     assert msprt_false_rate_unbalanced(noisy_big, quiet_small, ratio=9) <= ALPHA + MC_SLACK
+
+
+def test_non_inferiority_matches_welchs_one_sided_bound_by_hand():
+    from runtime.experiment_stats import non_inferiority
+
+    # champion 0/1 alternating (n 200, mean 0.5), challenger 0.55 (110 of 200 ones): by hand
+    a = [float(i % 2) for i in range(200)]
+    b = [1.0] * 110 + [0.0] * 90
+    va, vb = 0.5 * 0.5 * 200 / 199, 0.55 * 0.45 * 200 / 199
+    se = math.sqrt(va / 200 + vb / 200)
+    df = se**4 / ((va / 200) ** 2 / 199 + (vb / 200) ** 2 / 199)
+    lower = 0.05 - stats.t.ppf(0.95, df) * se
+    margin = 0.2 * math.sqrt((va + vb) / 2)
+    t = non_inferiority(a, b, margin_sd=0.2)
+    assert t.diff == pytest.approx(0.05) and t.lower == pytest.approx(lower) and t.margin == pytest.approx(margin) and t.passed
+    # margin 0: non-inferior means the bound is above 0 (here it is not: 0.05 is within the noise)
+    assert lower < 0 and not non_inferiority(a, b, margin_sd=0.0).passed
+
+
+def test_non_inferiority_passes_a_challenger_worse_by_the_margin_at_most_alpha_of_the_time():
+    from runtime.experiment_stats import non_inferiority
+
+    rng = np.random.default_rng(7)
+    sims, n = 2000, 150
+    at_margin = sum(non_inferiority(rng.normal(0, 1, n), rng.normal(-0.2, 1, n), margin_sd=0.2).passed for _ in range(sims))
+    equal = sum(non_inferiority(rng.normal(0, 1, n), rng.normal(0, 1, n), margin_sd=0.2).passed for _ in range(sims))
+    assert at_margin / sims <= 0.065  # alpha 0.05 at the boundary, plus Monte Carlo noise (sd ~0.005)
+    assert equal / sims > 0.5  # equal arms: 1 - Phi(1.65 - 0.2 * sqrt(75)) = 0.63

@@ -273,3 +273,53 @@ def test_a_decided_experiments_figures_stay_as_they_were_at_its_end(tmp_path):
     add_rewards(store, "f@1", [1.0] * 30, 100)  # the champion goes on serving, and its users go on rating
     again = exps.status("e")
     assert [a["n"] for a in again["arms"]] == [40, 40] and again["arms"][0]["mean_reward"] == ended["arms"][0]["mean_reward"]
+
+
+def test_an_undecided_experiment_promotes_a_challenger_shown_non_inferior(tmp_path):
+    # equal arms, 100 per arm of 0/1: sd 0.5025, margin 0.2 sd = 0.1005; Welch se = sqrt(2 * 0.25253 / 100) = 0.0711,
+    # t(0.95, 198) = 1.6526, lower bound = 0 - 0.1174 < -0.1005: not shown non-inferior at 100. At 200 per arm:
+    # se 0.0501, lower = -0.0826 > -0.1003: non-inferior, so the experiment that ends there promotes the challenger.
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    exps.create(config(auto_rollback=True, auto_promote=True, max_samples=100, non_inferiority_margin=0.2), {"f@1", "f@2"})
+    same = [float(i % 2) for i in range(100)]
+    add_rewards(store, "f@1", same, 0)
+    add_rewards(store, "f@2", same, 0)
+    status = exps.evaluate("e")
+    assert status["status"] == "inconclusive" and reg.aliases()["f"] == "f@1"
+
+    store2 = SqliteStore(tmp_path / "y.db")
+    reg2 = registry_with("f@1", "f@2")
+    exps2 = Experiments(store2, reg2)
+    exps2.create(config(auto_rollback=True, auto_promote=True, max_samples=200, non_inferiority_margin=0.2), {"f@1", "f@2"})
+    same = [float(i % 2) for i in range(200)]
+    add_rewards(store2, "f@1", same, 0)
+    add_rewards(store2, "f@2", same, 0)
+    status = exps2.evaluate("e")
+    assert status["status"] == "promoted" and status["winner"] == "f@2", status["decisions"]
+    assert "non-inferior" in status["decisions"][-1]["reason"] and status["decisions"][-1]["action"] == "promote"
+    assert reg2.aliases()["f"] == "f@2"  # the alias follows the promotion
+    assert Experiments(store2, reg2).status("e")["status"] == "promoted"  # persisted
+
+
+def test_a_worse_challenger_is_not_promoted_when_undecided_and_time_ends_without_evidence(tmp_path, monkeypatch):
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    exps.create(config(auto_rollback=False, auto_promote=True, max_samples=200, non_inferiority_margin=0.2), {"f@1", "f@2"})
+    # champion 0.5, challenger 0.4 (worse by 0.2 sd): the mSPRT alone (no auto rollback) leaves it undecided; the
+    # non-inferiority bound (0.4 - 0.5 - 1.65 * 0.049 = -0.18) is below -0.1: the champion stays
+    add_rewards(store, "f@1", [float(i % 2) for i in range(200)], 0)
+    add_rewards(store, "f@2", [float(i % 5 < 2) for i in range(200)], 0)
+    status = exps.evaluate("e")
+    assert status["status"] == "inconclusive" and reg.aliases()["f"] == "f@1"
+
+    # no evidence at all when the time runs out: nothing to show non-inferiority with, the champion stays
+    store2 = SqliteStore(tmp_path / "y.db")
+    reg2 = registry_with("f@1", "f@2")
+    exps2 = Experiments(store2, reg2)
+    exps2.create(config(max_duration_s=600, auto_promote=True, non_inferiority_margin=0.2), {"f@1", "f@2"})
+    start = exps2.states["e"]["started_at"]
+    monkeypatch.setattr("runtime.experiments.time.time", lambda: start + 601)
+    assert exps2.evaluate("e")["status"] == "inconclusive" and reg2.aliases()["f"] == "f@1"
