@@ -143,6 +143,22 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16 in /proc/cpuinfo: bf16 matmuls run natively (the serving engine's ``--dtype auto`` reads the same flags)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_autocast(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the forward runs under bf16 autocast: ``auto`` = on a CPU with native bf16 while the weights are fp32."""
+    if name != "auto":
+        return name == "bfloat16"
+    return device.type == "cpu" and dtype == torch.float32 and cpu_has_native_bf16()
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
@@ -183,6 +199,7 @@ class LoRATrainer:
             torch.set_num_threads(cfg.threads)  # process-wide: the learner runs in its own process
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
+        self.autocast = pick_autocast(cfg.autocast, self.device, self.dtype)  # bf16 matmuls under fp32 master weights
         self._seed_everything(cfg.seed)
         base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=self.dtype)
         eos = base.generation_config.eos_token_id if base.generation_config is not None else None
@@ -204,7 +221,12 @@ class LoRATrainer:
         self.optimizer_steps = 0
         self.cursor: dict[str, Any] = {}
         log.info(
-            "trainer ready", base=str(base_model), device=str(self.device), dtype=str(self.dtype), lora_params=sum(p.numel() for p in self.params)
+            "trainer ready",
+            base=str(base_model),
+            device=str(self.device),
+            dtype=str(self.dtype),
+            autocast=self.autocast,
+            lora_params=sum(p.numel() for p in self.params),
         )
 
     def _build(self, base: torch.nn.Module, lora: LoRAConfig) -> None:
@@ -293,7 +315,7 @@ class LoRATrainer:
     def _logprobs(self, t: Mapping[str, torch.Tensor], *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs of the output tokens (B, T) under the current model (adapter state as set by the caller)."""
         t_out = t["mask"].shape[1]
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bfloat16"):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.model(
                 input_ids=t["input_ids"],
                 attention_mask=t["attention_mask"],

@@ -83,7 +83,7 @@ def test_recorded_constrained_turns_carry_their_grammar(recorded: Path) -> None:
 def test_the_ratio_is_one_on_an_unchanged_policy_for_constrained_turns(recorded: Path, tiny_model_path: Path) -> None:
     samples = samples_of(recorded)
     lora = LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
-    tr = LoRATrainer(tiny_model_path, TrainerConfig(threads=1, progress=False, lr=1e-3), lora)
+    tr = LoRATrainer(tiny_model_path, TrainerConfig(threads=1, progress=False, lr=1e-3, autocast="off"), lora)
     masked = tr.token_logprobs(samples)
     unmasked = tr.token_logprobs([s.__class__(**{**s.__dict__, "grammar": None}) for s in samples])
     worst_masked = worst_unmasked = 0.0
@@ -103,7 +103,7 @@ def test_the_ratio_is_one_on_an_unchanged_policy_for_constrained_turns(recorded:
 def test_a_grammar_that_does_not_replay_leaves_the_turn_out(recorded: Path, tiny_model_path: Path) -> None:
     [s, *_] = samples_of(recorded)
     bad = s.__class__(**{**s.__dict__, "grammar": {"kind": "json_schema", "spec": json.dumps({"type": "array"})}})
-    tr = LoRATrainer(tiny_model_path, TrainerConfig(threads=1, progress=False), LoRAConfig(rank=2, target_modules=["q_proj"]))
+    tr = LoRATrainer(tiny_model_path, TrainerConfig(threads=1, progress=False, autocast="off"), LoRAConfig(rank=2, target_modules=["q_proj"]))
     assert tr.replayable([bad, s]) == [1]
     with pytest.raises(GrammarReplayError):
         GrammarMasks(tiny_model_path, vocab_size=tr.vocab_size, eos_token_ids=tr.eos_token_ids).bitmask(bad.grammar, bad.output_ids)

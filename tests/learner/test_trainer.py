@@ -33,7 +33,7 @@ def step(trainer: LoRATrainer, samples: list[Sample]):
 
 def cfg(**kw) -> TrainerConfig:
     # the recorded behaviour logprobs as the old policy unless a test says otherwise: the PPO ratio these tests compute by hand
-    base = dict(threads=1, progress=False, lr=1e-2, seed=0, micro_batch_tokens=4096, old_logprobs="behaviour")
+    base = dict(threads=1, progress=False, lr=1e-2, seed=0, micro_batch_tokens=4096, old_logprobs="behaviour", autocast="off")
     return TrainerConfig(**{**base, **kw})
 
 
@@ -203,7 +203,7 @@ def test_recomputed_old_logprobs_keep_stale_turns_from_being_clipped_away(model_
     assert capped.loss == pytest.approx(3.0 * m_plain.loss, rel=1e-5)  # every weight e^2 = 7.4, capped at 3
     with pytest.raises(ValueError, match="needs old_logprobs"):
         cfg(behaviour_weight_cap=2.0)
-    default = step(LoRATrainer(model_path, TrainerConfig(threads=1, progress=False, lr=1e-2, seed=0, micro_batch_tokens=4096), LORA), stale)
+    default = step(LoRATrainer(model_path, TrainerConfig(threads=1, progress=False, lr=1e-2, seed=0, micro_batch_tokens=4096, autocast="off"), LORA), stale)
     assert default.clip_frac == 0.0 and default.loss == pytest.approx(2.0 * m_plain.loss, rel=1e-5)  # the default: recompute, cap 2
 
 
@@ -217,6 +217,17 @@ def test_the_default_learning_rate_follows_the_models_width(model_path: Path) ->
     assert tr.lr == pytest.approx(1e-3) and tr.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # the tiny model is narrow
     assert LoRATrainer(model_path, TrainerConfig(threads=1, progress=False, lr=5e-5), LORA).optimizer.param_groups[0]["lr"] == 5e-5
     assert TrainerConfig(old_logprobs="behaviour").behaviour_weight_cap is None  # the default cap goes with the default old policy
+
+
+def test_autocast_auto_is_bf16_only_on_a_cpu_with_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    from learner import trainer as tm
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(tm, "cpu_has_native_bf16", lambda: True)
+    assert tm.pick_autocast("auto", cpu, torch.float32) and not tm.pick_autocast("auto", cpu, torch.bfloat16)
+    assert not tm.pick_autocast("auto", cuda, torch.float32) and not tm.pick_autocast("off", cpu, torch.float32)
+    monkeypatch.setattr(tm, "cpu_has_native_bf16", lambda: False)
+    assert not tm.pick_autocast("auto", cpu, torch.float32) and tm.pick_autocast("bfloat16", cpu, torch.float32)
 
 
 def test_reward_stats_are_per_trajectory_outcomes_not_turn_process_scores(model_path: Path) -> None:
