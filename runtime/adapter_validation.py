@@ -1,14 +1,16 @@
 """Checks a PEFT LoRA folder against the base model *before* the engine is asked to load it.
 
-What it does: ``validate_adapter`` reads ``adapter_config.json`` (a supported LoRA variant, rank within the
-server's maximum, finite scales, target modules that exist in the base model), the tensor shapes in
-``adapter_model.safetensors`` against the base model's linear layers (``base_shapes_of``), the hashes in the
+What it does: ``validate_adapter`` reads ``adapter_config.json`` (at most ``runtime.json_text.MAX_DEPTH`` levels deep and
+``MAX_CONFIG_BYTES`` long; a supported LoRA variant, rank within the server's maximum, finite scales, target
+modules that exist in the base model), the tensor shapes in ``adapter_model.safetensors`` against the base
+model's linear layers (``base_shapes_of``), that every floating-point tensor holds only finite values (one NaN
+weight makes the outputs of every request on the adapter NaN), the hashes in the
 publisher's ``manifest.json`` (or of the weights file alone), and that no path escapes the adapter root.
 ``resolve_adapter_path`` and ``unsupported_lora_features`` are the pieces other modules reuse.
 
 What it does not: load or route anything (``runtime/adapter_registry.py``), or parse model names
 (``runtime/adapter_names.py``). Importing it does not import torch or safetensors; ``validate_adapter``
-imports safetensors when it reads a weights file.
+imports safetensors and numpy when it reads a weights file. It reads every weight once: call it off the event loop.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import json
 import logging
 import math
 import re
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from learner.records.adapter_manifest import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, AdapterManifest, ManifestError, sha256_file
 from runtime.adapter_names import AdapterInvalid
+from runtime.json_text import read_json_file
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ def base_shapes_of(model: Any) -> dict[str, tuple[int, int]]:
 MAX_PATH_CHARS = 4096
 MAX_PATTERN_CHARS = 256  # a target_modules regex or a rank/alpha pattern key
 MAX_ALPHA = 65536.0
+MAX_CONFIG_BYTES = 1024 * 1024  # adapter_config.json: a few kilobytes in practice
 
 
 def _inside(path: Path, root: Path | None, what: str) -> Path:
@@ -129,8 +134,8 @@ def validate_adapter(
     if not cfg_path.is_file():
         raise AdapterInvalid(f"{path} has no {CONFIG_FILE}")
     try:
-        config = json.loads(cfg_path.read_text())
-    except (ValueError, OSError) as exc:
+        config = read_json_file(cfg_path, max_bytes=MAX_CONFIG_BYTES)
+    except (ValueError, OSError) as exc:  # invalid JSON, or over the depth/size limits (JSONLimitExceeded)
         raise AdapterInvalid(f"{CONFIG_FILE} in {path} is not a JSON object: {exc}") from exc
     if not isinstance(config, dict):
         raise AdapterInvalid(f"{CONFIG_FILE} in {path} is not a JSON object")
@@ -219,6 +224,32 @@ def _check_tensors(weights: Path, base_shapes: Mapping[str, tuple[int, int]]) ->
             raise AdapterInvalid(f"{module}: lora_B out-features {b[0]} != base out-features {out_f} (built for another base model?)")
         if a[0] != b[1]:
             raise AdapterInvalid(f"{module}: lora_A rank {a[0]} != lora_B rank {b[1]}")
+    _check_finite(weights)
+
+
+# float dtype of safetensors → (unsigned view, exponent mask): all exponent bits set is an infinity or a NaN
+_EXPONENT_BITS = {"F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F32": ("<u4", 0x7F800000), "F64": ("<u8", 0x7FF0000000000000)}
+
+
+def _check_finite(weights: Path) -> None:
+    """Every F16/BF16/F32/F64 tensor holds only finite values, read from the bits (numpy has no bfloat16).
+
+    Runs after ``safe_open`` accepted the file, so the header parses and its offsets lie inside the file."""
+    import numpy as np  # lazy, as safetensors
+
+    with open(weights, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    data = np.memmap(weights, dtype=np.uint8, mode="r", offset=8 + size)
+    for key, info in header.items():
+        if key == "__metadata__" or info["dtype"] not in _EXPONENT_BITS:
+            continue
+        view, mask = _EXPONENT_BITS[info["dtype"]]
+        start, end = info["data_offsets"]
+        words = data[start:end].view(view)
+        bad = int(np.count_nonzero((words & mask) == mask))
+        if bad:
+            raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {key!r} holds {bad} non-finite value(s) (NaN or infinity)")
 
 
 def _check_hashes(root: Path, weights: Path, adapter_root: Path | None, expected: str | None) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.engine import InvalidRequest
+from runtime.json_text import loads_json_text
 from runtime.openai_schemas import (
     AssistantMessage,
     FunctionMessage,
@@ -109,7 +110,7 @@ def to_plain(msg: Message, i: int) -> dict[str, Any]:
         calls = []
         for j, call in enumerate(tool_calls):
             try:
-                args = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+                args = loads_json_text(call.function.arguments) if call.function.arguments.strip() else {}
             except json.JSONDecodeError as exc:
                 raise InvalidRequest(
                     f"tool call arguments are not valid JSON: {exc.msg}",

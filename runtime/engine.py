@@ -60,6 +60,10 @@ class AdapterError(EngineError):
     """An adapter could not be found, loaded or unloaded."""
 
 
+class NonFiniteOutput(EngineError):
+    """This request's logits held no distribution (NaN, e.g. from a broken adapter); its batch neighbours go on."""
+
+
 class NotSupported(EngineError):
     """This backend cannot do what was asked (e.g. embeddings on an external engine): HTTP 501."""
 

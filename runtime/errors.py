@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from runtime.engine import AdapterError, EngineClosed, EngineError, EngineOverloaded, InvalidRequest, NotSupported
+from runtime.engine import AdapterError, EngineClosed, EngineError, EngineOverloaded, InvalidRequest, NonFiniteOutput, NotSupported
 
 
 class APIError(Exception):
@@ -70,6 +70,9 @@ def from_engine(exc: EngineError) -> APIError:
         return APIError(501, str(exc), type="invalid_request_error", code="not_supported")
     if isinstance(exc, EngineClosed):
         return APIError(503, "the engine is not available", type="server_error", code="engine_unavailable")
+    if isinstance(exc, NonFiniteOutput):  # only this request failed; a fixed text, as for every 500
+        msg = "generation failed: the model produced non-finite logits for this request; the adapter it used may be broken"
+        return APIError(500, msg, type="server_error", code="non_finite_output")
     return APIError(500, "generation failed", type="server_error", code="internal_error")
 
 

@@ -3,7 +3,8 @@
 One function for every route: a body over ``limit`` is a 413 (checked while reading, so chunked
 bodies are bounded too); an empty body, invalid JSON, a non-object, JSON nested deeper than
 ``MAX_DEPTH`` (deep nesting makes recursive validators raise ``RecursionError``), or JSON carrying
-unpaired surrogate escapes is a 400 ``invalid_json``. Not here: validating the object's fields (pydantic).
+unpaired surrogate escapes is a 400 ``invalid_json``. Not here: validating the object's fields (pydantic), or
+JSON sent as text inside the body (``runtime/json_text.py``, under the same depth limit).
 """
 
 from __future__ import annotations
@@ -17,26 +18,12 @@ from typing import Any
 from fastapi import Request
 
 from runtime.errors import APIError
+from runtime.json_text import MAX_DEPTH, too_deep
 
 DEFAULT_LIMIT = 4 * 1024 * 1024
 OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are parsed on a worker thread
 _SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F][0-9a-fA-F]{2}")  # a \uD800-\uDFFF escape: the costly check runs only then
 _parser_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loopwise-parse")
-MAX_DEPTH = 64  # arrays and objects inside each other; real requests (tool schemas included) stay far below
-
-
-def _too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """Whether ``value`` nests more than ``limit`` containers deep (iterative: no recursion to exhaust)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return False
 
 
 async def read_json(request: Request, limit: int = DEFAULT_LIMIT) -> Any:
@@ -65,7 +52,7 @@ def _parse(raw: bytes) -> Any:
         raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
     except RecursionError:
         body = None  # nested deeper than the parser's own stack allows
-    if body is None or _too_deep(body):
+    if body is None or too_deep(body):
         raise APIError(400, f"the JSON body is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")

@@ -55,6 +55,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from learner.records import PUBLIC_OWNER, Reward, Trajectory, Turn, TurnRef, new_id
 from runtime._futures import settle
+from runtime.json_text import loads_json_text
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,8 +101,8 @@ def canonical_message(m: dict[str, Any]) -> dict[str, Any]:
             args = fn["arguments"]
             if isinstance(args, str):
                 try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError:
+                    args = loads_json_text(args) if args.strip() else {}
+                except json.JSONDecodeError:  # a JSONLimitExceeded too: the text stands for itself
                     pass
             calls.append({"name": fn["name"], "arguments": args})
         out["tool_calls"] = calls

@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from runtime.engine import InvalidRequest
 from runtime.generation import NamedTool, OutputFormat, ToolChoice
+from runtime.json_text import loads_json_text
 from runtime.openai_schemas import FieldError, FunctionDef, _In, check_json_schema
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -178,7 +179,7 @@ def items_to_messages(items: list[dict[str, Any]], param: str = "input") -> list
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, str):
                 raise InvalidRequest("a function_call item needs name, call_id and arguments (a JSON string)", param=where)
             try:
-                parsed = json.loads(args) if args.strip() else {}
+                parsed = loads_json_text(args) if args.strip() else {}
             except json.JSONDecodeError as exc:
                 raise InvalidRequest(f"function_call arguments are not valid JSON: {exc.msg}", param=f"{where}.arguments") from exc
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}

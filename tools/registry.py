@@ -331,6 +331,8 @@ class ToolRegistry:
                 args = json.loads(arguments)
             except json.JSONDecodeError as exc:
                 return ToolResult.failure("invalid_json", f"arguments for tool `{name}` are not valid JSON: {exc.msg} at position {exc.pos}")
+            except RecursionError:  # json.loads gives up past about a thousand levels
+                return ToolResult.failure("invalid_json", f"arguments for tool `{name}` are nested too deeply to parse")
         else:
             args = arguments
         if not isinstance(args, dict):

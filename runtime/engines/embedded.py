@@ -67,6 +67,7 @@ from runtime.engine import (
     GenerateResult,
     Grammar,
     InvalidRequest,
+    NonFiniteOutput,
     SamplingParams,
     StreamChunk,
     Timings,
@@ -561,7 +562,7 @@ class EmbeddedEngine:
         for i, seq in enumerate(seqs):
             if sampled.failed[i]:  # this row's logits were NaN: fail its request only, the batch goes on
                 seq.done = True
-                seq.send(EngineError("generation failed: the model produced non-finite logits for this request"))
+                seq.send(NonFiniteOutput("generation failed: the model produced non-finite logits for this request"))
                 finished.append(True)
                 continue
             tok = sampled.token_ids[i]

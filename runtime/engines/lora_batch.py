@@ -18,10 +18,13 @@ row). Each site then adds the delta for all tokens with one GEMM pair, the "stac
 punica/S-LoRA/SGLang made dense for CPU:
 
     h = x @ A_cat          # (N, R): A_cat = [A_1^T | A_2^T | ...], R = sum of the ranks present
-    h *= M                 # (N, R): M[t, c] = 1 where column c belongs to token t's adapter
+    h[~M] = 0              # (N, R): M[t, c] is True where column c belongs to token t's adapter
     y += h @ B_cat         # (N, out): B_cat = [B_1^T; B_2^T; ...] with the scales folded in
 
-Tokens on the base or on other adapters only meet zeros, so each gets exactly its own delta. When
+Tokens on the base or on other adapters only meet zeros, so each gets exactly its own delta. The mask
+*sets* zeros rather than multiplying by them: an adapter whose finite weights overflow (``x @ A`` is
+infinite) would otherwise turn its neighbours' columns into ``inf * 0 = NaN``, and fail their requests too.
+``B_cat`` is finite (``lora_weights`` refuses NaN and infinite weights), so a zero row of ``h`` adds zero. When
 every token uses the same adapter (prefill, single-adapter traffic) there is no mask. ``A_cat``/``B_cat``
 are cached per site and set of adapters; masks are shared by sites with the same column layout
 within one forward. Past ``max_stacked_rank`` columns (many distinct high-rank adapters in one batch)
@@ -76,12 +79,12 @@ class _Plan:
         self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
         self._rows: dict[int, torch.Tensor] = {}
 
-    def mask(self, layout: tuple[tuple[int, int], ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """(N, R) 0/1: which of the ``layout``'s columns ((slot, rank) blocks, in order) each token uses."""
+    def unused(self, layout: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+        """(N, R) bool: which of the ``layout``'s columns ((slot, rank) blocks, in order) each token does *not* use."""
         m = self._masks.get(layout)
         if m is None:
             owner = torch.cat([torch.full((rank,), slot, dtype=torch.long) for slot, rank in layout])  # (R,)
-            m = (self.slot[:, None] == owner[None, :]).to(dtype=dtype, device=device)
+            m = (self.slot[:, None] != owner[None, :]).to(device=device)
             self._masks[layout] = m
         return m
 
@@ -140,7 +143,7 @@ class _Site:
             self._grouped(plan, x, y)
             return
         h = torch.mm(x, a_cat)  # (N, R)
-        h.mul_(plan.mask(layout, h.dtype, h.device))
+        h.masked_fill_(plan.unused(layout, h.device), 0.0)  # not mul_: inf * 0 would be NaN in a neighbour's row
         y.addmm_(h, b_cat)
 
     def _stack(self, plan: _Plan, present: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...]]:

@@ -5,7 +5,9 @@
 ``read_lora`` is meant to run on a worker thread (``asyncio.to_thread``), never the engine's scheduler
 thread: it reads ``adapter_config.json`` and ``adapter_model.safetensors``, refuses LoRA variants we do
 not serve (DoRA, ``modules_to_save``, LoRA biases, ...; the list is ``runtime.adapter_validation.unsupported_lora_features``),
-maps every ``lora_A``/``lora_B`` pair to a base ``nn.Linear``, checks the shapes, and returns per module
+maps every ``lora_A``/``lora_B`` pair to a base ``nn.Linear``, checks the shapes and that the weights are finite
+(before and after the scale is folded in and they are cast to the base's dtype: ``lora_B * scale`` can overflow
+float16), and returns per module
 ``a_t`` (in, r) and ``b_t`` (r, out) with the LoRA scale folded into ``b_t``, in the base weight's dtype
 and device, contiguous. What is left for the scheduler thread is a few dict insertions
 (``LoraBank.attach`` in ``lora_batch``).
@@ -23,7 +25,6 @@ Not here: embedding LoRA, quantized bases, the registry's path/hash checks (``ru
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -35,8 +36,9 @@ import torch
 from torch import nn
 
 from learner.records.adapter_manifest import CONFIG_FILE, WEIGHTS_FILE
-from runtime.adapter_validation import unsupported_lora_features
+from runtime.adapter_validation import MAX_CONFIG_BYTES, unsupported_lora_features
 from runtime.engine import AdapterError
+from runtime.json_text import read_json_file
 
 _KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 
@@ -76,8 +78,8 @@ def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> An
 
 def _read_config(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads((path / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as exc:
+        config = read_json_file(path / CONFIG_FILE, max_bytes=MAX_CONFIG_BYTES)
+    except (OSError, ValueError) as exc:  # invalid JSON, or over the depth/size limits (JSONLimitExceeded)
         raise AdapterError(f"could not read {CONFIG_FILE} in {path}: {exc}") from exc
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         raise AdapterError(f"{path} is not a PEFT LoRA adapter (peft_type {config.get('peft_type') if isinstance(config, dict) else None!r})")
@@ -107,7 +109,8 @@ def read_lora(path: str | Path, targets: Mapping[str, nn.Module]) -> LoraWeights
     """Read and prepare the LoRA folder ``path`` for the linears in ``targets`` (name → ``nn.Linear``).
 
     Raises ``runtime.engine.AdapterError`` naming the problem: unreadable files, an unsupported
-    variant, weights for a module that is not a linear of the base, or shapes that do not fit.
+    variant, weights for a module that is not a linear of the base, shapes that do not fit, or weights
+    that are not finite (NaN or infinity, as stored or once scaled and cast).
     """
     path = Path(path)
     config = _read_config(path)
@@ -117,6 +120,7 @@ def read_lora(path: str | Path, targets: Mapping[str, nn.Module]) -> LoraWeights
         m = _KEY_RE.match(key)
         if m is None:
             raise AdapterError(f"{WEIGHTS_FILE} in {path} holds {key!r}, which is not a lora_A/lora_B weight (unsupported variant?)")
+        _check_finite(tensor, f"{WEIGHTS_FILE} in {path}: tensor {key!r}")
         pairs.setdefault(m["module"], {})[m["part"]] = tensor
     if not pairs:
         raise AdapterError(f"{WEIGHTS_FILE} in {path} holds no LoRA weights")
@@ -145,5 +149,14 @@ def read_lora(path: str | Path, targets: Mapping[str, nn.Module]) -> LoraWeights
         with torch.no_grad():
             a_t = a.to(device=ref.device, dtype=torch.float32).t().contiguous().to(ref.dtype)  # (in, r)
             b_t = (b.to(device=ref.device, dtype=torch.float32) * scale).t().contiguous().to(ref.dtype)  # (r, out)
+        _check_finite(b_t, f"{name}: lora_B times its scale {scale:g} in {ref.dtype}")
+        _check_finite(a_t, f"{name}: lora_A in {ref.dtype}")
         modules[base_name] = LoraModule(a_t, b_t, rank, scale)
     return LoraWeights(modules, config)
+
+
+def _check_finite(tensor: torch.Tensor, what: str) -> None:
+    """``AdapterError`` unless every value of ``tensor`` is finite: one NaN weight makes every output of the adapter NaN."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise AdapterError(f"{what} holds {bad} non-finite value(s) (NaN or infinity)")
