@@ -1,8 +1,9 @@
 """Decoding constraints for ``response_format`` and forced tool calls, as engine :class:`Grammar` values.
 
 ``tool_choice`` ``required`` or a named function is enforced by a grammar that admits exactly one tool
-call in the format the tool-call parser reads (Hermes ``<tool_call>`` JSON for ``qwen25``, bare JSON
-with ``parameters`` for ``llama3``), whose ``arguments`` match the tool's JSON schema. The grammar is
+call in the format the tool-call parser reads back, also when the token limit cuts it (the parser's
+:class:`~runtime.tool_parsers.CallFormat`: Hermes ``<tool_call>`` JSON for ``qwen25``, bare JSON with
+``parameters`` for ``llama3``), whose ``arguments`` match the tool's JSON schema. The grammar is
 built with xgrammar and handed to the engine as EBNF text, which the SGLang backend can forward as-is.
 JSON is generated compactly (no free whitespace), so a sampling model cannot pad it forever.
 
@@ -22,17 +23,10 @@ from typing import TYPE_CHECKING, Any
 import xgrammar as xgr
 
 from runtime.engine import Grammar, InvalidRequest
+from runtime.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
     from runtime.generation import GenRequest
-
-_CALL_FORMATS: dict[str, tuple[str, str, str]] = {
-    # parser name: (prefix, arguments key, suffix)
-    "qwen25": ("<tool_call>\n", "arguments", "\n</tool_call>"),
-    "hermes": ("<tool_call>\n", "arguments", "\n</tool_call>"),
-    "qwen": ("<tool_call>\n", "arguments", "\n</tool_call>"),
-    "llama3": ("<|python_tag|>", "parameters", ""),
-}
 
 
 def grammar_for(req: GenRequest, parser_name: str) -> Grammar | None:
@@ -80,22 +74,22 @@ def _format_grammar(kind: str, schema: dict[str, Any] | None) -> Any:
 
 def tool_call_ebnf(tools: dict[str, dict[str, Any]], parser_name: str) -> str:
     """EBNF admitting exactly one call to one of ``tools`` (name → parameters schema)."""
-    if parser_name not in _CALL_FORMATS:
+    parser = PARSERS.get(parser_name)
+    call = parser.forced if parser is not None else None  # the text the parser reads back, cut calls included
+    if call is None:
         raise InvalidRequest(
             f"tool_choice 'required' or a named function is not supported with the {parser_name!r} tool-call parser",
             param="tool_choice",
         )
-    prefix, args_key, suffix = _CALL_FORMATS[parser_name]
     alternatives = []
     for name, params in tools.items():
         # `{"name": <name>, "<args_key>": <arguments>}` with the arguments grammar built from the tool's own
         # schema, so its local `$ref`s (`#/$defs/...`) resolve against that schema's root
-        head = prefix + "{" + json.dumps("name") + ": " + json.dumps(name) + ", " + json.dumps(args_key) + ": "
+        head, tail = call.head(name), call.tail()
         try:
             arguments = json_schema_grammar(params)
         except (RuntimeError, ValueError) as exc:
             raise InvalidRequest(f"cannot build a grammar for the parameters of tool {name!r}: {exc}", param="tools") from exc
-        tail = "}" + suffix
         alternatives.append(
             xgr.Grammar.concat(
                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(head)}"),

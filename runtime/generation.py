@@ -118,6 +118,12 @@ class GenRequest:
     def tool_names(self) -> set[str]:
         return {t["function"]["name"] for t in self.tools}
 
+    def forced_names(self) -> set[str] | None:
+        """The names the one forced call may have (the ones its grammar admits); None when no call is forced."""
+        if not self.forced_tool:
+            return None
+        return {self.tool_choice.name} if isinstance(self.tool_choice, NamedTool) else self.tool_names()
+
 
 # ---- what comes back -----------------------------------------------------------------------------
 
@@ -187,7 +193,7 @@ class Prepared:
     prompt_ids: tuple[int, ...]
     engine_reqs: list[GenerateRequest]
     tool_names: set[str] | None  # None: tool calls are not parsed (no tools, or tool_choice none)
-    forced_tool: bool  # tool_choice required / named: the whole output is one call
+    forced_names: set[str] | None  # tool_choice required / named: the whole output is one call, to one of these
     messages: list[dict[str, Any]]  # the request's messages as chat-template dicts
     adapter: str | None  # the adapter version serving every choice (None = the base model)
     slots: list[TurnSlot] | None  # recorded turn ids per choice; None when recording is off
@@ -309,7 +315,7 @@ class Generation:
             prompt_ids=prompt_ids,
             engine_reqs=engine_reqs,
             tool_names=req.tool_names() if req.tools_on else None,
-            forced_tool=req.forced_tool,
+            forced_names=req.forced_names(),
             messages=messages,
             adapter=adapter,
             slots=self.recorder.assign(session_id, messages, req.n, owner) if self.recorder is not None else None,
@@ -331,13 +337,21 @@ class Generation:
         choices = []
         for i, res in enumerate(results):
             self.metrics.ttft.observe(res.timings.ttft_s)
-            parsed = self.parser.parse(res.text, prep.tool_names) if prep.tool_names is not None else None
-            calls = parsed.tool_calls if parsed is not None else []
-            content = parsed.content if parsed is not None and calls else res.text
+            content, calls = self._parse(prep, res)
             finish = _finish(res.finish_reason, bool(calls))
             choices.append(self._choice(prep, i, res, content, calls, finish))
         await self._record(prep, [(c, r) for c, r in zip(choices, results, strict=True)])
         return choices
+
+    def _parse(self, prep: Prepared, res: GenerateResult) -> tuple[str | None, list[ParsedToolCall]]:
+        """A finished choice's content and tool calls; a forced call cut by the token limit is still a call."""
+        if prep.tool_names is None:
+            return res.text, []
+        if prep.forced_names is not None and res.finish_reason == "length":
+            cut = self.parser.parse_cut(res.text, prep.forced_names)
+            return cut.content, cut.tool_calls
+        parsed = self.parser.parse(res.text, prep.tool_names)
+        return (parsed.content, parsed.tool_calls) if parsed.tool_calls else (res.text, [])
 
     def _choice(self, prep: Prepared, i: int, res: GenerateResult, content: str | None, calls: list[ParsedToolCall], finish: str) -> ChoiceOut:
         prep.completion_tokens += len(res.output_ids)
@@ -490,7 +504,7 @@ class _ChoiceStream:
         self.result: GenerateResult | None = None  # set at the end, for recording
         self.choice: ChoiceOut | None = None
         self.aborted = False
-        self.tools = ToolCallStreamer(svc.parser, prep.tool_names, prep.forced_tool) if prep.tool_names is not None else None
+        self.tools = ToolCallStreamer(svc.parser, prep.tool_names, prep.forced_names) if prep.tool_names is not None else None
 
     def feed(self, chunk: StreamChunk) -> list[StreamEvent]:
         self.token_ids.extend(chunk.token_ids)
@@ -504,7 +518,7 @@ class _ChoiceStream:
         else:
             pieces = self.tools.feed(chunk.text)
             if chunk.finish_reason is not None:
-                pieces += self.tools.finish()
+                pieces += self.tools.finish(cut=chunk.finish_reason == "length")
             out += self._events(pieces, lps)
         if chunk.finish_reason is None:
             return out

@@ -16,9 +16,12 @@
 - Streaming: ``response.created``, ``response.in_progress``, per item ``response.output_item.added``,
   (``response.content_part.added``, ``response.output_text.delta``…, ``.done``, ``response.content_part.done``)
   or ``response.function_call_arguments.delta``… (as the arguments decode) and ``.done``,
-  ``response.output_item.done``, then ``response.completed`` (its response's ``status`` is
-  ``incomplete`` when ``max_output_tokens`` cut it: the SDK's stream helpers wait for
-  ``response.completed``), or ``response.failed`` when the engine failed; each with a ``sequence_number``.
+  ``response.output_item.done``, then ``response.completed``, or ``response.incomplete`` (status
+  ``incomplete``) when ``max_output_tokens`` cut it, as OpenAI sends it (the openai SDK's
+  ``get_final_response()`` then raises, and openai-agents raises as on a non-streamed cut response),
+  or ``response.failed`` when the engine failed; each with a ``sequence_number``.
+- A cut response's last item is ``incomplete``: a message, or a ``function_call`` whose
+  ``arguments`` are what was generated (a forced call cut by the limit is still a call, never text).
 
 Not here: the generation path (``runtime/serving.py``, ``runtime/generation.py``), item parsing
 (``runtime/responses_schemas.py``), storage (``runtime/response_store.py``).
@@ -165,7 +168,7 @@ class ResponsesAPI:
         yield event("response.created", response=self.response(req, ireq, out, [], "in_progress"))
         yield event("response.in_progress", response=self.response(req, ireq, out, [], "in_progress"))
 
-        def close() -> list[str]:
+        def close(status: str = "completed") -> list[str]:
             nonlocal current
             if current is None:
                 return []
@@ -179,7 +182,7 @@ class ResponsesAPI:
                 events.append(
                     event("response.function_call_arguments.done", item_id=item["id"], output_index=i, name=item["name"], arguments=item["arguments"])
                 )
-            item["status"] = "completed"
+            item["status"] = status
             events.append(event("response.output_item.done", output_index=i, item=item))
             return events
 
@@ -218,17 +221,15 @@ class ResponsesAPI:
                     current["arguments"] += ev.delta
                     yield event("response.function_call_arguments.delta", item_id=current["id"], output_index=len(output) - 1, delta=ev.delta)
             elif isinstance(ev, ChoiceDone):
-                for e in close():
-                    yield e
                 status = "incomplete" if ev.choice.finish_reason == "length" else "completed"
+                for e in close(status):
+                    yield e
                 for item in output:
                     if item["type"] == "message" and not req.logprobs:
                         item["content"][0].pop("logprobs", None)
                 body = self.response(req, ireq, out, output, status)
                 await self.save(request, req, body, context, session)
-                # the terminal event is response.completed also when the response is incomplete (its status says
-                # so): the openai SDK's stream helpers and openai-agents wait for response.completed (vLLM does the same)
-                yield event("response.completed", response=body)
+                yield event(f"response.{status}", response=body)
             elif isinstance(ev, StreamFailed):
                 for e in close():
                     yield e
@@ -249,6 +250,8 @@ def output_items(choice: ChoiceOut, logprobs: bool) -> list[dict[str, Any]]:
         items.append(
             {"type": "function_call", "id": _id("fc_"), "call_id": call.id, "name": call.name, "arguments": call.arguments, "status": "completed"}
         )
+    if choice.finish_reason == "length" and items:
+        items[-1]["status"] = "incomplete"  # the item the limit cut (a message is incomplete already)
     return items
 
 

@@ -9,7 +9,10 @@ calls, registered under the name SGLang uses for ``--tool-call-parser``:
 * ``mistral``: ``[TOOL_CALLS] [{json}, ...]`` and ``[TOOL_CALLS]name[ARGS]{json}``.
 
 ``parse`` splits a *complete* generation into normal content and tool calls;
-``stream_hold_index`` tells a streamer how much text it may flush safely.
+``stream_hold_index`` tells a streamer how much text it may flush safely. A parser whose format
+can be forced by a grammar (``qwen25``, ``llama3``) has a :class:`CallFormat` (the text the grammar
+admits, which ``constraints`` builds its grammar from), and ``parse_cut`` reads a forced call that
+the token limit cut short: the call with its arguments as far as they were generated.
 
 What this module does NOT do:
 
@@ -20,7 +23,8 @@ What this module does NOT do:
   ``stream_hold_index`` and calls ``parse`` on the full text at the end.
 * It never raises on malformed model output and never drops text: anything it
   cannot parse (bad JSON, positional arguments, a name not in ``tool_names``)
-  stays in ``content``.
+  stays in ``content``. The exception is ``parse_cut``, for grammar-forced output only: its text is
+  never shown as content (a cut call is a call, whatever JSON it holds so far).
 """
 
 from __future__ import annotations
@@ -64,6 +68,22 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+@dataclass(frozen=True)
+class CallFormat:
+    """The one call a grammar-forced output is: ``prefix{"name": <name>, "<args_key>": <arguments>}suffix``."""
+
+    prefix: str
+    args_key: str
+    suffix: str
+
+    def head(self, name: str) -> str:
+        """The call's text up to its arguments (what ``constraints`` makes the grammar admit)."""
+        return self.prefix + "{" + json.dumps("name") + ": " + json.dumps(name) + ", " + json.dumps(self.args_key) + ": "
+
+    def tail(self) -> str:
+        return "}" + self.suffix
+
+
 class UnknownToolParser(KeyError, ValueError):
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
@@ -86,7 +106,7 @@ class _Out:
             return False
         try:
             arguments = json.dumps(args, ensure_ascii=False)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             logger.debug("tool call %r has non-JSON arguments; kept as content", name)
             return False
         self.calls.append(ParsedToolCall(name, arguments, new_call_id()))
@@ -107,7 +127,7 @@ def _call_from_obj(obj: Any, require_args: bool = False) -> tuple[str, dict[str,
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if args is None:
         args = {}
@@ -158,6 +178,7 @@ def _hold_for_markers(text: str, markers: tuple[str, ...]) -> int:
 class ToolCallParser(ABC):
     name: str = ""
     markers: tuple[str, ...] = ()
+    forced: ClassVar[CallFormat | None] = None  # the format a grammar can force, if any
 
     def detect(self, text: str) -> bool:
         return any(m in text for m in self.markers)
@@ -168,11 +189,36 @@ class ToolCallParser(ABC):
     def stream_hold_index(self, text: str) -> int:
         return _hold_for_markers(text, self.markers)
 
+    def parse_cut(self, text: str, tool_names: set[str]) -> ParseResult:
+        """A grammar-forced call to one of ``tool_names`` cut short: the call with the arguments generated so far.
+
+        The arguments are the model's own text from the object's ``{`` (possibly incomplete JSON, as OpenAI and vLLM
+        send a cut call; up to the object's end if it was complete). No call when the text does not yet tell which
+        tool is called (several names still fit); the text is never content."""
+        if self.forced is None:
+            return self.parse(text, tool_names)
+        heads = {name: self.forced.head(name) for name in sorted(tool_names)}
+        fits = [name for name, head in heads.items() if text.startswith(head) or head.startswith(text)]
+        if len(fits) != 1:
+            return ParseResult(None, [])
+        name = fits[0]
+        return ParseResult(None, [ParsedToolCall(name, _object_prefix(text[len(heads[name]) :]), new_call_id())])
+
+
+def _object_prefix(s: str) -> str:
+    """``s`` up to the end of the JSON value it starts with, or all of ``s`` if that value is cut short."""
+    try:
+        _, end = _DECODER.raw_decode(s)
+    except (ValueError, RecursionError):
+        return s
+    return s[:end]
+
 
 class Qwen25Parser(ToolCallParser):
     name = "qwen25"
     START, END = "<tool_call>", "</tool_call>"
     markers = (START,)
+    forced = CallFormat(START + "\n", "arguments", "\n" + END)
 
     def parse(self, text: str, tool_names: set[str] | None = None) -> ParseResult:
         out, pos = _Out(tool_names), 0
@@ -212,6 +258,7 @@ class Llama3Parser(ToolCallParser):
     name = "llama3"
     TAG = "<|python_tag|>"
     markers = (TAG,)
+    forced = CallFormat(TAG, "parameters", "")
     _TRAILERS = ("<|eom_id|>", "<|eot_id|>")
 
     def detect(self, text: str) -> bool:

@@ -14,8 +14,10 @@ For the other formats (``llama3``, ``pythonic``, ``mistral``) the text from the 
 call marker is held back and parsed when the choice ends, then sent as one delta per call.
 
 A call that has started stays a call: if the model stops inside the arguments (``length``), the
-arguments are what it produced, as OpenAI streams them. Text the model writes between or after
-calls is sent as content when the choice ends.
+arguments are what it produced, as OpenAI streams them. A forced call (``forced_names``: the output
+is one grammar-forced call) cut before its arguments began, or in a format that is held, is read at
+the end with the parser's ``parse_cut``: a call with the arguments so far, never markup as content.
+Text the model writes between or after calls is sent as content when the choice ends.
 
 Not here: parsing complete outputs (``tool_parsers``), or any wire format.
 """
@@ -35,10 +37,10 @@ _MAX_HEAD = 512  # a call head longer than this is not one: hold the rest and pa
 
 
 class ToolCallStreamer:
-    def __init__(self, parser: ToolCallParser, tool_names: set[str], forced: bool = False) -> None:
+    def __init__(self, parser: ToolCallParser, tool_names: set[str], forced_names: set[str] | None = None) -> None:
         self.parser = parser
         self.names = tool_names
-        self.forced = forced
+        self.forced_names = forced_names  # the output is one forced call to one of these (None: not forced)
         self.incremental = parser.name in _INCREMENTAL
         self.mode = "text"  # text | head | args | tail | held
         self.buf = ""  # text not yet consumed in the current mode
@@ -59,8 +61,10 @@ class ToolCallStreamer:
             progressed = getattr(self, f"_{self.mode}")(out)
         return out
 
-    def finish(self) -> list[tuple[Any, ...]]:
-        """The choice ended: flush what is held (parsing held text for calls)."""
+    def finish(self, cut: bool = False) -> list[tuple[Any, ...]]:
+        """The choice ended (``cut``: by the token limit): flush what is held (parsing held text for calls)."""
+        if cut and self.forced_names is not None and not self._calls and self.mode != "done":
+            return self._finish_cut()
         out: list[tuple[Any, ...]] = []
         rest, self.buf = self.buf, ""
         if self.mode in ("held", "head"):
@@ -85,6 +89,18 @@ class ToolCallStreamer:
             out.insert(0, ("text", text))
             self.shown.append(text)
         self.mode = "done"
+        return out
+
+    def _finish_cut(self) -> list[tuple[Any, ...]]:
+        """A forced call cut before it started streaming: the call as far as it goes, and no content."""
+        pending = {"held": self.held, "head": self.parser.markers[0]}.get(self.mode, "") + self.buf
+        self.buf, self.mode = "", "done"
+        out: list[tuple[Any, ...]] = []
+        for c in self.parser.parse_cut("".join(self.shown) + pending, self.forced_names or set()).tool_calls:
+            k = len(self._calls)
+            self._calls.append([c.id, c.name, ""])
+            out.append(("start", k, c.id, c.name))
+            self._emit_args(c.arguments, out)
         return out
 
     # ---- results
