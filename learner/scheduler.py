@@ -4,8 +4,10 @@
 decided, else wait for ``min_new_trajectories`` new settled, rewarded trajectories of the learner's traffic
 (quarantined ones not counted: ``learner/quarantine.py``), an update request file, or an update the previous
 learner process did not finish (retried at the first round), then run an update (``LearnerService.update``),
-publishing only when no experiment is running. ``_sleep`` waits between rounds, wakes on a request file and notices a dead parent
-server; ``_staleness_floor`` is the oldest version whose data is still fresh.
+publishing only when no experiment is running; an unrequested update whose batch holds fewer than
+``min_new_trajectories`` trainable trajectories (the others stale, say) trains nothing and keeps its cursor.
+``_sleep`` waits between rounds, wakes on a request file and notices a dead parent server; ``_staleness_floor`` is
+the oldest version whose data is still fresh.
 
 Not here: the update itself (``learner/service.py``), training (``learner/rollout_steps.py``), publishing,
 gates and experiments (``learner/release.py``).

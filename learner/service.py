@@ -275,18 +275,20 @@ class LearnerService(Scheduler, RolloutSteps, Release):
             )
         self._checked = True
 
-    def _nothing_to_train(self, why: dict[str, Any]) -> str:
-        """The status line of an update that found nothing to train on: the top reason, and the experiment that holds serving.
+    def _nothing_to_train(self, why: dict[str, Any], trainable: int = 0) -> str:
+        """The status line of an update that found too little to train on: the top reason, and the experiment that holds serving.
 
         While an A/B experiment runs, users are served by its arms only, so once the trainer is more than
         ``max_staleness`` updates past them every new trajectory is stale and the learner waits for the decision."""
-        line = f"nothing to train on: {why['top'] or 'no rewarded trajectories'}"
+        have = f"{trainable} of {self.cfg.min_new_trajectories} trainable trajectories" if trainable else "nothing to train on"
+        line = f"{have}: {why['top'] or 'no rewarded trajectories'}"
         if self.status.experiment is not None:
             line += f"; experiment {self.status.experiment} serves its arms until it decides"
         return line
 
     def update(self, force: bool = True, publish: bool = True) -> dict[str, Any]:
-        """One update; with ``force=False`` nothing happens (no version) when no sample is ready.
+        """One update; with ``force=False`` nothing happens (no version, the data cursor kept) while fewer than
+        ``min_new_trajectories`` trajectories are trainable (fresh, settled, rewarded).
 
         With ``publish=False`` (an experiment is running) a trained version is held: checkpointed, not
         published; ``tick`` publishes the newest held version once the experiment has decided.
@@ -331,11 +333,16 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         skipped = batch.counts.as_dict()
         samples, self_check_rewards = apply_self_check_rewards(samples, self.cfg.settings.svr, self.cfg.settings.svr_r1)
         skipped["svr_adaptive"], skipped["self_check_unmeasured"] = self_check_rewards["adaptive"], self_check_rewards["unmeasured"]
-        if not samples and not force and not (own is not None and own[0]):
+        trainable = len({s.trajectory_id for s in samples})
+        if not force and own is None and trainable < max(1, self.cfg.min_new_trajectories):  # own rollouts (PATR, RODS): no waiting
+            # too few fresh trajectories (the rest stale, settling, unrewarded...): wait, keeping the cursor, rather than take a
+            # full-size Adam step on a handful (Adam's step does not shrink with the batch: two noisy samples move the
+            # weights as far as two hundred)
             why = unused_reasons(skipped, [], [])
             self.status.last_reasons = why
-            self._set("waiting", self._nothing_to_train(why))
-            return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": "no samples"}}
+            self._set("waiting", self._nothing_to_train(why, trainable))
+            reason = "no samples" if not samples else f"{trainable} trainable trajectories, fewer than {self.cfg.min_new_trajectories}"
+            return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": reason}}
         self._baseline_state, self._warmup = None, set()
         self.ledger.begin(s.trajectory_id for s in samples)  # until its checkpoint, a failure counts against this batch
         metrics, rerollouts, advantages, used = self._train(trainer, samples, skipped, own)
@@ -349,7 +356,8 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         baseline = self._baseline_state if self._baseline_state is not None else trainer.cursor.get(BASELINE, {})
         trainer.cursor = {
             **batch.cursor.to_dict(),
-            UPDATE_VERSIONS: [*_update_versions(trainer), trainer.version][-keep:],
+            # an update without an optimizer step made no new version: it does not move the staleness bound either
+            UPDATE_VERSIONS: ([*_update_versions(trainer), trainer.version] if metrics.optimizer_step else _update_versions(trainer))[-keep:],
             LINEAGE_START: int(trainer.cursor.get(LINEAGE_START, 0)),
             LEAP_NEXT: leap_next,
             SVR_NEXT: svr_next,

@@ -14,8 +14,8 @@ and one advantage per sample, and computes nothing about rewards itself. One ``s
 ``ppo_epochs``), each as follows (PPO-clip over GRPO-family advantages, one sample per turn; ``docs/methods.md``):
 1. samples with advantage exactly 0 are left out of the forward pass when ``drop_zero_advantage`` and
    ``kl_coef == 0`` (DAPO's filter; with a KL term they still carry its gradient). If no sample has a
-   non-zero advantage (zero-variance groups), the optimizer step is skipped but ``version`` still
-   advances.
+   non-zero advantage (zero-variance groups), the optimizer step is skipped and ``version`` stays: a
+   version is a set of weights, so the staleness bound does not move for an update that changed nothing.
 2. micro-batches bounded by ``micro_batch_tokens`` padded tokens; each is one teacher-forced forward
    pass over ``context_ids + output_ids`` (left-padded, explicit position ids), keeping only the logits
    that predict the output tokens: the logit at position ``p`` predicts the token at ``p + 1``, so the
@@ -84,7 +84,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from learner._files import fsync_path, writer_alive
-from learner.config import LoRAConfig, TrainerConfig, default_lr
+from learner.config import LoRAConfig, TrainerConfig
 from learner.distributed import allreduce_grads, allreduce_sums, world
 from learner.grammar_mask import GrammarMasks, GrammarReplayError, unpack_bitmask
 from learner.losses import LossConfig, policy_loss
@@ -246,7 +246,7 @@ class LoRATrainer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.lr = cfg.lr if cfg.lr is not None else default_lr(int(base.config.get_text_config().hidden_size))
+        self.lr = cfg.lr
         self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         warm = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
@@ -404,8 +404,7 @@ class LoRATrainer:
             m.skipped["grammar_mismatch"] = len(keep) - len(replays)
         keep = [keep[j] for j in replays]
         chosen, adv = [samples[i] for i in keep], [float(advantages[i]) for i in keep]
-        if not any(a != 0.0 for a in adv):
-            self.version += 1
+        if not any(a != 0.0 for a in adv):  # nothing to learn: the weights, and so the version, stay
             m.version, m.step_s = self.version, time.perf_counter() - t0
             log.warning(
                 "all advantages are zero: optimizer step skipped (see the update's unused reasons)", version=self.version, samples=len(samples)

@@ -24,8 +24,10 @@ to that arm, and once every challenger is rolled back the experiment ends (``rol
 (the status says ``evidence`` in words while an arm has none). With ``non_inferiority_margin`` (pooled sds) an
 experiment that ends undecided with ``min_samples`` per arm promotes instead the best challenger shown non-inferior
 (``experiment_stats.non_inferiority``, looked at once, at the end): a continual learner's next version ships unless
-the evidence allows it to be worse by the margin. A decided experiment's figures are those at its end
-(``ended_at``): later rewards on its arms' turns do not move them.
+the evidence allows it to be worse by the margin (chained, such promotions can drift down). When the evidence
+holds several reward sources, every decision compares rewards standardized within their source
+(``_score_within_source``), never raw means across scales.
+A decided experiment's figures are those at its end (``ended_at``): later rewards on its arms' turns do not move them.
 Each change of a challenger's p-value is kept in ``p_history`` (time, p, both arms' n; at most
 ``P_HISTORY_MAX`` points, thinned evenly), so the p-value can be drawn over time.
 Config, state and every decision are saved in the store (``learner/records/experiments_store.py``), so experiments
@@ -233,7 +235,8 @@ class Experiments:
                         taken[e[4]] += 1
                         kept.append(e)
                 es = kept
-            out[arm] = {**raw[arm], "rewards": [e[0] for e in es], "owners": sorted({e[4] for e in es})}
+            out[arm] = {**raw[arm], "rewards": [e[0] for e in es], "sources": [e[1] for e in es], "owners": sorted({e[4] for e in es})}
+        _score_within_source(out)
         return out
 
     def evaluate(self, name: str) -> dict[str, Any]:
@@ -248,8 +251,8 @@ class Experiments:
             if arm.adapter == champion or arm.adapter in state["stopped_arms"]:
                 continue
             d = decide(
-                obs[champion]["rewards"],
-                obs[arm.adapter]["rewards"],
+                obs[champion]["scores"],
+                obs[arm.adapter]["scores"],
                 alpha=cfg.alpha,
                 min_samples=cfg.min_samples,
                 prev_p=state["p_values"].get(arm.adapter, 1.0),
@@ -312,6 +315,8 @@ class Experiments:
                 "stopped": a.adapter in state["stopped_arms"],
                 "n": len(o["rewards"]),
                 "mean_reward": _num(s.mean) if s else None,
+                # what the decision compares: the rewards, or with several sources each standardized within its source
+                "mean_score": _num(sum(o["scores"]) / len(o["scores"])) if o["scores"] else None,
                 "ci95": [_num(s.ci_low), _num(s.ci_high)] if s else None,
                 "requests": len(o["latency_s"]),
                 "mean_latency_s": _num(sum(o["latency_s"]) / len(o["latency_s"])) if o["latency_s"] else None,
@@ -320,7 +325,7 @@ class Experiments:
             if a.adapter != champion:
                 row["msprt_p_value"] = state["p_values"].get(a.adapter, 1.0)
                 if len(o["rewards"]) >= 2 and len(obs[champion]["rewards"]) >= 2:
-                    t, p = welch_t_test(obs[champion]["rewards"], o["rewards"])
+                    t, p = welch_t_test(obs[champion]["scores"], o["scores"])
                     row["welch_t"], row["welch_p_fixed_horizon"] = _num(t), _num(p)
             arms.append(row)
         out = {"name": name, "config": cfg.model_dump(), **{k: v for k, v in state.items() if k != "p_values"}, "arms": arms}
@@ -344,6 +349,36 @@ def _append_p(state: dict[str, Any], arm: str, p: float, n_champion: int, n: int
         hist[:] = [*hist[:-1:2], hist[-1]]
 
 
+def _score_within_source(obs: dict[str, dict[str, list[Any]]]) -> None:
+    """Add each arm's ``scores``: its rewards, or, when the evidence holds several sources, each reward standardized within
+    its source over every arm, ``(r - mean_s) / sd_s`` (a source with no spread scores 0: it tells the arms nothing).
+
+    Sources differ in scale (a thumbs' -1/+1, a 0/1 check, a 1-5 rating) and users in which one they send, so a raw mean
+    mixes them in whatever proportions the sticky split happened to give each arm: in a live run a challenger worse
+    within both of its main sources had the higher raw mean, because it drew fewer of the -1 thumbs. Centering
+    within source compares arms within each source (post-stratification), and scaling gives every source one unit,
+    so the margin in standard deviations means the same for all."""
+    sources = {x for o in obs.values() for x in o["sources"]}
+    if len(sources) <= 1:
+        for o in obs.values():
+            o["scores"] = list(o["rewards"])
+        return
+    pooled: dict[str, list[float]] = {}
+    for o in obs.values():
+        for r, src in zip(o["rewards"], o["sources"], strict=True):
+            pooled.setdefault(src, []).append(float(r))
+    per_source: dict[str, tuple[float, float]] = {}
+    for src, xs in pooled.items():
+        mean = sum(xs) / len(xs)
+        var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
+        per_source[src] = (mean, math.sqrt(var))
+    for o in obs.values():
+        o["scores"] = [
+            (float(r) - per_source[src][0]) / per_source[src][1] if per_source[src][1] > 0 else 0.0
+            for r, src in zip(o["rewards"], o["sources"], strict=True)
+        ]
+
+
 def _non_inferior_winner(cfg: ExperimentConfig, champion: str, live: list[str], obs: dict[str, dict[str, list[float]]]) -> tuple[str, str] | None:
     """With ``non_inferiority_margin``: the live challenger with the highest mean among those shown non-inferior to the
     champion (each arm with at least ``min_samples`` rewards), and why; None keeps the champion."""
@@ -353,7 +388,7 @@ def _non_inferior_winner(cfg: ExperimentConfig, champion: str, live: list[str], 
     for arm in live:
         if len(obs[arm]["rewards"]) < cfg.min_samples:
             continue
-        t = non_inferiority(obs[champion]["rewards"], obs[arm]["rewards"], margin_sd=cfg.non_inferiority_margin, alpha=cfg.alpha)
+        t = non_inferiority(obs[champion]["scores"], obs[arm]["scores"], margin_sd=cfg.non_inferiority_margin, alpha=cfg.alpha)
         if t.passed and (best is None or t.diff > best[0]):
             best = (t.diff, arm, t.reason)
     return None if best is None else (best[1], best[2])

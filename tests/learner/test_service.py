@@ -145,7 +145,7 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     assert svc.status.champion == "fam@3" and svc.status.experiment is None
 
 
-def test_zero_variance_data_skips_the_step_but_advances_the_version(server, tiny_model_path, tmp_path):
+def test_zero_variance_data_skips_the_step_and_keeps_the_version(server, tiny_model_path, tmp_path):
     cfg = ServiceConfig(
         data_dir=server.data_dir,
         admin_url=server.base_url,
@@ -157,9 +157,12 @@ def test_zero_variance_data_skips_the_step_but_advances_the_version(server, tiny
     )
     svc = LearnerService(cfg)
     record = svc.update()
-    assert record["metrics"]["optimizer_step"] is False and record["version"] == 1
+    assert record["metrics"]["optimizer_step"] is False and record["version"] == 0  # no step, no new weights, no new version
     assert record["gate"]["decision"] == "skipped"
     assert "flat" not in admin(server, "GET", "/admin/adapters").json()["aliases"]
+    again = svc.update()  # the cursor moved on (the checkpoint of version 0 was re-saved), the version did not
+    assert again["version"] == 0 and svc._get_trainer().cursor.get("update_versions", []) == []
+    assert svc._staleness_floor(svc._get_trainer()) == 0  # the base model's runs are not stale for nothing
 
 
 def test_learner_cli_refuses_without_an_admin_key(tiny_model_path, tmp_path):
@@ -780,3 +783,30 @@ def test_two_learners_with_disjoint_filters_each_train_only_their_own_traffic(se
         assert record["unused"]["counts"]["other_traffic"] >= 4
     statuses = {s["family"]: s for s in admin(server, "GET", "/admin/learner").json()["data"]}
     assert statuses["support-lora"]["traffic"]["tags"] == ["support"] and statuses["sales-lora"]["traffic"]["tags"] == ["sales"]
+
+
+def test_an_update_waits_for_enough_trainable_trajectories_and_keeps_its_cursor(server, tiny_model_path, tmp_path):
+    # Adam's step does not shrink with the batch: a scheduled update on a handful of fresh runs (the rest stale while an
+    # experiment holds serving) moved the weights as far as a full one. Too few trainable: nothing trained, cursor kept.
+    cfg = ServiceConfig(
+        data_dir=server.data_dir,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        # the agent is served fam's champion once an earlier test made one: those runs count here too
+        settings=LearnerSettings.model_validate(
+            {**settings().model_dump(), "family": "few", "samples": {**settings().samples.model_dump(), "include_other_families": True}}
+        ),
+        agent="learn-agent",
+        min_new_trajectories=8,
+        gate_n=0,
+    )
+    svc = LearnerService(cfg)
+    svc._get_trainer().cursor = {"since": time.time()}  # only the runs below
+    traffic(server, range(100, 101), 4)  # one group of 4
+    record = svc.update(force=False, publish=False)
+    assert record["metrics"] == {} and record["version"] == 0 and "4 trainable trajectories, fewer than 8" in record["gate"]["reason"]
+    assert svc.status.state == "waiting" and svc.status.detail.startswith("4 of 8 trainable trajectories")
+    traffic(server, range(101, 102), 4)
+    record = svc.update(force=False, publish=False)  # the first four were kept: now eight (held: the module's server holds 8 adapters)
+    assert record["metrics"]["optimizer_step"] is True and record["metrics"]["samples"] == 8 and record["version"] == 1

@@ -202,12 +202,27 @@ def test_a_learners_source_rule_counts_the_feedback_clients_name(tmp_path):
     exps = Experiments(store, reg)
     sources = ["verifier:*", "judge:*", "hook:*", "feedback", "*"]
     exps.create(config(metric=None, reward_sources=sources, min_samples=20, auto_promote=True, auto_rollback=True), {"f@1", "f@2"})
-    add_rewards(store, "f@1", [0.0, 1.0] * 15, 0, source="user")
-    add_rewards(store, "f@2", [1.0] * 30, 0, source="thumbs", target="trajectory")
+    add_rewards(store, "f@1", [0.0, 1.0] * 8, 0, source="user")
+    add_rewards(store, "f@1", [-1.0, 1.0] * 7, 16, source="thumbs", target="trajectory")
+    add_rewards(store, "f@2", [1.0] * 16, 0, source="user")
+    add_rewards(store, "f@2", [1.0] * 14, 16, source="thumbs", target="trajectory")
     assert [len(store.arm_observations(a, 0.0, "feedback")["rewards"]) for a in ("f@1", "f@2")] == [0, 0]
     status = exps.evaluate("e")
     assert {a["adapter"]: a["n"] for a in status["arms"]} == {"f@1": 30, "f@2": 30}
     assert status["status"] == "promoted" and status["winner"] == "f@2"
+
+
+def test_arms_that_share_no_source_are_not_compared_across_scales(tmp_path):
+    # one arm rated only with 0/1, the other only with thumbs +1: within source there is nothing to compare them by
+    # (the scales differ, and which users rated which arm decides the raw means), so nothing is decided
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    exps.create(config(metric=None, reward_sources=["*"], min_samples=20, auto_promote=True, auto_rollback=True), {"f@1", "f@2"})
+    add_rewards(store, "f@1", [0.0, 1.0] * 15, 0, source="user")
+    add_rewards(store, "f@2", [1.0] * 30, 0, source="thumbs", target="trajectory")
+    status = exps.evaluate("e")
+    assert status["status"] == "running" and all(a["mean_score"] == 0.0 for a in status["arms"])
 
 
 def test_a_verifier_outranks_clicks_in_the_experiment_as_in_training(tmp_path):
@@ -323,3 +338,28 @@ def test_a_worse_challenger_is_not_promoted_when_undecided_and_time_ends_without
     start = exps2.states["e"]["started_at"]
     monkeypatch.setattr("runtime.experiments.time.time", lambda: start + 601)
     assert exps2.evaluate("e")["status"] == "inconclusive" and reg2.aliases()["f"] == "f@1"
+
+
+def test_several_sources_are_compared_within_source_not_by_a_mixed_raw_mean(tmp_path):
+    # seen live: the challenger is worse within both sources (0/1 checks 0.12 -> 0.067, thumbs -0.70 -> -0.80) but drew
+    # fewer of the -1 thumbs, so its raw mean is higher (-0.15 vs -0.19) and a raw non-inferiority test promoted it.
+    # Within source (each reward standardized by its source's pooled mean and sd) it is 0.17 sd worse: not promoted.
+    store = SqliteStore(tmp_path / "x.db")
+    reg = registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    cfg = config(metric=None, reward_sources=["*"], max_samples=160, non_inferiority_margin=0.2, auto_promote=True)
+    exps.create(cfg, {"f@1", "f@2"})
+    add_rewards(store, "f@1", [1.0] * 12 + [0.0] * 88, 0, source="feedback")
+    add_rewards(store, "f@1", [1.0] * 9 + [-1.0] * 51, 100, source="thumbs")
+    add_rewards(store, "f@2", [1.0] * 8 + [0.0] * 112, 0, source="feedback")
+    add_rewards(store, "f@2", [1.0] * 4 + [-1.0] * 36, 200, source="thumbs")
+    status = exps.evaluate("e")
+    champion, challenger = status["arms"]
+    assert challenger["mean_reward"] == pytest.approx(-0.15) and champion["mean_reward"] == pytest.approx(-0.1875)  # raw: challenger "better"
+    # by hand: feedback pooled mean 20/220, sd sqrt(20/220 * 200/220 * 220/219); thumbs pooled mean -0.74, sd sqrt((1 - 0.74^2) * 100/99)
+    f_mean, t_mean = 20 / 220, -0.74
+    f_sd, t_sd = (20 / 220 * 200 / 220 * 220 / 219) ** 0.5, ((1 - 0.74**2) * 100 / 99) ** 0.5
+    champ = (100 * (0.12 - f_mean) / f_sd + 60 * (-0.7 - t_mean) / t_sd) / 160
+    chall = (120 * (8 / 120 - f_mean) / f_sd + 40 * (-0.8 - t_mean) / t_sd) / 160
+    assert champion["mean_score"] == pytest.approx(champ) and challenger["mean_score"] == pytest.approx(chall) and chall < champ
+    assert status["status"] == "inconclusive" and reg.aliases()["f"] == "f@1"
