@@ -169,7 +169,8 @@ def create_app(
     app.state.ready = False
     app.state.created = int(time.time())
     _install_error_handlers(app)
-    install_store_routes(app, recorder, server.admin_key, feedback_settings)
+    responses = ResponseStore(server.data_dir / "responses.db")  # opened on the first stored response; deletes reach it too
+    install_store_routes(app, recorder, server.admin_key, feedback_settings, responses=responses)
     install_adapter_routes(
         app,
         registry=registry,
@@ -201,7 +202,6 @@ def create_app(
     )
     app.state.gateway = gateway
     install_chat_routes(app, gateway, server.max_body_bytes)
-    responses = ResponseStore(server.data_dir / "responses.db")
     install_responses_routes(app, gateway, responses, server.max_body_bytes)
     install_messages_routes(app, gateway, server.max_body_bytes)
     install_completions_routes(app, gateway, server.max_body_bytes)

@@ -33,6 +33,17 @@ PostgreSQL), the lookup always asks the store, so a session's next turn may land
 faster than the 50 ms commit window can start a new trajectory instead. Two runtimes continuing the same
 turn at the same instant can both extend its trajectory (no cross-process lock on the hot path).
 
+**Deletion reaches the queue.** Deleting a session (``runtime/store_routes.py``) first calls
+:meth:`Recorder.tombstone`: from then on the writer drops every turn of that owner's session that was handed to
+:meth:`Recorder.record` before the tombstone (queued, or still waiting for room in a full queue), and ``record``
+drops the turns of slots :meth:`Recorder.assign` gave out before it (requests still generating). The route then
+flushes (the writer is past anything it took before the tombstone), :meth:`Recorder.purge_journal` removes the
+session's journaled turns (else a later replay would bring them back), and only then the store deletes its rows.
+Flushing alone is not enough: a flush orders only what is already queued, while a request waiting for room or
+still generating queues its turns after the flush marker, and journaled turns count as written. Turns recorded
+after the tombstone are a new use of the session name and are kept. Tombstones live in this process only: on a
+shared store, another runtime's queue is not reached.
+
 Not here: the storage engine (``learner/records/store.py``, reached through :class:`InteractionStore`).
 """
 
@@ -141,6 +152,49 @@ class _Batch:
     done: asyncio.Future[None] | None = None
     loop: asyncio.AbstractEventLoop | None = None
     enqueued: float = field(default_factory=time.perf_counter)
+    seq: int = 0  # the order in which ``record`` took it (a tombstone drops its session's turns taken before it)
+
+
+@dataclass
+class Tombstone:
+    """A deleted session: its turns that ``record`` took up to ``seq`` are never written (``dropped`` counts them), nor
+    those of the requests that were still generating (``in_flight``: their turn ids)."""
+
+    seq: int
+    in_flight: frozenset[str] = frozenset()
+    recent: frozenset[str] = frozenset()  # the session's turn ids recorded lately (in the stitching index)
+    dropped: int = 0
+
+
+class _InFlight:
+    """Turn ids given out by ``assign`` and not yet recorded, by (owner, session); the oldest are forgotten beyond
+    ``size`` (a request that failed before recording never comes back for its ids)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._order: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._by_session: dict[tuple[str, str], set[str]] = {}
+
+    def add(self, turn_id: str, key: tuple[str, str]) -> None:
+        self._order[turn_id] = key
+        self._by_session.setdefault(key, set()).add(turn_id)
+        while len(self._order) > self._size:
+            self.pop(next(iter(self._order)))
+
+    def pop(self, turn_id: str) -> None:
+        key = self._order.pop(turn_id, None)
+        if key is not None:
+            ids = self._by_session[key]
+            ids.discard(turn_id)
+            if not ids:
+                del self._by_session[key]
+
+    def take_session(self, key: tuple[str, str]) -> set[str]:
+        """The session's ids in flight, forgotten here."""
+        ids = self._by_session.pop(key, set())
+        for turn_id in ids:
+            del self._order[turn_id]
+        return ids
 
 
 class Recorder:
@@ -176,6 +230,11 @@ class Recorder:
         self._pending: dict[str, int] = {}  # ids (turn, trajectory, completion) not yet committed → count
         self._index_size = index_size
         self._written = 0
+        self._seq = 0  # batches taken by record() so far
+        self._tombstones: OrderedDict[tuple[str, str], Tombstone] = OrderedDict()  # (owner, session) → its latest deletion
+        self._inflight = _InFlight(index_size)  # slots assigned, turns not yet recorded
+        self._doomed: OrderedDict[str, None] = OrderedDict()  # turn ids of deleted sessions' requests still generating
+        self._journal_lock = threading.Lock()  # the writer's spill and replay, and purge_journal
 
     # ---- lifecycle
     def start(self) -> None:
@@ -225,21 +284,38 @@ class Recorder:
                     slots.append(TurnSlot(turn_id, new_id("traj"), session_id, index, parent.turn_id if parent else None, owner))
             if continues and parent is not None:
                 self._successors.add(parent.turn_id)
+            for slot in slots:
+                self._inflight.add(slot.turn_id, (owner, session_id))
         return slots
 
-    def _remember(self, turns: Sequence[Turn]) -> None:
+    def _admit(self, turns: Sequence[Turn]) -> tuple[list[Turn], int]:
+        """The turns to queue (less those of requests whose session was deleted while they generated) and their
+        batch's sequence number; remembered for stitching and ``is_pending`` (atomically with respect to a tombstone)."""
         with self._lock:
+            kept = []
             for t in turns:
-                if t.continuation_key:
-                    self._recent[(t.owner, t.session_id, t.continuation_key)] = TurnRef(
-                        turn_id=t.turn_id, trajectory_id=t.trajectory_id, session_id=t.session_id, index=t.index, has_successor=False
-                    )
-                for k in (t.turn_id, t.trajectory_id, t.completion_id):
-                    self._pending[k] = self._pending.get(k, 0) + 1
-            while len(self._recent) > self._index_size:
-                self._recent.popitem(last=False)
-            if len(self._successors) > self._index_size:
-                self._successors.clear()  # the store's has_successor answers for older turns
+                self._inflight.pop(t.turn_id)
+                if t.turn_id in self._doomed:
+                    del self._doomed[t.turn_id]
+                else:
+                    kept.append(t)
+            self._seq += 1
+            self._remember_locked(kept)
+            return kept, self._seq
+
+    def _remember_locked(self, turns: Sequence[Turn]) -> None:
+        """Index ``turns`` for stitching and count them pending (``self._lock`` held)."""
+        for t in turns:
+            if t.continuation_key:
+                self._recent[(t.owner, t.session_id, t.continuation_key)] = TurnRef(
+                    turn_id=t.turn_id, trajectory_id=t.trajectory_id, session_id=t.session_id, index=t.index, has_successor=False
+                )
+            for k in (t.turn_id, t.trajectory_id, t.completion_id):
+                self._pending[k] = self._pending.get(k, 0) + 1
+        while len(self._recent) > self._index_size:
+            self._recent.popitem(last=False)
+        if len(self._successors) > self._index_size:
+            self._successors.clear()  # the store's has_successor answers for older turns
 
     def is_pending(self, some_id: str) -> bool:
         with self._lock:
@@ -247,16 +323,73 @@ class Recorder:
 
     def forget_session(self, owner: str, session_id: str) -> None:
         with self._lock:
-            for key in [k for k in self._recent if k[0] == owner and k[1] == session_id]:
-                ref = self._recent.pop(key)
-                self._successors.discard(ref.turn_id)
+            self._forget_locked(owner, session_id)
+
+    def _forget_locked(self, owner: str, session_id: str) -> set[str]:
+        """Drop the session from the stitching index; the turn ids it held."""
+        forgotten: set[str] = set()
+        for key in [k for k in self._recent if k[0] == owner and k[1] == session_id]:
+            ref = self._recent.pop(key)
+            self._successors.discard(ref.turn_id)
+            forgotten.add(ref.turn_id)
+        return forgotten
+
+    # ---- deletion
+    def tombstone(self, owner: str, session_id: str) -> Tombstone:
+        """``owner``'s session ``session_id`` is being deleted: none of its turns recorded or assigned so far will be
+        written (see the module docstring). Call it before flushing and deleting the session's rows from the store."""
+        key = (owner, session_id)
+        with self._lock:
+            recent = frozenset(self._forget_locked(owner, session_id))
+            in_flight = frozenset(self._inflight.take_session(key))
+            tomb = self._tombstones[key] = Tombstone(self._seq, in_flight, recent)  # covers an earlier deletion's batches too
+            self._tombstones.move_to_end(key)
+            while len(self._tombstones) > self._index_size:
+                self._tombstones.popitem(last=False)
+            for turn_id in in_flight:
+                self._doomed[turn_id] = None
+            while len(self._doomed) > self._index_size:
+                self._doomed.popitem(last=False)
+        return tomb
+
+    def _undeleted(self, batches: Sequence[_Batch]) -> list[Turn]:
+        """The turns of ``batches`` less those of sessions deleted after ``record`` took them (counted as dropped)."""
+        kept = []
+        with self._lock:
+            for b in batches:
+                for t in b.turns:
+                    tomb = self._tombstones.get((t.owner, t.session_id))
+                    if tomb is not None and b.seq <= tomb.seq:
+                        tomb.dropped += 1
+                    else:
+                        kept.append(t)
+        return kept
+
+    def purge_journal(self, owner: str, session_id: str) -> int:
+        """Remove ``owner``'s session ``session_id`` from the journal (blocking; call it after the deletion's flush);
+        how many turns it held there. Unreadable lines stay (the replay skips them)."""
+        path = self.journal_path
+        with self._journal_lock:
+            if path is None or not path.exists():
+                return 0
+            lines = path.read_text(encoding="utf-8").splitlines()
+            keep = [line for line in lines if not _of_session(line, owner, session_id)]
+            if len(keep) == len(lines):
+                return 0
+            if keep:
+                _rewrite(path, keep)
+            else:
+                path.unlink()
+            return len(lines) - len(keep)
 
     # ---- recording
     async def record(self, turns: list[Turn]) -> None:
         """Queue ``turns`` for writing; in ``sync`` mode, return once they are committed."""
-        self._remember(turns)
+        turns, seq = self._admit(turns)
+        if not turns:
+            return
         loop = asyncio.get_running_loop()
-        batch = _Batch(turns, loop.create_future() if self.durability == "sync" else None, loop)
+        batch = _Batch(turns, loop.create_future() if self.durability == "sync" else None, loop, seq=seq)
         await self._put(batch)
         if batch.done is not None:
             await batch.done
@@ -340,7 +473,8 @@ class Recorder:
         return error
 
     def _commit(self, batches: list[_Batch]) -> None:
-        turns = [t for b in batches for t in b.turns]
+        taken = [t for b in batches for t in b.turns]
+        turns = self._undeleted(batches)
         if turns:
             error = self._store_write(turns)
             delay = 0.5
@@ -360,7 +494,7 @@ class Recorder:
                 if self._journaled:
                     self._replay()
         with self._lock:
-            for t in turns:
+            for t in taken:
                 for k in (t.turn_id, t.trajectory_id, t.completion_id):
                     left = self._pending.get(k, 0) - 1
                     if left > 0:
@@ -375,7 +509,7 @@ class Recorder:
         """Append ``turns`` to the journal and fsync it: durable until the store takes them."""
         if self.journal_path is None:
             raise OSError("no journal path (the store has no path and none was given)")
-        with open(self.journal_path, "a", encoding="utf-8") as f:
+        with self._journal_lock, open(self.journal_path, "a", encoding="utf-8") as f:
             os.fchmod(f.fileno(), 0o600)
             f.write("".join(t.model_dump_json() + "\n" for t in turns))
             f.flush()
@@ -387,6 +521,10 @@ class Recorder:
 
     def _replay(self) -> None:
         """Move the journal's turns into the store (idempotent); delete it once they are all in."""
+        with self._journal_lock:  # a deletion's purge_journal sees the journal before or after, never half-replayed
+            self._replay_locked()
+
+    def _replay_locked(self) -> None:
         path = self.journal_path
         if path is None or not path.exists():
             self._journaled, self.healthy = False, True
@@ -408,3 +546,22 @@ class Recorder:
         path.unlink()
         self._journaled, self.healthy = False, True
         log.info("replayed %d journaled turns into the store", len(turns))
+
+
+def _of_session(line: str, owner: str, session_id: str) -> bool:
+    """Whether a journal line is a turn of ``owner``'s session ``session_id`` (an unreadable line is not)."""
+    try:
+        t = Turn.model_validate_json(line)
+    except ValueError:
+        return False
+    return t.owner == owner and t.session_id == session_id
+
+
+def _rewrite(path: Path, lines: list[str]) -> None:
+    """Replace the file at ``path`` by ``lines`` atomically: a crash leaves the old journal or the new one, fsync'd."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -11,7 +11,11 @@
   training (the rule): a turn reward is part of its trajectory's reward stream, so on a one-turn trajectory
   (a plain chat completion; each of ``n`` choices is its own one-turn trajectory) it is that trajectory's
   outcome; see ``learner/advantages.py`` and the README.
-- ``DELETE /v1/sessions/{key}`` (API key): deletes the caller's own session completely.
+- ``DELETE /v1/sessions/{key}`` (API key): deletes the caller's own session completely: its stored turns,
+  trajectories and the rewards on them, its turns still queued for the store (or journaled, or of requests still
+  generating: :meth:`Recorder.tombstone`, so none is written after the deletion) and its stored ``/v1/responses``.
+  ``deleted_turns`` counts the stored and the queued turns; 404 when there was nothing (another key's session of
+  that name is not reachable: it answers as a missing one).
 - ``POST /admin/feedback`` (admin key; the console's): the same body, on any owner's records, any plain
   source, no rate limit; each reward belongs to the owner of what it rewards.
 - Admin (``Authorization: Bearer <admin key>``; disabled without ``--admin-key``):
@@ -44,6 +48,7 @@ from runtime.http_body import read_json
 from runtime.identity import KeyRing, bearer_token, owner_of
 from runtime.openai_schemas import FeedbackRequest
 from runtime.recorder import ANONYMOUS, Recorder
+from runtime.response_store import ResponseStore
 from runtime.settings import FeedbackSettings
 
 log = logging.getLogger(__name__)
@@ -121,7 +126,14 @@ def check_rewards(fb: FeedbackRequest, max_abs: float) -> None:
             )
 
 
-def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str | None, settings: FeedbackSettings | None = None) -> None:
+def install_store_routes(
+    app: FastAPI,
+    recorder: Recorder | None,
+    admin_key: str | None,
+    settings: FeedbackSettings | None = None,
+    responses: ResponseStore | None = None,
+) -> None:
+    """The routes of the module docstring; ``responses``: the stored ``/v1/responses`` a session's deletion removes too."""
     settings = settings or FeedbackSettings()
     limiter = RateLimiter(settings.per_minute)
 
@@ -223,15 +235,25 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
         """The caller deletes one of its own sessions completely (another key's session of that name is not reachable)."""
         rec = need_recorder()
         owner = owner_of(request)
-        deleted = await _delete_session(rec, owner, key)
-        if deleted == 0:
+        deleted, responses_deleted = await _delete_session(rec, owner, key)
+        if deleted == 0 and responses_deleted == 0:
             raise APIError(404, f"no session {key!r}", param="key", code="not_found")
-        return {"object": "session.deleted", "session": key, "deleted_turns": deleted}
+        return {"object": "session.deleted", "session": key, "deleted_turns": deleted, "deleted_responses": responses_deleted}
 
-    async def _delete_session(rec: Recorder, owner: str, key: str) -> int:
-        await rec.flush()  # nothing of this session may land after the deletion
-        rec.forget_session(owner, key)
-        return await rec.call(rec.store.delete_session, owner, key)
+    async def _delete_session(rec: Recorder, owner: str, key: str) -> tuple[int, int]:
+        """Delete ``owner``'s session ``key`` everywhere it is held; (turns, stored responses) deleted.
+
+        The order matters (see ``runtime/recorder.py``): the tombstone first, so that no turn of the session taken
+        before it is written from now on (nor a stored response of its turns); then the flush, after which the writer
+        holds none it took before; then the journal, the store and the stored responses."""
+        tomb = rec.tombstone(owner, key)
+        if responses is not None:  # a response still on its way (its request generating, or just recorded) is not stored
+            await rec.call(responses.forbid, tomb.in_flight | tomb.recent)
+        await rec.flush()
+        purged = await rec.call(rec.purge_journal, owner, key)
+        stored = await rec.call(rec.store.delete_session, owner, key)
+        gone = await rec.call(responses.delete_session, owner, key) if responses is not None else 0
+        return stored + purged + tomb.dropped, gone
 
     @app.get("/admin/stats")
     async def admin_stats(request: Request) -> dict[str, Any]:
@@ -275,5 +297,5 @@ def install_store_routes(app: FastAPI, recorder: Recorder | None, admin_key: str
                     code="ambiguous_owner",
                 )
             owner = owners[0] if owners else PUBLIC_OWNER
-        deleted = await _delete_session(rec, owner, key)
-        return {"object": "session.deleted", "session": key, "owner": owner, "deleted_turns": deleted}
+        deleted, responses_deleted = await _delete_session(rec, owner, key)
+        return {"object": "session.deleted", "session": key, "owner": owner, "deleted_turns": deleted, "deleted_responses": responses_deleted}

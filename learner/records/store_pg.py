@@ -246,7 +246,7 @@ class PostgresStore(StoreQueries):
     # StoreQueries' three ways to run a query. Reads and writes are each one READ COMMITTED transaction (every
     # statement sees what was committed before it began); a snapshot is REPEATABLE READ, so several reads see one
     # state. Writers are not serialized as on SQLite: row locks and unique indexes settle races (add_reward,
-    # set_trajectory_meta).
+    # set_trajectory_meta, a deletion against a reward on what it deletes).
     def _read(self) -> AbstractContextManager[psycopg.Connection]:
         return self._tx()
 

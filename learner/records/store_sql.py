@@ -187,7 +187,8 @@ class StoreQueries:
                 if row is not None:
                     return reward_from_row(row), False
             table, column = ("turns", "turn_id") if reward.target == "turn" else ("trajectories", "trajectory_id")
-            found = conn.execute(self._q(f"SELECT owner FROM {table} WHERE {column} = ?"), (reward.target_id,)).fetchone()
+            # locked (PostgreSQL): a deletion of the target waits for this reward, or this reward sees the target gone
+            found = conn.execute(self._q(f"SELECT owner FROM {table} WHERE {column} = ?{self._d.lock_row}"), (reward.target_id,)).fetchone()
             if found is None or found[0] != reward.owner:
                 raise UnknownTarget(f"no {reward.target} with id {reward.target_id!r}")
             inserted = conn.execute(
@@ -216,6 +217,7 @@ class StoreQueries:
         Another owner's session of the same name is untouched."""
         key = (owner, session_id)
         with self._write() as conn:
+            self._lock_targets(conn, "owner = ? AND session_id = ?", key)
             conn.execute(
                 self._q("""DELETE FROM rewards WHERE
                      (target = 'turn' AND target_id IN (SELECT turn_id FROM turns WHERE owner = ? AND session_id = ?))
@@ -228,6 +230,16 @@ class StoreQueries:
         self._after_delete()
         return n
 
+    def _lock_targets(self, conn: Any, where: str, params: Sequence[Any]) -> None:
+        """Lock the trajectories and turns a deletion removes (``where`` selects them in both tables) before it deletes
+        the rewards on them. PostgreSQL only (SQLite's write transaction holds the whole database): ``add_reward`` locks
+        its target too, so a reward committed while the deletion waited is seen by its reward DELETE (READ COMMITTED:
+        each statement sees what was committed before it began), and a reward arriving later finds its target gone.
+        Without it, a reward stored concurrently was left behind on a deleted turn."""
+        if self._d.lock_row:
+            for table in ("trajectories", "turns"):
+                conn.execute(self._q(f"SELECT 1 FROM {table} WHERE {where} ORDER BY {self._d.order}{self._d.lock_row}"), params).fetchall()
+
     def delete_trajectories(self, trajectory_ids: Sequence[str]) -> int:
         """Delete trajectories with their turns and the rewards on them (e.g. the ones that read a deleted memory);
         returns the number of turns deleted. Like :meth:`delete_session` (on SQLite, securely)."""
@@ -238,6 +250,7 @@ class StoreQueries:
         with self._write() as conn:
             for chunk in self._d.chunks(ids):
                 in_ids, params = self._d.any_of(chunk)
+                self._lock_targets(conn, f"trajectory_id {in_ids}", params)
                 conn.execute(
                     self._q(f"""DELETE FROM rewards WHERE
                           (target = 'turn' AND target_id IN (SELECT turn_id FROM turns WHERE trajectory_id {in_ids}))
