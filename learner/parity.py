@@ -30,6 +30,10 @@ The sampled and constrained turns join when the candidates have them (a later up
 a kind whose saved turns left the store is chosen again. The report's ``mean_abs_logp_diff`` is the largest
 of the kinds' means, so one mis-handled sampled turn is not averaged away by the greedy ones.
 
+A turn sampled under presence/frequency penalties or a logit bias is never a probe turn: it never trains
+(``learner/samples.py``, ``sampling_penalties``), so it is no candidate, and a saved or chosen turn recorded
+with them is dropped here too (:func:`learner.samples.sampled_with_penalties`).
+
 Not here: what the learner does with a refused version (``learner/release.py``); the endpoint
 (``runtime/replay_routes.py``). Top-p is not probed (the engine's logprobs are before top-p, by convention).
 """
@@ -38,13 +42,13 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from learner.samples import Sample
+from learner.samples import Sample, sampled_with_penalties
 
 __all__ = ["FORBIDDEN_DIFF", "KINDS", "PROBE_FILE", "ParityRefused", "parity_probe", "probe_turns", "refusal"]
 
@@ -67,30 +71,54 @@ class ParityRefused(RuntimeError):
 
 def probe_turns(learner_dir: Path, store: Any, candidates: Sequence[Sample], k: int) -> dict[str, list[str]]:
     """The probe's turn ids by kind: for each kind, the saved ones while they are all still in the store, else the newest
-    candidates of that kind (``k`` greedy, one sampled at T != 1, one constrained); saved for the next loads. A kind
-    without turns is left out ({} when there is none yet). A saved list (the greedy-only probe's file) is its greedy turns."""
+    candidates of that kind (``k`` greedy, one sampled at T != 1, one constrained; never a turn sampled under penalties
+    or a logit bias); saved for the next loads. A kind without turns is left out ({} when there is none yet). A saved
+    list (the greedy-only probe's file) is its greedy turns."""
     path = Path(learner_dir) / PROBE_FILE
     saved: dict[str, list[str]] = {}
     if path.exists():
         raw = json.loads(path.read_text())
         saved = {"greedy": [str(t) for t in raw]} if isinstance(raw, list) else {str(a): [str(t) for t in b] for a, b in raw.items()}
     newest = sorted(candidates, key=lambda s: s.created_at, reverse=True)
-    free = [s.turn_id for s in newest if s.grammar is None]
-    fresh = {
-        "greedy": free[:k],
-        "sampled": [s.turn_id for s in newest if s.grammar is None and s.temperature != 1.0][:1],  # T = 1 cannot tell logits from logits / T
-        "constrained": [s.turn_id for s in newest if s.grammar is not None and s.grammar.get("kind") in GRAMMAR_KINDS][:1],
-    }
     chosen: dict[str, list[str]] = {}
     for kind in KINDS:
         kept = saved.get(kind) or []
-        if kept and all(store.get_turn(t) is not None for t in kept):
+        if kept and all(_kept(store.get_turn(t)) for t in kept):
             chosen[kind] = kept
-        elif fresh[kind]:
-            chosen[kind] = fresh[kind]
+        elif fresh := _fresh(kind, newest, store, k):
+            chosen[kind] = fresh
     if chosen and chosen != saved:
         path.write_text(json.dumps(chosen))
     return chosen
+
+
+_FITS: dict[str, Callable[[Sample], bool]] = {
+    "greedy": lambda s: s.grammar is None,
+    "sampled": lambda s: s.grammar is None and s.temperature != 1.0,  # T = 1 cannot tell logits from logits / T
+    "constrained": lambda s: s.grammar is not None and s.grammar.get("kind") in GRAMMAR_KINDS,
+}
+
+
+def _fresh(kind: str, newest: Sequence[Sample], store: Any, k: int) -> list[str]:
+    """The newest candidates of one kind (:data:`_FITS`) not sampled under penalties: ``k`` greedy, one of each other kind."""
+    n = k if kind == "greedy" else 1
+    out: list[str] = []
+    for s in newest:
+        if len(out) == n:
+            break
+        if _FITS[kind](s) and not _penalized(store.get_turn(s.turn_id)):
+            out.append(s.turn_id)
+    return out
+
+
+def _kept(turn: Any) -> bool:
+    """A saved probe turn stays while it is in the store (and was not sampled under penalties)."""
+    return turn is not None and not _penalized(turn)
+
+
+def _penalized(turn: Any) -> bool:
+    """A stored turn sampled under penalties or a logit bias (False for one not in the store)."""
+    return turn is not None and sampled_with_penalties(getattr(turn, "sampling", None) or {})
 
 
 def parity_probe(

@@ -41,6 +41,7 @@ REASONS: dict[str, str] = {
     "deferred_trajectories": "still settling (last turn newer than settle_s)",
     "untrainable": "agent runs that broke the prefix invariant",
     "grammar_unrecorded": "constrained turns recorded without their grammar",
+    "sampling_penalties": "turns sampled with presence/frequency penalties or logit_bias (the trainer cannot reproduce their logprobs)",
     "no_tokens": "turns without output tokens to train on",
     "surplus": "beyond max_trajectories for one update",
     "after_last_reward": "turns after the last rated turn of a conversation (nobody judged them; rate the last reply or the trajectory)",

@@ -64,6 +64,10 @@ whole or not at all, because its outcome reward is the outcome of all its turns:
   the model name the client asked for, the client's tag; :func:`traffic_match`);
 - ``grammar_unrecorded``: a trajectory with a constrained turn recorded without its grammar's spec (older
   records): it cannot be scored under the distribution it was sampled from;
+- ``sampling_penalties``: a trajectory with a turn sampled under OpenAI's ``presence_penalty``,
+  ``frequency_penalty`` or a ``logit_bias`` (recorded in the turn's ``sampling``; :func:`sampled_with_penalties`):
+  its behaviour logprobs are of the penalized distribution (``runtime/engine.py``), which the trainer's
+  ``logits / T`` does not reproduce, so its importance ratios would be wrong;
 - ``no_reward``: a trajectory with no reward from a training source at all (NaN/None are never 0); a
   turn without a reward of its own in a rewarded trajectory is kept (its reward is 0 in the stream);
 - ``other_source`` (in rewards): see above;
@@ -190,6 +194,7 @@ class SkipCounts:
     stale_trajectories: int = 0
     other_source: int = 0  # rewards (not turns) dropped because their group is scored by a better-ranked source
     grammar_unrecorded: int = 0  # turns of trajectories with a constrained turn whose grammar was not recorded
+    sampling_penalties: int = 0  # turns of trajectories with a turn sampled under penalties or a logit bias
     missing_logprobs: int = 0  # kept, but trained with ratio 1
     deferred_trajectories: int = 0  # still within settle_s; a later call takes them
     surplus: int = 0  # beyond max_trajectories: the smallest and oldest groups left out
@@ -315,6 +320,14 @@ def recorded_grammar(sampling: dict[str, Any]) -> dict[str, str] | None:
     return dict(_UNRECORDED)
 
 
+def sampled_with_penalties(sampling: dict[str, Any]) -> bool:
+    """Whether a turn was sampled under a presence or frequency penalty or a non-zero logit bias (as
+    ``runtime/generation.py`` records them in ``sampling``): its logprobs are not of the model's ``logits / T``."""
+    bias = sampling.get("logit_bias")
+    biased = isinstance(bias, dict) and any(bias.values())
+    return bool(sampling.get("presence_penalty") or sampling.get("frequency_penalty") or biased)
+
+
 def collect_samples(
     store: _Store,
     *,
@@ -409,6 +422,9 @@ def trajectory_samples(traj: Trajectory, *, family: str, min_version: int, cfg: 
     grammars = [recorded_grammar(turn.sampling) for turn in traj.turns]
     if any(g is not None and g["kind"] == "?" for g in grammars):
         counts.grammar_unrecorded += n
+        return []
+    if any(sampled_with_penalties(turn.sampling) for turn in traj.turns):
+        counts.sampling_penalties += n
         return []
     tid = traj.trajectory_id
     gid = group_id_of(traj)

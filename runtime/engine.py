@@ -17,9 +17,11 @@ What lives here: the request/response value types, the protocol, and the engine 
 What does not: scheduling, batching or sampling code (see ``runtime/engines/``).
 
 Logprob convention: ``logprobs`` are of the distribution the token was sampled from: the model's
-logits divided by the temperature (raw logits for greedy), with a grammar mask applied when the
-request is constrained; top-p truncation is not applied to them. This matches what a learner
-recomputes from ``logits / T`` for importance ratios.
+logits, less OpenAI's presence/frequency penalties and plus its ``logit_bias`` when the request has
+them, divided by the temperature (undivided for greedy), with a grammar mask applied when the request
+is constrained; top-p truncation is not applied to them. Without penalties or bias this is what a
+learner recomputes from ``logits / T`` for importance ratios; a turn sampled with them is not (its
+record says so: ``SamplingParams.penalized``, and the learner leaves it out).
 """
 
 from __future__ import annotations
@@ -91,6 +93,16 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: Grammar | None = None
+    # OpenAI's penalties, on the counts of this request's *output* tokens so far (not the prompt's), and logit bias:
+    # logit[j] += bias[j] - frequency_penalty * count[j] - presence_penalty * (count[j] > 0), before the temperature
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a tuple: the params stay hashable
+
+    @property
+    def penalized(self) -> bool:
+        """Whether penalties or a logit bias change the distribution (a trainer's ``logits / T`` cannot reproduce it)."""
+        return bool(self.presence_penalty or self.frequency_penalty or any(b for _, b in self.logit_bias))
 
     def __post_init__(self) -> None:
         # below MIN_TEMPERATURE a request is greedy: logits / 1e-50 overflow float32, and a recorded 1e-50 would

@@ -4,9 +4,10 @@ Chat Completions, Responses, Anthropic Messages and Completions are thin transla
 formats into a :class:`GenRequest` (chat-template messages, tools, tool choice, output format,
 sampling) and back from :class:`ChoiceOut` values or :class:`StreamEvent` values. Everything that must
 behave the same whichever API a client speaks happens here: rendering the prompt (``chat_format``),
-the context-length check, the decoding constraint (``constraints``), one :class:`GenerateRequest` per
-choice, tool-call parsing (``tool_parsers``; in a stream, ``tool_stream`` sends the arguments as they
-decode), logprobs, and recording each choice as a turn with the recorder's stitching.
+the context-length check, the decoding constraint (``constraints``), the logit bias's vocabulary check,
+one :class:`GenerateRequest` per choice, tool-call parsing (``tool_parsers``; in a stream,
+``tool_stream`` sends the arguments as they decode), logprobs, and recording each choice as a turn
+with the recorder's stitching (its sampling parameters, penalties and logit bias included).
 
 Streams: every choice's engine stream is opened before the first byte is sent (so 429/400 still
 arrive as HTTP errors); events of all choices are merged in arrival order; the turns are recorded
@@ -98,6 +99,9 @@ class GenRequest:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0  # OpenAI's penalties and logit bias (token id -> bias); recorded with the turn
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     user: str | None = None
@@ -290,6 +294,7 @@ class Generation:
             )
         max_new = asked if asked is not None else min(self.default_max_tokens, max_len - prompt_len)
         grammar = grammar_for(req, self.formatter.parser_name)
+        logit_bias = self._logit_bias(req.logit_bias)
         temperature = 1.0 if req.temperature is None else req.temperature
         engine_reqs = []
         session = None if session_id == ANONYMOUS else session_id  # keeps a conversation on one replica of an external engine
@@ -305,6 +310,9 @@ class Generation:
                 logprobs=req.logprobs or self.recorder is not None,  # recorded turns always keep logprobs
                 top_logprobs=req.top_logprobs,
                 grammar=grammar,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                logit_bias=logit_bias,
             )
             engine_reqs.append(GenerateRequest(f"{request_id}-{i}", prompt_ids, sampling, adapter=adapter, session=session))
         self.metrics.prompt_tokens.inc(prompt_len * req.n)
@@ -323,6 +331,14 @@ class Generation:
             api=req.api,
             tag=req.tag,
         )
+
+    def _logit_bias(self, bias: dict[int, float]) -> tuple[tuple[int, float], ...]:
+        """The request's logit bias as the engine takes it, sorted; a token id outside the vocabulary is a 400 on ``logit_bias``."""
+        vocab = self.engine.info.vocab_size
+        bad = next((t for t in bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"logit_bias names token id {bad}, outside this model's vocabulary (0 to {vocab - 1})", param="logit_bias")
+        return tuple(sorted(bias.items()))
 
     # ---- non-streamed ----------------------------------------------------------------------
     async def complete(self, prep: Prepared) -> list[ChoiceOut]:
@@ -403,6 +419,10 @@ class Generation:
                 "stop": list(sp.stop),
                 # kind and spec: the learner re-applies the mask, so its logprobs are of the distribution that was sampled
                 "grammar": {"kind": sp.grammar.kind, "spec": sp.grammar.spec} if sp.grammar else None,
+                # the logprobs are of the penalized, biased distribution (runtime/engine.py): the learner leaves such turns out
+                "presence_penalty": sp.presence_penalty,
+                "frequency_penalty": sp.frequency_penalty,
+                "logit_bias": {str(t): b for t, b in sp.logit_bias} or None,
                 "api": prep.api,
                 "model": prep.model,  # the name the client asked for (base, alias, family@N); learners' traffic filters read it
                 "tag": prep.tag,

@@ -2,8 +2,10 @@
 
 Requests are validated here; every failure becomes a 400 in OpenAI's error envelope with ``param``
 naming the field (``runtime/errors.py``). Unknown request fields are ignored, as OpenAI-compatible
-servers do, so newer SDKs keep working. Fields loopwise cannot honour yet (``logit_bias``, penalties
-other than 0) are rejected with a clear message rather than silently ignored.
+servers do, so newer SDKs keep working. ``presence_penalty`` / ``frequency_penalty`` (-2 to 2) and
+``logit_bias`` (at most 300 token ids, as strings, to a bias from -100 to 100: :func:`check_logit_bias`,
+shared with ``/v1/completions``) are served; whether a token id is in the model's vocabulary is checked
+where the vocabulary is known (``runtime/generation.py``).
 
 Not here: turning messages into tokens (``runtime/chat_format.py``) or calling the engine.
 """
@@ -14,11 +16,36 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 class _In(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def check_logit_bias(v: Any) -> dict[str, float] | None:
+    """``logit_bias`` as OpenAI takes it: at most :data:`MAX_LOGIT_BIAS` token ids (non-negative integers, as JSON's
+    string keys) to a bias from -100 to 100; ``ValueError`` (a 400 naming ``logit_bias``) otherwise."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError("logit_bias must be an object mapping token ids to biases")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} token ids; got {len(v)}")
+    out: dict[str, float] = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()):
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers); got {str(k)[:40]!r}")
+        if isinstance(b, bool) or not isinstance(b, int | float) or not (math.isfinite(b) and -100 <= b <= 100):
+            raise ValueError(f"logit_bias values must be numbers from -100 to 100; got {str(b)[:40]} for token {k}")
+        out[str(int(k))] = float(b)
+    return out
+
+
+LogitBias = Annotated[dict[str, float] | None, BeforeValidator(check_logit_bias)]
+Penalty = Annotated[float | None, Field(ge=-2, le=2)]  # OpenAI's presence/frequency penalty (null = 0)
 
 
 class TextPart(_In):
@@ -165,9 +192,9 @@ class ChatCompletionRequest(_In):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's; wider values overflow torch's seed
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    logit_bias: LogitBias = None
     user: str | None = None
     # OpenAI's metadata (at most 16 string pairs); loopwise records ``tag``, which a learner's traffic filter can select
     metadata: dict[str, str] | None = None
@@ -203,9 +230,6 @@ class ChatCompletionRequest(_In):
             names = {t.function.name for t in self.tools}
             if self.tool_choice.function.name not in names:
                 raise FieldError("tool_choice", f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            field = "presence_penalty" if self.presence_penalty else "frequency_penalty" if self.frequency_penalty else "logit_bias"
-            raise FieldError(field, "presence_penalty, frequency_penalty and logit_bias are not supported by this server")
         return self
 
     def _legacy_functions(self) -> None:

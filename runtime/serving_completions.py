@@ -7,10 +7,11 @@ given. No chat template and no tools. Fields: ``max_tokens`` (default 16, as Ope
 ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` (0–20: per token the sampled
 token's logprob and that many alternatives, with ``text_offset``), ``echo`` (the prompt text before
 the completion), ``stream`` (+ ``stream_options.include_usage``; one prompt per streamed request),
+``presence_penalty`` / ``frequency_penalty`` / ``logit_bias`` (as chat's: ``runtime/openai_schemas.py``),
 ``user``. Every choice is recorded as a turn (its messages are one ``prompt`` entry with the text).
 
 Not served (a clear 400): ``suffix`` (no fill-in-the-middle), ``best_of`` other than ``n``,
-``echo`` with ``logprobs`` (prompt logprobs are not computed), penalties and ``logit_bias``.
+``echo`` with ``logprobs`` (prompt logprobs are not computed).
 
 Not here: the generation path (``runtime/serving.py``).
 """
@@ -31,7 +32,7 @@ from runtime.engine import InvalidRequest
 from runtime.errors import from_validation
 from runtime.generation import ChoiceDone, ChoiceOut, GenRequest, StreamFailed, TextDelta
 from runtime.http_body import read_json
-from runtime.openai_schemas import FieldError, StreamOptions, _In
+from runtime.openai_schemas import FieldError, LogitBias, Penalty, StreamOptions, _In
 from runtime.serving import Gateway, Outcome
 
 MAX_PROMPTS = 64
@@ -52,9 +53,9 @@ class CompletionRequest(_In):
     stream_options: StreamOptions | None = None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    logit_bias: LogitBias = None
     user: str | None = None
 
     @model_validator(mode="after")
@@ -67,8 +68,6 @@ class CompletionRequest(_In):
             raise FieldError("best_of", "best_of is not supported by this server (send n and pick the choice yourself)")
         if self.echo and self.logprobs is not None:
             raise FieldError("echo", "echo with logprobs needs prompt logprobs, which this server does not compute")
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise FieldError("presence_penalty", "presence_penalty, frequency_penalty and logit_bias are not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         if self.prompt == [] or self.prompt == "":
@@ -108,6 +107,9 @@ def to_internal(req: CompletionRequest, prompt: str | list[int], tokenizer: Any,
         seed=req.seed,
         logprobs=req.logprobs is not None,
         top_logprobs=req.logprobs or 0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias={int(k): b for k, b in (req.logit_bias or {}).items()},
         user=req.user,
         prompt_ids=ids,
         prompt_text=text,

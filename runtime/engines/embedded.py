@@ -6,9 +6,9 @@ loop iteration it (1) runs adapter commands, (2) admits waiting requests up to `
 (3) drops cancelled ones, then (4) runs one forward (``runner.py``): one token for every decoding row
 plus up to ``prefill_chunk`` prompt tokens of the admitted requests, oldest first, so a long prompt is
 fed over several steps while the others keep decoding (chunked prefill). It samples per row
-(temperature, top-p, seed, grammar mask, logprobs) for the decode rows and for each prompt that
-finished, and hands each request its new text through its asyncio queue. The event loop never runs
-model code.
+(temperature, top-p, seed, penalties and logit bias, grammar mask, logprobs; ``sampling.py``) for the
+decode rows and for each prompt that finished, and hands each request its new text through its
+asyncio queue. The event loop never runs model code.
 
 Runners: ``llama_runner.LlamaRunner`` (fused, prepacked weights and its own KV pools; Llama, Mistral,
 Qwen2/3) when ``llama_runner.fits`` the model, else ``hf_runner.HFRunner`` (the model's own forward);
@@ -79,7 +79,7 @@ from runtime.engines.hf_runner import HFRunner
 from runtime.engines.lora_batch import LoraBank
 from runtime.engines.lora_weights import LoraWeights, read_lora
 from runtime.engines.runner import Chunk, DecodeRow, Runner
-from runtime.engines.sampling import RowSampling, sample_next
+from runtime.engines.sampling import Penalties, RowSampling, sample_next
 from runtime.engines.textstream import TextStream
 from runtime.grammar_worker import GrammarInvalid, GrammarWorker, compile_grammar
 
@@ -411,6 +411,8 @@ class EmbeddedEngine:
             )
         if max(req.input_ids) >= info.vocab_size or min(req.input_ids) < 0:
             raise InvalidRequest("token id out of vocabulary range", param="input_ids")
+        if any(not 0 <= t < info.vocab_size for t, _ in sp.logit_bias):
+            raise InvalidRequest(f"logit_bias names a token id outside the vocabulary (0 to {info.vocab_size - 1})", param="logit_bias")
         matcher = self._matcher(sp.grammar) if sp.grammar is not None else None
         gen = None
         if sp.seed is not None and sp.temperature > 0:
@@ -421,7 +423,7 @@ class EmbeddedEngine:
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
             text=TextStream(self.tokenizer, sp.stop),
-            row=RowSampling(sp.temperature, sp.top_p, gen, sp.top_logprobs if sp.logprobs else 0),
+            row=RowSampling(sp.temperature, sp.top_p, gen, sp.top_logprobs if sp.logprobs else 0, _penalties(sp)),
             stop_ids=stop_ids,
             matcher=matcher,
         )
@@ -566,6 +568,8 @@ class EmbeddedEngine:
                 finished.append(True)
                 continue
             tok = sampled.token_ids[i]
+            if seq.row.penalties is not None:
+                seq.row.penalties.seen(tok)
             seq.generated += 1
             seq.last_token = tok
             if seq.generated == 1:
@@ -598,6 +602,13 @@ class EmbeddedEngine:
                 seq.send(StreamChunk((tok,), text, lp))
             finished.append(finish is not None)
         return finished
+
+
+def _penalties(sp: SamplingParams) -> Penalties | None:
+    """A row's penalties and bias, None when it has none (a row without pays nothing in the sampler)."""
+    if not sp.penalized:
+        return None
+    return Penalties(presence=sp.presence_penalty, frequency=sp.frequency_penalty, bias=tuple((t, b) for t, b in sp.logit_bias if b))
 
 
 def _compile(compiler: Any, grammar: Grammar) -> Any:

@@ -1,27 +1,61 @@
-"""Batched next-token sampling with per-row temperature, top-p, seed, grammar mask and logprobs.
+"""Batched next-token sampling with per-row temperature, top-p, seed, penalties, logit bias, grammar mask and logprobs.
 
-Pure functions over tensors; the scheduler owns the per-request state (generators, grammar matchers).
-Logprobs follow the convention in ``runtime/engine.py``: ``log_softmax(logits / T)`` (raw logits for
-greedy rows) after the grammar mask, before top-p.
+Pure functions over tensors; the scheduler owns the per-request state (generators, grammar matchers,
+the :class:`Penalties` with the counts of each row's generated tokens, which it tells of every token).
+Logprobs follow the convention in ``runtime/engine.py``: ``log_softmax(logits' / T)`` (undivided for
+greedy rows) after the grammar mask, before top-p, where ``logits'`` are the logits after the row's
+penalties and bias: the distribution the token was sampled from (vLLM's ``processed_logprobs``, not its
+default ``raw_logprobs``). So a penalized row's logprobs are not the model's ``logits / T``: its turn is
+recorded with its penalties and the learner leaves it out (``learner/samples.py``, ``sampling_penalties``).
+
+Penalties (OpenAI's definitions, as vLLM applies them): per row, ``logits[j] += bias[j] - frequency *
+count[j] - presence * (count[j] > 0)``, where ``count[j]`` is how often token ``j`` appears in the row's
+*output* so far (never the prompt). All penalized rows of a batch are adjusted in one batched step; a
+batch without any pays nothing (the logits tensor is passed on untouched).
 
 One row can fail only itself: a temperature below :data:`MIN_TEMPERATURE` is greedy (``logits / 1e-50``
 is ``inf`` in float32), and a row whose distribution is not a distribution (NaN logits, e.g. from a
 broken adapter, or nothing allowed) is reported in ``SampleOutput.failed`` instead of raising for the
 whole batch. Top logprobs list only tokens with a finite logprob (a grammar's masked tokens are left out).
 
-Not here: repetition/presence penalties and logit bias (the OpenAI surface rejects them for now).
+Not here: the multiplicative ``repetition_penalty``, ``top_k``, ``min_p`` (the OpenAI surface has none of them).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from runtime.engine import MIN_TEMPERATURE  # below it a row is sampled greedily (float32 division by a smaller T overflows)
 
-__all__ = ["MIN_TEMPERATURE", "RowSampling", "SampleOutput", "sample_next"]
+__all__ = ["MIN_TEMPERATURE", "Penalties", "RowSampling", "SampleOutput", "penalize", "sample_next"]
+
+
+@dataclass
+class Penalties:
+    """One row's presence/frequency penalties and logit bias, and the counts of the tokens it generated (``seen``)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); ids already checked against the vocabulary
+    _pending: list[int] = field(default_factory=list, init=False, repr=False)  # generated tokens not yet in ``_counts``
+    _counts: torch.Tensor | None = field(default=None, init=False, repr=False)  # (V,) generated-token counts; made at the first step
+
+    def seen(self, token: int) -> None:
+        """The row generated ``token`` (the scheduler calls this once per sampled token)."""
+        self._pending.append(token)
+
+    def counts(self, vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``(V,)`` counts of every generated token so far (updated with one ``index_add_`` per step)."""
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=dtype, device=device)
+        if self._pending:
+            ids = torch.tensor(self._pending, device=device)
+            self._counts.index_add_(0, ids, torch.ones(len(self._pending), dtype=dtype, device=device))
+            self._pending.clear()
+        return self._counts
 
 
 @dataclass
@@ -30,6 +64,7 @@ class RowSampling:
     top_p: float
     generator: torch.Generator | None  # None: the global RNG (no seed given)
     top_logprobs: int
+    penalties: Penalties | None = None  # None: no penalty and no bias (the row pays nothing)
 
 
 @dataclass
@@ -43,6 +78,7 @@ class SampleOutput:
 def sample_next(logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
     """Sample one token per row. ``logits``: (B, V) float32, already grammar-masked (-inf)."""
     batch = logits.shape[0]
+    logits = penalize(logits, rows)
     greedy = [r.temperature < MIN_TEMPERATURE for r in rows]
     temps = torch.tensor([1.0 if g else r.temperature for r, g in zip(rows, greedy, strict=True)], dtype=logits.dtype)
     scaled = logits / temps[:, None]  # (B, V)
@@ -76,6 +112,25 @@ def sample_next(logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
             if not failed[i]:
                 top[i] = [(t, v) for t, v in zip(ids_l[i][: r.top_logprobs], vals_l[i][: r.top_logprobs], strict=True) if v > -math.inf]
     return SampleOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(), top=top, failed=failed)
+
+
+def penalize(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """``logits`` (B, V) with each penalized row's penalties and bias added (module docstring); the same tensor, untouched,
+    when no row has any. One ``(P, V)`` adjustment for the ``P`` penalized rows, added in one ``index_add``."""
+    pen = [(i, r.penalties) for i, r in enumerate(rows) if r.penalties is not None]
+    if not pen:
+        return logits
+    vocab, dev, dt = logits.shape[-1], logits.device, logits.dtype
+    counts = torch.stack([p.counts(vocab, dev, dt) for _, p in pen])  # (P, V)
+    freq = torch.tensor([p.frequency for _, p in pen], dtype=dt, device=dev)
+    pres = torch.tensor([p.presence for _, p in pen], dtype=dt, device=dev)
+    adj = -(freq[:, None] * counts + pres[:, None] * (counts > 0).to(dt))  # (P, V)
+    bias = [(j, tok, b) for j, (_, p) in enumerate(pen) for tok, b in p.bias]
+    if bias:
+        rows_j, toks, vals = zip(*bias, strict=True)
+        where = (torch.tensor(rows_j, device=dev), torch.tensor(toks, device=dev))
+        adj.index_put_(where, torch.tensor(vals, dtype=dt, device=dev), accumulate=True)
+    return logits.index_add(0, torch.tensor([i for i, _ in pen], device=dev), adj)
 
 
 def _top_p_probs(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

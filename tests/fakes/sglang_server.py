@@ -29,7 +29,7 @@ Fake-only controls, for tests: ``POST /fake/die_after`` ``{"tokens": n}`` makes 
 (``os._exit``, like a crashed SGLang) after the next stream has sent ``n`` token events;
 ``GET /fake/stats`` counts ``/generate`` calls and reports the most adapters seen in flight at once.
 
-Not faithful (and not needed here): batch requests, ``text`` prompts, ``n``, ``regex``, penalties, the
+Not faithful (and not needed here): batch requests, ``text`` prompts, ``n``, ``regex``, the
 OpenAI-compatible routes, abort/flush endpoints, real GPU slot accounting. The scheduler crash of SGLang
 #23141 (more distinct adapters in flight, plus base requests, than ``--max-loras-per-batch``) is *not*
 reproduced as a crash: the fake answers such a request with HTTP 500 and logs it, so a test that breaks
@@ -60,6 +60,9 @@ log = logging.getLogger("fake-sglang")
 
 FAKE_VERSION = "0.5.4-fake"
 _SUPPORTED_SAMPLING = {
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
     "max_new_tokens",
     "temperature",
     "top_p",
@@ -265,6 +268,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             logprobs=want_lp,
             top_logprobs=int(body.get("top_logprobs_num") or 0) if want_lp else 0,
             grammar=grammar,
+            presence_penalty=float(sp.get("presence_penalty") or 0.0),
+            frequency_penalty=float(sp.get("frequency_penalty") or 0.0),
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in (sp.get("logit_bias") or {}).items())),
         )
         lora = body.get("lora_path")
         if lora is not None and lora not in loras:

@@ -225,12 +225,15 @@ def test_tool_choice_required_or_named_needs_tools() -> None:
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1.0}, "frequency_penalty"), ({"logit_bias": {"5": 1.0}}, "logit_bias")],
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ],
 )
-def test_penalties_and_logit_bias_rejected(fields: dict[str, Any], param: str) -> None:
-    err = invalid(fields)
-    assert err.param == param
-    assert "not supported by this server" in err.message
+def test_out_of_range_penalties_and_logit_bias_rejected(fields: dict[str, Any], param: str) -> None:
+    assert invalid(fields).param == param
 
 
 def test_zero_penalties_are_accepted() -> None:

@@ -99,8 +99,6 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ),
     ("tool-choice-without-tools", {"tool_choice": "required"}, "tool_choice"),
     ("stream-options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("logit-bias", {"logit_bias": {"1": 2.0}}, "logit_bias"),
-    ("presence-penalty", {"presence_penalty": 0.5}, "presence_penalty"),
     # the grammar for a forced call cannot be built (an unresolvable $ref)
     (
         "unresolvable-tool-ref",
