@@ -7,6 +7,10 @@ asking for ``<tool_call>{"name": …, "arguments": …}</tool_call>``; earlier a
 rendered back in that format and tool results as a user turn of ``<tool_response>`` blocks. The
 ``qwen25`` parser then reads the model's calls.
 
+A final assistant message marked ``"prefix": True`` (Mistral's spelling; Anthropic's prefill) is
+continued, not answered: the prompt ends with its text, without the end-of-turn token after it
+(``continue_final_message``), and the reply is the continuation only.
+
 Not here: validation of request fields (``openai_schemas``) or parsing of output (``tool_parsers``).
 """
 
@@ -65,16 +69,31 @@ class ChatFormatter:
         return self.render_plain(plain, [t.model_dump(exclude_none=True) for t in tools] if tools else None)
 
     def render_plain(self, plain: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True) -> RenderedPrompt:
-        """Render chat-template dicts (tool call arguments as objects) and OpenAI tool dicts."""
+        """Render chat-template dicts (tool call arguments as objects) and OpenAI tool dicts; a prefill is continued."""
         kwargs: dict[str, Any] = {}
+        prefill = is_prefill(plain)
+        if prefill:
+            kwargs["continue_final_message"] = True
+            add_generation_prompt = False
         if self.native_tools:
             if tools:
                 kwargs["tools"] = tools
         else:
             plain = hermes_messages(plain, tools)
-        text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        try:
+            text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        except ValueError as exc:
+            if not prefill:
+                raise
+            # transformers' check that the template kept the final message's text where the prompt can end
+            raise InvalidRequest("this model's chat template cannot continue a final assistant message", param="messages") from exc
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return RenderedPrompt(text=text, token_ids=tuple(ids))
+
+
+def is_prefill(plain: list[dict[str, Any]]) -> bool:
+    """Whether the conversation ends with an assistant message marked ``prefix``: a reply to continue."""
+    return bool(plain) and plain[-1]["role"] == "assistant" and plain[-1].get("prefix") is True
 
 
 def text_of(content: Any, param: str) -> str:

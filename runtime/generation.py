@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from learner.records import PUBLIC_OWNER, ToolCallRecord, Turn, TurnTimings
-from runtime.chat_format import ChatFormatter
+from runtime.chat_format import ChatFormatter, is_prefill
 from runtime.constraints import grammar_for
 from runtime.engine import (
     Engine,
@@ -397,6 +397,10 @@ class Generation:
         reply: dict[str, Any] = {"role": "assistant", "content": choice.content or ""}
         if choice.tool_calls:
             reply["tool_calls"] = [_call_dict(c) for c in choice.tool_calls]
+        prior = prep.messages
+        if is_prefill(prior) and isinstance(prior[-1].get("content"), str):  # the client sends prefill + continuation back as one message
+            reply["content"] = prior[-1]["content"] + reply["content"]
+            prior = prior[:-1]
         return Turn(
             turn_id=slot.turn_id,
             trajectory_id=slot.trajectory_id,
@@ -433,7 +437,7 @@ class Generation:
             messages=prep.messages,
             output_text=res.text,
             prefix_key=messages_key(prep.messages),
-            continuation_key=messages_key([*prep.messages, reply]),
+            continuation_key=messages_key([*prior, reply]),
             owner=slot.owner,
         )
 

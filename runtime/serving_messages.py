@@ -4,7 +4,20 @@ Request: ``model``, ``max_tokens`` (required), ``messages`` (``user``/``assistan
 or blocks: ``text``, ``tool_use`` on the assistant side, ``tool_result`` on the user side), ``system``
 (a string or text blocks), ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice``
 (``auto``, ``any``, ``tool`` + ``name``, ``none``; ``disable_parallel_tool_use``), ``stop_sequences``,
-``temperature``, ``top_p``, ``metadata.user_id`` (the session key when no ``X-Session-Id``), ``stream``.
+``temperature``, ``top_p``, ``metadata.user_id`` (the session key when no ``X-Session-Id``), ``stream``,
+``output_config.format`` (``{"type": "json_schema", "schema": …}``; also the structured-outputs beta's
+top-level ``output_format``): the reply text is decoded under the schema's grammar, as chat's
+``response_format`` is (``output_config.effort`` is accepted and has no effect).
+
+Prefill: a final assistant message (a string or text blocks) is continued, not answered. The prompt is
+the chat template up to the start of the assistant turn plus that text, without the end-of-turn token
+(``chat_format``: the message is marked ``"prefix": True``), so the recorded turn's context is those
+exact tokens; the reply's ``content`` is the continuation only, as at Anthropic. As at Anthropic, a
+prefill ending in whitespace is a 400, and an empty final assistant message asks for an ordinary reply.
+A prefill cannot be honoured, and is a 400, with a forced tool (``tool_choice`` ``any``/``tool``) or an
+output format (their grammar decodes the whole reply, which would then not start where the prefill
+ends), with ``tool_use`` blocks, or for a served agent (it runs its own turns).
+
 The reply has ``content`` blocks (``text``, then one ``tool_use`` per call with ``input`` as an
 object), ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence`` with ``stop_sequence``,
 ``tool_use``), ``usage`` and ``loopwise``. Streaming sends Anthropic's named events: ``message_start``,
@@ -13,8 +26,8 @@ as the arguments decode) / ``content_block_stop``, then ``message_delta`` and ``
 ``POST /v1/messages/count_tokens`` counts the rendered prompt.
 
 Errors use Anthropic's envelope (``{"type": "error", "error": {"type", "message"}}``; ``runtime/app.py``
-picks it by path). Not served (a clear 400): images and documents, a final assistant message
-(prefill), ``top_k``, extended thinking.
+picks it by path). Not served (a clear 400): images and documents, ``top_k``, extended thinking, an
+output format type other than ``json_schema``.
 
 Not here: the generation path (``runtime/serving.py``).
 """
@@ -30,11 +43,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
 
+from runtime.chat_format import is_prefill
 from runtime.engine import InvalidRequest
 from runtime.errors import from_validation
-from runtime.generation import ChoiceDone, ChoiceOut, GenRequest, NamedTool, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
+from runtime.generation import (
+    ChoiceDone,
+    ChoiceOut,
+    GenRequest,
+    NamedTool,
+    OutputFormat,
+    StreamFailed,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCallStart,
+)
 from runtime.http_body import read_json
-from runtime.openai_schemas import FieldError, FunctionDef, _In
+from runtime.openai_schemas import FieldError, FunctionDef, _In, check_json_schema
 from runtime.serving import Gateway, Outcome
 
 
@@ -57,6 +81,15 @@ class AnthropicToolChoice(_In):
     disable_parallel_tool_use: bool = False
 
 
+class AnthropicOutputFormat(_In):
+    type: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+
+class AnthropicOutputConfig(_In):
+    format: AnthropicOutputFormat | None = None
+
+
 class MessagesRequest(_In):
     model: str
     max_tokens: int = Field(ge=1)
@@ -71,9 +104,12 @@ class MessagesRequest(_In):
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: AnthropicOutputConfig | None = None
+    output_format: AnthropicOutputFormat | None = None  # the structured-outputs beta's spelling of output_config.format
 
     @model_validator(mode="after")
     def _supported(self) -> MessagesRequest:
+        self._check_format()
         if self.top_k is not None:
             raise FieldError("top_k", "top_k is not supported by this server; use top_p")
         if self.thinking is not None and self.thinking.get("type") == "enabled":
@@ -84,6 +120,34 @@ class MessagesRequest(_In):
         if self.tool_choice is not None and self.tool_choice.type == "any" and not self.tools:
             raise FieldError("tool_choice", "tool_choice any requires tools")
         return self
+
+    def _format(self) -> tuple[AnthropicOutputFormat | None, str]:
+        """The output format asked for, and the field that asked."""
+        fmt = self.output_config.format if self.output_config is not None else None
+        if self.output_format is None:
+            return fmt, "output_config.format"
+        if fmt is not None:
+            raise FieldError("output_format", "output_format and output_config.format cannot both be set; use output_config.format")
+        return self.output_format, "output_format"
+
+    def _check_format(self) -> None:
+        """Anthropic's envelope has no ``param``, so each message names its field."""
+        fmt, where = self._format()
+        if fmt is None:
+            return
+        if fmt.type != "json_schema":
+            raise FieldError(f"{where}.type", f"{where}.type {fmt.type!r} is not supported by this server; the only type is json_schema")
+        if fmt.schema_ is None:
+            raise FieldError(f"{where}.schema", f"{where} of type json_schema needs a schema")
+        try:
+            check_json_schema(fmt.schema_)
+        except ValueError as exc:
+            raise FieldError(f"{where}.schema", f"{where}.schema: {exc}") from None
+
+    def structured(self) -> tuple[OutputFormat | None, str]:
+        """The reply's decoding constraint (None: free text), and the field that asked for it."""
+        fmt, where = self._format()
+        return (OutputFormat("json_schema", fmt.schema_) if fmt is not None else None), where
 
     @property
     def user(self) -> str | None:
@@ -97,11 +161,9 @@ def to_internal(req: MessagesRequest) -> GenRequest:
         messages.append({"role": "system", "content": _blocks_text(req.system, "system")})
     for i, m in enumerate(req.messages):
         messages += _message(m, f"messages[{i}]")
+    output_format, format_param = req.structured()
     if messages and messages[-1]["role"] == "assistant":
-        raise InvalidRequest(
-            "a final assistant message (prefill) is not supported by this server; end the conversation with a user message",
-            param=f"messages[{len(req.messages) - 1}]",
-        )
+        _prefill(req, messages, format_param if output_format is not None else None)
     tools = []
     for i, t in enumerate(req.tools or []):
         try:
@@ -121,12 +183,40 @@ def to_internal(req: MessagesRequest) -> GenRequest:
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=not (tc is not None and tc.disable_parallel_tool_use),
+        output_format=output_format,
         temperature=req.temperature,
         top_p=req.top_p,
         max_tokens=req.max_tokens,
         stop=tuple(req.stop_sequences or ()),
         user=req.user,
     )
+
+
+def _prefill(req: MessagesRequest, messages: list[dict[str, Any]], format_param: str | None) -> None:
+    """Mark the final assistant message as the start of the reply (``chat_format`` continues it), or drop it when empty.
+
+    ``format_param``: the field that asked for an output format, if one did. What cannot be honoured is a 400."""
+    at = f"messages[{len(req.messages) - 1}]"
+    last = messages[-1]
+    if last.get("tool_calls"):
+        raise InvalidRequest("a final assistant message (prefill) can hold only text; a tool_use needs a tool_result after it", param=f"{at}.content")
+    text = last["content"]
+    if not text:
+        messages.pop()  # an empty final assistant message: an ordinary reply
+        return
+    if text != text.rstrip():
+        raise InvalidRequest("final assistant content cannot end with trailing whitespace", param=f"{at}.content")
+    if req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+        raise InvalidRequest(
+            f"a final assistant message (prefill) cannot be combined with tool_choice {req.tool_choice.type}: the forced call is the whole reply",
+            param="tool_choice",
+        )
+    if format_param is not None:
+        raise InvalidRequest(
+            f"a final assistant message (prefill) cannot be combined with {format_param}: the format constrains the whole reply",
+            param=format_param,
+        )
+    last["prefix"] = True
 
 
 def _message(m: Any, where: str) -> list[dict[str, Any]]:
@@ -286,7 +376,13 @@ def install_messages_routes(app: FastAPI, gateway: Gateway, max_body: int) -> No
             req = MessagesRequest.model_validate(body)
         except ValidationError as exc:
             raise from_validation(exc) from None
-        out = await gateway.run(request, to_internal(req), stream=req.stream, id_prefix="msg_")
+        ireq = to_internal(req)
+        if is_prefill(ireq.messages) and gateway.agents is not None and gateway.agents.get(req.model) is not None:
+            raise InvalidRequest(
+                f"{req.model!r} is an agent, which runs its own turns; a final assistant message (prefill) is not supported for it",
+                param=f"messages[{len(req.messages) - 1}]",
+            )
+        out = await gateway.run(request, ireq, stream=req.stream, id_prefix="msg_")
         if out is None:
             return Response(status_code=499)
         if req.stream:

@@ -251,8 +251,9 @@ def test_messages_stop_reasons(finish, matched, want):
 def test_messages_errors_use_anthropics_envelope(serve):
     srv = serve([])
     with pytest.raises(anthropic.BadRequestError) as ei:
-        claude(srv).messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "pre"}])
-    assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "invalid_request_error" and "prefill" in ei.value.message
+        claude(srv).messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "pre "}])
+    assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "invalid_request_error"
+    assert "trailing whitespace" in ei.value.message
     with pytest.raises(anthropic.NotFoundError) as ei:
         claude(srv).messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "x"}])
     assert ei.value.body["error"]["type"] == "not_found_error"
