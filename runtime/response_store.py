@@ -83,7 +83,7 @@ class ResponseStore:
         turn_id = (stored.response.get("loopwise") or {}).get("turn_id")
         row = (stored.id, stored.owner, stored.session_id, time.time(), json.dumps(stored.response), json.dumps(stored.context))
         with self._lock:
-            if turn_id in self._forbidden:
+            if isinstance(turn_id, str) and turn_id in self._forbidden:
                 del self._forbidden[turn_id]
                 return
             db = self._conn(create=True)
