@@ -66,13 +66,14 @@ def test_live_traffic_of_every_shape_keeps_the_chat_learner_learning(start_serve
     assert any(r.garbage for r in report.ratings) and any(not r.garbage for r in report.ratings)
 
     # the chat learner takes the burst: an update that trains, no crash, no restart
-    before = watch.last[FAMILY].get("updates", 0)
+    watch.poll()  # under load the learner process may have listed itself only during the burst
+    before = watch.last.get(FAMILY, {}).get("updates", 0)
     time.sleep(1.5)  # JOB's settle window: the burst's last trajectories become trainable
     assert admin(server, "POST", "/admin/learner/update", json={"family": FAMILY}).status_code == 202
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         watch.poll()
-        s = watch.last[FAMILY]
+        s = watch.last.get(FAMILY, {})
         if s.get("updates", 0) > before and s.get("state") not in ("training", "publishing", "probing", "gating"):
             break
         assert s.get("state") != "error", s.get("detail")
