@@ -270,6 +270,7 @@ def build(settings: Settings) -> Built:
     server = settings.server
     from runtime.app import create_app
     from runtime.engine import Engine
+    from runtime.engines.local_embedder import LocalEmbedder
     from runtime.metrics import Metrics
     from runtime.model_store import ModelStoreError, resolve_model
 
@@ -345,6 +346,8 @@ def build(settings: Settings) -> Built:
         learner_enabled=settings.learner.enabled,
         learner_families=[j.family for j in jobs],
         memory=memory,
+        # the external backends pool nothing for a generative model: embeddings from a local CPU copy, loaded when first asked
+        embedder=LocalEmbedder(model_path, engine) if server.backend in ("sglang", "vllm") else None,
     )
     return Built(app, engine, model_id, model_path, server, agents, jobs)
 

@@ -57,7 +57,7 @@ from runtime.agent_api import AgentHost, LocalRuntimeClient
 from runtime.agent_routes import install_agent_routes
 from runtime.chat_format import ChatFormatter
 from runtime.console import install_console_routes
-from runtime.engine import Engine, EngineError
+from runtime.engine import Embedder, Engine, EngineError
 from runtime.errors import APIError, from_engine, human_message
 from runtime.experiments import Experiments
 from runtime.generation import Generation
@@ -99,6 +99,7 @@ def create_app(
     learner_enabled: bool = False,
     memory: MemoryBackend | None = None,
     learner_families: Collection[str] = (),
+    embedder: Embedder | None = None,
 ) -> FastAPI:
     metrics = metrics or Metrics(engine.stats)
     admission = Admission(admission_settings or AdmissionSettings(), unlimited_owners=(PUBLIC_OWNER, ADMIN_OWNER))
@@ -205,7 +206,7 @@ def create_app(
     install_responses_routes(app, gateway, responses, server.max_body_bytes)
     install_messages_routes(app, gateway, server.max_body_bytes)
     install_completions_routes(app, gateway, server.max_body_bytes)
-    install_embeddings_routes(app, gateway, model_id, server.max_body_bytes)
+    install_embeddings_routes(app, gateway, model_id, server.max_body_bytes, fallback=embedder)
 
     def unrecorded_generation() -> Generation:
         return app.state.generation_unrecorded  # type: ignore[no-any-return]

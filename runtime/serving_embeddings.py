@@ -11,8 +11,9 @@ states are not trained as sentence embeddings: fine for clustering and retrieval
 replacement for a dedicated embedding model.
 
 ``model`` must be the base model's id; ``dimensions`` other than the model's hidden size is a 400
-(the states cannot be shortened meaningfully). Engines without embeddings (the external backends)
-answer 501.
+(the states cannot be shortened meaningfully). On the external backends (vLLM, SGLang, whose servers pool nothing
+for a generative model) the same states come from a local CPU copy of the base model, loaded on the first request
+(``runtime/engines/local_embedder.py``; a 501 when its weights are too large for that).
 
 Not here: the forward pass (the engine's ``embed``).
 """
@@ -60,7 +61,9 @@ class EmbeddingRequest(_In):
         return list(x)  # type: ignore[arg-type]
 
 
-def install_embeddings_routes(app: FastAPI, gateway: Gateway, model_id: str, max_body: int) -> None:
+def install_embeddings_routes(app: FastAPI, gateway: Gateway, model_id: str, max_body: int, fallback: Embedder | None = None) -> None:
+    """The route; ``fallback`` embeds for an engine that cannot (``runtime/engines/local_embedder.py``)."""
+
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
         body = await read_json(request, max_body)
@@ -75,9 +78,10 @@ def install_embeddings_routes(app: FastAPI, gateway: Gateway, model_id: str, max
                 param="model",
                 code="model_not_supported",
             )
-        engine = gateway.engine()
-        if not isinstance(engine, Embedder):
-            raise from_engine(NotSupported(f"embeddings are not supported by the {engine.info.backend} backend"))
+        served = gateway.engine()
+        engine = served if isinstance(served, Embedder) else fallback
+        if engine is None:
+            raise from_engine(NotSupported(f"embeddings are not supported by the {served.info.backend} backend"))
         inputs = req.inputs()
         if len(inputs) > MAX_INPUTS:
             raise APIError(400, f"at most {MAX_INPUTS} inputs per request", param="input")
@@ -96,7 +100,7 @@ def install_embeddings_routes(app: FastAPI, gateway: Gateway, model_id: str, max
             raise APIError(400, f"the inputs hold {total} tokens; at most {MAX_TOTAL_TOKENS} per request", param="input")
         try:
             vectors = await engine.embed(ids, req.pooling)
-        except InvalidRequest as exc:
+        except (InvalidRequest, NotSupported) as exc:
             raise from_engine(exc) from exc
         if req.dimensions is not None and vectors and req.dimensions != len(vectors[0]):
             raise APIError(400, f"dimensions must be {len(vectors[0])} (this model's hidden size) or left out", param="dimensions")
