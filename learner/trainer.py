@@ -246,8 +246,7 @@ class LoRATrainer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.lr = cfg.lr
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         warm = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
 
@@ -542,7 +541,7 @@ class LoRATrainer:
                 raise ValueError(f"the adapter to restart from lacks {len(missing)} LoRA weights of this trainer (e.g. {missing[0]})")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         cfg, warm = self.cfg, self.cfg.warmup_steps
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
         log.info("restarted from other weights", base_only=lora_state is None, version=self.version)
 

@@ -117,6 +117,11 @@ def two_proportion_z_test(successes_a: int, n_a: int, successes_b: int, n_b: int
     return z, float(2 * stats.norm.sf(abs(z)))
 
 
+def _pooled_sd(n_a: int, n_b: int, var_a: float, var_b: float) -> float:
+    """The pooled standard deviation ``sqrt(((n_a-1) var_a + (n_b-1) var_b) / (n_a + n_b - 2))`` of two arms."""
+    return math.sqrt(((n_a - 1) * var_a + (n_b - 1) * var_b) / (n_a + n_b - 2))
+
+
 def msprt_p_value(
     n_a: int, n_b: int, mean_a: float, mean_b: float, var_a: float, var_b: float, *, tau: float | None = None, prev_p: float = 1.0
 ) -> float:
@@ -159,8 +164,7 @@ def msprt_p_value(
     if v <= 0.0:  # both arms constant: any difference is certain, none is no evidence
         return 0.0 if diff != 0.0 else min(prev_p, 1.0)
     if tau is None:
-        pooled_sd = math.sqrt(((n_a - 1) * var_a + (n_b - 1) * var_b) / (n_a + n_b - 2))
-        tau = DEFAULT_TAU_FRACTION * pooled_sd
+        tau = DEFAULT_TAU_FRACTION * _pooled_sd(n_a, n_b, var_a, var_b)
     if not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau must be finite and > 0, got {tau}")
     tau2 = tau * tau
@@ -237,8 +241,7 @@ def non_inferiority(champion: Sequence[float], challenger: Sequence[float], *, m
         raise ValueError(f"the test needs at least 2 samples per arm, got {n_a} and {n_b}")
     var_a, var_b = float(a.var(ddof=1)), float(b.var(ddof=1))
     diff = float(b.mean() - a.mean())
-    pooled_sd = math.sqrt(((n_a - 1) * var_a + (n_b - 1) * var_b) / (n_a + n_b - 2))
-    margin = margin_sd * pooled_sd
+    margin = margin_sd * _pooled_sd(n_a, n_b, var_a, var_b)
     se2 = var_a / n_a + var_b / n_b
     if se2 == 0.0:  # both arms constant: the difference is exact
         lower = diff

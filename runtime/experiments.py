@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from typing import Any, Literal, Protocol
 
@@ -367,11 +368,7 @@ def _score_within_source(obs: dict[str, dict[str, list[Any]]]) -> None:
     for o in obs.values():
         for r, src in zip(o["rewards"], o["sources"], strict=True):
             pooled.setdefault(src, []).append(float(r))
-    per_source: dict[str, tuple[float, float]] = {}
-    for src, xs in pooled.items():
-        mean = sum(xs) / len(xs)
-        var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
-        per_source[src] = (mean, math.sqrt(var))
+    per_source = {src: (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0) for src, xs in pooled.items()}
     for o in obs.values():
         o["scores"] = [
             (float(r) - per_source[src][0]) / per_source[src][1] if per_source[src][1] > 0 else 0.0

@@ -290,32 +290,30 @@ def test_a_decided_experiments_figures_stay_as_they_were_at_its_end(tmp_path):
     assert [a["n"] for a in again["arms"]] == [40, 40] and again["arms"][0]["mean_reward"] == ended["arms"][0]["mean_reward"]
 
 
+def _equal_arms_ended(db, n: int) -> tuple[dict, AdapterRegistry]:
+    """An experiment with non_inferiority_margin 0.2 between two arms of n identical 0/1 rewards, evaluated at max_samples n."""
+    store, reg = SqliteStore(db), registry_with("f@1", "f@2")
+    exps = Experiments(store, reg)
+    exps.create(config(auto_rollback=True, auto_promote=True, max_samples=n, non_inferiority_margin=0.2), {"f@1", "f@2"})
+    same = [float(i % 2) for i in range(n)]
+    add_rewards(store, "f@1", same, 0)
+    add_rewards(store, "f@2", same, 0)
+    assert Experiments(store, reg).status("e")["status"] == "running"
+    status = exps.evaluate("e")
+    assert Experiments(store, reg).status("e")["status"] == status["status"]  # persisted
+    return status, reg
+
+
 def test_an_undecided_experiment_promotes_a_challenger_shown_non_inferior(tmp_path):
     # equal arms, 100 per arm of 0/1: sd 0.5025, margin 0.2 sd = 0.1005; Welch se = sqrt(2 * 0.25253 / 100) = 0.0711,
     # t(0.95, 198) = 1.6526, lower bound = 0 - 0.1174 < -0.1005: not shown non-inferior at 100. At 200 per arm:
     # se 0.0501, lower = -0.0826 > -0.1003: non-inferior, so the experiment that ends there promotes the challenger.
-    store = SqliteStore(tmp_path / "x.db")
-    reg = registry_with("f@1", "f@2")
-    exps = Experiments(store, reg)
-    exps.create(config(auto_rollback=True, auto_promote=True, max_samples=100, non_inferiority_margin=0.2), {"f@1", "f@2"})
-    same = [float(i % 2) for i in range(100)]
-    add_rewards(store, "f@1", same, 0)
-    add_rewards(store, "f@2", same, 0)
-    status = exps.evaluate("e")
+    status, reg = _equal_arms_ended(tmp_path / "x.db", 100)
     assert status["status"] == "inconclusive" and reg.aliases()["f"] == "f@1"
-
-    store2 = SqliteStore(tmp_path / "y.db")
-    reg2 = registry_with("f@1", "f@2")
-    exps2 = Experiments(store2, reg2)
-    exps2.create(config(auto_rollback=True, auto_promote=True, max_samples=200, non_inferiority_margin=0.2), {"f@1", "f@2"})
-    same = [float(i % 2) for i in range(200)]
-    add_rewards(store2, "f@1", same, 0)
-    add_rewards(store2, "f@2", same, 0)
-    status = exps2.evaluate("e")
+    status, reg = _equal_arms_ended(tmp_path / "y.db", 200)
     assert status["status"] == "promoted" and status["winner"] == "f@2", status["decisions"]
     assert "non-inferior" in status["decisions"][-1]["reason"] and status["decisions"][-1]["action"] == "promote"
-    assert reg2.aliases()["f"] == "f@2"  # the alias follows the promotion
-    assert Experiments(store2, reg2).status("e")["status"] == "promoted"  # persisted
+    assert reg.aliases()["f"] == "f@2"  # the alias follows the promotion
 
 
 def test_a_worse_challenger_is_not_promoted_when_undecided_and_time_ends_without_evidence(tmp_path, monkeypatch):
