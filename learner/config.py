@@ -244,7 +244,8 @@ class TrafficFilter(BaseModel):
 class SingletonConfig(BaseModel):
     """What a group of one trajectory (a one-off prompt: live chat rarely repeats one) learns from (``[singletons]``).
 
-    - ``baseline``: REINFORCE with a running baseline per key (agent or ``chat``, the client's tag, the reward source):
+    - ``baseline``: REINFORCE with a running baseline per key (agent or ``chat``, the client's tag, the reward source,
+      and the owner once it has ``baseline_owner_min`` rewards):
       ``A = (x - m) / s`` with ``m`` and ``s`` the key's exponentially weighted mean and std of the rewards seen
       *before* this one (``learner/baseline.py`` states the rule, its variance and its bias).
     - ``complete``: group completion by re-rollout: the learner samples ``group_size - 1`` siblings from the turn's
@@ -266,6 +267,16 @@ class SingletonConfig(BaseModel):
     )
     baseline_clip: float = Field(
         3.0, gt=0.0, description="baseline: |A| is clipped to this (biased where it bites: a reward over 3 running stds out; learner/baseline.py)"
+    )
+    baseline_per_owner: bool = Field(
+        True,
+        description=(
+            "baseline: one running baseline per owner (API key) under each key, so an owner's rating habit (lenient, strict, "
+            "random) is not read as the reply's quality; the pooled key's baseline until the owner has baseline_owner_min rewards"
+        ),
+    )
+    baseline_owner_min: int = Field(
+        8, ge=1, le=10_000, description="baseline: an owner's own baseline is used from this many of its rewards on (before: the pooled one)"
     )
     group_size: int = Field(4, ge=2, le=16, description="complete: G, the group size; G-1 siblings are sampled per rewarded one-off turn")
     max_turns_per_update: int = Field(16, ge=1, le=1024, description="complete: most one-off turns completed per update (newest first)")

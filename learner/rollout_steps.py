@@ -72,6 +72,8 @@ class RolloutSteps(ServiceState):
                 norm_by_std=sc.baseline_norm_by_std,
                 std_floor=sc.baseline_std_floor,
                 clip=sc.baseline_clip,
+                per_owner=sc.baseline_per_owner,
+                owner_min=sc.baseline_owner_min,
             )
         if own is not None and own[0]:
             from learner.sources import join_tree_samples

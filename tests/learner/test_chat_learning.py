@@ -116,6 +116,64 @@ def test_running_baseline_by_hand():
     assert adv == pytest.approx([0.0, 2.5]) and warm == [True, False] and state["k"]["n"] == 3  # input state untouched
 
 
+def test_per_owner_baseline_by_hand():
+    """Per owner with the pooled key as fallback (min_n 2, decay 0.5, no std scaling): owner A 1, 1; owner B 0, 0, 1.
+    1 (A): no baseline anywhere (0, seeds A and the pool at 1); 1 (A): A has 1 < 2 rewards, the pool's m 1 -> 0;
+    0 (B): B has none, the pool's m 1 -> -1, pool m 1/2; 0 (B): B has 1, the pool's m 1/2 -> -1/2, pool m 1/4;
+    1 (B): B has 2 rewards at m 0 -> its own: +1 (the pool would say 3/4)."""
+    keys = ["p|owner:A", "p|owner:A", "p|owner:B", "p|owner:B", "p|owner:B"]
+    adv, state, warm = running_baseline([1.0, 1.0, 0.0, 0.0, 1.0], keys, None, decay=0.5, norm_by_std=False, fallback=["p"] * 5, min_n=2)
+    assert adv == pytest.approx([0.0, 0.0, -1.0, -0.5, 1.0]) and warm == [True, False, False, False, False]
+    assert state["p"]["n"] == 5 and state["p|owner:A"]["n"] == 2 and state["p|owner:B"]["n"] == 3
+    assert state["p|owner:B"]["mean"] == pytest.approx(0.5)  # 0, 0 (a = 1/2, d 0), then 1: m = 0 + 1/2 * 1
+
+
+def test_per_owner_baseline_neutralises_a_random_rater():
+    """An honest owner right 10 % of the time and one rating at random (half thumbs-up), interleaved. Pooled, the random
+    rater's thumbs-ups get about the advantage of the honest owner's right answers; per owner, about a third of it, and
+    the random rater's advantages average about 0 (they carry no signal, so they should carry no weight)."""
+    import random
+
+    rng = random.Random(7)
+    scores, owners = [], []
+    for _ in range(2000):
+        honest = rng.random() < 0.875
+        scores.append(float(rng.random() < (0.1 if honest else 0.5)))
+        owners.append("honest" if honest else "random")
+    pooled_keys = ["chat|-|-"] * len(scores)
+    pooled, _, _ = running_baseline(scores, pooled_keys, None, decay=0.98)
+    per, _, _ = running_baseline(scores, [f"chat|-|-|owner:{o}" for o in owners], None, decay=0.98, fallback=pooled_keys, min_n=8)
+
+    def mean(adv: list[float], owner: str, score: float) -> float:
+        xs = [a for a, o, x in zip(adv[100:], owners[100:], scores[100:], strict=True) if o == owner and x == score]
+        return sum(xs) / len(xs)
+
+    # pooled: mean about 0.15, sd about 0.36 -> a thumbs-up is worth about +2.4 from either owner
+    assert mean(pooled, "random", 1.0) == pytest.approx(mean(pooled, "honest", 1.0), rel=0.15)
+    # per owner: the random rater's thumbs-up is (1 - 0.5) / 0.5 = +1, the honest right answer (1 - 0.1) / 0.3 = +3
+    assert mean(per, "random", 1.0) == pytest.approx(1.0, abs=0.15) and mean(per, "honest", 1.0) > 2.5
+    rnd = [a for a, o in zip(per[100:], owners[100:], strict=True) if o == "random"]
+    assert abs(sum(rnd) / len(rnd)) < 0.15
+
+
+def test_apply_to_singletons_keys_the_baseline_by_owner(srv):
+    """The samples' owners key the baseline (per_owner): the state has the pooled key and one key per owner."""
+    import dataclasses
+
+    for prompt, v in (("first", 1.0), ("second", 0.0), ("third", 1.0)):
+        r = chat(srv, prompt)
+        feedback(srv, turn_id=ids(r)["turn_id"], reward=v)
+    samples = sorted(collect(srv).samples, key=lambda s: s.created_at)
+    samples = [dataclasses.replace(s, owner=o) for s, o in zip(samples, ["key-a", "key-b", "key-a"], strict=True)]
+    est = estimate(samples, "grpo")
+    adv, state, _ = apply_to_singletons(samples, est, None, decay=0.98, norm_by_std=True, per_owner=True, owner_min=1)
+    # 1 (a): seeds; 0 (b): b has none -> the pool's m 1: -1; 1 (a): a's own baseline (m 1, no spread): 1 - 1 = 0
+    assert list(adv) == pytest.approx([0.0, -1.0, 0.0])
+    assert set(state) == {"chat|-|feedback", "chat|-|feedback|owner:key-a", "chat|-|feedback|owner:key-b"}
+    pooled, pooled_state, _ = apply_to_singletons(samples, est, None, decay=0.98, norm_by_std=True)
+    assert list(pooled) == pytest.approx([0.0, -1.0, 1.0]) and set(pooled_state) == {"chat|-|feedback"}
+
+
 def test_one_off_prompts_learn_with_the_baseline(srv, trainer):
     """Three distinct prompts (singleton groups), rewarded 1, 0, 1 by turn_id: advantages 0 (seeds), -1, +1."""
     for prompt, v in (("first", 1.0), ("second", 0.0), ("third", 1.0)):  # as the README's example posts it
