@@ -28,7 +28,7 @@ from learner.parity import refusal
 from learner.publish import AdminError, adapter_path, publish_adapter
 from learner.reward_plot import plot_rewards
 from learner.samples import Sample
-from learner.service_state import INTERMEDIATE, LINEAGE_START, RESTART_FILE, UPDATE_VERSIONS, ServiceState, _update_versions
+from learner.service_state import CHAIN_FILE, INTERMEDIATE, LINEAGE_START, RESTART_FILE, UPDATE_VERSIONS, ServiceState, _update_versions
 from learner.svr_rollouts import adaptive_report
 from learner.update import checkpoint_and_publish
 
@@ -151,7 +151,9 @@ class Release(ServiceState):
         feedback source. Both count only the owners it trains on, bounded by the same ``max_owner_share``, never the
         learner's own runs (the runtime leaves out everything done through the admin API), and end undecided after
         ``ab_max_duration_s``, so an experiment that collects no evidence never holds the learner forever; undecided, the
-        new version is promoted if shown non-inferior (``ab_non_inferiority_margin``), else the champion stays."""
+        new version is promoted if shown non-inferior (``ab_non_inferiority_margin``), else the champion stays. The margin
+        bounds the chain: the promotions since the first champion (``_chain``) are the test's prior, so the served line
+        never drifts more than the margin below where it started, however many small steps it takes."""
         sc = self.cfg.settings.samples
         task = self._task()
         rule: dict[str, Any] = {"metric": f"verifier:{task}"} if task else {"reward_sources": list(sc.reward_sources)}
@@ -165,11 +167,43 @@ class Release(ServiceState):
             "max_owner_share": sc.max_owner_share,
             "max_duration_s": self.cfg.settings.ab_max_duration_s,
             "non_inferiority_margin": self.cfg.settings.ab_non_inferiority_margin,
+            "non_inferiority_chain": self._chain(champion),
             "min_samples": self.cfg.ab_min_samples,
             "max_samples": self.cfg.ab_max_samples,
             "auto_promote": True,
             "auto_rollback": True,
         }
+
+    def _chain(self, champion: str) -> dict[str, Any]:
+        """The chain of promotions this learner's experiments made since its anchor (the first champion they started from):
+        their effects summed in pooled sds (``chain.json`` in the learner's folder; the status shows it)."""
+        try:
+            chain = json.loads((self.dir / CHAIN_FILE).read_text())
+        except (OSError, ValueError):
+            chain = {}
+        if not isinstance(chain, dict) or not chain.get("anchor"):
+            chain = {"anchor": champion, "steps": 0, "diff_sd": 0.0, "var_sd": 0.0}
+        self.status.chain = chain
+        return {k: chain[k] for k in ("anchor", "steps", "diff_sd", "var_sd")}
+
+    def _extend_chain(self, state: dict[str, Any]) -> None:
+        """A promotion adds its ``effect`` (the runtime's estimate of new minus champion, in pooled sds) to the chain."""
+        effect, winner = state.get("effect"), state.get("winner")
+        if state.get("status") != "promoted" or not isinstance(effect, dict) or effect.get("arm") != winner:
+            return
+        chain = self._chain(str(state.get("champion")))
+        if self.status.chain.get("experiment") == state.get("name"):
+            return  # counted already (a learner restarted after reading the experiment's end)
+        chain.update(
+            experiment=state.get("name"),
+            steps=int(chain["steps"]) + 1,
+            diff_sd=float(chain["diff_sd"]) + float(effect["diff_sd"]),
+            var_sd=float(chain["var_sd"]) + float(effect["var_sd"]),
+            last=winner,
+        )
+        (self.dir / CHAIN_FILE).write_text(json.dumps(chain))
+        self.status.chain = chain
+        log.info("promotion chain", **chain)
 
     def _rejected(self, version: str, why: str) -> None:
         """A version was refused or rolled back: with ``restart_from_champion`` the next update starts from the champion."""
@@ -233,6 +267,7 @@ class Release(ServiceState):
             return True
         # a promotion's winner is the champion now; "champion" is the one the experiment started with
         self.status.champion = state.get("winner") or state.get("champion") or self.status.champion
+        self._extend_chain(state)
         challenger, self.status.experiment, self.status.challenger = self.status.challenger, None, None
         if state.get("status") == "rolled_back" and challenger is not None:
             if self._held and self.cfg.settings.restart_from_champion:

@@ -31,6 +31,7 @@ from learner.samples import Sample
 log = structlog.get_logger(__name__)
 
 REQUEST_FILE = "update.request"
+CHAIN_FILE = "chain.json"  # the promotions since the first champion, summed in pooled sds (release.py: chained non-inferiority)
 RESTART_FILE = "restart.request"  # a version was rejected: the next update starts from the champion (survives a learner restart)
 INTERMEDIATE = "rtpo_intermediate"  # manifest key of versions published only for an RTPO sweep's siblings
 UPDATE_VERSIONS = "update_versions"  # trainer.cursor key: the final version of each recent update (the staleness bound)
@@ -98,6 +99,7 @@ class Status:
     last_reasons: dict[str, Any] = field(default_factory=dict)  # what the last update could not use, and why (learner/reasons.py)
     last_parity: dict[str, Any] = field(default_factory=dict)  # the parity probe of the last loaded version (learner/parity.py)
     challenger: str | None = None  # the version in the running experiment
+    chain: dict[str, Any] = field(default_factory=dict)  # promotions since the anchor: anchor, steps, diff_sd, var_sd (release.py)
     restarts: int = 0  # times the trainer restarted from the champion after a rejected version
     traffic: dict[str, Any] = field(default_factory=dict)  # the traffic filter this learner trains on
     sources: dict[str, Any] = field(default_factory=dict)  # the last update's own rollouts: PATR budget, RODS pool figures

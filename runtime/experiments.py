@@ -24,7 +24,9 @@ to that arm, and once every challenger is rolled back the experiment ends (``rol
 (the status says ``evidence`` in words while an arm has none). With ``non_inferiority_margin`` (pooled sds) an
 experiment that ends undecided with ``min_samples`` per arm promotes instead the best challenger shown non-inferior
 (``experiment_stats.non_inferiority``, looked at once, at the end): a continual learner's next version ships unless
-the evidence allows it to be worse by the margin (chained, such promotions can drift down). When the evidence
+the evidence allows it to be worse by the margin; with ``non_inferiority_chain`` (the earlier promotions' effects, which a
+learner carries from one experiment to the next) the margin bounds the drift of the whole chain from its anchor, so
+small losses cannot add up. Every promotion records its ``effect`` (difference and variance in pooled sds). When the evidence
 holds several reward sources, every decision compares rewards standardized within their source
 (``_score_within_source``), never raw means across scales.
 A decided experiment's figures are those at its end (``ended_at``): later rewards on its arms' turns do not move them.
@@ -50,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.records import owner_quota, source_rank
 from learner.records.experiments_store import ExperimentDatabase, ExperimentStore
-from runtime.experiment_stats import decide, non_inferiority, summarize, welch_t_test
+from runtime.experiment_stats import decide, non_inferiority, standardized_effect, summarize, welch_t_test
 from runtime.routing import Arm, assign_arm
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,17 @@ class ArmConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     adapter: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}@[1-9][0-9]*$")
     weight: float = Field(1.0, gt=0)
+
+
+class NonInferiorityChain(BaseModel):
+    """The promotions before this experiment, in pooled sds (``experiment_stats.non_inferiority``'s prior): the sums of
+    their ``effect`` (an ended experiment's state) since ``anchor``, the version the chain started from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    anchor: str | None = Field(None, max_length=200)
+    diff_sd: float = Field(0.0, allow_inf_nan=False, ge=-100, le=100)
+    var_sd: float = Field(0.0, allow_inf_nan=False, ge=0, le=100)
+    steps: int = Field(0, ge=0)
 
 
 class ExperimentConfig(BaseModel):
@@ -79,6 +92,8 @@ class ExperimentConfig(BaseModel):
     # in pooled sds: an experiment that ends undecided (max_samples or max_duration_s) with min_samples per arm promotes the
     # best challenger shown non-inferior by that margin (experiment_stats.non_inferiority) instead of keeping the champion
     non_inferiority_margin: float | None = Field(None, ge=0, le=2)
+    # with a margin: the earlier promotions of the same line, so the margin bounds the drift from the chain's anchor
+    non_inferiority_chain: NonInferiorityChain | None = None
     alpha: float = Field(0.05, gt=0, lt=0.5)
     test: Literal["msprt"] = "msprt"
     auto_promote: bool = False
@@ -194,11 +209,14 @@ class Experiments:
             self.saved.save(name, self.configs[name].model_dump(), state)
         return self.status(name)
 
-    def promote(self, name: str, arm: str, reason: str = "promoted by an admin") -> dict[str, Any]:
+    def promote(
+        self, name: str, arm: str, reason: str = "promoted by an admin", obs: dict[str, dict[str, list[Any]]] | None = None
+    ) -> dict[str, Any]:
         cfg, state = self.configs[name], self._state(name)
         if arm not in {a.adapter for a in cfg.arms}:
             raise ExperimentError(f"{arm} is not an arm of {name}")
         self.registry.set_alias(cfg.family, arm)
+        _record_effect(state, obs if obs is not None else self._observations(cfg, state), arm)
         state.update(status="promoted", winner=arm, ended_at=time.time())
         state["decisions"].append({"time": time.time(), "action": "promote", "arm": arm, "reason": reason})
         self.saved.save(name, cfg.model_dump(), state)
@@ -263,7 +281,7 @@ class Experiments:
                 _append_p(state, arm.adapter, d.p_value, len(obs[champion]["rewards"]), len(obs[arm.adapter]["rewards"]))
                 changed = True
             if d.action == "promote" and cfg.auto_promote:
-                return self.promote(name, arm.adapter, reason=d.reason)
+                return self.promote(name, arm.adapter, reason=d.reason, obs=obs)
             if d.action == "rollback" and cfg.auto_rollback:
                 state["stopped_arms"].append(arm.adapter)
                 state["decisions"].append({"time": time.time(), "action": "rollback", "arm": arm.adapter, "reason": d.reason})
@@ -293,6 +311,7 @@ class Experiments:
         if winner is not None:
             arm, why = winner
             self.registry.set_alias(cfg.family, arm)
+            _record_effect(state, obs, arm)
             state.update(status="promoted", winner=arm)
             state["decisions"].append({"time": state["ended_at"], "action": "promote", "arm": arm, "reason": f"undecided at the end; {why}"})
             return True
@@ -376,16 +395,26 @@ def _score_within_source(obs: dict[str, dict[str, list[Any]]]) -> None:
         ]
 
 
+def _record_effect(state: dict[str, Any], obs: dict[str, dict[str, list[Any]]], arm: str) -> None:
+    """The promoted arm's ``effect`` against the champion, in pooled sds (``standardized_effect``): a chain's next step.
+    None when an arm has fewer than 2 scores or neither has any spread."""
+    eff = standardized_effect(obs[state["champion"]]["scores"], obs[arm]["scores"]) if arm in obs and state["champion"] in obs else None
+    state["effect"] = None if eff is None else {"arm": arm, "diff_sd": eff[0], "var_sd": eff[1]}
+
+
 def _non_inferior_winner(cfg: ExperimentConfig, champion: str, live: list[str], obs: dict[str, dict[str, list[float]]]) -> tuple[str, str] | None:
     """With ``non_inferiority_margin``: the live challenger with the highest mean among those shown non-inferior to the
-    champion (each arm with at least ``min_samples`` rewards), and why; None keeps the champion."""
+    champion (each arm with at least ``min_samples`` rewards), and why; None keeps the champion. With
+    ``non_inferiority_chain`` the test bounds the drift of the whole chain of promotions since its anchor."""
     if cfg.non_inferiority_margin is None or len(obs[champion]["rewards"]) < cfg.min_samples:
         return None
+    chain = cfg.non_inferiority_chain
+    prior = {"prior_diff_sd": chain.diff_sd, "prior_var_sd": chain.var_sd} if chain is not None else {}
     best: tuple[float, str, str] | None = None
     for arm in live:
         if len(obs[arm]["rewards"]) < cfg.min_samples:
             continue
-        t = non_inferiority(obs[champion]["scores"], obs[arm]["scores"], margin_sd=cfg.non_inferiority_margin, alpha=cfg.alpha)
+        t = non_inferiority(obs[champion]["scores"], obs[arm]["scores"], margin_sd=cfg.non_inferiority_margin, alpha=cfg.alpha, **prior)
         if t.passed and (best is None or t.diff > best[0]):
             best = (t.diff, arm, t.reason)
     return None if best is None else (best[1], best[2])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import pytest
 
@@ -290,11 +291,11 @@ def test_a_decided_experiments_figures_stay_as_they_were_at_its_end(tmp_path):
     assert [a["n"] for a in again["arms"]] == [40, 40] and again["arms"][0]["mean_reward"] == ended["arms"][0]["mean_reward"]
 
 
-def _equal_arms_ended(db, n: int) -> tuple[dict, AdapterRegistry]:
+def _equal_arms_ended(db, n: int, **extra: Any) -> tuple[dict, AdapterRegistry]:
     """An experiment with non_inferiority_margin 0.2 between two arms of n identical 0/1 rewards, evaluated at max_samples n."""
     store, reg = SqliteStore(db), registry_with("f@1", "f@2")
     exps = Experiments(store, reg)
-    exps.create(config(auto_rollback=True, auto_promote=True, max_samples=n, non_inferiority_margin=0.2), {"f@1", "f@2"})
+    exps.create(config(auto_rollback=True, auto_promote=True, max_samples=n, non_inferiority_margin=0.2, **extra), {"f@1", "f@2"})
     same = [float(i % 2) for i in range(n)]
     add_rewards(store, "f@1", same, 0)
     add_rewards(store, "f@2", same, 0)
@@ -314,6 +315,25 @@ def test_an_undecided_experiment_promotes_a_challenger_shown_non_inferior(tmp_pa
     assert status["status"] == "promoted" and status["winner"] == "f@2", status["decisions"]
     assert "non-inferior" in status["decisions"][-1]["reason"] and status["decisions"][-1]["action"] == "promote"
     assert reg.aliases()["f"] == "f@2"  # the alias follows the promotion
+
+
+def test_a_chain_of_non_inferior_promotions_is_bounded_as_a_whole(tmp_path):
+    # equal arms, 200 per arm of 0/1: var 200 * 0.25 / 199 = 0.25126 on each arm, pooled sd 0.50125, this step's
+    # d = 0 and v = se^2 / sd^2 = (2 * 0.25126 / 200) / 0.25126 = 0.01; alone it passes (above). After one earlier step
+    # of the same size and no gain (prior 0, 0.01) the chain's bound is 0 - 1.6526 * sqrt(0.02) = -0.234 < -0.2: the
+    # champion stays, so two "non-inferior" steps cannot add up to more than the margin. A chain that has gained
+    # +0.1 sd so far passes: 0.1 - 0.234 = -0.134 > -0.2.
+    flat = {"anchor": "f@0", "steps": 1, "diff_sd": 0.0, "var_sd": 0.01}
+    status, reg = _equal_arms_ended(tmp_path / "x.db", 200, non_inferiority_chain=flat)
+    assert status["status"] == "inconclusive" and reg.aliases()["f"] == "f@1"
+    gained = {**flat, "diff_sd": 0.1}
+    status, reg = _equal_arms_ended(tmp_path / "y.db", 200, non_inferiority_chain=gained)
+    assert status["status"] == "promoted" and reg.aliases()["f"] == "f@2"
+    assert "the chain so far +0.1 sd" in status["decisions"][-1]["reason"], status["decisions"][-1]
+    # every promotion records its step for the next experiment's chain: d 0, v 0.01
+    assert status["effect"] == {"arm": "f@2", "diff_sd": pytest.approx(0.0), "var_sd": pytest.approx(0.01)}
+    with pytest.raises(ValueError):
+        config(non_inferiority_margin=0.2, non_inferiority_chain={"diff_sd": 0.0, "var_sd": -1.0})
 
 
 def test_a_worse_challenger_is_not_promoted_when_undecided_and_time_ends_without_evidence(tmp_path, monkeypatch):
