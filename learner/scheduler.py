@@ -5,7 +5,8 @@ decided, else wait for ``min_new_trajectories`` new settled, rewarded trajectori
 (quarantined ones not counted: ``learner/quarantine.py``), an update request file, or an update the previous
 learner process did not finish (retried at the first round), then run an update (``LearnerService.update``),
 publishing only when no experiment is running; an unrequested update whose batch holds fewer than
-``min_new_trajectories`` trainable trajectories (the others stale, say) trains nothing and keeps its cursor.
+``min_new_trajectories`` trainable trajectories (the others stale, say) trains nothing and keeps its cursor, and the
+next one waits until as many new settled trajectories as it was short have come (not a re-read every round).
 ``_sleep`` waits between rounds, wakes on a request file and notices a dead parent server; ``_staleness_floor`` is
 the oldest version whose data is still fresh.
 
@@ -49,6 +50,14 @@ class Scheduler(ServiceState):
             else:
                 self._set("waiting", wait)
             return False
+        if not requested and self._short is not None and not self._restart:
+            # the last update found too few trainable trajectories (the rest stale or unsettled): only new settled ones can
+            # add any, so re-reading the whole window every poll would only take CPU from the server it shares
+            seen, need = self._short
+            if self.status.new_trajectories < seen:  # the window moved (an update, a restart): count afresh
+                self._short = None
+            elif self.status.new_trajectories < seen + need:
+                return False
         record = self.update(force=requested, publish=not running)
         return bool(record["metrics"])
 

@@ -141,6 +141,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         self.status = Status(self.family, traffic=self.traffic.model_dump(), **carried_over(self.dir))
         self.ledger = BatchLedger(self.dir)
         self._retry = False
+        self._short = None
         self._failure: Outcome | None = None  # what the last failed update did to its batch's count (for the crash record)
         self._restart = (self.dir / RESTART_FILE).exists()  # a version was rejected: the next update starts from the champion's weights
         self._rejected_names: set[str] = set()  # versions refused or rolled back: never used for re-rollouts
@@ -341,8 +342,10 @@ class LearnerService(Scheduler, RolloutSteps, Release):
             why = unused_reasons(skipped, [], [])
             self.status.last_reasons = why
             self._set("waiting", self._nothing_to_train(why, trainable))
+            self._short = (self.status.new_trajectories, max(1, self.cfg.min_new_trajectories - trainable))
             reason = "no samples" if not samples else f"{trainable} trainable trajectories, fewer than {self.cfg.min_new_trajectories}"
             return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": reason}}
+        self._short = None
         self._baseline_state, self._warmup = None, set()
         self.ledger.begin(s.trajectory_id for s in samples)  # until its checkpoint, a failure counts against this batch
         metrics, rerollouts, advantages, used = self._train(trainer, samples, skipped, own)

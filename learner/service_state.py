@@ -131,6 +131,7 @@ class ServiceState:
     _trainer: Any  # built on the first update: idle learners hold no model
     _sources: Any  # learner.sources.RolloutSources (PATR trees, RODS pool), built on the first update that needs it
     _held: bool  # a version trained during an experiment waits to be published
+    _short: tuple[int, int] | None  # an update found too few trainable: (new trajectories counted then, how many more it needs)
     _stop: bool
     _busy: bool  # inside a scheduling round (an update, a publish, a gate)
     _seen_since: float

@@ -807,6 +807,16 @@ def test_an_update_waits_for_enough_trainable_trajectories_and_keeps_its_cursor(
     record = svc.update(force=False, publish=False)
     assert record["metrics"] == {} and record["version"] == 0 and "4 trainable trajectories, fewer than 8" in record["gate"]["reason"]
     assert svc.status.state == "waiting" and svc.status.detail.startswith("4 of 8 trainable trajectories")
+    assert svc._short is not None and svc._short[1] == 4  # four short
+    # until four new settled trajectories come, a scheduling round does not re-read the window
+    calls: list[dict[str, object]] = []
+    real_update = svc.update
+    svc.update = lambda **kw: calls.append(kw) or {"metrics": {}}  # type: ignore[method-assign]
+    svc._short = (svc._count_new(), 4)
+    assert svc.tick() is False and calls == []
     traffic(server, range(101, 102), 4)
+    assert svc.tick() is False and calls == [{"force": False, "publish": True}]  # four new: the round updates
+    svc.update = real_update  # type: ignore[method-assign]
     record = svc.update(force=False, publish=False)  # the first four were kept: now eight (held: the module's server holds 8 adapters)
     assert record["metrics"]["optimizer_step"] is True and record["metrics"]["samples"] == 8 and record["version"] == 1
+    assert svc._short is None
