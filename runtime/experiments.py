@@ -307,7 +307,7 @@ class Experiments:
         else:
             return False
         state["ended_at"] = time.time()
-        winner = _non_inferior_winner(cfg, champion, live, obs) if status == "inconclusive" else None
+        winner, tested = _non_inferior_winner(cfg, champion, live, obs) if status == "inconclusive" else (None, [])
         if winner is not None:
             arm, why = winner
             self.registry.set_alias(cfg.family, arm)
@@ -316,6 +316,8 @@ class Experiments:
             state["decisions"].append({"time": state["ended_at"], "action": "promote", "arm": arm, "reason": f"undecided at the end; {why}"})
             return True
         state["status"] = status
+        if tested:  # what the non-inferiority test found, so the status says why the champion stays
+            reason += "; " + "; ".join(tested)
         state["decisions"].append({"time": state["ended_at"], "action": "end", "arm": None, "reason": reason})
         return True
 
@@ -402,22 +404,27 @@ def _record_effect(state: dict[str, Any], obs: dict[str, dict[str, list[Any]]], 
     state["effect"] = None if eff is None else {"arm": arm, "diff_sd": eff[0], "var_sd": eff[1]}
 
 
-def _non_inferior_winner(cfg: ExperimentConfig, champion: str, live: list[str], obs: dict[str, dict[str, list[float]]]) -> tuple[str, str] | None:
+def _non_inferior_winner(
+    cfg: ExperimentConfig, champion: str, live: list[str], obs: dict[str, dict[str, list[float]]]
+) -> tuple[tuple[str, str] | None, list[str]]:
     """With ``non_inferiority_margin``: the live challenger with the highest mean among those shown non-inferior to the
-    champion (each arm with at least ``min_samples`` rewards), and why; None keeps the champion. With
-    ``non_inferiority_chain`` the test bounds the drift of the whole chain of promotions since its anchor."""
+    champion (each arm with at least ``min_samples`` rewards) and why, or None (the champion stays); and each tested
+    arm's verdict in words. With ``non_inferiority_chain`` the test bounds the drift of the whole chain of promotions
+    since its anchor."""
     if cfg.non_inferiority_margin is None or len(obs[champion]["rewards"]) < cfg.min_samples:
-        return None
+        return None, []
     chain = cfg.non_inferiority_chain
     prior = {"prior_diff_sd": chain.diff_sd, "prior_var_sd": chain.var_sd} if chain is not None else {}
     best: tuple[float, str, str] | None = None
+    tested: list[str] = []
     for arm in live:
         if len(obs[arm]["rewards"]) < cfg.min_samples:
             continue
         t = non_inferiority(obs[champion]["scores"], obs[arm]["scores"], margin_sd=cfg.non_inferiority_margin, alpha=cfg.alpha, **prior)
+        tested.append(f"{arm} {t.reason}")
         if t.passed and (best is None or t.diff > best[0]):
             best = (t.diff, arm, t.reason)
-    return None if best is None else (best[1], best[2])
+    return (None if best is None else (best[1], best[2])), tested
 
 
 def _evidence_note(cfg: ExperimentConfig, state: dict[str, Any], arms: list[dict[str, Any]]) -> str:

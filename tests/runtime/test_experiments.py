@@ -320,12 +320,13 @@ def test_an_undecided_experiment_promotes_a_challenger_shown_non_inferior(tmp_pa
 def test_a_chain_of_non_inferior_promotions_is_bounded_as_a_whole(tmp_path):
     # equal arms, 200 per arm of 0/1: var 200 * 0.25 / 199 = 0.25126 on each arm, pooled sd 0.50125, this step's
     # d = 0 and v = se^2 / sd^2 = (2 * 0.25126 / 200) / 0.25126 = 0.01; alone it passes (above). After one earlier step
-    # of the same size and no gain (prior 0, 0.01) the chain's bound is 0 - 1.6526 * sqrt(0.02) = -0.234 < -0.2: the
-    # champion stays, so two "non-inferior" steps cannot add up to more than the margin. A chain that has gained
-    # +0.1 sd so far passes: 0.1 - 0.234 = -0.134 > -0.2.
+    # of the same size and no gain (prior 0, 0.01) the chain's bound is 0 - t(0.95, 398) * sqrt(0.02) = -1.6487 * 0.14142
+    # = -0.233 < -0.2: the champion stays, so two "non-inferior" steps cannot add up to more than the margin. A chain
+    # that has gained +0.1 sd so far passes: 0.1 - 0.233 = -0.133 > -0.2.
     flat = {"anchor": "f@0", "steps": 1, "diff_sd": 0.0, "var_sd": 0.01}
     status, reg = _equal_arms_ended(tmp_path / "x.db", 200, non_inferiority_chain=flat)
     assert status["status"] == "inconclusive" and reg.aliases()["f"] == "f@1"
+    assert "f@2 not shown non-inferior" in status["decisions"][-1]["reason"] and "lower bound -0.233 sd" in status["decisions"][-1]["reason"]
     gained = {**flat, "diff_sd": 0.1}
     status, reg = _equal_arms_ended(tmp_path / "y.db", 200, non_inferiority_chain=gained)
     assert status["status"] == "promoted" and reg.aliases()["f"] == "f@2"
