@@ -1,6 +1,6 @@
 """Online learning works: held-out success of the base model vs the learned champion after a fixed demo budget.
 
-    .venv/bin/python bench/online_learning.py --minutes 45 --n 100          # SmolLM2, the README's demo
+    .venv/bin/python bench/online_learning.py --minutes 45 --n 100          # SmolLM2, the demo of docs/learning.md
     .venv/bin/python bench/online_learning.py --model tiny --minutes 2 --n 8 # smoke run
 
 What it runs: ``serve.py --demo`` (the sampled calculator agent ``demo-agent`` on ``calc_arith``, synthetic

@@ -10,7 +10,7 @@
   rewards each of its choices' turns, or with ``choice_index`` that choice's turn only. How each form reaches
   training (the rule): a turn reward is part of its trajectory's reward stream, so on a one-turn trajectory
   (a plain chat completion; each of ``n`` choices is its own one-turn trajectory) it is that trajectory's
-  outcome; see ``learner/advantages.py`` and the README.
+  outcome; see ``learner/advantages.py`` and ``docs/learning.md``.
 - ``DELETE /v1/sessions/{key}`` (API key): deletes the caller's own session completely: its stored turns,
   trajectories and the rewards on them, its turns still queued for the store (or journaled, or of requests still
   generating: :meth:`Recorder.tombstone`, so none is written after the deletion) and its stored ``/v1/responses``.

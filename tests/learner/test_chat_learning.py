@@ -176,7 +176,7 @@ def test_apply_to_singletons_keys_the_baseline_by_owner(srv):
 
 def test_one_off_prompts_learn_with_the_baseline(srv, trainer):
     """Three distinct prompts (singleton groups), rewarded 1, 0, 1 by turn_id: advantages 0 (seeds), -1, +1."""
-    for prompt, v in (("first", 1.0), ("second", 0.0), ("third", 1.0)):  # as the README's example posts it
+    for prompt, v in (("first", 1.0), ("second", 0.0), ("third", 1.0)):  # as the example in docs/learning.md posts it
         r = client(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=4)
         client(srv).post("/feedback", body={"turn_id": r.model_extra["loopwise"]["turn_id"], "reward": v}, cast_to=object)
     batch = collect(srv)

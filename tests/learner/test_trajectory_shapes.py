@@ -9,7 +9,7 @@ on the trajectory, on several targets or on none, from any mix of sources (a ver
 the names clients give it, a garbage key's wild values). For each generated store: ``collect_samples`` → every
 registered estimator (+ the running baseline for one-off prompts) → a real ``LoRATrainer`` step on the tiny model.
 
-Properties (the rule in ``learner/samples.py``'s docstring and the README's "How feedback trains"):
+Properties (the rule in ``learner/samples.py``'s docstring and "How feedback trains" in ``docs/learning.md``):
 * nothing raises; every advantage is finite, and bounded by what the estimator's definition allows (a z-score of G
   values is at most ``(G - 1) / sqrt(G)``; a centred rank in [-1/2, 1/2]; the baseline's clip);
 * every kept turn is judged: its trajectory has an outcome, or a rated turn at or after it; the turns after a

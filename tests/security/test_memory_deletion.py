@@ -1,5 +1,5 @@
 """Deleting a memory leaves no copy of it: the recorded runs whose prompts held it go too (the memory's text was
-still in ``interactions.db`` after ``DELETE /v1/memory/...`` although the README promised no copy is left)."""
+still in ``interactions.db`` after ``DELETE /v1/memory/...`` although the docs (now ``docs/agents.md``) promised no copy is left)."""
 
 from __future__ import annotations
 
