@@ -27,8 +27,9 @@ thinking uncertainty plateaus inside an open ``<think>`` span, generation is cut
 forced ``</think>`` within the same turn (one recorded turn: thinking, the forced tokens with loss mask
 0, the answer; it does not use up a turn of ``max_turns``); with ``turn_resample`` a turn whose
 uncertainty barely moved from the previous turn is regenerated at most ``max_try`` times from the same
-context and sampling (grammar included; discarded drafts are recorded as branches,
-``meta.resampled_draft = true``).
+context and sampling (grammar included) with a fresh seed per draft (``agents.t2po.resample_seed``; discarded
+drafts are recorded as branches, ``meta.resampled_draft = true``). The thinking is cut right after the token
+the monitor fires at, also inside an engine stream chunk of several tokens.
 
 **Constraints.** A turn decoded under a grammar (the svr / svr_r1 format) records it in
 ``sampling["grammar"]`` (kind and spec), so the learner scores it under the same mask the engine used.
@@ -88,7 +89,7 @@ from agents.prompts import format_grammar
 from agents.run_state import Phase, RunState, ending
 from agents.self_checks import fixed_horizon, turn_check
 from agents.stop import StopPolicy, TurnView
-from agents.t2po import T2POCounters, intervention_text, thinking_open, token_uncertainty, turn_uncertainty
+from agents.t2po import T2POCounters, chunk_cut, intervention_text, resample_seed, thinking_tokens, token_uncertainty, turn_uncertainty
 from agents.tasks import Env, Problem, Task
 from learner.records import Reward, ToolCallRecord, Turn, TurnCheck, TurnTimings, context_sha256, new_id
 from runtime.agent_api import ANONYMOUS, Lease, RunConflict, RuntimeClient, UnknownModel
@@ -496,7 +497,7 @@ class AgentLoop:
             drafts += 1
             s.counters.resamples += 1
             s.completion_tokens += len(res.output_ids)
-            sampling = replace(sampling, seed=(sampling.seed or 0) + 7919 * drafts)  # keeps the grammar as it is
+            sampling = replace(sampling, seed=resample_seed(s.seed, turn, drafts))  # a fresh seed; keeps the grammar as it is
             res, intervened, s.mask = await self._generate(s.ctx.ids, sampling, s.lease, f"{rid}-r{drafts}", s.policy)
             u = _turn_uncertainty(res.logprobs, s.mask)
         s.res = res
@@ -794,16 +795,24 @@ class AgentLoop:
         text = ""
         finish = None
         timings = Timings()
+        tok = self.client.tokenizer
         stream = self.client.stream(ids, sampling, lease.adapter, rid)
         try:
             async for chunk in stream:
-                out_ids += chunk.token_ids
+                before, got = text, chunk.token_ids
+                out_ids += got
                 lps += chunk.logprobs
                 text += chunk.text
                 timings = chunk.timings or timings
                 finish = chunk.finish_reason
-                if finish is None and thinking_open(text):
-                    if any(monitor.update_entropy(token_uncertainty(lp.logprob, lp.top)) for lp in chunk.logprobs):
+                if finish is None and len(chunk.logprobs) == len(got):  # token by token: the cut is not at the chunk's end
+                    thinking = thinking_tokens(before, chunk.text, got, lambda head: str(tok.decode(list(head), skip_special_tokens=True)))
+                    at = chunk_cut(monitor, [(lp.logprob, lp.top) for lp in chunk.logprobs], thinking)
+                    if at is not None:
+                        if at < len(got) - 1:  # keep the chunk's tokens up to the one the monitor fired at
+                            keep = len(out_ids) - len(got) + at + 1
+                            out_ids, lps = out_ids[:keep], lps[:keep]
+                            text = tok.decode(out_ids, skip_special_tokens=True)
                         break
         finally:
             await stream.aclose()  # type: ignore[attr-defined]

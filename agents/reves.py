@@ -7,7 +7,8 @@ a near-miss answer into two separate training prompts:
   incorrect.`` / a request for a corrected answer. Scored by the task's own verifier.
 * **verify** — Problem / Candidate Answer / a request to check it and end with ``VERDICT: \\boxed{True}`` or
   ``\\boxed{False}``. Scored by whether that verdict matches the task verifier's judgment of the candidate (the
-  label is computed here from the candidate, never taken from the caller).
+  label is computed here from the candidate, never taken from the caller). The learner draws as many candidates
+  judged right as wrong, the first wrong answer included (``learner/reves.py``), so a constant verdict earns 1/2.
 
 A run asks for one with ``"reves": {"kind": "repair" | "verify", "previous": "..."}`` next to its task problem
 (admin only: the learner's augmentation, ``learner/reves.py``). The prompt replaces the problem's prompt; the task

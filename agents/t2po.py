@@ -14,23 +14,30 @@ feed each token's top-k to a ``ThinkingMonitor``. It keeps ``ubar_k`` = mean ent
 
 i.e. the mean uncertainty of the latest window barely differs from the window before it (the thinking
 has stopped reducing uncertainty), or, with a ``budget``, when ``budget`` thinking tokens are reached.
-The loop then keeps the output up to and including token ``k``, appends ``intervention_text()`` (closes
-the think span and cues the answer) as forced tokens (not sampled: mask them out of training), and
-continues decoding the action. The monitor fires at most once.
+A token is a thinking token when the think span is open in the output up to and including it (so the
+token that completes ``<think>`` counts, the one that completes ``</think>`` does not). The loop then
+keeps the output up to and including token ``k`` — exactly that token, wherever the engine's stream
+chunks end (``thinking_tokens`` and ``chunk_cut`` take a chunk of several tokens one token at a time) —,
+appends ``intervention_text()`` (closes the think span and cues the answer) as forced tokens (not
+sampled: mask them out of training), and continues decoding the action. The monitor fires at most once.
 
 Turn level (the T²PO code's ``T2PO_multi_turn_loop``): a turn's score is its mean token uncertainty
 (``turn_uncertainty``; its producer is our reading, the code only consumes it). From the second turn on, a
 turn is regenerated from the same context while ``0 < |u_t − u_{t−1}| < eta`` (absolute difference, as
 in the code; Δ = 0 is excluded on purpose there), at most ``max_try`` times; the last regeneration is
-kept even if it would still qualify, and its score becomes ``u_{t−1}`` for the next turn.
+kept even if it would still qualify, and its score becomes ``u_{t−1}`` for the next turn. Each
+regeneration is a new sample from the same distribution, so it draws a fresh seed (``resample_seed``):
+none in an unseeded run (the engine's own randomness, as the first draft), else one derived from the
+run's seed, the turn and the draft number — reproducible, and distinct from every other draft's.
 
 Not here: generating, cancelling or re-submitting requests (the agent loop), recording, training.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -171,6 +178,35 @@ def should_intervene(
     return None
 
 
+_TAG_TAIL = len(THINK_CLOSE) - 1  # characters of the text before a chunk that a tag ending in the chunk can start in
+
+
+def thinking_tokens(text_before: str, chunk_text: str, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> list[bool]:
+    """Which of a stream chunk's tokens ``token_ids`` are thinking tokens: token ``j`` is one when ``thinking_open``
+    holds for the output up to and including it.
+
+    ``text_before``: the output's text before the chunk; ``chunk_text``: the chunk's text; ``decode``: the text of some
+    of the chunk's first tokens, asked for only when a ``<think>`` or ``</think>`` tag ends inside the chunk (otherwise
+    every token of the chunk is in the same state, the one after the chunk)."""
+    n = len(token_ids)
+    tail = text_before[-_TAG_TAIL:] + chunk_text
+    if "<think>" not in tail and THINK_CLOSE not in tail:
+        return [thinking_open(text_before + chunk_text)] * n
+    return [thinking_open(text_before + (chunk_text if j == n - 1 else decode(token_ids[: j + 1]))) for j in range(n)]
+
+
+def chunk_cut(monitor: ThinkingMonitor, logprobs: Sequence[tuple[float, TopK]], thinking: Sequence[bool]) -> int | None:
+    """Feed a stream chunk's thinking tokens to ``monitor`` one at a time, in order; the index in the chunk of the
+    token it fires at (the output is cut right after it, not at the chunk's end), else None.
+
+    ``logprobs``: each token's ``(logprob, top-k)``; ``thinking``: ``thinking_tokens`` of the chunk. Tokens that are
+    not thinking are not fed (their uncertainty is not even computed)."""
+    for j, ((lp, top), th) in enumerate(zip(logprobs, thinking, strict=True)):
+        if th and monitor.update_entropy(token_uncertainty(lp, top)):
+            return j
+    return None
+
+
 # ── Turn level: resampling ─────────────────────────────────────────────────────────────────────────────
 
 
@@ -186,6 +222,26 @@ def should_resample(prev_turn_u: float | None, cur_turn_u: float, eta: float, tr
         return False
     delta = abs(cur_turn_u - prev_turn_u)
     return 0.0 < delta < eta
+
+
+RESAMPLE_SEEDS = (2**62, 2**63)  # [low, high): above every first-draft seed (run seed · 1000 + turn, run seeds below 4.6e15); int64
+
+
+def resample_seed(run_seed: int | None, turn: int, draft: int) -> int | None:
+    """The sampling seed of turn ``turn``'s ``draft``-th regeneration (``draft >= 1``; draft 0 is the turn's own seed).
+
+    A regeneration is a fresh sample from the same context, so it never reuses a seed: None when the run has no
+    seed (every draft of an unseeded run draws from the engine's own randomness), else a 62-bit hash of
+    ``(run_seed, turn, draft)`` placed in ``RESAMPLE_SEEDS`` — the same on every rerun of that run, disjoint from the
+    first drafts' seeds, and distinct from every other regeneration's unless two 62-bit hashes collide (for n
+    regenerations, probability about n²/2⁶³)."""
+    if draft < 1:
+        raise ValueError(f"draft must be >= 1 (a regeneration), got {draft}")
+    if run_seed is None:
+        return None
+    digest = hashlib.sha256(f"t2po-resample\0{run_seed}\0{turn}\0{draft}".encode()).digest()
+    low, high = RESAMPLE_SEEDS
+    return low + int.from_bytes(digest[:8], "big") % (high - low)
 
 
 # ── Configuration and counters ─────────────────────────────────────────────────────────────────────────

@@ -235,7 +235,7 @@ def main() -> None:
     ap.add_argument("--augmented-share", type=float, default=0.5)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1, help="the server's CPU threads (1 on a shared 2-core machine: README, Speed on CPU)")
+    ap.add_argument("--threads", type=int, default=1, help="the server's CPU threads (1 on a shared 2-core machine: docs/engines.md, Speed on CPU)")
     args = ap.parse_args()
     models = ROOT / ".data" / "models"
     cache = Path(__import__("os").environ.get("LOOPWISE_TEST_CACHE", str(models)))

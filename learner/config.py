@@ -429,8 +429,9 @@ class SVRR1Config(BaseModel):
 class RevesConfig(BaseModel):
     """REVES as the learner's data source (``learner/reves.py``): each round, the current policy answers the next training
     items; an item it gets wrong goes through repair rounds (previous full answer + "incorrect") until it is recovered or
-    ``max_retries`` run out; a recovered item's k rounds become k repair and k verification prompts. The round's prompts
-    (augmented and original, ``augmented_share``) are then run ``group`` times each and train once they settle."""
+    ``max_retries`` run out; a recovered item's k rounds become k repair and k + 1 verification prompts (the first wrong
+    answer a False candidate; ``learner/reves.py`` balances the labels). The round's prompts (augmented and original,
+    ``augmented_share``) are then run ``group`` times each and train once they settle."""
 
     model_config = _FROZEN
     enabled: bool = Field(False, description="run REVES augmentation and its training prompts before every update (needs the learner's agent)")

@@ -7,15 +7,31 @@ REVES (Liu et al. 2026, arXiv 2606.18910; the augmentation follows its public pl
    success contributes nothing. A wrong answer starts repair rounds: the policy gets the problem, its previous full
    answer and ``Feedback: The previous answer is incorrect.``; round ``r``'s answer is verified by the task. Every
    round yields a **repair** record (the prompt it was given) and a **verification** record (its answer as the
-   candidate, labelled by the verifier). The item is kept only if some round recovers it, so a kept item with ``k``
-   rounds gives ``k`` repair and ``k`` verification records, exactly one verification labelled True (the last); an
-   item never recovered within ``max_retries`` gives nothing. These rollouts are recorded as eval runs (never trained
-   on): REVES trains on the prompts, not on the rollouts that found them.
+   candidate, labelled by the verifier); the first wrong answer is a verification candidate too (labelled False:
+   REVES's planner gives it none, see *Verification labels*). The item is kept only if some round recovers it, so a
+   kept item with ``k`` rounds gives ``k`` repair and ``k + 1`` verification records, ``k`` labelled False and one
+   True (the last); an item never recovered within ``max_retries`` gives nothing. These rollouts are recorded as eval
+   runs (never trained on): REVES trains on the prompts, not on the rollouts that found them.
 2. **Train** (:func:`training_bodies`): the round's training prompts, a share ``augmented_share`` of them REVES
    records and the rest original problems, each run ``group`` times through the agent by the current policy. A repair
    prompt's runs are scored by the task's verifier, a verification prompt's by whether the boxed verdict matches the
    label (``agents/reves.py`` builds both prompts and scores them; the label is recomputed there from the candidate).
    Each augmented prompt is its own group (run tag ``reves-r-…``/``reves-v-…``); the update trains on them once they settle.
+
+**Verification labels.** REVES rewards a verification rollout 1 when its boxed verdict matches the label and 0
+otherwise: the objective is verdict accuracy over the verification prompts. Verification is trained so that the
+policy can judge its own answers while it revises, which takes both of a judge's rates — True for right answers,
+False for wrong ones. Accuracy over a pool in which the two labels weigh equally is exactly the mean of those two
+rates (balanced accuracy), and there a constant verdict earns chance, 1/2; that is the objective we read REVES's as.
+Its planner's pool is not balanced: one True per recovered item, one False per failed repair round, so a policy that
+mostly recovers in one round makes a pool of almost only Trues, on which "always True" is almost always rewarded. So
+the first wrong answer is a False candidate too (every recovered item has at least one candidate of each label), each
+round's pool keeps as many verification records of each label, the majority label subsampled at random
+(:func:`balanced_pool`), and the round's draw takes verification prompts in True/False pairs
+(:func:`training_bodies`). Subsampled, not weighted: the reward stays REVES's 0/1 match, the runs endpoint has no
+per-prompt weight, and scaling a prompt's rewards would be undone by GRPO's per-group normalisation. The counts go
+with the round into the learner's history (``reves``): ``verify_labels`` of the augmentation's pool,
+``balanced_pool``, and the ``verify_true_prompts`` / ``verify_false_prompts`` drawn.
 
 The pool is rebuilt every round from the then-current policy (REVES's refresh), so earlier rounds' records are dropped.
 
@@ -34,7 +50,7 @@ from typing import Any, Literal
 from learner.config import RevesConfig
 from learner.runs_client import post_runs_async
 
-__all__ = ["Attempt", "AugmentReport", "RevesRecord", "augment", "augment_item", "run_attempts", "training_bodies"]
+__all__ = ["Attempt", "AugmentReport", "RevesRecord", "augment", "augment_item", "balanced_pool", "run_attempts", "training_bodies"]
 
 AUGMENT_GROUP = "reves-augment"  # run tag of the augmentation rollouts (eval runs: recorded, never trained on)
 
@@ -45,7 +61,7 @@ class RevesRecord:
 
     kind: Literal["repair", "verify"]
     problem_index: int
-    round: int  # 1-based repair round that produced it
+    round: int  # the repair round that produced it (1-based); 0: the first attempt (a verification candidate only)
     previous: str  # repair: the answer being repaired (the previous round's, or the first attempt); verify: the candidate
     label: bool | None = None  # verify only: the verifier's judgment of the candidate
 
@@ -74,7 +90,7 @@ async def augment_item(problem_index: int, attempt: AttemptFn, max_retries: int,
         tokens.append(first.tokens)
     if first is None or first.correct:
         return None
-    records: list[RevesRecord] = []
+    records = [RevesRecord("verify", problem_index, 0, first.text, False)]  # the first wrong answer: a False candidate
     previous = first.text
     for r in range(1, max_retries + 1):
         y = await attempt(problem_index, previous, r)
@@ -104,6 +120,7 @@ class AugmentReport:
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
         out["records"] = {"repair": sum(r.kind == "repair" for r in self.records), "verify": sum(r.kind == "verify" for r in self.records)}
+        out["verify_labels"] = _label_counts(self.records)  # before balancing: what the augmentation found
         return out
 
 
@@ -138,7 +155,7 @@ async def augment(problem_indices: Sequence[int], attempt: AttemptFn, max_retrie
         setattr(report, outcomes[i], getattr(report, outcomes[i]) + 1)
         if recs is not None:
             report.records += recs
-            k = len(recs) // 2
+            k = sum(r.kind == "repair" for r in recs)
             report.rounds[k] = report.rounds.get(k, 0) + 1
     return report
 
@@ -172,14 +189,45 @@ def run_attempts(
     return attempt
 
 
+def _label_counts(records: Sequence[RevesRecord]) -> dict[str, int]:
+    """How many verification records are labelled True and False."""
+    verify = [r for r in records if r.kind == "verify"]
+    return {"true": sum(r.label is True for r in verify), "false": sum(r.label is False for r in verify)}
+
+
+def balanced_pool(records: Sequence[RevesRecord], rng: random.Random) -> list[RevesRecord]:
+    """``records`` with as many verification records labelled True as False (module docstring): the majority label is
+    subsampled at random to the minority's count; every repair record is kept, in pool order. Identical prompts (an
+    answer repeated word for word: same kind, item and text, so the same group tag) count once. A pool whose
+    verification records all have one label keeps none of them: alone they would reward a constant verdict."""
+    firsts: dict[str, RevesRecord] = {}
+    for r in records:
+        firsts.setdefault(r.group, r)
+    unique = list(firsts.values())
+    trues = [i for i, r in enumerate(unique) if r.kind == "verify" and r.label is True]
+    falses = [i for i, r in enumerate(unique) if r.kind == "verify" and r.label is False]
+    m = min(len(trues), len(falses))
+    keep = {*rng.sample(trues, m), *rng.sample(falses, m)}
+    return [r for i, r in enumerate(unique) if r.kind == "repair" or i in keep]
+
+
 def training_bodies(
     records: Sequence[RevesRecord], originals: Sequence[int], cfg: RevesConfig, *, sample_seed: int, model: str | None, rng: random.Random
-) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """The round's training runs: ``round(prompts_per_round * augmented_share)`` REVES records (drawn at random from the
-    pool; all of them when it is smaller) and original problems for the rest, ``cfg.group`` runs each."""
-    n_aug = min(len(records), round(cfg.prompts_per_round * cfg.augmented_share))
-    chosen = rng.sample(list(records), n_aug)
-    plain = list(originals[: cfg.prompts_per_round - n_aug])
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The round's training runs, ``cfg.group`` runs per prompt: ``n = round(prompts_per_round * augmented_share)``
+    REVES prompts (all of the balanced pool when it is smaller) and original problems for the rest.
+
+    The REVES prompts are drawn at random from :func:`balanced_pool` of ``records``: verification prompts in
+    True/False pairs, as many pairs as the pool's verification share of ``n`` (``n · m / P`` for ``m`` pairs in a pool
+    of ``P``, rounded half up), so the two labels weigh equally in every round; repair prompts for the rest."""
+    pool = balanced_pool(records, rng)
+    repairs = [r for r in pool if r.kind == "repair"]
+    trues = [r for r in pool if r.kind == "verify" and r.label is True]
+    falses = [r for r in pool if r.kind == "verify" and r.label is False]
+    n = min(len(pool), round(cfg.prompts_per_round * cfg.augmented_share))
+    pairs = min(len(trues), n // 2, (2 * n * len(trues) + len(pool)) // (2 * len(pool))) if pool else 0
+    chosen = [*rng.sample(repairs, min(len(repairs), n - 2 * pairs)), *rng.sample(trues, pairs), *rng.sample(falses, pairs)]
+    plain = list(originals[: cfg.prompts_per_round - len(chosen)])
     bodies: list[dict[str, Any]] = []
     for rec in chosen:
         for k in range(cfg.group):
@@ -198,8 +246,11 @@ def training_bodies(
             bodies.append(body if model is None else {**body, "model": model})
     counts = {
         "repair_prompts": sum(r.kind == "repair" for r in chosen),
-        "verify_prompts": sum(r.kind == "verify" for r in chosen),
+        "verify_prompts": 2 * pairs,
+        "verify_true_prompts": pairs,
+        "verify_false_prompts": pairs,
         "original_prompts": len(plain),
+        "balanced_pool": {"repair": len(repairs), "verify_true": len(trues), "verify_false": len(falses)},
     }
     return bodies, counts
 

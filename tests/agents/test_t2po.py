@@ -258,3 +258,74 @@ def test_config_defaults_are_off_and_frozen() -> None:
 def test_config_validation(kwargs: dict) -> None:
     with pytest.raises(ValidationError):
         T2POConfig(**kwargs)
+
+
+# ── a fresh seed per regeneration ──────────────────────────────────────────────────────────────────────
+
+
+def test_each_regeneration_gets_its_own_seed_reproducibly() -> None:
+    from agents.t2po import RESAMPLE_SEEDS, resample_seed
+
+    # a regeneration is a new sample: never a seed that another draft of these runs samples with. The first drafts
+    # sample with run seed · 1000 + turn (turn < 64, AgentConfig.max_turns); take runs 0..29, turns 0..29, 3 regenerations each
+    first_drafts = {run * 1000 + turn for run in range(30) for turn in range(64)}
+    seeds = [resample_seed(run, turn, d) for run in range(30) for turn in range(30) for d in (1, 2, 3)]
+    assert len(set(seeds)) == len(seeds) == 30 * 30 * 3  # distinct per (run, turn, draft)
+    assert not first_drafts & set(seeds)
+    assert all(isinstance(s, int) and RESAMPLE_SEEDS[0] <= s < RESAMPLE_SEEDS[1] <= 2**63 for s in seeds)  # int64, as the engines take
+    assert resample_seed(7, 3, 2) == resample_seed(7, 3, 2)  # the same run reruns the same regenerations
+    # an unseeded run samples every draft from the engine's own randomness, regenerations included
+    assert resample_seed(None, 3, 1) is None and resample_seed(None, 3, 2) is None
+    with pytest.raises(ValueError):
+        resample_seed(7, 3, 0)  # draft 0 is the turn's own sample, seeded by the loop
+
+
+# ── thinking tokens of a stream chunk, one token at a time ────────────────────────────────────────────
+
+
+def decoder_of(texts: list[str]):
+    """``decode`` of a chunk whose tokens (ids 0, 1, ...) decode to ``texts``."""
+    return lambda ids: "".join(texts[i] for i in ids)
+
+
+def no_decode(ids) -> str:
+    raise AssertionError("no tag ends in this chunk: its tokens need not be decoded one by one")
+
+
+@pytest.mark.parametrize(
+    ("before", "texts", "expected"),
+    [
+        ("", ["<think>", " a", " b"], [True, True, True]),  # the token that opens the span is a thinking token
+        ("", ["x", "<think>", " a", "</think>", " y"], [False, True, True, False, False]),  # the closing token is not
+        ("<thi", ["nk>", " a"], [True, True]),  # a tag split across chunks
+        ("<think> a </th", ["ink>", " b"], [False, False]),
+        ("", ["<", "think", ">", " a"], [False, False, True, True]),  # a tag of several tokens opens at its last
+    ],
+)
+def test_thinking_tokens_of_a_chunk(before: str, texts: list[str], expected: list[bool]) -> None:
+    from agents.t2po import thinking_tokens
+
+    assert thinking_tokens(before, "".join(texts), list(range(len(texts))), decoder_of(texts)) == expected
+
+
+def test_thinking_tokens_without_a_tag_in_the_chunk_decode_nothing() -> None:
+    from agents.t2po import thinking_tokens
+
+    assert thinking_tokens("<think> a", " b c d", [0, 1, 2], no_decode) == [True, True, True]
+    assert thinking_tokens("<think> a</think>", " b c", [0, 1], no_decode) == [False, False]
+    assert thinking_tokens("plain", " b", [0], no_decode) == [False]
+
+
+def test_chunk_cut_fires_at_the_token_not_at_the_chunk_end() -> None:
+    from agents.t2po import chunk_cut
+
+    # window 2, min_tokens 0: flat uncertainty fires at the 4th thinking token (two full windows, Δ = 0)
+    m = ThinkingMonitor(window=2, threshold=0.05, min_tokens=0)
+    chunk = [(math.nan, ()), *[(-1.0, ())] * 6]  # token 0 is no thinking token: its (invalid) logprob is never read
+    thinking = [False, *[True] * 6]
+    assert chunk_cut(m, chunk, thinking) == 4  # chunk index of the 4th thinking token; tokens 5 and 6 are cut off
+    assert (m.fired_at, m.n_tokens) == (3, 4)
+    # a chunk that ends before the monitor fires: fed whole, no cut; the next chunk fires at its first token
+    m = ThinkingMonitor(window=2, threshold=0.05, min_tokens=0)
+    assert chunk_cut(m, [(-1.0, ())] * 3, [True] * 3) is None
+    assert chunk_cut(m, [(-1.0, ())] * 3, [True] * 3) == 0

@@ -2,7 +2,9 @@
 
 The augmentation is driven by a scripted policy (a table of answers per item and round, the verifier's judgment
 given with each), so record counts, order, quoted answers and labels are checked against what REVES's planner
-writes by definition: k repair + k verification records for an item recovered in round k, exactly one True.
+writes by definition, with the first wrong answer as one more candidate: k repair + k + 1 verification records for
+an item recovered in round k, k labelled False and one True. The label balance of the verification prompts is checked
+by its definition too: as many of each label in the pool and in every round's draw, so a constant verdict earns 1/2.
 """
 
 from __future__ import annotations
@@ -29,20 +31,30 @@ def scripted(answers: dict[int, list[tuple[str, bool]]], calls: list[tuple[int, 
     return attempt
 
 
-def test_an_item_recovered_in_round_k_gives_k_repair_and_k_verification_records() -> None:
+def test_an_item_recovered_in_round_k_gives_k_repair_and_k_plus_1_verification_records() -> None:
     answers = {7: [("y0: 41", False), ("y1: 40", False), ("y2: 43", False), ("y3: 42", True), ("never", True)]}
     calls: list = []
     records = asyncio.run(augment_item(7, scripted(answers, calls), max_retries=8))
-    assert records is not None and len(records) == 6  # k = 3
-    assert [(r.kind, r.round) for r in records] == [("repair", 1), ("verify", 1), ("repair", 2), ("verify", 2), ("repair", 3), ("verify", 3)]
-    # each repair prompt quotes the previous full answer; each verification judges that round's answer
+    assert records is not None and len(records) == 3 + 4  # k = 3: 3 repair, 3 + 1 verification
+    kinds = [("verify", 0), ("repair", 1), ("verify", 1), ("repair", 2), ("verify", 2), ("repair", 3), ("verify", 3)]
+    assert [(r.kind, r.round) for r in records] == kinds
+    # each repair prompt quotes the previous full answer; each verification judges that round's answer, and the first
+    # wrong answer is a candidate too (REVES's planner leaves it out; without it an item recovered in round 1 gave a True only)
     assert [r.previous for r in records if r.kind == "repair"] == ["y0: 41", "y1: 40", "y2: 43"]
-    assert [(r.previous, r.label) for r in records if r.kind == "verify"] == [("y1: 40", False), ("y2: 43", False), ("y3: 42", True)]
-    assert sum(r.label is True for r in records) == 1 and all(r.label is None for r in records if r.kind == "repair")
-    assert all(r.previous != "y0: 41" for r in records if r.kind == "verify")  # the first answer gets no verification record
+    verify = [(r.previous, r.label) for r in records if r.kind == "verify"]
+    assert verify == [("y0: 41", False), ("y1: 40", False), ("y2: 43", False), ("y3: 42", True)]
+    assert sum(r.label is True for r in records) == 1 and sum(r.label is False for r in records) == 3
+    assert all(r.label is None for r in records if r.kind == "repair")
     assert [c[2] for c in calls] == [0, 1, 2, 3]  # stops at the recovery
     assert calls[1][1] == "y0: 41" and calls[0][1] is None
-    assert len({r.group for r in records}) == 6  # every augmented prompt is its own group
+    assert len({r.group for r in records}) == 7  # every augmented prompt is its own group
+    # recovered in round 1: one candidate of each label
+    once = asyncio.run(augment_item(8, scripted({8: [("z0", False), ("z1", True)]}, []), max_retries=8))
+    assert once is not None and [(r.kind, r.previous, r.label) for r in once] == [
+        ("verify", "z0", False),
+        ("repair", "z0", None),
+        ("verify", "z1", True),
+    ]
 
 
 def test_unrecovered_and_first_shot_items_give_nothing() -> None:
@@ -69,9 +81,10 @@ def test_augment_report_counts_items_by_outcome() -> None:
     report = asyncio.run(augment([0, 1, 2, 3], scripted(answers, []), max_retries=2))
     s = report.summary()
     assert (s["items"], s["first_shot_solved"], s["recovered"], s["unrecovered"], s["failed"]) == (4, 1, 2, 1, 0)
-    assert s["records"] == {"repair": 3, "verify": 3} and s["rounds"] == {1: 1, 2: 1}
+    assert s["records"] == {"repair": 3, "verify": 2 + 3} and s["rounds"] == {1: 1, 2: 1}
+    assert s["verify_labels"] == {"true": 2, "false": 1 + 2}  # item 1: its first answer False, round 1 True; item 3: F, F, T
     assert s["sampled_tokens"] == 10 * (1 + 2 + 3 + 3)  # every attempt's tokens, also those of items that gave nothing
-    assert [r.problem_index for r in report.records] == [1, 1, 3, 3, 3, 3]
+    assert [r.problem_index for r in report.records] == [1, 1, 1, 3, 3, 3, 3, 3]
 
 
 def test_training_prompts_mix_augmented_and_original_at_the_configured_share() -> None:
@@ -85,9 +98,119 @@ def test_training_prompts_mix_augmented_and_original_at_the_configured_share() -
     assert sorted({b["problem_index"] for b in bodies if "reves" not in b}) == [10, 11]
     # a pool smaller than its share: all of it, the rest original
     bodies, counts = training_bodies(pool[:1], [10, 11, 12, 13], cfg, sample_seed=0, model=None, rng=random.Random(0))
-    assert counts == {"repair_prompts": 1, "verify_prompts": 0, "original_prompts": 3} and "model" not in bodies[0]
+    assert (counts["repair_prompts"], counts["verify_prompts"], counts["original_prompts"]) == (1, 0, 3) and "model" not in bodies[0]
     only_plain = RevesConfig(enabled=True, prompts_per_round=2, augmented_share=0.0, group=2)
     assert training_bodies(pool, [1, 2], only_plain, sample_seed=0, model=None, rng=random.Random(0))[1]["original_prompts"] == 2
+
+
+# ---- label balance of the verification prompts -------------------------------------------------------------------
+
+
+def always(verdict: bool, bodies: list[dict], labels: dict[str, bool]) -> float:
+    """Mean reward of a constant verdict over the verification runs in ``bodies`` (REVES: 1 when verdict == label)."""
+    verify = [b for b in bodies if b.get("reves", {}).get("kind") == "verify"]
+    return sum(labels[b["reves"]["previous"]] == verdict for b in verify) / len(verify)
+
+
+def test_the_pool_balances_its_labels_and_every_round_draws_them_in_pairs() -> None:
+    from learner.reves import balanced_pool
+
+    # three recovered items: a in round 1, b in round 3, c in round 1. By definition (each wrong answer, the first
+    # included, is a False candidate; each recovery a True one): 3 True, 1 + 3 + 1 = 5 False, 1 + 3 + 1 = 5 repairs
+    answers = {
+        0: [("a0", False), ("a1", True)],
+        1: [("b0", False), ("b1", False), ("b2", False), ("b3", True)],
+        2: [("c0", False), ("c1", True)],
+    }
+    report = asyncio.run(augment([0, 1, 2], scripted(answers, []), max_retries=8))
+    s = report.summary()
+    assert s["records"] == {"repair": 5, "verify": 8} and s["verify_labels"] == {"true": 3, "false": 5}
+    labels = {r.previous: bool(r.label) for r in report.records if r.kind == "verify"}
+
+    # balanced: the 3 Trues, 3 of the 5 Falses, every repair
+    pool = balanced_pool(report.records, random.Random(0))
+    assert sum(r.label is True for r in pool) == 3 and sum(r.label is False for r in pool) == 3
+    assert [r.previous for r in pool if r.kind == "repair"] == ["a0", "b0", "b1", "b2", "c0"] and len(pool) == 11
+    assert {r.previous for r in pool if r.label is True} == {"a1", "b3", "c1"}
+
+    # 4 REVES prompts from a pool of P = 11 with m = 3 pairs: round(4 · 3 / 11) = 1 pair, 2 repairs, 4 original problems
+    cfg = RevesConfig(enabled=True, prompts_per_round=8, augmented_share=0.5, group=2, seed=0)
+    bodies, c = training_bodies(report.records, list(range(10, 20)), cfg, sample_seed=0, model=None, rng=random.Random(1))
+    assert (c["repair_prompts"], c["verify_true_prompts"], c["verify_false_prompts"], c["original_prompts"]) == (2, 1, 1, 4)
+    assert c["verify_prompts"] == 2 and c["balanced_pool"] == {"repair": 5, "verify_true": 3, "verify_false": 3} and len(bodies) == 8 * 2
+    assert always(True, bodies, labels) == 0.5 and always(False, bodies, labels) == 0.5  # a constant verdict earns chance
+
+    # the whole balanced pool (16 prompts, 11 in the pool): 3 pairs, 5 repairs, 5 original problems
+    cfg = RevesConfig(enabled=True, prompts_per_round=16, augmented_share=1.0, group=2, seed=0)
+    bodies, c = training_bodies(report.records, list(range(10, 20)), cfg, sample_seed=0, model=None, rng=random.Random(2))
+    assert (c["repair_prompts"], c["verify_true_prompts"], c["verify_false_prompts"], c["original_prompts"]) == (5, 3, 3, 5)
+    assert always(True, bodies, labels) == 0.5 and always(False, bodies, labels) == 0.5
+
+
+def test_a_true_heavy_pool_is_subsampled_to_one_true_per_false() -> None:
+    from learner.reves import balanced_pool
+
+    # 4 candidates judged right, 1 wrong, 1 repair (REVES's planner's shape when most items recover in round 1): drawn
+    # as they are, "always True" would score 4/5; balanced, 1 True and 1 False are left, and it scores 1/2
+    right = [RevesRecord("verify", i, 1, f"right {i}", True) for i in range(4)]
+    pool = [*right, RevesRecord("verify", 4, 1, "wrong", False), RevesRecord("repair", 4, 1, "wrong 0")]
+    labels = {r.previous: bool(r.label) for r in pool if r.kind == "verify"}
+    cfg = RevesConfig(enabled=True, prompts_per_round=6, augmented_share=1.0, group=2, seed=0)
+    bodies, c = training_bodies(pool, [20, 21, 22, 23, 24, 25], cfg, sample_seed=0, model=None, rng=random.Random(0))
+    # balanced pool: P = 3 (1 repair, 1 pair), n = min(3, 6) = 3 → round(3 · 1 / 3) = 1 pair, 1 repair, 3 original problems
+    assert c["balanced_pool"] == {"repair": 1, "verify_true": 1, "verify_false": 1}
+    assert (c["repair_prompts"], c["verify_true_prompts"], c["verify_false_prompts"], c["original_prompts"]) == (1, 1, 1, 3)
+    assert always(True, bodies, labels) == 0.5
+    # one label only: no verification prompt at all (alone it would reward a constant verdict)
+    only_true = [r for r in pool if r.label is not False]
+    assert all(r.kind == "repair" for r in balanced_pool(only_true, random.Random(0)))
+    bodies, c = training_bodies(only_true, [20, 21, 22, 23, 24, 25], cfg, sample_seed=0, model=None, rng=random.Random(0))
+    assert (c["repair_prompts"], c["verify_prompts"], c["original_prompts"]) == (1, 0, 5)
+
+
+def test_a_repeated_answer_is_one_candidate() -> None:
+    from learner.reves import balanced_pool
+
+    # the policy repeats its wrong answer word for word in round 1: the same verification prompt and the same repair
+    # prompt twice (one group tag each); the pool counts each once
+    answers = {5: [("same", False), ("same", False), ("fixed", True)]}
+    records = asyncio.run(augment_item(5, scripted(answers, []), max_retries=8))
+    assert records is not None and len(records) == 2 + 3
+    pool = balanced_pool(records, random.Random(0))
+    assert [(r.kind, r.previous, r.label) for r in pool] == [("verify", "same", False), ("repair", "same", None), ("verify", "fixed", True)]
+
+
+def test_reves_round_reports_the_label_balance(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the runs endpoint scripted: item 0 recovered in round 1, item 1 solved first-shot, item 2 recovered in round 2
+    import learner.reves as reves_mod
+
+    script = {0: [False, True], 1: [True], 2: [False, False, True]}
+    posted: list[dict] = []
+
+    async def fake_post(base_url, api_key, agent, bodies, **kw):
+        out = []
+        for b in bodies:
+            if b.get("group") == reves_mod.AUGMENT_GROUP:  # attempt r of item i (sample_seed 0 + r)
+                i, r = b["problem_index"], b["sample_seed"]
+                out.append({"steps": [{"text": f"item {i} attempt {r}"}], "correct": script[i][r], "completion_tokens": 5})
+            else:
+                posted.append(b)
+                out.append({"trajectory_id": f"t{len(posted)}", "reward": 1.0, "completion_tokens": 3})
+        return out
+
+    monkeypatch.setattr(reves_mod, "post_runs_async", fake_post)
+    cfg = RevesConfig(enabled=True, items_per_round=3, max_retries=4, prompts_per_round=8, augmented_share=1.0, group=2, seed=0)
+    out = reves_mod.reves_round("http://x", "k", "a", cfg, first_item=0, sample_seed=0, model=None)
+    assert (out["recovered"], out["first_shot_solved"], out["items"]) == (2, 1, [0, 3])
+    # item 0: F (first answer), T; item 2: F, F, T
+    assert out["records"] == {"repair": 1 + 2, "verify": 2 + 3} and out["verify_labels"] == {"true": 2, "false": 3}
+    # balanced: 3 repairs and 2 pairs, P = 7; n = min(7, 8) = 7 → round(7 · 2 / 7) = 2 pairs, 3 repairs, 1 original problem
+    assert out["balanced_pool"] == {"repair": 3, "verify_true": 2, "verify_false": 2}
+    assert (out["repair_prompts"], out["verify_true_prompts"], out["verify_false_prompts"], out["original_prompts"]) == (3, 2, 2, 1)
+    kinds = [b.get("reves", {}).get("kind", "original") for b in posted]
+    assert (kinds.count("verify"), kinds.count("repair"), kinds.count("original")) == (4 * 2, 3 * 2, 1 * 2) and out["training_runs"] == 16
+    verified = {b["reves"]["previous"] for b in posted if b.get("reves", {}).get("kind") == "verify"}
+    assert {"item 0 attempt 1", "item 2 attempt 2"} <= verified and len(verified) == 4  # both Trues and two of the three Falses
 
 
 # ---- the prompts and their scoring (agents/reves.py) -------------------------------------------------------------
