@@ -63,8 +63,9 @@ class Release(ServiceState):
         then probe its logprob parity (``candidates``: the sweep's samples, where the probe picks its turns; default the
         last update's).
 
-        The checkpoint comes first and keeps the update's old data cursor: a learner killed after this publish
-        resumes at this version (never publishing it a second time with other weights) and redoes the update.
+        The checkpoint comes first and keeps the update's old data cursor and the sweep's progress (``rtpo_sweep``): a
+        learner killed after it resumes the sweep at the next step from this version (never publishing it a second time
+        with other weights, never re-applying a step; ``RolloutSteps._rtpo_sweep``).
         A version the probe refuses is unloaded, joins the rejected names and raises :class:`learner.parity.ParityRefused`:
         nothing may be sampled from it (the sweep goes on with the policy it sampled from before)."""
         from learner.parity import ParityRefused, refusal

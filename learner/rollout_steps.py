@@ -1,8 +1,9 @@
 """One update's optimizer work, with the re-rollouts and data engines some methods need.
 
 ``RolloutSteps._train`` turns the update's samples into advantages (the configured estimator) and trainer
-steps: RTPO's reverse sweep (siblings from the exact stored contexts, each step optionally published as an
-intermediate version for the next step's re-rollouts), TCPO's counterfactual step, or one step, with group
+steps: RTPO's reverse sweep (siblings from the exact stored contexts, each step optionally checkpointed and published
+as an intermediate version for the next step's re-rollouts; a learner that died mid-sweep resumes it after its last
+checkpointed step), TCPO's counterfactual step, or one step, with group
 completion or the running baseline for one-off prompts. Before the samples are read, LEAP's, SVR's and
 REVES's data engines run the agent (``_leap_expand``, ``_svr_runs``, ``_reves_round``), PATR's trees and RODS's
 pool items are the learner's own rollouts (``_own_rollouts``, ``learner/sources.py``; tree samples join the step
@@ -15,6 +16,8 @@ step (``learner/trainer.py``), publishing (``learner/release.py``), when an upda
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import random
 import time
 from typing import Any
@@ -26,9 +29,19 @@ from learner.advantages import Advantages
 from learner.baseline import GROUP_ESTIMATORS, apply_to_singletons
 from learner.parity import ParityRefused
 from learner.records import Trajectory
-from learner.rerollout import BranchRunner, PointRuns, counterfactual_scores, plan_rtpo, refresh_point, rtpo_estimator_input, tcpo_branch_points
+from learner.rerollout import (
+    BranchPoint,
+    BranchRunner,
+    PointRuns,
+    RtpoPlan,
+    counterfactual_scores,
+    plan_rtpo,
+    refresh_point,
+    rtpo_estimator_input,
+    tcpo_branch_points,
+)
 from learner.samples import Sample, SkipCounts, trajectory_samples
-from learner.service_state import BASELINE, LEAP_NEXT, REVES_NEXT, SVR_NEXT, ServiceState
+from learner.service_state import BASELINE, LEAP_NEXT, REVES_NEXT, RTPO_SWEEP, SVR_NEXT, ServiceState
 from learner.svr_rollouts import fixed_horizon_runs
 from learner.update import estimate
 
@@ -115,22 +128,60 @@ class RolloutSteps(ServiceState):
         samples no refresh runs and keeps the recorded continuations). A branch point whose refresh run failed gets
         no sibling set (its backbone turn keeps trajectory GRPO): the old policy's continuation never stands in for it. A sibling, and the
         backbone turn it is compared with, are scored by their whole continuation's return; every other turn
-        gets trajectory GRPO. Without a branch point the sweep is one step: trajectory GRPO."""
+        gets trajectory GRPO. Without a branch point the sweep is one step: trajectory GRPO.
+
+        Resuming: each intermediate checkpoint carries the sweep's record (``RTPO_SWEEP`` in the trainer's cursor: the
+        sample window and batch, the branch points and segments, the steps its weights hold, the policy sampled from,
+        the figures so far). A learner that died mid-sweep resumes it from that checkpoint (``_sweep_to_resume``):
+        same batch, same plan, the steps after the checkpointed ones only, the next re-rollouts from the checkpoint's
+        intermediate version; ``info["resumed"]`` and the status's ``resumed`` say where."""
         rr = self.cfg.settings.rerollouts
         params = self.cfg.settings.trainer.estimator_params
-        rng = random.Random(f"{trainer.cfg.seed}:{trainer.version}")
+        resume = trainer.cursor.get(RTPO_SWEEP)
+        if resume is not None:
+            kept = set(resume.get("trajectories") or ())
+            left = [s for s in samples if s.trajectory_id in kept]
+            if left:
+                samples = left  # the recorded batch (its window is fixed; a reward that came later does not add a trajectory)
+            else:  # every trajectory of it quarantined or deleted: a new sweep on what the window holds now
+                log.warning("none of an interrupted RTPO sweep's trajectories is left; a new sweep starts", version=trainer.version)
+                resume = None
         backbones = [t for tid in dict.fromkeys(s.trajectory_id for s in samples) if (t := self.store.get_trajectory(tid)) is not None]
-        plan = plan_rtpo(backbones, [s.turn_index for s in samples], branches=rr.branches, bucket_size=rr.bucket_size, rng=rng)
-        model = self._rollout_model(trainer)
-        info: dict[str, Any] = {"estimator": "rtpo", "backbones": len(backbones), "branch_points": len(plan.points), "sibling_runs": 0}
-        info.update(refresh_runs=0, refresh_failed_points=0, failed=0, siblings=0, sampled_tokens=0, steps=[], refreshed=[])
+        published_here: list[str] = []
+        saved: dict[str, Any] | None = None  # the metrics of the steps a resumed sweep's weights hold
+        if resume is None:
+            rng = random.Random(f"{trainer.cfg.seed}:{trainer.version}")
+            plan = plan_rtpo(backbones, [s.turn_index for s in samples], branches=rr.branches, bucket_size=rr.bucket_size, rng=rng)
+            model = self._rollout_model(trainer)
+            info: dict[str, Any] = {"estimator": "rtpo", "backbones": len(backbones), "branch_points": len(plan.points), "sibling_runs": 0}
+            info.update(refresh_runs=0, refresh_failed_points=0, failed=0, siblings=0, sampled_tokens=0, steps=[], refreshed=[])
+            first, start_version = 0, trainer.version
+        else:
+            by_id = {t.trajectory_id: t for t in backbones}
+            points = [BranchPoint(by_id[tid], int(t)) for tid, t in resume["points"] if tid in by_id]
+            plan = RtpoPlan(points, [[int(t) for t in seg] for seg in resume["segments"]])
+            info = copy.deepcopy(resume["info"])
+            published_here = [str(n) for n in resume.get("published", [])]
+            first, start_version, saved = int(resume["done"]), int(resume["start_version"]), resume.get("metrics")
+            model = self._resumed_model(trainer, resume, info, published_here, samples)
+            where = {"step": first + 1, "of": len(plan.segments), "version": trainer.version, "start_version": start_version}
+            info["resumed"] = where
+            self.status.resumed = {**where, "at": time.time()}
+            self._set(
+                "training",
+                f"version {trainer.version + 1}: resuming an interrupted RTPO sweep at step {first + 1} of {len(plan.segments)} "
+                f"(turns {plan.segments[first]}) from version {trainer.version}, which holds its steps 1..{first}",
+            )
+            log.info("rtpo sweep resumed", **where, turns=plan.segments[first], model=model)
+        trajectories = sorted({s.trajectory_id for s in samples})
 
         def to_samples(traj: Trajectory) -> list[Sample]:  # branches are fresh by construction: no staleness floor
             return trajectory_samples(traj, family=self.family, min_version=0, cfg=self.cfg.settings.samples, counts=SkipCounts())
 
         merged: Any = None
-        published_here: list[str] = []
         for k, turns in enumerate(plan.segments):
+            if k < first:
+                continue  # in the resumed checkpoint's weights already
             points = [p for p in plan.points if p.turn in turns]
             point_runs = [PointRuns(p) for p in points]
             if points:
@@ -158,8 +209,29 @@ class RolloutSteps(ServiceState):
             n_sib = sum(len(pr.siblings) for pr in point_runs)
             info["siblings"] += n_sib
             info["steps"].append({"turns": turns, "samples": len(chosen), "siblings": n_sib, "optimizer_step": m.optimizer_step})
+            if merged is None and saved is not None:  # the steps before the resumed checkpoint count in this update's figures
+                names = {f.name for f in dataclasses.fields(m)}
+                merged = type(m)(**{key: v for key, v in saved.items() if key in names})
             merged = _merge_metrics(merged, m)
             if rr.refresh and m.optimizer_step and k + 1 < len(plan.segments) and "parity_refused" not in info:
+                # the checkpoint _publish_intermediate writes first carries the sweep so far: a learner that dies from here
+                # on resumes at step k + 2 with these weights, instead of applying steps 1..k + 1 to them a second time
+                trainer.cursor = {
+                    **trainer.cursor,
+                    RTPO_SWEEP: {
+                        "version": trainer.version,
+                        "start_version": start_version,
+                        **self._window,
+                        "trajectories": trajectories,
+                        "points": [[p.trajectory.trajectory_id, p.turn] for p in plan.points],
+                        "segments": plan.segments,
+                        "done": k + 1,
+                        "model": model,
+                        "published": list(published_here),
+                        "info": copy.deepcopy(info),
+                        "metrics": dataclasses.asdict(merged),
+                    },
+                }
                 try:  # the next step's re-rollouts continue with this policy, once the parity probe accepts its load
                     model = self._publish_intermediate(trainer, candidates=samples)
                 except ParityRefused as exc:  # unloaded and rejected already: the sweep goes on with the last accepted policy
@@ -172,6 +244,65 @@ class RolloutSteps(ServiceState):
             self._unload(name)  # intermediate versions served only this sweep's re-rollouts; the final one is published and gated next
         log.info("rtpo sweep", **{k: v for k, v in info.items() if k != "steps"})
         return merged, info
+
+    def _sweep_to_resume(self, trainer: Any, *, restarted: bool) -> dict[str, Any] | None:
+        """The RTPO sweep a dead learner process left mid-way (``RTPO_SWEEP`` in its checkpoint's cursor), if it goes on.
+
+        The record is dropped, and the update starts a new sweep, when the trainer has just restarted from the champion
+        (its weights are the pre-sweep ones again: a clean restart), when the learner no longer runs RTPO with
+        re-rollouts, or when the record is not of the checkpoint's version."""
+        rec = trainer.cursor.get(RTPO_SWEEP)
+        if rec is None:
+            return None
+        rr, why = self.cfg.settings.rerollouts, None
+        if not isinstance(rec, dict) or rec.get("version") != trainer.version:
+            why = "its record is not the checkpoint's"
+        elif restarted:
+            why = "the trainer restarted from the champion's weights"
+        elif self.cfg.settings.trainer.estimator != "rtpo" or not rr.enabled or self.cfg.agent is None:
+            why = "the learner no longer runs RTPO with re-rollouts"
+        if why is None:
+            return dict(rec)
+        trainer.cursor = {k: v for k, v in trainer.cursor.items() if k != RTPO_SWEEP}
+        log.warning("an interrupted RTPO sweep is not resumed; the update starts a new one", reason=why, version=trainer.version)
+        return None
+
+    def _resumed_model(self, trainer: Any, rec: dict[str, Any], info: dict[str, Any], published: list[str], samples: list[Sample]) -> str:
+        """The policy a resumed sweep's next re-rollouts sample from, as the dead process would have had it: the intermediate
+        version of the checkpoint it resumes from (published now if the process died before publishing it; else loaded
+        and probed again, the verdict having died with it), or, once one was refused or with refresh off, the policy the
+        sweep sampled from before. ``info`` and ``published`` (the versions to unload after the sweep) are updated."""
+        if self.cfg.settings.rerollouts.refresh and "parity_refused" not in info:
+            try:
+                name = self._resume_intermediate(trainer, samples)
+            except ParityRefused as exc:
+                info["parity_refused"], info["parity"] = exc.model, exc.report
+                log.warning("rtpo intermediate refused by the parity probe; no more refreshes this sweep", model=exc.model, reason=exc.reason)
+            else:
+                published.append(name)
+                info["refreshed"].append(name)
+                return name
+        before = str(rec["model"])
+        family, _, version = before.partition("@")
+        return self._ensure_loaded(int(version)) if family == self.family and version.isdigit() else before
+
+    def _resume_intermediate(self, trainer: Any, samples: list[Sample]) -> str:
+        """``Release._publish_intermediate`` for the version a resumed sweep starts from: its checkpoint exists; it may be
+        published already (versions are immutable: then it is loaded, not written again) and is probed either way."""
+        from learner.parity import refusal
+        from learner.publish import adapter_path
+
+        if not adapter_path(self.adapter_root, self.family, trainer.version).exists():
+            return str(self._publish_intermediate(trainer, candidates=samples))
+        name = self._ensure_loaded(trainer.version)
+        report = self._parity(trainer, name, candidates=samples, intermediate=True)
+        reason = refusal(report, self.cfg.settings.parity.threshold)
+        if reason is not None:
+            assert report is not None
+            self._unload(name)
+            self._rejected_names.add(name)
+            raise ParityRefused(name, reason, report)
+        return name
 
     def _tcpo_step(self, trainer: Any, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any]]:
         """TCPO (``docs/methods.md``): M one-step alternatives from the exact history of each high-surprisal turn, scored by the verifier."""
@@ -297,8 +428,6 @@ def _merge_metrics(acc: Any, m: Any) -> Any:
     """One update's metrics from several trainer steps: the last step's values, counts summed, ``optimizer_step`` if any stepped."""
     if acc is None:
         return m
-    import dataclasses
-
     skipped = {k: acc.skipped.get(k, 0) + m.skipped.get(k, 0) for k in {*acc.skipped, *m.skipped}}
     return dataclasses.replace(
         m,

@@ -40,6 +40,9 @@ State for people: ``<data-dir>/learner/<family>/status.json`` (served by ``GET /
 ``inflight.json``) and the process exits with status 1: ``serve.py`` restarts it (``learner/supervisor.py``)
 from its last checkpoint, because a half-stepped trainer must not go on. The restarted process counts a batch
 whose update a dead predecessor left unfinished (SIGKILL, OOM) as failed too, and retries the batch at once.
+An RTPO sweep checkpoints each of its steps before publishing it for the next step's re-rollouts; its retry resumes the
+sweep after the last checkpointed step on the same sample window, never applying a step twice (``learner/rollout_steps.py``;
+the status's ``resumed`` and the history's ``rerollouts.resumed`` say where).
 A batch that failed twice is quarantined: its trajectories are skipped by every later update (``quarantined``
 in the skip counts) and named in the status (``quarantine``). The runtime being away (admin API or HTTP errors)
 is not a crash: the round is retried. A configuration the learner refuses exits with status 2.
@@ -84,6 +87,7 @@ from learner.service_state import (
     REQUEST_FILE,
     RESTART_FILE,
     REVES_NEXT,
+    RTPO_SWEEP,
     SVR_NEXT,
     UPDATE_VERSIONS,
     LearnerConfigError,
@@ -154,6 +158,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         self._stop = False
         self._busy = False  # inside a scheduling round (an update, a publish, a gate)
         self._seen_since = time.time()
+        self._window: dict[str, Any] = {}
         self._checked = False
         # set by serve.py: the learner stops when its server does (uvicorn re-raises SIGTERM, so the server cannot always stop it)
         parent = os.environ.get("LOOPWISE_LEARNER_PARENT")
@@ -312,8 +317,13 @@ class LearnerService(Scheduler, RolloutSteps, Release):
     def _update(self, force: bool, publish: bool) -> dict[str, Any]:
         self.check_setup()
         trainer = self._get_trainer()
+        restarts = self.status.restarts
         if self._restart:
             self._restart_from_champion(trainer)
+        # an RTPO sweep a dead process left mid-way (its steps so far are in the checkpoint's weights) is resumed on the same
+        # window; after a restart from the champion the weights are the pre-sweep ones again and the sweep starts over
+        resume = self._sweep_to_resume(trainer, restarted=self.status.restarts != restarts)
+        force = force or resume is not None  # half a sweep never waits for more data: its window is fixed
         leap = self._leap_expand(trainer) if self.cfg.settings.leap.enabled else None
         svr_runs = self._svr_runs(trainer) if self.cfg.settings.svr.enabled and self.cfg.settings.svr.problems_per_update else None
         reves = self._reves_round(trainer) if self.cfg.settings.reves.enabled else None
@@ -321,10 +331,15 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         own_runs = own[2].pop("trajectory_ids", []) if own is not None else []
         self._await_recorded([*(svr_runs or {}).pop("trajectory_ids", []), *(reves or {}).pop("trajectory_ids", []), *own_runs])
         self._set("training", f"version {trainer.version + 1}")
+        # the window's end and staleness floor, kept by a sweep's intermediate checkpoints: a resumed sweep reads the same batch
+        floor = int(resume["min_version"]) if resume is not None and "min_version" in resume else self._staleness_floor(trainer)
+        now = float(resume["now"]) if resume is not None and "now" in resume else time.time()
+        self._window = {"now": now, "min_version": floor}
         batch = collect_samples(
             self.store,
             family=self.family,
-            min_version=self._staleness_floor(trainer),
+            min_version=floor,
+            now=now,
             cursor=Cursor.from_dict(trainer.cursor),
             cfg=self.cfg.settings.samples,
             traffic=self.traffic,
@@ -419,5 +434,13 @@ class LearnerService(Scheduler, RolloutSteps, Release):
             meta = read_checkpoint_meta(ckpts[-1])
             self.status.version = int(meta.get("version", 0))
             self._seen_since = float(Cursor.from_dict(meta.get("cursor")).since)
+            sweep = (meta.get("cursor") or {}).get(RTPO_SWEEP)
+            if isinstance(sweep, dict):
+                log.info(
+                    "an RTPO sweep was interrupted; the next update resumes it",
+                    version=self.status.version,
+                    steps_done=sweep.get("done"),
+                    of=len(sweep.get("segments") or []),
+                )
         else:
             self._seen_since = 0.0

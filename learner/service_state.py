@@ -40,6 +40,7 @@ LEAP_NEXT = "leap_next_problem"  # trainer.cursor key: the next problem index LE
 SVR_NEXT = "svr_next_problem"  # trainer.cursor key: the next training problem of SVR's fixed-horizon runs
 REVES_NEXT = "reves_next_item"  # trainer.cursor key: the next training item REVES augments
 BASELINE = "singleton_baseline"  # trainer.cursor key: the running baselines of one-off prompts (learner/baseline.py)
+RTPO_SWEEP = "rtpo_sweep"  # trainer.cursor key: an unfinished RTPO sweep's progress, in each intermediate checkpoint (rollout_steps.py)
 
 
 class LearnerConfigError(ValueError):
@@ -108,6 +109,7 @@ class Status:
     crashes: int = 0  # updates that raised and processes that died mid-update, counted across restarts of the learner
     failing_batch: dict[str, Any] | None = None  # a batch that failed once and is retried: trajectories, suspects, failures, since
     quarantine: dict[str, Any] = field(default_factory=dict)  # quarantined trajectories: count, batches, the newest (ids, when, why)
+    resumed: dict[str, Any] | None = None  # the last RTPO sweep this process resumed mid-way: step, of, version, start_version, at
     pid: int = field(default_factory=os.getpid)
     updated_at: float = field(default_factory=time.time)
 
@@ -139,6 +141,7 @@ class ServiceState:
     _parent: int | None
     ledger: BatchLedger  # the in-flight marker and the quarantine (learner/quarantine.py)
     _retry: bool  # the previous process did not finish an update: run one at the first round
+    _window: dict[str, Any]  # this update's sample window: "now" and "min_version" as collect_samples read them (a resumed sweep's)
 
     def _get_trainer(self) -> Any:
         if self._trainer is None:

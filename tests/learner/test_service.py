@@ -8,6 +8,7 @@ files, the admin API and the runs endpoint the gate uses.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -260,10 +261,49 @@ def rr_service(server, tiny_model_path, family: str, estimator: str, rerollouts:
     return LearnerService(cfg)
 
 
-def test_rtpo_sweeps_turns_in_reverse_with_siblings_from_the_exact_stored_contexts(server, tiny_model_path):
-    from learner.records.store import SqliteStore
+def trajectory_feedback(traj) -> float:
+    return next(r.value for r in traj.rewards if r.target == "trajectory" and r.source == "feedback")
 
+
+def test_rtpo_sweeps_turns_in_reverse_with_siblings_from_the_exact_stored_contexts(server, tiny_model_path, monkeypatch):
+    from learner.records.store import SqliteStore
+    from learner.rerollout import BranchRunner
+    from learner.trainer import LoRATrainer
+
+    store = SqliteStore(server.data_dir / "interactions.db")
     backbones = multi_traffic(server, range(2), 4)
+    # The tiny model is random: its verifier scores every run 0, so scored by the verifier alone no sibling set ever had
+    # reward variance (every sibling advantage was 0). The branches are rated here as the backbones are, by feedback: a
+    # backbone with reward r gets its refreshed continuation rated r and its siblings 1 - r, so every sibling set differs
+    real_run = BranchRunner.run
+
+    def run_and_rate(self, points, *, n, model, kind, **kw):
+        runs = real_run(self, points, n=n, model=model, kind=kind, **kw)
+        for r in runs:
+            if r.trajectory is not None:
+                r_backbone = trajectory_feedback(r.point.trajectory)
+                value = r_backbone if kind == "rtpo_refresh" else 1.0 - r_backbone
+                body = {"trajectory_id": r.trajectory.trajectory_id, "reward": value}
+                assert admin(server, "POST", "/admin/feedback", json=body).status_code == 200
+                deadline = time.monotonic() + 30
+                traj = store.get_trajectory(body["trajectory_id"])
+                while not any(x.source == "feedback" for x in traj.rewards):
+                    assert time.monotonic() < deadline, "the feedback was not stored"
+                    time.sleep(0.05)
+                    traj = store.get_trajectory(body["trajectory_id"])
+                assert trajectory_feedback(traj) == value
+                r.trajectory = traj  # the sweep reads the branch with its rating
+        return runs
+
+    trained: list[tuple[object, float]] = []  # (sample, advantage) as each trainer step got them
+    real_step = LoRATrainer.step
+
+    def step(self, samples, advantages, **kw):
+        trained.extend(zip(samples, list(advantages), strict=True))
+        return real_step(self, samples, advantages, **kw)
+
+    monkeypatch.setattr(BranchRunner, "run", run_and_rate)
+    monkeypatch.setattr(LoRATrainer, "step", step)
     svc = rr_service(server, tiny_model_path, "rt", "rtpo", {"branches": 1, "siblings": 2, "refresh": True})
     record = svc.update()
     rr = record["rerollouts"]
@@ -271,7 +311,28 @@ def test_rtpo_sweeps_turns_in_reverse_with_siblings_from_the_exact_stored_contex
     # buckets latest first; the turn-0 bucket has no branch point, so it trains in turn 1's step
     assert [b["turns"] for b in rr["steps"]] == [[2], [0, 1]]
     assert rr["siblings"] == 16 and sum(b["siblings"] for b in rr["steps"]) == 16
-    store = SqliteStore(server.data_dir / "interactions.db")
+    # RTPO's sibling advantage, by hand: over the sibling set at one exact context, A = (G - mean G) / (std G + eps), G the
+    # return of the whole continuation (outcome rewards only, gamma 1: its trajectory's reward), std the sample std, eps 1e-6.
+    # Each set here is the backbone's turn (continued by its refresh, or by its own run at its last turn) with G = r and two
+    # siblings with G = 1 - r: {0, 1, 1} or {1, 0, 0}, mean 2/3 or 1/3, std sqrt((4/9 + 1/9 + 1/9) / 2) = sqrt(1/3), so
+    # r = 0: A(backbone) = -(2/3) / sd, A(sibling) = (1/3) / sd;  r = 1: A(backbone) = (2/3) / sd, A(sibling) = -(1/3) / sd
+    sd = math.sqrt(1 / 3) + 1e-6
+    sets: dict[str, list[tuple[str, float]]] = {}
+    for sample, adv in trained:
+        if "|branch:" not in sample.group_id:
+            continue  # an un-branched backbone turn: trajectory GRPO
+        bb_id, t = sample.group_id.rsplit("|branch:", 1)[1].rsplit(":", 1)
+        bb = store.get_trajectory(bb_id)
+        assert sample.turn_index == int(t) and sample.context_ids == bb.turns[int(t)].context_ids
+        r = trajectory_feedback(bb)
+        if sample.turn_id == bb.turns[int(t)].turn_id:
+            role, want = "backbone", (2 / 3 if r == 1.0 else -2 / 3) / sd
+        else:
+            role, want = "sibling", (-1 / 3 if r == 1.0 else 1 / 3) / sd
+        assert adv == pytest.approx(want, rel=1e-6), (role, r, adv)
+        sets.setdefault(sample.group_id, []).append((role, adv))
+    assert len(sets) == rr["branch_points"] == 8  # every branch point trained its sibling set, each advantage non-zero
+    assert all(sorted(role for role, _ in v) == ["backbone", "sibling", "sibling"] for v in sets.values())
     rows = store.list_trajectories(limit=1000)
     branches = [t for t in rows if t["meta"].get("rerollout") == "rtpo"]
     refreshes = [t for t in rows if t["meta"].get("rerollout") == "rtpo_refresh"]
@@ -313,27 +374,89 @@ def test_rtpo_without_refresh_samples_no_refresh_runs(server, tiny_model_path):
     assert rr["refresh_runs"] == 0 and rr["refreshed"] == [] and rr["refresh_failed_points"] == 0
 
 
-def test_a_learner_killed_after_an_intermediate_publish_resumes(server, tiny_model_path):
-    # an RTPO sweep publishes family@N for its next step's siblings; killed right after, the resumed learner must
-    # not try to publish another, different family@N (it crashed on the existing version before the checkpoint
-    # was written first)
-    multi_traffic(server, range(20, 22), 4)
-    svc = rr_service(server, tiny_model_path, "rk", "rtpo", {"branches": 1, "siblings": 2, "refresh": True})
-    real = svc._publish_intermediate
+RTPO_RR = {"branches": 1, "siblings": 2, "refresh": True}
 
-    def publish_then_die(trainer, **kw):
-        real(trainer, **kw)
+
+def test_a_learner_killed_between_an_intermediate_checkpoint_and_its_publish_resumes_the_sweep(server, tiny_model_path, monkeypatch):
+    # An RTPO sweep checkpoints its step 1 (version 1) before publishing it as rk@1 for step 2's siblings. Killed in
+    # between, the restarted learner publishes rk@1 from that checkpoint and goes on with step 2: version 2. It used to
+    # redo the whole sweep on version 1's weights: step 1 applied a second time, version 3, step 2's siblings from rk@2.
+    import learner.release as release
+    from learner.records.store import SqliteStore
+
+    multi_traffic(server, range(20, 22), 4)
+    real = release.checkpoint_and_publish
+    killed: list[Path] = []
+
+    def checkpoint_then_die(trainer, ckpt_root, *args, **kw):
+        if killed:
+            return real(trainer, ckpt_root, *args, **kw)
+        killed.append(trainer.save_checkpoint(ckpt_root))
         raise SystemExit("killed")
 
-    svc._publish_intermediate = publish_then_die  # type: ignore[method-assign]
+    monkeypatch.setattr(release, "checkpoint_and_publish", checkpoint_then_die)
+    svc = rr_service(server, tiny_model_path, "rk", "rtpo", RTPO_RR)
     with pytest.raises(SystemExit):
         svc.update()
     data = server.data_dir
-    assert (data / "adapters" / "rk" / "v1").is_dir()
-    resumed = rr_service(server, tiny_model_path, "rk", "rtpo", {"branches": 1, "siblings": 2, "refresh": True})
-    record = resumed.update()  # resumes at version 1 (checkpointed before its publish) and redoes the update
-    assert record["version"] > 1 and record["rerollouts"]["refreshed"][0] == "rk@2"
-    assert (data / "adapters" / "rk" / f"v{record['version']}").is_dir()
+    assert not (data / "adapters" / "rk" / "v1").exists()
+    sweep = json.loads((killed[0] / "state.json").read_text())["cursor"]["rtpo_sweep"]
+    assert sweep["version"] == 1 and sweep["start_version"] == 0 and sweep["done"] == 1 and sweep["segments"] == [[2], [0, 1]]
+    resumed = rr_service(server, tiny_model_path, "rk", "rtpo", RTPO_RR)
+    record = resumed.update()
+    info = record["rerollouts"]
+    assert record["version"] == 2 and info["resumed"] == {"step": 2, "of": 2, "version": 1, "start_version": 0}
+    assert [s["turns"] for s in info["steps"]] == [[2], [0, 1]] and info["refreshed"] == ["rk@1"]
+    assert (data / "adapters" / "rk" / "v1").is_dir() and (data / "adapters" / "rk" / "v2").is_dir()
+    assert not (data / "adapters" / "rk" / "v3").exists()
+    # step 2's re-rollouts (the only ones sampled by a version of rk) came from the checkpoint's weights, published on resume
+    store = SqliteStore(data / "interactions.db")
+    rows = [r for r in store.list_trajectories(limit=2000) if r["meta"].get("rerollout") in ("rtpo", "rtpo_refresh")]
+    adapters = {store.get_trajectory(r["trajectory_id"]).turns[0].adapter for r in rows}
+    assert {a for a in adapters if a and a.startswith("rk@")} == {"rk@1"}
+
+
+def test_a_learner_that_dies_in_a_later_sweep_step_never_applies_the_earlier_steps_twice(server, tiny_model_path, monkeypatch):
+    # Killed in step 2's trainer step (step 1 checkpointed as version 1 and published as rs@1, step 2's siblings sampled
+    # by it), the restarted learner resumes the sweep at step 2 on the same batch and plan: its trainer steps turns 0-1
+    # once, and turn 2's step, already in version 1, is not applied again. It used to redo the sweep on version 1's
+    # weights (a new plan, turn 2 trained a second time, three versions for a two-step sweep).
+    from learner.trainer import LoRATrainer
+
+    multi_traffic(server, range(40, 42), 4)
+    calls: list[tuple[str, list[int]]] = []  # (which process, the turn indices one trainer step trained)
+    process = ["first"]
+    real = LoRATrainer.step
+
+    def step(self, samples, advantages, **kw):
+        calls.append((process[0], sorted({s.turn_index for s in samples})))
+        if process[0] == "first" and len(calls) == 2:
+            raise RuntimeError("the learner process died here")
+        return real(self, samples, advantages, **kw)
+
+    monkeypatch.setattr(LoRATrainer, "step", step)
+    svc = rr_service(server, tiny_model_path, "rs", "rtpo", RTPO_RR)
+    with pytest.raises(RuntimeError, match="died here"):
+        svc.update(publish=False)  # publishes nothing final: the module's server has room for 8 adapters
+    assert calls == [("first", [2]), ("first", [0, 1])]
+    one_step = svc._trainer.optimizer_steps  # step 1's optimizer steps (its epochs)
+    assert svc._trainer.version == 1 and one_step > 0
+
+    process[0] = "resumed"
+    resumed = rr_service(server, tiny_model_path, "rs", "rtpo", RTPO_RR)  # a new process on the same data folder
+    record = resumed.update(publish=False)
+    assert calls[2:] == [("resumed", [0, 1])]  # steps 2..2 only
+    trainer = resumed._trainer
+    assert record["version"] == trainer.version == 2 and trainer.optimizer_steps == 2 * one_step
+    info = record["rerollouts"]
+    where = {"step": 2, "of": 2, "version": 1, "start_version": 0}
+    assert info["resumed"] == where and [s["turns"] for s in info["steps"]] == [[2], [0, 1]] and info["refreshed"] == ["rs@1"]
+    status = json.loads((learner_dir(server.data_dir, "rs") / "status.json").read_text())
+    assert {k: status["resumed"][k] for k in where} == where
+    # the update's own checkpoint carries no sweep any more; rs@1 served the sweep's re-rollouts only
+    ckpt = learner_dir(server.data_dir, "rs") / "checkpoints" / "ckpt-00000002" / "state.json"
+    assert "rtpo_sweep" not in json.loads(ckpt.read_text())["cursor"]
+    assert "rs@1" not in {a["name"] for a in admin(server, "GET", "/admin/adapters").json()["data"]}
 
 
 def test_tcpo_scores_one_step_counterfactuals_of_high_surprisal_turns(server, tiny_model_path, monkeypatch):
