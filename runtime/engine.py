@@ -22,6 +22,12 @@ them, divided by the temperature (undivided for greedy), with a grammar mask app
 is constrained; top-p truncation is not applied to them. Without penalties or bias this is what a
 learner recomputes from ``logits / T`` for importance ratios; a turn sampled with them is not (its
 record says so: ``SamplingParams.penalized``, and the learner leaves it out).
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``, for scoring: OpenAI legacy completions' ``echo`` with
+``logprobs``, vLLM's ``prompt_logprobs``) are of the model's raw distribution: ``log_softmax`` of the logits
+at position i - 1 for prompt token i (the adapter of the request applied; no temperature, penalties or
+grammar), with the top-k alternatives and the token's rank where the engine knows it. The first prompt
+token has none. Engines that compute them say so in ``EngineInfo.prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -98,6 +104,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a tuple: the params stay hashable
+    # the logprob of every prompt token from the second on, with this many alternatives (None: not asked); see the module docstring.
+    # max_new_tokens 0 with it scores the prompt only: the request ends after its prefill with no token (finish "length")
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -128,6 +137,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs; None where the engine does not say)
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,7 @@ class StreamChunk:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None  # the stop string or token id that ended generation
     timings: Timings | None = None  # set on the last chunk
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.. (the first has none); on the first chunk, when asked
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,7 @@ class GenerateResult:
     logprobs: tuple[TokenLogprob, ...] = ()
     matched_stop: str | int | None = None
     timings: Timings = field(default_factory=Timings)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.., when asked (``SamplingParams.prompt_logprobs``)
 
 
 @dataclass(frozen=True)
@@ -173,6 +185,7 @@ class EngineInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     dtype: str = ""
+    prompt_logprobs: bool = False  # computes prompt logprobs (``SamplingParams.prompt_logprobs``, max_new_tokens 0 included)
 
 
 @runtime_checkable
@@ -225,8 +238,11 @@ async def collect(req: GenerateRequest, chunks: AsyncIterator[StreamChunk]) -> G
     ids: list[int] = []
     text: list[str] = []
     lps: list[TokenLogprob] = []
+    prompt: tuple[TokenLogprob, ...] | None = None
     last: StreamChunk | None = None
     async for chunk in chunks:
+        if prompt is None:
+            prompt = chunk.prompt_logprobs
         ids.extend(chunk.token_ids)
         text.append(chunk.text)
         lps.extend(chunk.logprobs)
@@ -242,4 +258,5 @@ async def collect(req: GenerateRequest, chunks: AsyncIterator[StreamChunk]) -> G
         logprobs=tuple(lps),
         matched_stop=last.matched_stop,
         timings=last.timings or Timings(),
+        prompt_logprobs=prompt,
     )

@@ -6,8 +6,10 @@ sampling) and back from :class:`ChoiceOut` values or :class:`StreamEvent` values
 behave the same whichever API a client speaks happens here: rendering the prompt (``chat_format``),
 the context-length check, the decoding constraint (``constraints``), the logit bias's vocabulary check,
 one :class:`GenerateRequest` per choice, tool-call parsing (``tool_parsers``; in a stream,
-``tool_stream`` sends the arguments as they decode), logprobs, and recording each choice as a turn
-with the recorder's stitching (its sampling parameters, penalties and logit bias included).
+``tool_stream`` sends the arguments as they decode), logprobs, prompt logprobs (asked of the engine for
+choice 0 only, as the choices share the prompt; a 400 where the engine does not compute them), and
+recording each choice as a turn with the recorder's stitching (its sampling parameters, penalties and
+logit bias included).
 
 Streams: every choice's engine stream is opened before the first byte is sent (so 429/400 still
 arrive as HTTP errors); events of all choices are merged in arrival order; the turns are recorded
@@ -98,6 +100,7 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = False
+    logprobs_with_stop: bool = False  # a final stop token keeps its logprob entry (legacy completions' echo, as vLLM's)
     top_logprobs: int = 0
     presence_penalty: float = 0.0  # OpenAI's penalties and logit bias (token id -> bias); recorded with the turn
     frequency_penalty: float = 0.0
@@ -107,6 +110,8 @@ class GenRequest:
     user: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     prompt_text: str | None = None  # the raw prompt as text, for records (with prompt_ids)
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs with this many alternatives (raw prompts; runtime/engine.py)
+    prompt_logprobs_param: str = "prompt_logprobs"  # the wire field that asked for them, for error messages
     messages_param: str = "messages"
     session_id: str | None = None  # the session to record in (else X-Session-Id, else user); e.g. a chained response's
     tag: str | None = None  # the client's tag (chat ``metadata.tag``), recorded for learners' traffic filters
@@ -202,9 +207,11 @@ class Prepared:
     adapter: str | None  # the adapter version serving every choice (None = the base model)
     slots: list[TurnSlot] | None  # recorded turn ids per choice; None when recording is off
     want_logprobs: bool = False
+    logprobs_with_stop: bool = False
     api: str = "chat.completions"
     completion_tokens: int = 0  # filled in as the choices finish
     tag: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.. (choice 0's engine request), once it answered
 
     @property
     def prompt_tokens(self) -> int:
@@ -293,6 +300,11 @@ class Generation:
                 code="context_length_exceeded",
             )
         max_new = asked if asked is not None else min(self.default_max_tokens, max_len - prompt_len)
+        if req.prompt_logprobs is not None and not self.engine.info.prompt_logprobs:
+            raise InvalidRequest(
+                f"this server's {self.engine.info.backend} engine does not compute prompt logprobs (asked for by '{req.prompt_logprobs_param}')",
+                param=req.prompt_logprobs_param,
+            )
         grammar = grammar_for(req, self.formatter.parser_name)
         logit_bias = self._logit_bias(req.logit_bias)
         temperature = 1.0 if req.temperature is None else req.temperature
@@ -313,6 +325,7 @@ class Generation:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 logit_bias=logit_bias,
+                prompt_logprobs=req.prompt_logprobs if i == 0 else None,
             )
             engine_reqs.append(GenerateRequest(f"{request_id}-{i}", prompt_ids, sampling, adapter=adapter, session=session))
         self.metrics.prompt_tokens.inc(prompt_len * req.n)
@@ -328,6 +341,7 @@ class Generation:
             adapter=adapter,
             slots=self.recorder.assign(session_id, messages, req.n, owner) if self.recorder is not None else None,
             want_logprobs=req.logprobs,
+            logprobs_with_stop=req.logprobs_with_stop,
             api=req.api,
             tag=req.tag,
         )
@@ -357,6 +371,7 @@ class Generation:
             finish = _finish(res.finish_reason, bool(calls))
             choices.append(self._choice(prep, i, res, content, calls, finish))
         await self._record(prep, [(c, r) for c, r in zip(choices, results, strict=True)])
+        self._take_prompt_logprobs(prep, results[0].prompt_logprobs)
         return choices
 
     def _parse(self, prep: Prepared, res: GenerateResult) -> tuple[str | None, list[ParsedToolCall]]:
@@ -379,7 +394,7 @@ class Generation:
             text=res.text,
             output_ids=res.output_ids,
             completion_tokens=len(res.output_ids),
-            logprobs=self.token_logprobs(res.logprobs, res.matched_stop) if prep.want_logprobs else None,
+            logprobs=self.token_logprobs(res.logprobs, None if prep.logprobs_with_stop else res.matched_stop) if prep.want_logprobs else None,
             ids=prep.choice_ids(i),
             matched_stop=res.matched_stop,
         )
@@ -450,6 +465,7 @@ class Generation:
                 it = aiter(self.engine.stream(r))
                 first = await anext(it)
                 opened.append((it, first))
+            self._take_prompt_logprobs(prep, opened[0][1].prompt_logprobs)
         except BaseException:
             for it, _ in opened:
                 await it.aclose()  # type: ignore[attr-defined]
@@ -503,6 +519,14 @@ class Generation:
                     await it.aclose()  # type: ignore[attr-defined]
 
     # ---- shared ----------------------------------------------------------------------------
+    def _take_prompt_logprobs(self, prep: Prepared, scores: tuple[TokenLogprob, ...] | None) -> None:
+        """Keep choice 0's prompt logprobs on ``prep`` when they were asked for; an engine that did not send them is at fault."""
+        if prep.engine_reqs[0].sampling.prompt_logprobs is None:
+            return
+        if scores is None:
+            raise EngineError(f"the {self.engine.info.backend} engine answered without the prompt logprobs it was asked for")
+        prep.prompt_logprobs = scores
+
     def token_logprobs(self, lps: tuple[TokenLogprob, ...], matched_stop: str | int | None) -> list[dict[str, Any]]:
         """OpenAI's per-token logprob entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``); a final stop token is left out."""
         out = []
@@ -534,7 +558,8 @@ class _ChoiceStream:
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
         self.text += chunk.text
-        lps = self.svc.token_logprobs(chunk.logprobs, chunk.matched_stop) if self.prep.want_logprobs else None
+        stop = None if self.prep.logprobs_with_stop else chunk.matched_stop
+        lps = self.svc.token_logprobs(chunk.logprobs, stop) if self.prep.want_logprobs else None
         out: list[StreamEvent] = []
         if self.tools is None:
             if chunk.text or lps:

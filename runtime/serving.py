@@ -31,7 +31,7 @@ from runtime.adapter_names import AdapterNotFound, AdapterRef
 from runtime.adapter_registry import AdapterRegistry
 from runtime.admission import Admission
 from runtime.agent_api import AgentHost, UnknownModel
-from runtime.engine import EngineError
+from runtime.engine import EngineError, TokenLogprob
 from runtime.errors import APIError, from_engine
 from runtime.generation import (
     ChoiceDone,
@@ -70,6 +70,7 @@ class Outcome:
     loopwise: dict[str, Any] | None = None
     headers: dict[str, str] = field(default_factory=dict)
     session_id: str = ""  # the session the turns were recorded in
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.., when asked (``GenRequest.prompt_logprobs``)
     _completion_tokens: Callable[[], int] = lambda: 0
     _release: Callable[[], None] | None = None  # a stream's lease and quota slots: given back once, however it ends
 
@@ -134,6 +135,7 @@ class Gateway:
             out = Outcome(prep.id, prep.created, req.model, prep.prompt_tokens, loopwise=prep.loopwise(), headers=prep.headers(), session_id=session)
             if stream:
                 opened = await svc.open_streams(prep)
+                out.prompt_logprobs = prep.prompt_logprobs
                 streaming = True
 
                 released = False
@@ -168,6 +170,7 @@ class Gateway:
             self._count_error(adapter, 499)
             return None
         out.choices = choices
+        out.prompt_logprobs = prep.prompt_logprobs
         return out
 
     async def _compile_grammar(self, prep: Any, owner: str, svc: Generation) -> None:

@@ -6,12 +6,21 @@ tokenizer does by default (its special tokens, e.g. BOS, added); token ids go to
 given. No chat template and no tools. Fields: ``max_tokens`` (default 16, as OpenAI's),
 ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` (0–20: per token the sampled
 token's logprob and that many alternatives, with ``text_offset``), ``echo`` (the prompt text before
-the completion), ``stream`` (+ ``stream_options.include_usage``; one prompt per streamed request),
-``presence_penalty`` / ``frequency_penalty`` / ``logit_bias`` (as chat's: ``runtime/openai_schemas.py``),
-``user``. Every choice is recorded as a turn (its messages are one ``prompt`` entry with the text).
+the completion; with ``logprobs``, the prompt's tokens and their logprobs before the generated ones,
+the first prompt token's ``null``, and a final stop token's entry kept, as vLLM does: harnesses
+slice the generated part by count), ``stream`` (+ ``stream_options.include_usage``; one prompt per
+streamed request), ``presence_penalty`` / ``frequency_penalty`` / ``logit_bias`` (as chat's:
+``runtime/openai_schemas.py``), ``user``, and vLLM's ``prompt_logprobs`` (0–20: each choice gets
+vLLM's ``prompt_logprobs`` list; not with ``stream``). ``max_tokens`` 0 with ``echo`` (or
+``prompt_logprobs``) scores the prompt without generating: what evaluation harnesses send. Formats:
+``runtime/completions_logprobs.py``. Every choice is recorded as a turn (its messages are one
+``prompt`` entry with the text; a scoring-only turn has no output token, so it never trains).
 
-Not served (a clear 400): ``suffix`` (no fill-in-the-middle), ``best_of`` other than ``n``,
-``echo`` with ``logprobs`` (prompt logprobs are not computed).
+Prompt logprobs are the engine's (``runtime/engine.py``); an engine that does not compute them answers
+400. A request's prompt logprobs are bounded: prompt tokens × (alternatives + 1) × ``n`` at most
+:data:`MAX_PROMPT_SCORES` (a 400 beyond), so a batch of long prompts cannot build an unbounded answer.
+
+Not served (a clear 400): ``suffix`` (no fill-in-the-middle), ``best_of`` other than ``n``.
 
 Not here: the generation path (``runtime/serving.py``).
 """
@@ -21,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,7 +38,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
 
-from runtime.engine import InvalidRequest
+from runtime.completions_logprobs import TokenText, legacy_logprobs, prompt_entries, text_end, token_texts, vllm_prompt_logprobs
+from runtime.engine import InvalidRequest, TokenLogprob
 from runtime.errors import from_validation
 from runtime.generation import ChoiceDone, ChoiceOut, GenRequest, StreamFailed, TextDelta
 from runtime.http_body import read_json
@@ -36,18 +47,20 @@ from runtime.openai_schemas import FieldError, LogitBias, Penalty, StreamOptions
 from runtime.serving import Gateway, Outcome
 
 MAX_PROMPTS = 64
+MAX_LOGPROBS = 20  # alternatives per token, for generated and prompt tokens alike (vLLM's default --max-logprobs)
+MAX_PROMPT_SCORES = 1 << 18  # prompt tokens × (alternatives + 1) × n per request, when the prompt's logprobs are asked
 
 
 class CompletionRequest(_In):
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (with echo or prompt_logprobs)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -57,6 +70,7 @@ class CompletionRequest(_In):
     frequency_penalty: Penalty = None
     logit_bias: LogitBias = None
     user: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
@@ -66,13 +80,20 @@ class CompletionRequest(_In):
             raise FieldError("suffix", "suffix (fill-in-the-middle) is not supported by this model")
         if self.best_of is not None and self.best_of != self.n:
             raise FieldError("best_of", "best_of is not supported by this server (send n and pick the choice yourself)")
-        if self.echo and self.logprobs is not None:
-            raise FieldError("echo", "echo with logprobs needs prompt logprobs, which this server does not compute")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise FieldError("max_tokens", "max_tokens 0 generates nothing: send echo or prompt_logprobs with it to score the prompt")
+        if self.stream and self.prompt_logprobs is not None:
+            raise FieldError("prompt_logprobs", "prompt_logprobs is not available with stream (echo with logprobs streams the prompt's logprobs)")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         if self.prompt == [] or self.prompt == "":
             raise FieldError("prompt", "prompt must not be empty")
         return self
+
+    def prompt_top(self) -> int | None:
+        """How many alternatives the engine lists per prompt token; None when the prompt's logprobs are not wanted."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -106,6 +127,7 @@ def to_internal(req: CompletionRequest, prompt: str | list[int], tokenizer: Any,
         stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
         seed=req.seed,
         logprobs=req.logprobs is not None,
+        logprobs_with_stop=req.echo,  # the generated part has one entry per token, a final eos too (as vLLM: harnesses slice by count)
         top_logprobs=req.logprobs or 0,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
@@ -113,32 +135,54 @@ def to_internal(req: CompletionRequest, prompt: str | list[int], tokenizer: Any,
         user=req.user,
         prompt_ids=ids,
         prompt_text=text,
+        prompt_logprobs=req.prompt_top(),
+        prompt_logprobs_param="prompt_logprobs" if req.prompt_logprobs is not None else "logprobs",
         messages_param="prompt",
     )
 
 
-def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
-    """Chat-style per-token entries → the legacy ``logprobs`` object (parallel lists, ``text_offset`` in characters)."""
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e["token"])
-    return {
-        "tokens": [e["token"] for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-        "text_offset": offsets,
-    }
+@dataclass(frozen=True)
+class _Prompt:
+    """One prompt's part of every choice of it: its text, and its tokens' logprobs in both formats when asked."""
+
+    text: str
+    echo_logprobs: list[dict[str, Any]] | None = None  # per-token entries of the echoed prompt (echo with logprobs)
+    vllm: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's prompt_logprobs (prompt_logprobs asked)
 
 
-def _choice(c: ChoiceOut, index: int, req: CompletionRequest, prompt_text: str) -> dict[str, Any]:
+def _prompt_part(req: CompletionRequest, ireq: GenRequest, scores: tuple[TokenLogprob, ...] | None, text: TokenText) -> _Prompt:
+    prompt = _Prompt(ireq.prompt_text or "")
+    if scores is None:
+        return prompt
+    ids = ireq.prompt_ids or ()
+    echo = prompt_entries(ids, scores, req.logprobs, text) if req.echo and req.logprobs is not None else None
+    vllm = vllm_prompt_logprobs(scores, req.prompt_logprobs, text) if req.prompt_logprobs is not None else None
+    return _Prompt(prompt.text, echo, vllm)
+
+
+def _choice(c: ChoiceOut, index: int, req: CompletionRequest, prompt: _Prompt) -> dict[str, Any]:
     text = c.content or ""
-    return {
-        "index": index,
-        "text": prompt_text + text if req.echo else text,
-        "logprobs": legacy_logprobs(c.logprobs or [], 0) if req.logprobs is not None else None,
-        "finish_reason": c.finish_reason,
-    }
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = legacy_logprobs([*(prompt.echo_logprobs or []), *(c.logprobs or [])], 0)
+    out: dict[str, Any] = {"index": index, "text": prompt.text + text if req.echo else text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    if req.prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt.vllm
+    return out
+
+
+def _check_scores(req: CompletionRequest, ireqs: list[GenRequest]) -> None:
+    """Refuse a request whose prompt logprobs would exceed :data:`MAX_PROMPT_SCORES` entries (a 400 naming the field)."""
+    k = req.prompt_top()
+    if k is None:
+        return
+    entries = sum(len(r.prompt_ids or ()) for r in ireqs) * (k + 1) * req.n
+    if entries > MAX_PROMPT_SCORES:
+        raise InvalidRequest(
+            f"the prompt logprobs asked for come to {entries} entries (prompt tokens × (alternatives + 1) × n), over this server's "
+            f"limit of {MAX_PROMPT_SCORES}: send fewer or shorter prompts per request, or fewer alternatives",
+            param="prompt_logprobs" if req.prompt_logprobs is not None else "logprobs",
+        )
 
 
 def install_completions_routes(app: FastAPI, gateway: Gateway, max_body: int) -> None:
@@ -157,12 +201,14 @@ def install_completions_routes(app: FastAPI, gateway: Gateway, max_body: int) ->
         tokenizer, vocab = gateway.tokenizer(), gateway.vocab_size()
         single = len(prompts) == 1
         ireqs = [to_internal(req, p, tokenizer, vocab, "prompt" if single else f"prompt[{i}]") for i, p in enumerate(prompts)]
+        _check_scores(req, ireqs)
+        text = token_texts(tokenizer)
         if req.stream:
             out = await gateway.run(request, ireqs[0], stream=True, id_prefix="cmpl-")
             assert out is not None
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _stream(out, req, ireqs[0].prompt_text or "", include_usage),
+                _stream(out, req, _prompt_part(req, ireqs[0], out.prompt_logprobs, text), include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **out.headers},
                 background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
@@ -177,7 +223,8 @@ def install_completions_routes(app: FastAPI, gateway: Gateway, max_body: int) ->
             assert o is not None and o.choices is not None
             prompt_tokens += o.prompt_tokens
             completion_tokens += o.completion_tokens
-            choices += [_choice(c, i * req.n + c.index, req, r.prompt_text or "") for c in o.choices]
+            prompt = _prompt_part(req, r, o.prompt_logprobs, text)
+            choices += [_choice(c, i * req.n + c.index, req, prompt) for c in o.choices]
             if o.loopwise is not None:
                 loopwise.append(o.loopwise)
         first = outs[0]
@@ -196,13 +243,15 @@ def install_completions_routes(app: FastAPI, gateway: Gateway, max_body: int) ->
         return JSONResponse(result, headers=headers)
 
 
-async def _stream(out: Outcome, req: CompletionRequest, prompt_text: str, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(out: Outcome, req: CompletionRequest, prompt: _Prompt, include_usage: bool) -> AsyncIterator[str]:
     assert out.events is not None
     envelope = {"id": out.id, "object": "text_completion", "created": out.created, "model": req.model}
-    offsets = [len(prompt_text) if req.echo else 0] * req.n
-    if req.echo:
+    offsets = [0] * req.n
+    if req.echo:  # the prompt first (with its tokens' logprobs when asked), then the completion's offsets continue after it
+        echoed = legacy_logprobs(prompt.echo_logprobs, 0) if req.logprobs is not None and prompt.echo_logprobs is not None else None
+        offsets = [text_end(echoed) if echoed is not None else len(prompt.text)] * req.n
         for i in range(req.n):
-            yield _sse({**envelope, "choices": [{"index": i, "text": prompt_text, "logprobs": None, "finish_reason": None}]})
+            yield _sse({**envelope, "choices": [{"index": i, "text": prompt.text, "logprobs": echoed, "finish_reason": None}]})
     async for ev in out.events:
         if isinstance(ev, TextDelta):
             lps = legacy_logprobs(ev.logprobs or [], offsets[ev.index]) if req.logprobs is not None else None

@@ -10,6 +10,11 @@ fed over several steps while the others keep decoding (chunked prefill). It samp
 decode rows and for each prompt that finished, and hands each request its new text through its
 asyncio queue. The event loop never runs model code.
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``): a request that asks for them has every prompt chunk
+scored right after its forward (``prompt_scoring.py``, on the chunk's logits in bounded slices), and the
+scores go out with its first chunk. ``max_new_tokens`` 0 scores only: the request ends after its prefill,
+without sampling a token (finish ``length``).
+
 Runners: ``llama_runner.LlamaRunner`` (fused, prepacked weights and its own KV pools; Llama, Mistral,
 Qwen2/3) when ``llama_runner.fits`` the model, else ``hf_runner.HFRunner`` (the model's own forward);
 ``runner="transformers"`` forces the latter.
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import time
@@ -78,6 +84,7 @@ from runtime.engines import llama_runner
 from runtime.engines.hf_runner import HFRunner
 from runtime.engines.lora_batch import LoraBank
 from runtime.engines.lora_weights import LoraWeights, read_lora
+from runtime.engines.prompt_scoring import score_prompt
 from runtime.engines.runner import Chunk, DecodeRow, Runner
 from runtime.engines.sampling import Penalties, RowSampling, sample_next
 from runtime.engines.textstream import TextStream
@@ -115,6 +122,8 @@ class _Seq:
     t_first: float = 0.0
     generated: int = 0
     prefilled: int = 0  # prompt tokens fed to the model so far
+    prompt_lps: list[TokenLogprob] | None = None  # the prompt's scores so far, when asked (until sent with the first chunk)
+    nonfinite: bool = False  # a prompt score was NaN: the request fails instead of answering
     last_token: int = 0
     cancelled: bool = False
     done: bool = False
@@ -243,6 +252,7 @@ class EmbeddedEngine:
             vocab_size=vocab,
             eos_token_ids=eos_ids,
             dtype=str(self._dtype).removeprefix("torch."),
+            prompt_logprobs=True,
         )
         log.info(
             "model loaded in %.2fs (%s, %s, %s runner, %d threads)",
@@ -413,6 +423,8 @@ class EmbeddedEngine:
             raise InvalidRequest("token id out of vocabulary range", param="input_ids")
         if any(not 0 <= t < info.vocab_size for t, _ in sp.logit_bias):
             raise InvalidRequest(f"logit_bias names a token id outside the vocabulary (0 to {info.vocab_size - 1})", param="logit_bias")
+        if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= info.vocab_size:
+            raise InvalidRequest(f"prompt_logprobs must be between 0 and {info.vocab_size}", param="prompt_logprobs")
         matcher = self._matcher(sp.grammar) if sp.grammar is not None else None
         gen = None
         if sp.seed is not None and sp.temperature > 0:
@@ -426,6 +438,7 @@ class EmbeddedEngine:
             row=RowSampling(sp.temperature, sp.top_p, gen, sp.top_logprobs if sp.logprobs else 0, _penalties(sp)),
             stop_ids=stop_ids,
             matcher=matcher,
+            prompt_lps=[] if sp.prompt_logprobs is not None else None,
         )
         with self._cv:  # the adapter check and the enqueue in one step: an unload can't slip in between
             if req.adapter is not None and req.adapter not in self._adapters:
@@ -528,24 +541,63 @@ class EmbeddedEngine:
                 break
             ids = seq.req.input_ids
             n = min(budget, len(ids) - seq.prefilled)
-            chunks.append(Chunk(seq, ids[seq.prefilled : seq.prefilled + n], seq.prefilled, seq.req.adapter, seq.prefilled + n == len(ids)))
+            last = seq.prefilled + n == len(ids)
+            chunks.append(Chunk(seq, ids[seq.prefilled : seq.prefilled + n], seq.prefilled, seq.req.adapter, last, seq.prompt_lps is not None))
             budget -= n
         logits = self._runner.step(decode, chunks)
         for c in chunks:
             c.key.prefilled = c.start + len(c.ids)  # type: ignore[attr-defined]
-        joined = [c.key for c in chunks if c.last]
-        sampled: list[_Seq] = [*self._running, *joined]  # type: ignore[list-item]
-        if not sampled:  # only a part of a long prompt ran
-            return
-        if self._on_step is not None:
-            self._on_step(len(sampled))
-        finished = self._sample_and_emit(sampled, logits)
+            if c.score:
+                self._score(c)
+        joined = [c.key for c in chunks if c.last and isinstance(c.key, _Seq)]
+        rows = [*self._running, *joined]  # one logits row each, in this order
+        sampled = [s for s in rows if s.req.sampling.max_new_tokens > 0]  # max_new_tokens 0: scored, ends without a token
+        finished: list[bool] = []
+        if sampled:  # else only a part of a long prompt ran, or only scoring prompts finished
+            if self._on_step is not None:
+                self._on_step(len(sampled))
+            if len(sampled) < len(rows):
+                logits = logits[[i for i, s in enumerate(rows) if s.req.sampling.max_new_tokens > 0]]
+            finished = self._sample_and_emit(sampled, logits)
+        for seq in joined:
+            if seq.req.sampling.max_new_tokens == 0:
+                self._end_after_prefill(seq)
+                self._runner.release(seq)
         if joined:
             self._prefilling = [s for s in self._prefilling if s not in joined]
         for seq, done in zip(sampled, finished, strict=True):
             if done:
                 self._runner.release(seq)
         self._running = [s for s, done in zip(sampled, finished, strict=True) if not done]
+
+    def _score(self, c: Chunk) -> None:
+        """Score a chunk that just ran: each of its positions at the prompt token after it (the prompt's final position has none)."""
+        seq = c.key
+        assert isinstance(seq, _Seq) and seq.prompt_lps is not None and self._runner is not None
+        ids = seq.req.input_ids
+        count = min(len(c.ids), len(ids) - 1 - c.start)
+        if count <= 0:
+            return
+        k = seq.req.sampling.prompt_logprobs or 0
+        scores = score_prompt(self._runner.scored[seq], count, ids[c.start + 1 : c.start + 1 + count], k)
+        if any(math.isnan(s.logprob) for s in scores):
+            seq.nonfinite = True
+        seq.prompt_lps.extend(scores)
+
+    def _prompt_scores(self, seq: _Seq) -> tuple[TokenLogprob, ...] | None:
+        """The prompt scores to send with the request's first chunk (then dropped from the sequence)."""
+        lps, seq.prompt_lps = seq.prompt_lps, None
+        return tuple(lps) if lps is not None else None
+
+    def _end_after_prefill(self, seq: _Seq) -> None:
+        """A scoring-only request (``max_new_tokens`` 0) ends once its prompt ran: its scores, no token, finish ``length``."""
+        seq.done = True
+        if seq.nonfinite:
+            seq.send(NonFiniteOutput("scoring failed: the model produced non-finite logits for this prompt"))
+            return
+        now = time.perf_counter()
+        timings = Timings(seq.t_sched - seq.t_submit, now - seq.t_submit, now - seq.t_submit)
+        seq.send(StreamChunk((), "", (), "length", None, timings, self._prompt_scores(seq)))
 
     def _sample_and_emit(self, seqs: list[_Seq], logits: torch.Tensor) -> list[bool]:
         """Sample one token for each of ``seqs`` from ``logits`` (B, V); emit; return which finished."""
@@ -562,7 +614,7 @@ class EmbeddedEngine:
         now = time.perf_counter()
         finished = []
         for i, seq in enumerate(seqs):
-            if sampled.failed[i]:  # this row's logits were NaN: fail its request only, the batch goes on
+            if sampled.failed[i] or seq.nonfinite:  # this row's logits (or its prompt's) were NaN: fail its request only, the batch goes on
                 seq.done = True
                 seq.send(NonFiniteOutput("generation failed: the model produced non-finite logits for this request"))
                 finished.append(True)
@@ -593,13 +645,14 @@ class EmbeddedEngine:
             lp: tuple[TokenLogprob, ...] = ()
             if seq.row.top_logprobs or seq.req.sampling.logprobs:
                 lp = (TokenLogprob(tok, sampled.logprobs[i], tuple(sampled.top[i])),)
+            prompt = self._prompt_scores(seq) if seq.generated == 1 else None
             if finish is not None:
                 text += seq.text.flush()
                 seq.done = True
                 timings = Timings(seq.t_sched - seq.t_submit, seq.t_first - seq.t_submit, now - seq.t_submit)
-                seq.send(StreamChunk((tok,), text, lp, finish, matched, timings))  # type: ignore[arg-type]
+                seq.send(StreamChunk((tok,), text, lp, finish, matched, timings, prompt))  # type: ignore[arg-type]
             else:
-                seq.send(StreamChunk((tok,), text, lp))
+                seq.send(StreamChunk((tok,), text, lp, prompt_logprobs=prompt))
             finished.append(finish is not None)
         return finished
 

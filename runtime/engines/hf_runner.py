@@ -20,7 +20,7 @@ import torch
 from runtime.engines.cpu_linear import pack_linears
 from runtime.engines.kv_batch import BatchKV
 from runtime.engines.lora_batch import LoraBank
-from runtime.engines.runner import Chunk, DecodeRow
+from runtime.engines.runner import Chunk, DecodeRow, LogitsOf
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class HFRunner:
         self._kv: BatchKV | None = None
         self._keys: list[Hashable] = []  # the running batch's rows, in BatchKV order
         self._staging: dict[Hashable, BatchKV] = {}
+        self.scored: dict[Hashable, LogitsOf] = {}
 
     @staticmethod
     def prepare(model: Any) -> None:
@@ -45,6 +46,7 @@ class HFRunner:
     def reset(self) -> None:
         """Forget every sequence (after a failed step left the cache in an unknown state)."""
         self._kv, self._keys, self._staging = None, [], {}
+        self.scored = {}
 
     def begin(self, key: Hashable, prompt_len: int) -> None:
         self._staging[key] = BatchKV(self._layers)
@@ -59,6 +61,7 @@ class HFRunner:
             self._kv.keep(keep)
 
     def step(self, decode: Sequence[DecodeRow], chunks: Sequence[Chunk]) -> torch.Tensor:
+        self.scored = {}
         rows: list[torch.Tensor] = []
         if decode:
             rows.append(self._decode(decode))
@@ -99,9 +102,11 @@ class HFRunner:
                 position_ids=torch.arange(c.start, c.start + n)[None, :],
                 cache=kv.as_cache(),
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=0 if c.score else 1,  # 0: every position (prompt logprobs)
             )
         kv.advance(n, torch.ones_like(ids))
+        if c.score:
+            self.scored[c.key] = _rows_of(out.logits[0])
         if c.last:
             del self._staging[c.key]
             if self._kv is None or self._kv.rows == 0:
@@ -111,3 +116,12 @@ class HFRunner:
             self._keys.append(c.key)
         last: torch.Tensor = out.logits[:, -1, :]
         return last
+
+
+def _rows_of(logits: torch.Tensor) -> LogitsOf:
+    """A scored chunk's logits ``(n, vocab)`` as the runner protocol hands them out: by position range."""
+
+    def rows(lo: int, hi: int) -> torch.Tensor:
+        return logits[lo:hi]
+
+    return rows

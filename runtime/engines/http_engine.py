@@ -27,7 +27,9 @@ What the core does:
   tokens. Idempotent GETs are retried (bounded, each retry logged); POSTs never are.
 
 Hooks a backend implements: ``_connect`` (read server info → :class:`EngineInfo`), ``_body``,
-``_decoder``, ``translate_error``, ``_load``/``_unload`` (adapter endpoints), ``health``, ``probe``.
+``_decoder``, ``translate_error``, ``_load``/``_unload`` (adapter endpoints), ``health``, ``probe``. A backend
+whose server cannot stream some request (vLLM: ``prompt_logprobs``) says so in ``_streams``; such a request
+is one non-streamed call, handed out as one chunk.
 
 Not here: launching servers (``runtime/launcher.py``), routing between replicas, chat templating.
 """
@@ -275,6 +277,10 @@ class HTTPEngine:
     def _decoder(self, req: GenerateRequest, stream: bool) -> Decoder:
         raise NotImplementedError
 
+    def _streams(self, req: GenerateRequest) -> bool:
+        """Whether the server can stream ``req`` (else :meth:`stream` makes one non-streamed call)."""
+        return True
+
     def translate_error(self, status: int, body: Any) -> EngineError:
         raise NotImplementedError
 
@@ -324,6 +330,9 @@ class HTTPEngine:
         return ServerDown(f"cannot reach {self.label} at {self.url}: {type(exc).__name__}: {exc}")
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        if not self._streams(req):
+            yield await self.answer(req)
+            return
         client = self._admit()
         body = self._body(req, self._start_request(req), stream=True)
         decoder = self._decoder(req, stream=True)
@@ -362,7 +371,8 @@ class HTTPEngine:
         finally:
             self._in_flight -= 1
 
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
+    async def answer(self, req: GenerateRequest) -> StreamChunk:
+        """One non-streamed call: the whole answer as one final chunk."""
         client = self._admit()
         body = self._body(req, self._start_request(req), stream=False)
         decoder = self._decoder(req, stream=False)
@@ -381,6 +391,10 @@ class HTTPEngine:
         chunk = decoder.feed(out)
         if chunk is None or chunk.finish_reason is None:
             raise EngineError(f"{self.label}'s answer for {req.request_id} has no finish reason")
+        return chunk
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        chunk = await self.answer(req)
 
         async def one() -> AsyncIterator[StreamChunk]:
             yield chunk

@@ -39,7 +39,7 @@ from torch import nn
 from runtime.engines.cpu_linear import Packed, pack
 from runtime.engines.kv_pools import KVPools, Staging
 from runtime.engines.lora_batch import LoraBank
-from runtime.engines.runner import Chunk, DecodeRow
+from runtime.engines.runner import Chunk, DecodeRow, LogitsOf
 
 _ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
@@ -124,11 +124,13 @@ class LlamaRunner:
         self._max_len, self._first_cap = max_len, first_cap
         self.kv = KVPools(len(self.layers), self.n_kv, self.head_dim, self.dtype, max_len, first_cap)
         self._staging: dict[Hashable, Staging] = {}
+        self.scored: dict[Hashable, LogitsOf] = {}
 
     def reset(self) -> None:
         """Forget every sequence (after a failed step left the cache in an unknown state)."""
         self.kv = KVPools(len(self.layers), self.n_kv, self.head_dim, self.dtype, self._max_len, self._first_cap)
         self._staging = {}
+        self.scored = {}
 
     # ---- Runner protocol ----------------------------------------------------------------------
     def begin(self, key: Hashable, prompt_len: int) -> None:
@@ -139,6 +141,7 @@ class LlamaRunner:
             self.kv.release(key)
 
     def step(self, decode: Sequence[DecodeRow], chunks: Sequence[Chunk]) -> torch.Tensor:
+        self.scored = {}
         for row in decode:
             self.kv.make_room(row.key)
         by_key = {row.key: row for row in decode}
@@ -163,6 +166,8 @@ class LlamaRunner:
             end += len(c.ids)
             if c.last:
                 pick.append(end - 1)
+            if c.score:
+                self.scored[c.key] = self._logits_of(hidden[end - len(c.ids) : end])
         for p in pools:
             self.kv.advance(p)
         for c in chunks:
@@ -174,6 +179,15 @@ class LlamaRunner:
             return torch.empty(0, self.vocab)
         x = _rms(hidden[torch.tensor(pick)], *self.final_norm)
         return self.lm_head(x)
+
+    def _logits_of(self, hidden: torch.Tensor) -> LogitsOf:
+        """A scored chunk's logits from its hidden states ``(n, hidden)``, computed per position range when asked."""
+
+        def rows(lo: int, hi: int) -> torch.Tensor:
+            out: torch.Tensor = self.lm_head(_rms(hidden[lo:hi], *self.final_norm))
+            return out
+
+        return rows
 
     # ---- the forward ------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, pools: list[Any], chunks: Sequence[Chunk]) -> torch.Tensor:

@@ -145,6 +145,7 @@ class ReplicaSet:
             vocab_size=infos[0].vocab_size,
             eos_token_ids=infos[0].eos_token_ids,
             dtype=infos[0].dtype,
+            prompt_logprobs=all(i.prompt_logprobs for i in infos),
         )
         self._watchers = [asyncio.create_task(self._watch(r), name=f"replica-{r.index}") for r in self.replicas]
         log.info("replicas_started", backend=self.backend, up=[r.url for r in self.replicas if r.up], down=[r.url for r in self.replicas if not r.up])

@@ -19,6 +19,11 @@ HTTP engine core (``runtime/engines/http_engine.py``). This module holds vLLM's 
   works on every vLLM server;
 - streaming: SSE chunks of delta ``token_ids``/``logprobs``, the finish on the last choice chunk,
   then ``data: [DONE]``. vLLM aborts a request whose connection closes, so closing the stream cancels;
+- prompt logprobs: ``prompt_logprobs: k`` (vLLM's list, ``null`` then per prompt token a dict keyed by token id
+  of ``{"logprob", "rank", "decoded_token"}`` holding the token and its top k; raw logprobs whatever
+  ``--logprobs-mode`` says). vLLM refuses them on a stream, so such a request is one non-streamed call
+  handed out as one chunk. vLLM generates at least one token: ``max_new_tokens`` 0 (scoring only) asks
+  for 1 and drops it;
 - text: decoded locally by the core from the ids (vLLM's ``text`` is not used);
 - adapters: ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (plain-text 200 bodies; the
   routes exist only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, checked at connect). Each load has a
@@ -43,6 +48,7 @@ Not here: launching vLLM (``runtime/vllm_launcher.py``), routing between replica
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -114,6 +120,28 @@ def _lp(value: Any) -> float:
     return -math.inf if x <= _MASKED else x
 
 
+def _key_id(key: str) -> int:
+    """A ``prompt_logprobs`` key: ``"42"`` (or ``"token_id:42"``) → 42."""
+    return _token_id(key) if key.startswith("token_id:") else int(key)
+
+
+def prompt_scores(raw: Any, prompt_ids: tuple[int, ...], k: int) -> tuple[TokenLogprob, ...]:
+    """vLLM's ``prompt_logprobs`` list → the scores of prompt tokens 1.. (each token's logprob and rank, its top ``k``)."""
+    if not isinstance(raw, list) or len(raw) != len(prompt_ids):
+        got = len(raw) if isinstance(raw, list) else "no"
+        raise EngineError(f"vLLM sent {got} prompt logprobs for a prompt of {len(prompt_ids)} tokens: does this vLLM support prompt_logprobs?")
+    out = []
+    for tid, entry in zip(prompt_ids[1:], raw[1:], strict=True):
+        ranked = {_key_id(key): v for key, v in entry.items()} if isinstance(entry, dict) else {}
+        mine = ranked.get(tid)
+        if not isinstance(mine, dict):
+            raise EngineError(f"vLLM's prompt logprobs miss prompt token {tid}")
+        top = sorted(((t, _lp(v["logprob"])) for t, v in ranked.items()), key=lambda p: -p[1])[:k]
+        rank = mine.get("rank")
+        out.append(TokenLogprob(tid, _lp(mine["logprob"]), tuple(top), rank if isinstance(rank, int) else None))
+    return tuple(out)
+
+
 # ---- one request's output, chunk by chunk ---------------------------------------------------------
 
 
@@ -125,6 +153,7 @@ class _Decoder:
         self.builder = ChunkBuilder(req, tokenizer)
         self.stop_ids = stop_ids  # eos ids and the request's stop_token_ids: an id that ended generation has no text
         self.last_id: int | None = None
+        self.prompt_sent = False
 
     def feed(self, event: dict[str, Any]) -> StreamChunk | None:
         choices = event.get("choices")
@@ -144,7 +173,14 @@ class _Decoder:
         sp = self.req.sampling
         if (sp.logprobs or sp.top_logprobs) and new_ids:
             lps = self._logprobs(choice.get("logprobs") or {}, new_ids)
-        return self.builder.build(new_ids, lps, reason, matched)
+        if sp.max_new_tokens == 0:  # scoring only: vLLM was asked for the one token it generates at least; not the client's
+            new_ids, lps, matched = [], (), None
+            reason = "length" if reason is not None else None
+        chunk = self.builder.build(new_ids, lps, reason, matched)
+        if chunk is not None and sp.prompt_logprobs is not None and not self.prompt_sent:
+            self.prompt_sent = True
+            chunk = dataclasses.replace(chunk, prompt_logprobs=prompt_scores(choice.get("prompt_logprobs"), self.req.input_ids, sp.prompt_logprobs))
+        return chunk
 
     def _finish(self, choice: dict[str, Any]) -> tuple[str | None, str | int | None]:
         finish = choice.get("finish_reason")
@@ -231,6 +267,7 @@ class VLLMEngine(HTTPEngine):
             max_model_len=max_len,
             vocab_size=self.local.vocab_size,
             eos_token_ids=self.local.eos_token_ids,
+            prompt_logprobs=True,
         )
 
     async def _check_tokenizer(self) -> None:
@@ -265,7 +302,7 @@ class VLLMEngine(HTTPEngine):
         body: dict[str, Any] = {
             "model": self.server_name(req.adapter) if req.adapter is not None else self.served,
             "prompt": list(req.input_ids),
-            "max_tokens": sp.max_new_tokens,
+            "max_tokens": max(1, sp.max_new_tokens),  # 0 (scoring only): vLLM generates at least one; the decoder drops it
             "temperature": sp.temperature,
             "top_p": sp.top_p,
             "top_k": 0,
@@ -290,11 +327,16 @@ class VLLMEngine(HTTPEngine):
         if sp.logprobs or sp.top_logprobs:
             body["logprobs"] = sp.top_logprobs
             body["return_tokens_as_token_ids"] = True
+        if sp.prompt_logprobs is not None:
+            body["prompt_logprobs"] = sp.prompt_logprobs
         if sp.grammar is not None:
             g = sp.grammar
             so: dict[str, Any] = {"grammar": g.spec} if g.kind == "ebnf" else {"json_object": True} if g.kind == "json_object" else {"json": g.spec}
             body["structured_outputs"] = {**so, "disable_any_whitespace": True}  # compact JSON, as the embedded engine writes it
         return body
+
+    def _streams(self, req: GenerateRequest) -> bool:
+        return req.sampling.prompt_logprobs is None  # vLLM: "prompt_logprobs are not available when stream is true"
 
     def _decoder(self, req: GenerateRequest, stream: bool) -> _Decoder:
         assert self.local is not None

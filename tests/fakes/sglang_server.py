@@ -13,7 +13,10 @@ It implements the request and response shapes of SGLang's native HTTP API:
   *name*), ``stream``. The answer is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``,
   ``finish_reason`` (``null`` while streaming, then ``{"type": "stop", "matched": id|str}`` or
   ``{"type": "length", "length": N}``), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
-  ``output_token_logprobs`` (``[logprob, token_id, null]`` triples) and ``output_top_logprobs``.
+  ``output_token_logprobs`` (``[logprob, token_id, null]`` triples) and ``output_top_logprobs``; with
+  ``logprob_start_len: 0`` also ``input_token_logprobs`` (the first prompt token's logprob null) and
+  ``input_top_logprobs`` (in every cumulative event; in the first only with incremental output).
+  ``max_new_tokens`` 0 scores the prompt without generating.
   Streams are SSE ``data: {...}`` events with *cumulative* ``text``/``output_ids``/logprobs (SGLang's
   default), or deltas with ``--incremental-streaming-output``, then ``data: [DONE]``. Errors: HTTP 400
   ``{"error": {"message"}}``; in a stream, an ``{"error": {"message", "type", "code"}}`` event, then ``[DONE]``.
@@ -53,7 +56,17 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from runtime.engine import AdapterError, EngineError, EngineOverloaded, GenerateRequest, Grammar, InvalidRequest, SamplingParams, StreamChunk
+from runtime.engine import (
+    AdapterError,
+    EngineError,
+    EngineOverloaded,
+    GenerateRequest,
+    Grammar,
+    InvalidRequest,
+    SamplingParams,
+    StreamChunk,
+    TokenLogprob,
+)
 from runtime.engines.embedded import EmbeddedEngine
 
 log = logging.getLogger("fake-sglang")
@@ -257,6 +270,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             grammar = Grammar("ebnf", sp["ebnf"])
         stop = sp.get("stop") or ()
         want_lp = bool(body.get("return_logprob"))
+        start = body.get("logprob_start_len", -1)
+        if start not in (-1, 0, None):
+            raise InvalidRequest(f"the fake takes logprob_start_len -1 or 0, not {start!r}")
         sampling = SamplingParams(
             max_new_tokens=int(sp.get("max_new_tokens", 128)),
             temperature=float(sp.get("temperature", 1.0)),
@@ -271,6 +287,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             presence_penalty=float(sp.get("presence_penalty") or 0.0),
             frequency_penalty=float(sp.get("frequency_penalty") or 0.0),
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in (sp.get("logit_bias") or {}).items())),
+            prompt_logprobs=int(body.get("top_logprobs_num") or 0) if want_lp and start == 0 else None,
         )
         lora = body.get("lora_path")
         if lora is not None and lora not in loras:
@@ -308,7 +325,14 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     def _find(name: str) -> _Lora | None:
         return loras.get(name) or unloading.get(name)
 
-    def meta(req: GenerateRequest, ids: list[int], lps: list[list[Any]], tops: list[list[list[Any]]], finish: Any) -> dict[str, Any]:
+    def meta(
+        req: GenerateRequest,
+        ids: list[int],
+        lps: list[list[Any]],
+        tops: list[list[list[Any]]],
+        finish: Any,
+        prompt: tuple[TokenLogprob, ...] | None = None,
+    ) -> dict[str, Any]:
         m: dict[str, Any] = {
             "id": req.request_id,
             "finish_reason": finish,
@@ -320,6 +344,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         if req.sampling.logprobs:
             m["output_token_logprobs"] = lps
             m["output_top_logprobs"] = tops if req.sampling.top_logprobs else [None] * len(lps)
+        if prompt is not None:  # the prompt's tokens from the first, whose logprob is null
+            m["input_token_logprobs"] = [[None, req.input_ids[0], None]] + [[lp.logprob, lp.token_id, None] for lp in prompt]
+            if req.sampling.top_logprobs:
+                m["input_top_logprobs"] = [None] + [[[v, t, None] for t, v in lp.top] for lp in prompt]
         return m
 
     def finish_of(chunk: StreamChunk, n: int) -> dict[str, Any] | None:
@@ -342,6 +370,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             return JSONResponse({"error": {"message": str(exc)}}, status_code=500)
         if body.get("stream"):
             return StreamingResponse(stream_events(req), media_type="text/event-stream")
+        prompt: tuple[TokenLogprob, ...] | None = None
         ids: list[int] = []
         lps: list[list[Any]] = []
         tops: list[list[list[Any]]] = []
@@ -349,11 +378,12 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         try:
             async for chunk in engine.stream(req):
                 ids += chunk.token_ids
+                prompt = chunk.prompt_logprobs if prompt is None else prompt
                 text += chunk.text
                 lps += [[lp.logprob, lp.token_id, None] for lp in chunk.logprobs]
                 tops += [[[v, t, None] for t, v in lp.top] for lp in chunk.logprobs]
                 if chunk.finish_reason is not None:
-                    return JSONResponse({"text": text, "output_ids": ids, "meta_info": meta(req, ids, lps, tops, finish_of(chunk, len(ids)))})
+                    return JSONResponse({"text": text, "output_ids": ids, "meta_info": meta(req, ids, lps, tops, finish_of(chunk, len(ids)), prompt)})
         except EngineOverloaded as exc:
             return JSONResponse({"error": {"message": f"The request queue is full. ({exc})"}}, status_code=503)  # [U] wording
         except (InvalidRequest, AdapterError) as exc:
@@ -366,19 +396,22 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         ids: list[int] = []
         lps: list[list[Any]] = []
         tops: list[list[list[Any]]] = []
+        prompt: tuple[TokenLogprob, ...] | None = None
         text = ""
         sent = 0
         try:
             async for chunk in engine.stream(req):
+                prompt = chunk.prompt_logprobs if prompt is None else prompt
                 new_lps = [[lp.logprob, lp.token_id, None] for lp in chunk.logprobs]
                 new_tops = [[[v, t, None] for t, v in lp.top] for lp in chunk.logprobs]
                 ids, lps, tops, text = ids + list(chunk.token_ids), lps + new_lps, tops + new_tops, text + chunk.text
                 finish = finish_of(chunk, len(ids))
                 if args.incremental_streaming_output:
-                    out = {"text": chunk.text, "output_ids": list(chunk.token_ids), "meta_info": meta(req, ids, new_lps, new_tops, finish)}
+                    first = chunk.prompt_logprobs  # SGLang's incremental output sends the prompt's logprobs once
+                    out = {"text": chunk.text, "output_ids": list(chunk.token_ids), "meta_info": meta(req, ids, new_lps, new_tops, finish, first)}
                     out["meta_info"]["completion_tokens"] = len(ids)
                 else:
-                    out = {"text": text, "output_ids": ids, "meta_info": meta(req, ids, lps, tops, finish)}
+                    out = {"text": text, "output_ids": ids, "meta_info": meta(req, ids, lps, tops, finish, prompt)}
                 yield b"data: " + json.dumps(out).encode() + b"\n\n"
                 sent += 1
                 die = state["die_after"]
