@@ -19,14 +19,18 @@ output format (their grammar decodes the whole reply, which would then not start
 ends), with ``tool_use`` blocks, or for a served agent (it runs its own turns).
 
 The reply has ``content`` blocks (``text``, then one ``tool_use`` per call with ``input`` as an
-object), ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence`` with ``stop_sequence``,
+object; a forced call that ``max_tokens`` cut has the longest prefix of its arguments that closes into an
+object, ``{"city": "Par`` → ``{"city": "Par"}``, while its stream's ``input_json_delta`` events carry the
+raw text as produced, as Anthropic streams it), ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence`` with ``stop_sequence``,
 ``tool_use``), ``usage`` and ``loopwise``. Streaming sends Anthropic's named events: ``message_start``,
 per block ``content_block_start`` / ``content_block_delta`` (``text_delta``, or ``input_json_delta``
 as the arguments decode) / ``content_block_stop``, then ``message_delta`` and ``message_stop``.
 ``POST /v1/messages/count_tokens`` counts the rendered prompt.
 
 Errors use Anthropic's envelope (``{"type": "error", "error": {"type", "message"}}``; ``runtime/app.py``
-picks it by path). Not served (a clear 400): images and documents, ``top_k``, extended thinking, an
+picks it by path), which has no ``param``: a grammar error (which the engine files under chat's
+``response_format``) names the field this client sent, ``output_config.format``/``output_format`` or ``tool_choice``.
+Not served (a clear 400): images and documents, ``top_k``, extended thinking, an
 output format type other than ``json_schema``.
 
 Not here: the generation path (``runtime/serving.py``).
@@ -35,6 +39,7 @@ Not here: the generation path (``runtime/serving.py``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -45,7 +50,7 @@ from starlette.background import BackgroundTask
 
 from runtime.chat_format import is_prefill
 from runtime.engine import InvalidRequest
-from runtime.errors import from_validation
+from runtime.errors import APIError, from_validation
 from runtime.generation import (
     ChoiceDone,
     ChoiceOut,
@@ -58,6 +63,7 @@ from runtime.generation import (
     ToolCallStart,
 )
 from runtime.http_body import read_json
+from runtime.json_text import MAX_DEPTH, loads_json_text
 from runtime.openai_schemas import FieldError, FunctionDef, _In, check_json_schema
 from runtime.serving import Gateway, Outcome
 
@@ -311,11 +317,119 @@ def message_body(out: Outcome) -> dict[str, Any]:
 
 
 def _input(arguments: str) -> dict[str, Any]:
+    """A call's ``input`` object: its arguments, or for a call the token limit cut, the longest prefix that closes into one.
+
+    Anthropic's ``tool_use.input`` must be an object, so a cut call's partial JSON (``{"city": "Par``) is read as far
+    as it goes: open strings and containers closed (``{"city": "Par"}``), a key without its value, a half literal or
+    half escape left out. The text itself is what a stream's ``input_json_delta`` events carry."""
     try:
-        value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        return {}
+        value = loads_json_text(arguments) if arguments.strip() else {}
+    except (json.JSONDecodeError, RecursionError):
+        value = partial_object(arguments)
     return value if isinstance(value, dict) else {}
+
+
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_NUMBER_START = re.compile(r"-?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?(?:[eE][+-]?[0-9]*)?)?")  # what a number can begin with
+_LITERALS = ("true", "false", "null")
+_ESCAPES = frozenset('"\\/bfnrt')
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def partial_object(text: str) -> dict[str, Any]:
+    """The object parsed from the longest prefix of ``text`` that open strings and containers close into valid JSON.
+
+    ``{"a": [1, "x`` → ``{"a": [1, "x"]}``; ``{"a": tr`` → ``{}``; anything but an object → ``{}``. One pass over the
+    text (no recursion; nesting past ``MAX_DEPTH`` ends it there), then ``json.loads`` of the closed prefix."""
+    text = text.lstrip()
+    for end, suffix in reversed(_closable_prefixes(text)[-8:]):  # longest first; shorter where one still fails (a lone surrogate)
+        try:
+            value = json.loads(text[:end] + suffix)
+            json.dumps(value, ensure_ascii=False).encode()
+        except (ValueError, RecursionError):
+            continue
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def _closable_prefixes(text: str) -> list[tuple[int, str]]:
+    """``(end, suffix)`` for each prefix ``text[:end]`` of an object that ``suffix`` (a quote, the open containers'
+    closers) makes valid JSON, shortest first; the scan stops where the text stops being JSON."""
+    out: list[tuple[int, str]] = []
+    if not text.startswith("{"):
+        return out
+    stack: list[str] = []  # the closers of the open containers
+    fresh = False  # just after an opening bracket: its closer may follow at once
+    phase = "value"  # what comes next: value, key, colon, after (a complete value: ',' or a closer)
+    string: str | None = None  # inside a string: "key" or "value"
+    escape = 0  # inside an escape: characters still to come (-1: the one after the backslash)
+    scalar = ""  # a number or literal being read
+
+    def closers() -> str:
+        return "".join(reversed(stack))
+
+    for i, c in enumerate(text):
+        if string is not None:
+            if escape == -1:
+                if c not in _ESCAPES and c != "u":
+                    return out
+                escape = 4 if c == "u" else 0
+            elif escape > 0:
+                if c not in _HEX:
+                    return out
+                escape -= 1
+            elif c == "\\":
+                escape = -1
+            elif c == '"':
+                phase, string = ("colon" if string == "key" else "after"), None
+                if phase == "after":
+                    out.append((i + 1, closers()))
+                continue
+            if string == "value" and escape == 0:
+                out.append((i + 1, '"' + closers()))
+            continue
+        if scalar:
+            if c.isalnum() or c in ".+-":
+                scalar += c
+                if scalar in _LITERALS or _NUMBER.fullmatch(scalar):
+                    out.append((i + 1, closers()))
+                elif not any(lit.startswith(scalar) for lit in _LITERALS) and not _NUMBER_START.fullmatch(scalar):
+                    return out
+                continue
+            if not (scalar in _LITERALS or _NUMBER.fullmatch(scalar)):
+                return out
+            scalar, phase = "", "after"
+        if c in " \t\r\n":
+            continue
+        if not stack and i > 0:
+            return out  # the object ended: what follows is not part of it
+        opened, fresh = fresh, False
+        if phase == "value" and c in "{[":
+            if len(stack) >= MAX_DEPTH:
+                return out
+            stack.append("}" if c == "{" else "]")
+            phase, fresh = ("key" if c == "{" else "value"), True
+            out.append((i + 1, closers()))
+        elif phase == "value" and c == '"':
+            string = "value"
+            out.append((i + 1, '"' + closers()))
+        elif phase == "value" and c in "-0123456789tfn":
+            scalar = c
+            if c.isdigit():
+                out.append((i + 1, closers()))
+        elif phase == "key" and c == '"':
+            string = "key"
+        elif phase == "colon" and c == ":":
+            phase = "value"
+        elif phase == "after" and c == ",":
+            phase = "key" if stack[-1] == "}" else "value"
+        elif c in "}]" and stack and c == stack[-1] and (phase == "after" or opened):
+            stack.pop()
+            phase = "after"
+            out.append((i + 1, closers()))
+        else:
+            return out
+    return out
 
 
 async def message_stream(out: Outcome) -> AsyncIterator[str]:
@@ -368,6 +482,20 @@ async def message_stream(out: Outcome) -> AsyncIterator[str]:
             yield event("error", error={"type": "api_error", "message": ev.message})
 
 
+def _in_anthropic_terms(exc: APIError, field: str) -> APIError:
+    """An error about the decoding grammar in terms of the field this client sent.
+
+    The engine and admission name chat's ``response_format`` (in ``param``, which Anthropic's envelope does not
+    carry, or in the message); here the grammar comes from ``output_config.format`` (or ``output_format``), else from
+    the forced tool (``tool_choice``), and the message names that field."""
+    if exc.param != "response_format":
+        return exc
+    message = exc.message.replace("response_format / tool_choice", field).replace("response_format", field)
+    if field not in message:
+        message = f"{field}: {message}"
+    return APIError(exc.status, message, type=exc.type, param=field, code=exc.code, headers=exc.headers)
+
+
 def install_messages_routes(app: FastAPI, gateway: Gateway, max_body: int) -> None:
     @app.post("/v1/messages")
     async def create_message(request: Request) -> Response:
@@ -382,7 +510,10 @@ def install_messages_routes(app: FastAPI, gateway: Gateway, max_body: int) -> No
                 f"{req.model!r} is an agent, which runs its own turns; a final assistant message (prefill) is not supported for it",
                 param=f"messages[{len(req.messages) - 1}]",
             )
-        out = await gateway.run(request, ireq, stream=req.stream, id_prefix="msg_")
+        try:
+            out = await gateway.run(request, ireq, stream=req.stream, id_prefix="msg_")
+        except APIError as exc:
+            raise _in_anthropic_terms(exc, req.structured()[1] if ireq.output_format is not None else "tool_choice") from exc
         if out is None:
             return Response(status_code=499)
         if req.stream:

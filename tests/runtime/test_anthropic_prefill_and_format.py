@@ -1,5 +1,6 @@
-"""Anthropic Messages prefill (a final assistant message the reply continues) and ``output_config.format``
-(structured output), with the real ``anthropic`` SDK against ``serve.py``'s app on a real port, on each backend.
+"""Anthropic Messages prefill (a final assistant message the reply continues), ``output_config.format``
+(structured output) and a forced tool call cut by ``max_tokens``, with the real ``anthropic`` SDK against
+``serve.py``'s app on a real port, on each backend.
 
 The turns are read back through the admin API: a prefill's context is the template up to the assistant turn plus
 the prefill's tokens, with no end-of-turn token, and a formatted reply is recorded with its grammar.
@@ -169,3 +170,125 @@ def test_beta_top_level_output_format_is_honoured(srv):
 )
 def test_unusable_output_format_is_refused(srv, body, words):
     assert_anthropic_400(post(srv, messages=[USER], **body), *words)
+
+
+# ---- a forced tool call cut by max_tokens -----------------------------------------------------------
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+FORCED: dict[str, Any] = {"tools": [{"name": "w", "input_schema": CITY}], "tool_choice": {"type": "tool", "name": "w"}}
+CUTS = [12, 40, 48]  # the tiny model spends ~24 tokens on `<tool_call>\n{"name": "w", "arguments": `: before the arguments, and in them
+
+
+def produced_arguments(output_text: str) -> str:
+    """The arguments text the model produced, from the recorded output (Hermes: ``{"name": …, "arguments": <here>``)."""
+    head = '"arguments": '
+    return output_text[output_text.index(head) + len(head) :] if head in output_text else ""
+
+
+def _closed(text: str) -> str:
+    """``text`` with its open string and containers closed (a naive scan: valid only where ``text`` is a JSON prefix)."""
+    closers, in_string, escaped = [], False, False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            closers.append("}" if ch == "{" else "]")
+        elif ch in "}]" and closers:
+            closers.pop()
+    return text + ('"' if in_string else "") + "".join(reversed(closers))
+
+
+def longest_object_prefix(text: str) -> dict[str, Any]:
+    """Brute force: the object of the longest prefix of ``text`` that closes into valid JSON ({} if none)."""
+    for end in range(len(text), -1, -1):
+        try:
+            value = json.loads(_closed(text[:end]))
+            json.dumps(value, ensure_ascii=False).encode()
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def test_prefix_routine_of_these_tests():
+    assert longest_object_prefix('{"city": "Pa') == {"city": "Pa"}
+    assert longest_object_prefix('{"city": "P\\') == {"city": "P"}
+    assert longest_object_prefix('{"city": "P", "da') == {"city": "P"}
+    assert longest_object_prefix('{"city": "P", "days": 1') == {"city": "P", "days": 1}
+    assert longest_object_prefix('{"city": "P", "days": 12}}') == {"city": "P", "days": 12}
+    assert longest_object_prefix("") == longest_object_prefix('{"ci') == {}
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_cut_forced_tool_call_carries_the_input_produced(srv, cut):
+    m = claude(srv).messages.create(model=MODEL, max_tokens=cut, messages=[USER], **FORCED)
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == cut
+    [block] = m.content
+    assert block.type == "tool_use" and block.name == "w" and block.id
+    produced = produced_arguments(turn_of(srv, m)["output_text"])
+    assert isinstance(block.input, dict) and block.input == longest_object_prefix(produced), produced
+    if cut >= 40:
+        assert produced.startswith('{"city": "') and "city" in block.input, produced  # the cut is inside the arguments
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_cut_forced_tool_call_streamed_sends_the_text_produced(srv, cut):
+    with claude(srv).messages.stream(model=MODEL, max_tokens=cut, messages=[USER], **FORCED) as s:
+        events = list(s)
+        final = s.get_final_message()
+        headers = s.response.headers
+    produced = produced_arguments(turn_of(srv, headers=headers)["output_text"])
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [(b.type, b.name, b.input) for b in starts] == [("tool_use", "w", {})]
+    sent = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    assert sent == produced  # the raw partial JSON, as Anthropic streams it
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == cut
+    [block] = final.content
+    assert block.type == "tool_use" and block.name == "w"
+    # the SDK parses the deltas itself (jiter, which drops an open string): what it keeps is in the server's parse
+    full = longest_object_prefix(produced)
+    assert isinstance(block.input, dict) and all(full.get(k) == v for k, v in block.input.items()), (block.input, full)
+    if cut >= 40:
+        assert produced.startswith('{"city": "'), produced
+
+
+# ---- errors name output_config.format -------------------------------------------------------------
+
+UNBUILDABLE = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}  # a valid JSON Schema no grammar can be built from
+
+
+@pytest.mark.parametrize("with_tools", [False, True])
+@pytest.mark.parametrize("field", ["output_config", "output_format"])
+def test_a_schema_no_grammar_can_be_built_from_names_the_field_sent(srv, backend, field, with_tools):
+    if backend != "embedded" and not with_tools:
+        pytest.skip("without tools the schema is compiled by the external engine, whose refusal is passed on as its own text")
+    fmt = {"type": "json_schema", "schema": UNBUILDABLE}
+    body: dict[str, Any] = {"output_config": {"format": fmt}} if field == "output_config" else {"output_format": fmt}
+    if with_tools:
+        body["tools"] = FORCED["tools"]  # tool_choice auto with a format: the union grammar is built before the engine
+    named = "output_config.format" if field == "output_config" else "output_format"
+    message = assert_anthropic_400(post(srv, messages=[USER], **body), named)
+    assert "response_format" not in message
+    with pytest.raises(anthropic.BadRequestError) as ei:  # the SDK's structured-output call, streamed
+        kw = body if field == "output_config" else {"extra_body": body}  # the SDK takes only a type as output_format
+        with claude(srv).messages.stream(model=MODEL, max_tokens=8, messages=[USER], **kw) as s:
+            list(s)
+    assert named in ei.value.message and "response_format" not in ei.value.message
+
+
+def test_grammar_timeout_names_the_field_sent():
+    from runtime.errors import APIError
+    from runtime.serving_messages import _in_anthropic_terms
+
+    timeout = APIError(400, "the response_format / tool_choice grammar did not compile within 5 s; simplify it", param="response_format")
+    assert _in_anthropic_terms(timeout, "output_config.format").message.startswith("the output_config.format grammar did not compile")
+    assert _in_anthropic_terms(timeout, "tool_choice").message.startswith("the tool_choice grammar did not compile")
+    other = APIError(400, "messages too long", param="messages")
+    assert _in_anthropic_terms(other, "output_config.format") is other
