@@ -68,11 +68,15 @@ class Release(ServiceState):
         with other weights, never re-applying a step; ``RolloutSteps._rtpo_sweep``).
         A version the probe refuses is unloaded, joins the rejected names and raises :class:`learner.parity.ParityRefused`:
         nothing may be sampled from it (the sweep goes on with the policy it sampled from before)."""
-        from learner.parity import ParityRefused, refusal
-
         ckpt = self.dir / "checkpoints"
         published = checkpoint_and_publish(trainer, ckpt, self.adapter_root, self.family, meta={INTERMEDIATE: True}, admin=self.admin)
-        name = published.name
+        return self._probe_intermediate(trainer, published.name, candidates)
+
+    def _probe_intermediate(self, trainer: Any, name: str, candidates: Sequence[Sample] | None) -> str:
+        """Probe a loaded intermediate version's parity; a refused one is unloaded, joins the rejected names and raises
+        :class:`learner.parity.ParityRefused`. Returns ``name`` when it passes."""
+        from learner.parity import ParityRefused, refusal
+
         report = self._parity(trainer, name, candidates=candidates, intermediate=True)
         reason = refusal(report, self.cfg.settings.parity.threshold)
         if reason is not None:

@@ -289,20 +289,11 @@ class RolloutSteps(ServiceState):
     def _resume_intermediate(self, trainer: Any, samples: list[Sample]) -> str:
         """``Release._publish_intermediate`` for the version a resumed sweep starts from: its checkpoint exists; it may be
         published already (versions are immutable: then it is loaded, not written again) and is probed either way."""
-        from learner.parity import refusal
         from learner.publish import adapter_path
 
         if not adapter_path(self.adapter_root, self.family, trainer.version).exists():
             return str(self._publish_intermediate(trainer, candidates=samples))
-        name = self._ensure_loaded(trainer.version)
-        report = self._parity(trainer, name, candidates=samples, intermediate=True)
-        reason = refusal(report, self.cfg.settings.parity.threshold)
-        if reason is not None:
-            assert report is not None
-            self._unload(name)
-            self._rejected_names.add(name)
-            raise ParityRefused(name, reason, report)
-        return name
+        return str(self._probe_intermediate(trainer, self._ensure_loaded(trainer.version), samples))
 
     def _tcpo_step(self, trainer: Any, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]) -> tuple[Any, dict[str, Any]]:
         """TCPO (``docs/methods.md``): M one-step alternatives from the exact history of each high-surprisal turn, scored by the verifier."""

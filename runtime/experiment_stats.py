@@ -282,8 +282,8 @@ def non_inferiority(
     sd = _pooled_sd(n_a, n_b, var_a, var_b)
     margin = margin_sd * sd
     se2 = var_a / n_a + var_b / n_b
-    if se2 == 0.0:  # both arms constant: the difference is exact
-        lower, q = diff, 0.0
+    if se2 == 0.0:  # both arms constant: the difference is exact (q only widens an earlier chain's bound)
+        lower, q = diff, float(stats.norm.ppf(1 - alpha))
     else:
         df = se2**2 / ((var_a / n_a) ** 2 / (n_a - 1) + (var_b / n_b) ** 2 / (n_b - 1))  # Welch-Satterthwaite
         q = float(stats.t.ppf(1 - alpha, df))
@@ -291,7 +291,7 @@ def non_inferiority(
     chained = prior_diff_sd != 0.0 or prior_var_sd > 0.0
     if sd == 0.0:  # no spread on either arm: the step adds nothing to the chain; exact diff decides
         d, v = 0.0, 0.0
-        chain_lower = prior_diff_sd - (q or float(stats.norm.ppf(1 - alpha))) * math.sqrt(prior_var_sd)
+        chain_lower = prior_diff_sd - q * math.sqrt(prior_var_sd)
         passed = lower > -margin and (not chained or chain_lower > -margin_sd)
     else:
         d, v = diff / sd, se2 / (sd * sd)
@@ -299,7 +299,7 @@ def non_inferiority(
             chain_lower = lower / sd
             passed = lower > -margin
         else:
-            chain_lower = (prior_diff_sd + d) - (q or float(stats.norm.ppf(1 - alpha))) * math.sqrt(prior_var_sd + v)
+            chain_lower = (prior_diff_sd + d) - q * math.sqrt(prior_var_sd + v)
             passed = chain_lower > -margin_sd
     verdict = "non-inferior" if passed else "not shown non-inferior"
     reason = f"{verdict}: diff {diff:.4g}, one-sided {1 - alpha:.0%} lower bound {lower:.4g} vs margin -{margin:.4g} ({margin_sd:g} sd)"
