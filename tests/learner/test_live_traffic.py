@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,10 +37,11 @@ def admin(server, method: str, path: str, **kw) -> httpx.Response:
 
 
 @pytest.mark.timeout(240)
-def test_live_traffic_of_every_shape_keeps_the_chat_learner_learning(start_server, tmp_path_factory):
+def test_live_traffic_of_every_shape_keeps_the_chat_learner_learning(start_server, tmp_path_factory, tiny_model_path):
     users = make_users(5, garbage=1, seed=0)
     keys = [a for u in users for a in ("--api-key", u.key)]
-    server = start_server("--learner", "--learner-job", json.dumps(JOB), "--admin-key", ADMIN, *keys, data_dir=tmp_path_factory.mktemp("live"))
+    data_dir = tmp_path_factory.mktemp("live")
+    server = start_server("--learner", "--learner-job", json.dumps(JOB), "--admin-key", ADMIN, *keys, data_dir=data_dir)
     task = get_task("basic_arithmetic", max_terms=2, max_digits=1)
     watch = LearnerWatch(server.base_url, ADMIN)
     watch.poll()
@@ -100,3 +102,15 @@ def test_live_traffic_of_every_shape_keeps_the_chat_learner_learning(start_serve
     assert r.status_code == 404
 
     assert server.alive() and "Traceback" not in server.log(), server.log()[-4000:]
+
+    # the offline replay (bench/replay_learning.py) trains on the same recorded traffic, read from the live store (WAL
+    # included) while the server still runs: one window, one optimizer step, the adapter moved
+    from safetensors.torch import load_file
+
+    from bench.replay_learning import replay
+
+    settings = {"trainer": {"progress": False, "threads": 1}, "singletons": {"baseline_owner_min": 1}}
+    out = replay(data_dir, tiny_model_path, FAMILY, settings, minutes=60, window_s=3600, work=tmp_path_factory.mktemp("replay"))
+    assert len(out["updates"]) == 1 and out["updates"][0]["trained_samples"] > 0, out["updates"]
+    weights = load_file(str(Path(out["adapter"]) / "adapter_model.safetensors"))
+    assert any(k.endswith("lora_B.weight") and t.abs().sum() > 0 for k, t in weights.items())  # B starts at zero: a step moved it
