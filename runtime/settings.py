@@ -222,6 +222,31 @@ class SGLangSettings(_Frozen):
     launch_module: str = Field(
         "sglang.launch_server", description="module run with `python -m` by --sglang-launch", json_schema_extra={"flag": "--sglang-launch-module"}
     )
+    python: Path | None = Field(
+        None,
+        description=(
+            "Python --sglang-launch runs SGLang with (default: <LOOPWISE_SGLANG_VENV or ~/.cache/loopwise/sglang-cpu>/bin/python, "
+            "installed by `make sglang`, where it exists; else this server's own Python)"
+        ),
+        json_schema_extra={"flag": "--sglang-python"},
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description=(
+            "device of a launched SGLang server; cpu adds the flags of SGLang's pure-PyTorch CPU path "
+            "(docs/engines.md; auto: cpu where this process's torch sees no CUDA device)"
+        ),
+        json_schema_extra={"flag": "--sglang-device"},
+    )
+    max_total_tokens: int | None = Field(
+        None,
+        ge=64,
+        description=(
+            "SGLang --max-total-tokens (its KV cache, in tokens) of a launched server "
+            "(default: SGLang's own on a GPU; 16384 on CPU, where SGLang would size it from the machine's free RAM)"
+        ),
+        json_schema_extra={"flag": "--sglang-max-total-tokens"},
+    )
     launch_args: tuple[str, ...] = Field(
         (),
         description="extra argument passed to the launched SGLang server (repeatable, e.g. --sglang-arg=--mem-fraction-static=0.8)",
@@ -254,6 +279,22 @@ class SGLangSettings(_Frozen):
     def slots(self, max_loaded_adapters: int) -> int:
         """The ``--max-loras-per-batch`` a launched server gets."""
         return self.max_loras_per_batch or max_loaded_adapters + 1
+
+    def python_path(self) -> Path:
+        """``--sglang-python``; else the Python of ``make sglang`` 's virtualenv where it is installed; else our own."""
+        import sys
+
+        if self.python is not None:
+            return self.python
+        venv_python = default_sglang_venv() / "bin" / "python"
+        return venv_python if venv_python.exists() else Path(sys.executable)
+
+
+def default_sglang_venv() -> Path:
+    """Where ``make sglang`` installs SGLang's CPU path: ``$LOOPWISE_SGLANG_VENV``, else ``~/.cache/loopwise/sglang-cpu``."""
+    import os
+
+    return Path(os.environ.get("LOOPWISE_SGLANG_VENV") or Path.home() / ".cache" / "loopwise" / "sglang-cpu").expanduser()
 
 
 def default_vllm_venv() -> Path:

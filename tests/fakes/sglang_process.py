@@ -19,7 +19,11 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_FLAGS = ("--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "all", "--max-loras-per-batch", "16", "--max-loaded-loras", "64")
+# LoRA on, and seeds honoured (as SGLang on a GPU with --enable-deterministic-inference; its CPU path ignores them)
+DEFAULT_FLAGS = (
+    *("--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "all", "--max-loras-per-batch", "16", "--max-loaded-loras", "64"),
+    "--enable-deterministic-inference",
+)
 
 
 def free_port() -> int:

@@ -9,8 +9,10 @@ It implements the request and response shapes of SGLang's native HTTP API:
 
 - ``POST /generate`` (one request, ``input_ids`` only): ``sampling_params`` (``max_new_tokens``,
   ``temperature``, ``top_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``,
-  ``json_schema``, ``ebnf``), ``return_logprob``, ``top_logprobs_num``, ``lora_path`` (a registered
-  *name*), ``stream``. The answer is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``,
+  ``json_schema``, ``ebnf``; as in SGLang 0.5.21, ``sampling_seed`` is ignored unless the server runs with
+  ``--enable-deterministic-inference``, which the tests' shared fake does, as a GPU server could),
+  ``return_logprob``, ``top_logprobs_num``, ``lora_path`` (a registered *name*), ``stream``. The answer is
+  ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``,
   ``finish_reason`` (``null`` while streaming, then ``{"type": "stop", "matched": id|str}`` or
   ``{"type": "length", "length": N}``), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
   ``output_token_logprobs`` (``[logprob, token_id, null]`` triples) and ``output_top_logprobs``; with
@@ -21,9 +23,14 @@ It implements the request and response shapes of SGLang's native HTTP API:
   default), or deltas with ``--incremental-streaming-output``, then ``data: [DONE]``. Errors: HTTP 400
   ``{"error": {"message"}}``; in a stream, an ``{"error": {"message", "type", "code"}}`` event, then ``[DONE]``.
 - ``POST /load_lora_adapter`` / ``POST /unload_lora_adapter``: ``LoRAUpdateOutput`` bodies, HTTP 400 with
-  ``success: false`` and SGLang's messages (LoRA not enabled, name already exists, name does not exist,
-  rank above ``--max-lora-rank``). Unload removes the name from routing at once, then waits for the
-  adapter's in-flight requests (as SGLang does). Loads and unloads are serialised by one lock.
+  ``success: false`` and SGLang 0.5.21's messages (LoRA not enabled, already loaded, does not exist, rank
+  incompatible with the memory pool). Unload removes the name from routing at once, then waits for the
+  adapter's in-flight requests (as SGLang does). Loads and unloads are serialised by one lock. A load past
+  ``--max-loaded-loras`` evicts the least recently used unpinned adapter (requests count as uses).
+- A ``/generate`` naming an adapter that was loaded once and is not loaded now (unloaded or evicted)
+  loads it again from the path it was loaded from, waiting for an unload in progress (SGLang's
+  ``lora_ref_cache``); only a name never loaded is refused, HTTP 400 "Got LoRA adapter that has never been
+  loaded" (what a restarted SGLang answers for an adapter it had before).
 - ``GET /health_generate`` (and ``/health``): a one-token generate; 200 with an empty body.
 - ``GET /get_model_info``, ``GET /get_server_info`` (the server args we take, plus ``version``).
 - ``GET /v1/models``: the base model and each loaded adapter (``parent``), as after SGLang PR #12229.
@@ -31,6 +38,9 @@ It implements the request and response shapes of SGLang's native HTTP API:
 Fake-only controls, for tests: ``POST /fake/die_after`` ``{"tokens": n}`` makes the process exit
 (``os._exit``, like a crashed SGLang) after the next stream has sent ``n`` token events;
 ``GET /fake/stats`` counts ``/generate`` calls and reports the most adapters seen in flight at once.
+
+The contract with real SGLang (0.5.21 on CPU) is checked by ``tests/runtime/test_sglang_contract.py``, which runs
+the same requests against this fake and, where ``make sglang`` installed it, a real server.
 
 Not faithful (and not needed here): batch requests, ``text`` prompts, ``n``, ``regex``, the
 OpenAI-compatible routes, abort/flush endpoints, real GPU slot accounting. The scheduler crash of SGLang
@@ -48,6 +58,7 @@ import json
 import logging
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -71,7 +82,7 @@ from runtime.engines.embedded import EmbeddedEngine
 
 log = logging.getLogger("fake-sglang")
 
-FAKE_VERSION = "0.5.4-fake"
+FAKE_VERSION = "0.5.21-fake"  # the SGLang release it was checked against
 _SUPPORTED_SAMPLING = {
     "presence_penalty",
     "frequency_penalty",
@@ -106,13 +117,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--incremental-streaming-output", action="store_true")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=32)
+    # accepted for the launcher's CPU flags (runtime/sglang_launcher.py); they change nothing here
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--sampling-backend", default=None)
+    p.add_argument("--lora-backend", default=None)
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--constrained-json-disable-any-whitespace", action="store_true")  # the fake's JSON is compact anyway
+    # SGLang 0.5.21 samples with a request's sampling_seed only with this flag (which its CPU path cannot run); else it ignores it
+    p.add_argument("--enable-deterministic-inference", action="store_true")
     return p.parse_args(argv)
 
 
 class _Lora:
-    def __init__(self, path: str, rank: int) -> None:
+    def __init__(self, path: str, rank: int, pinned: bool = False) -> None:
         self.path = path
         self.rank = rank
+        self.pinned = pinned
         self.in_flight = 0
         self.drained = asyncio.Event()
         self.drained.set()
@@ -120,9 +144,10 @@ class _Lora:
 
 def build_app(args: argparse.Namespace) -> FastAPI:
     engine = EmbeddedEngine(Path(args.model_path), model_id=args.served_model_name or args.model_path, max_batch_size=args.max_running_requests)
-    loras: dict[str, _Lora] = {}
+    loras: OrderedDict[str, _Lora] = OrderedDict()  # SGLang's LoRARegistry: least recently used first
     lora_lock = asyncio.Lock()  # SGLang's lora_update_lock: one load/unload at a time
     unloading: dict[str, _Lora] = {}  # removed from routing, waiting for in-flight requests
+    ever_loaded: dict[str, tuple[str, bool]] = {}  # SGLang's lora_ref_cache: name -> (path, pinned) of its last load
     state: dict[str, Any] = {"die_after": None, "generate_calls": 0, "base_in_flight": 0, "max_adapters_in_flight": 0}
 
     @contextlib.asynccontextmanager
@@ -151,7 +176,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             "incremental_streaming_output": args.incremental_streaming_output,
             "context_length": args.context_length,
             "max_running_requests": args.max_running_requests,
-            "dtype": "auto",
+            "max_total_tokens": args.max_total_tokens,
+            "enable_deterministic_inference": args.enable_deterministic_inference,
+            "device": args.device,
+            "dtype": args.dtype,
             "stream_interval": 1,
         }
 
@@ -203,54 +231,87 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         body = {"success": success, "error_message": error, "loaded_adapters": {n: lo.path for n, lo in loras.items()}}
         return JSONResponse(body, status_code=200 if success else 400)
 
+    async def load_locked(name: str, path: str, pinned: bool) -> str | None:
+        """Load ``name`` (``lora_lock`` held); the error message, or None. Past ``--max-loaded-loras`` the least
+        recently used unpinned adapter is unloaded (SGLang's ``load_lora_adapter``)."""
+        if name in loras:  # SGLang's LoRAManager.validate_new_adapter
+            return f"Failed to load LoRA adapter {name} because it is already loaded"
+        try:
+            cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+        except (OSError, ValueError, TypeError) as exc:
+            return f"Failed to load LoRA adapter {name} from {path}: {exc}"  # [U] wording: SGLang passes the loader's exception on
+        rank = int(cfg.get("r", 0))
+        targets = args.lora_target_modules or ["all"]
+        wanted = cfg.get("target_modules") or []
+        too_big = args.max_lora_rank is not None and rank > args.max_lora_rank
+        if too_big or ("all" not in targets and not set(wanted) <= set(targets)):
+            return (
+                f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA memory pool configuration. "
+                "Please ensure that the LoRA adapter's rank is within the configured `--max-lora-rank` and that the target "
+                "modules are included in `--lora-target-modules`."
+            )
+        try:
+            await engine.load_adapter(name, path)
+        except AdapterError as exc:
+            return f"Failed to load LoRA adapter {name}: {exc}"
+        loras[name] = _Lora(path, rank, pinned)
+        ever_loaded[name] = (path, pinned)
+        while args.max_loaded_loras is not None and len(loras) > args.max_loaded_loras:
+            lru = next((n for n, lo in loras.items() if not lo.pinned), None)
+            if lru is None:
+                return "Didn't find any LoRA adapters when trying to evict LRU LoRA adapter."
+            log.info("fake: unloading least recently used LoRA adapter %r", lru)
+            await unload_locked(lru)
+        return None
+
+    async def unload_locked(name: str) -> str | None:
+        lora = loras.pop(name, None)  # unregistered at once; a request naming it now loads it again after this unload
+        if lora is None:
+            return f"LoRA with name {name} does not exist. Loaded LoRAs: {_keys(loras)}"
+        unloading[name] = lora
+        try:
+            await lora.drained.wait()  # SGLang waits for in-flight requests, with no timeout
+            await engine.unload_adapter(name)
+        finally:
+            del unloading[name]
+        return None
+
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> JSONResponse:
         body = await request.json()
-        name, path = body.get("lora_name"), body.get("lora_path")
         if not args.enable_lora:
             return lora_output(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         async with lora_lock:
-            if name in loras:
-                return lora_output(False, f"LoRA with name {name} already exists. Loaded LoRAs: {list(loras)}")
-            try:
-                cfg = json.loads((Path(path) / "adapter_config.json").read_text())
-            except (OSError, ValueError, TypeError) as exc:
-                return lora_output(False, f"Failed to load LoRA adapter {name} from {path}: {exc}")
-            rank = int(cfg.get("r", 0))
-            # the wording of these two refusals is unconfirmed (SGLang documents only that the load fails with a message)
-            if args.max_lora_rank is not None and rank > args.max_lora_rank:
-                return lora_output(False, f"LoRA adapter {name} with rank {rank} exceeds the server's max_lora_rank {args.max_lora_rank}")
-            targets = args.lora_target_modules or ["all"]
-            wanted = cfg.get("target_modules") or []
-            if "all" not in targets and not set(wanted) <= set(targets):
-                return lora_output(False, f"LoRA adapter {name} targets {sorted(wanted)}, outside --lora-target-modules {targets}")
-            if args.max_loaded_loras is not None and len(loras) >= args.max_loaded_loras:
-                # [U]: newer builds evict the LRU unpinned adapter instead; refusing is the conservative reading
-                return lora_output(False, f"Cannot load LoRA {name}: max_loaded_loras ({args.max_loaded_loras}) reached")
-            try:
-                await engine.load_adapter(name, path)
-            except AdapterError as exc:
-                return lora_output(False, f"Failed to load LoRA adapter {name}: {exc}")
-            loras[name] = _Lora(path, rank)
-        return lora_output(True)
+            error = await load_locked(body.get("lora_name"), body.get("lora_path"), bool(body.get("pinned")))
+        return lora_output(error is None, error)
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> JSONResponse:
         body = await request.json()
-        name = body.get("lora_name")
         if not args.enable_lora:
             return lora_output(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         async with lora_lock:
-            lora = loras.pop(name, None)  # unregistered at once: new requests naming it fail
-            if lora is None:
-                return lora_output(False, f"LoRA with name {name} does not exist. Loaded LoRAs: {list(loras)}")
-            unloading[name] = lora
-            try:
-                await lora.drained.wait()  # SGLang waits for in-flight requests, with no timeout
-                await engine.unload_adapter(name)
-            finally:
-                del unloading[name]
-        return lora_output(True)
+            error = await unload_locked(body.get("lora_name"))
+        return lora_output(error is None, error)
+
+    async def resolve_lora(name: str | None) -> None:
+        """SGLang's ``_resolve_lora_path``: a name loaded once is loaded again if it is not loaded now; a use counts for the LRU."""
+        if name is None:
+            return
+        if not args.enable_lora:
+            raise AdapterError(
+                f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server with --enable-lora "
+                "flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+            )
+        if name not in loras:
+            if name not in ever_loaded:
+                raise AdapterError(f"Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: dict_keys({list(ever_loaded)}).")
+            log.info("fake: reloading evicted adapter: %s", name)
+            async with lora_lock:
+                error = None if name in loras else await load_locked(name, *ever_loaded[name])
+            if error is not None and "already loaded" not in error:
+                raise AdapterError(f"Failed to implicitly load LoRA adapter {name}: {error}")
+        loras.move_to_end(name)
 
     # ---- generate -----------------------------------------------------------------------------
     def to_request(body: dict[str, Any]) -> GenerateRequest:
@@ -277,7 +338,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             max_new_tokens=int(sp.get("max_new_tokens", 128)),
             temperature=float(sp.get("temperature", 1.0)),
             top_p=float(sp.get("top_p", 1.0)),
-            seed=sp.get("sampling_seed"),
+            seed=sp.get("sampling_seed") if args.enable_deterministic_inference else None,  # as SGLang: ignored without the flag
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
             ignore_eos=bool(sp.get("ignore_eos", False)),
@@ -290,8 +351,6 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             prompt_logprobs=int(body.get("top_logprobs_num") or 0) if want_lp and start == 0 else None,
         )
         lora = body.get("lora_path")
-        if lora is not None and lora not in loras:
-            raise AdapterError(f"The following requested LoRA adapters are not loaded: {lora}\nLoaded adapters: {sorted(loras)}.")
         if len(ids) + sampling.max_new_tokens > engine.info.max_model_len:
             raise InvalidRequest(f"Requested token count exceeds the model's maximum context length of {engine.info.max_model_len} tokens.")
         return GenerateRequest(str(body.get("rid") or f"fake-{state['generate_calls']}"), tuple(ids), sampling, adapter=lora)
@@ -363,6 +422,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         state["generate_calls"] += 1
         try:
             req = to_request(body)
+            await resolve_lora(req.adapter)
             acquire(req.adapter)
         except (InvalidRequest, AdapterError) as exc:
             return _error(exc, stream=bool(body.get("stream")))
@@ -419,7 +479,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                     log.error("fake: dying mid-stream after %d token events (kill switch)", sent)
                     os._exit(17)
         except (InvalidRequest, AdapterError, EngineError) as exc:
-            err = {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}}
+            err = {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400, "retryable": False}}
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
             release(req.adapter)
@@ -442,13 +502,18 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     return app
 
 
+def _keys(loras: OrderedDict[str, _Lora]) -> str:
+    """How SGLang prints its registry's names in messages (an ``OrderedDict`` 's keys)."""
+    return f"odict_keys({list(loras)})"
+
+
 def _error(exc: EngineError, *, stream: bool) -> Response:
     """SGLang's ``_create_error_response`` (400, nested) or, for a stream, one error event then ``[DONE]``."""
     if not stream:
         return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
 
     async def events() -> AsyncIterator[bytes]:
-        err = {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}}
+        err = {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400, "retryable": False}}
         yield b"data: " + json.dumps(err).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 

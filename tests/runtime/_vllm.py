@@ -5,8 +5,9 @@
 port, with a small KV cache (64 MB: the machine is shared), float32 and LoRA up to rank 8. ``kill()``
 SIGKILLs its process group (a crash), ``start()`` brings it back on the same port.
 
-``skip_reason()`` says why real-engine tests do not run here: vLLM is not installed (``make vllm``), or
-this is the default suite (``make test-engines`` runs them; they take minutes of CPU).
+``skip_reason()`` says why real-engine tests do not run here: vLLM is not installed (``make vllm``), this
+is the default suite (``make test-engines`` runs them; they take minutes of CPU), or the engines asked for
+(``LOOPWISE_TEST_ENGINES``, ``_engines.py``) leave vLLM out.
 
 The tiny test model cannot run on vLLM's CPU attention (head_dim 16); ``ensure_tiny(head_dim=32)`` is the
 same model shape-for-shape with 2 wider heads, so the adapters the tests build fit both.
@@ -23,8 +24,7 @@ import httpx
 from runtime.launcher import free_port
 from runtime.settings import VLLMSettings, default_vllm_venv
 from runtime.vllm_launcher import VLLMLauncher
-
-ENGINES = os.environ.get("LOOPWISE_TEST_ENGINES") == "1"
+from tests.runtime._engines import ASKED_TEXT, ENGINES, asked
 
 
 def vllm_python() -> Path:
@@ -36,6 +36,8 @@ def skip_reason() -> str | None:
         return f"vLLM's CPU build is not installed at {default_vllm_venv()} (`make vllm` installs it; `make test-engines` runs these tests)"
     if not ENGINES:
         return "real vLLM servers: `make test-engines` runs this (the default suite leaves real engines out to stay within its time budget)"
+    if not asked("vllm"):
+        return f"real vLLM servers: not among the engines asked for (LOOPWISE_TEST_ENGINES={ASKED_TEXT!r}; `make test-engines ENGINES=vllm`)"
     return None
 
 

@@ -10,12 +10,15 @@ first use. Tests of engine-specific behaviour (batching metrics, queue overload,
 
 Tests marked ``sglang`` (``tests/runtime/test_sglang_real.py``) need a real SGLang server instead; they
 are deselected by default (``-m 'not gpu and not sglang'`` in pyproject) and run with ``-m sglang``
-when ``LOOPWISE_SGLANG_URL`` is set.
+when ``LOOPWISE_SGLANG_URL`` is set, or under ``make test-engines`` against this machine's CPU server.
 
-Real engines on this machine (vLLM's CPU build): ``make test-engines`` sets ``LOOPWISE_TEST_ENGINES=1``;
-then ``backend`` is ``vllm`` only (one real vLLM server for the session, ``vllm_server``) and only the
-backend-parametrized tests and those marked ``engines`` run. In the default suite the ``engines`` tests
-are skipped with the reason (vLLM not installed, or left to ``make test-engines``).
+Real engines on this machine (vLLM's CPU build, SGLang's pure-PyTorch CPU path): ``make test-engines`` sets
+``LOOPWISE_TEST_ENGINES`` to the engines it tests (``tests/runtime/_engines.py``); then ``backend`` is those
+engines (``vllm``: one real vLLM server for the session, ``vllm_server``; ``sglang``: one real SGLang server,
+``sglang_server``, in place of the fake) and only the backend-parametrized tests and those marked ``engines``
+run; an engine whose virtualenv is missing is skipped with the reason, and so are the tests marked ``seeded`` on
+real SGLang (its CPU path ignores seeds). In the default suite the ``engines``
+tests are skipped with the reason (not installed, or left to ``make test-engines``).
 """
 
 from __future__ import annotations
@@ -29,20 +32,32 @@ import pytest
 import torch
 
 from tests.fakes.sglang_process import FakeSGLang
-from tests.runtime._vllm import ENGINES, VLLMServer, skip_reason
+from tests.runtime import _sglang, _vllm
+from tests.runtime._engines import ENGINES, asked
+from tests.runtime._sglang import SGLangServer
+from tests.runtime._vllm import VLLMServer
 
-BACKENDS = ("vllm",) if ENGINES else ("embedded", "sglang")
+REAL_BACKENDS = tuple(e for e in ("vllm", "sglang") if asked(e))
+BACKENDS = REAL_BACKENDS if ENGINES else ("embedded", "sglang")
+SGLANG_SEEDS = (
+    "SGLang 0.5.21 samples with a request's seed only under --enable-deterministic-inference, which needs a GPU attention "
+    "backend: its CPU path ignores seeds (the fake honours them, as a GPU server run with that flag; test_sglang_contract.py)"
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if ENGINES:  # `make test-engines`: only what runs on real engines
-        keep = [i for i in items if i.get_closest_marker("engines") or _backend_of(i) == "vllm"]
+    if ENGINES:  # `make test-engines`: only what runs on real engines (and test_sglang_real.py, marked sglang)
+        keep = [i for i in items if i.get_closest_marker("engines") or i.get_closest_marker("sglang") or _backend_of(i) in REAL_BACKENDS]
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
-        return
-    reason = skip_reason()
+        for item in keep:
+            if item.get_closest_marker("seeded") and _backend_of(item) == "sglang":
+                item.add_marker(pytest.mark.skip(reason=SGLANG_SEEDS))
+    reasons = {"vllm": _vllm.skip_reason(), "sglang": _sglang.skip_reason()}
     for item in items:
-        if item.get_closest_marker("engines") and reason:
+        marker = item.get_closest_marker("engines")  # engines("sglang") names its engine; vLLM's tests name none
+        reason = reasons[marker.args[0] if marker.args else "vllm"] if marker is not None else None
+        if reason:  # not installed, left to `make test-engines`, or an engine it was not asked for
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
@@ -84,10 +99,21 @@ def tiny_h32_path(model_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_h32_path: Path) -> Iterator[VLLMServer]:
     """One real vLLM server for the session (skipped when real engines do not run here)."""
-    reason = skip_reason()
+    reason = _vllm.skip_reason()
     if reason:
         pytest.skip(reason)
     server = VLLMServer(tiny_h32_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def sglang_server(tiny_model_path: Path) -> Iterator[SGLangServer]:
+    """One real SGLang server (CPU) for the session, on the tiny model (skipped when real engines do not run here)."""
+    reason = _sglang.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    server = SGLangServer(tiny_model_path)
     yield server
     server.stop()
 
@@ -107,14 +133,17 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def start_backend_server(backend: str, start_server: Callable[..., Any], request: pytest.FixtureRequest) -> Callable[..., Any]:
-    """Like ``start_server``, on this session's ``backend`` (``--backend sglang --sglang-url <fake>`` for sglang,
-    ``--backend vllm --engine-url <real vLLM>`` on the head_dim-32 tiny model for vllm)."""
-    fake: FakeSGLang | None = request.getfixturevalue("fake_sglang") if backend == "sglang" else None
+    """Like ``start_server``, on this session's ``backend`` (``--backend sglang --sglang-url <fake>`` for sglang, or
+    ``<real SGLang>`` under ``make test-engines``; ``--backend vllm --engine-url <real vLLM>`` on the head_dim-32 tiny
+    model for vllm)."""
+    sglang: FakeSGLang | SGLangServer | None = None
+    if backend == "sglang":
+        sglang = request.getfixturevalue("sglang_server" if ENGINES else "fake_sglang")
     vllm: VLLMServer | None = request.getfixturevalue("vllm_server") if backend == "vllm" else None
 
     def start(*extra: str, **kw: Any) -> Any:
-        if fake is not None:
-            extra = ("--backend", "sglang", "--sglang-url", fake.url, *extra)
+        if sglang is not None:
+            extra = ("--backend", "sglang", "--sglang-url", sglang.url, *extra)
         if vllm is not None:
             extra = ("--backend", "vllm", "--engine-url", vllm.url, *extra)
             kw.setdefault("model", vllm.launcher.model_path)

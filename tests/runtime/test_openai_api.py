@@ -65,6 +65,7 @@ def oai(served) -> openai.OpenAI:
 # ---- non-streamed -------------------------------------------------------------------------------
 
 
+@pytest.mark.seeded
 def test_non_streamed_completion_shape(served, oai):
     before = time.time()
     r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
@@ -123,7 +124,9 @@ def test_max_completion_tokens_is_honoured(oai):
 # ---- streaming ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0, "seed": 11}, {"temperature": 1.0, "seed": 11}], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0, "seed": 11}, pytest.param({"temperature": 1.0, "seed": 11}, marks=pytest.mark.seeded)], ids=["greedy", "seeded"]
+)
 def test_stream_via_sdk_matches_non_streamed(oai, sampling):
     kw: dict[str, Any] = {"model": MODEL, "messages": USER, "max_tokens": 24, "extra_body": {"ignore_eos": True}, **sampling}
     full = oai.chat.completions.create(**kw)
@@ -142,6 +145,7 @@ def test_stream_via_sdk_matches_non_streamed(oai, sampling):
     assert len(streamed) > 0
 
 
+@pytest.mark.seeded
 def test_stream_raw_sse_with_include_usage(served):
     body = chat_body(max_tokens=20, temperature=1.0, seed=5, ignore_eos=True)
     full = post_chat(served, body).json()
@@ -197,6 +201,7 @@ def test_n2_non_streamed(oai):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 24
 
 
+@pytest.mark.seeded
 def test_n2_streamed(served):
     body = chat_body(n=2, max_tokens=12, temperature=1.0, seed=21, ignore_eos=True)
     full = post_chat(served, body).json()
@@ -245,6 +250,7 @@ def test_logprobs_greedy(oai):
     assert "".join(i.token for i in content) == choice.message.content
 
 
+@pytest.mark.seeded
 def test_logprobs_sampled_and_streamed(served, oai):
     kw: dict[str, Any] = {
         "model": MODEL,
@@ -275,6 +281,7 @@ def test_no_logprobs_unless_asked(oai):
 # ---- seeds and stop strings ---------------------------------------------------------------------
 
 
+@pytest.mark.seeded
 def test_seed_reproducibility(oai):
     def run(seed: int) -> str:
         r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=32, temperature=1.0, seed=seed, extra_body={"ignore_eos": True})
@@ -296,6 +303,7 @@ def _pick_stop(text: str) -> str:
     raise AssertionError(f"no usable stop string in {text!r}")
 
 
+@pytest.mark.seeded
 def test_stop_string(served, oai):
     kw: dict[str, Any] = {
         "model": MODEL,

@@ -4,7 +4,9 @@ Covered here (the shared chat/streaming/tools/recording/adapter tests run on bot
 error-body translation; cumulative vs incremental stream decoding; the settings rule that keeps one
 LoRA slot free for base requests; SGLang down at startup (exit code and message); an SGLang load failure
 leaving the registry unchanged; fresh SGLang names per load; ``n > 1`` as separate ``/generate`` calls;
-SGLang dying mid-stream (error event, aborted turn, /health unhealthy, then recovering); the launcher.
+SGLang dying mid-stream (error event, aborted turn, /health unhealthy, then recovering); the launcher (its
+command on CPU and GPU, ``--sglang-python``, and a launch of the fake). What the fake answers is checked against
+a real SGLang by ``test_sglang_contract.py``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from pydantic import ValidationError
 
 import serve
 from runtime.engine import AdapterError, EngineClosed, EngineError, EngineOverloaded, GenerateRequest, InvalidRequest, SamplingParams
+from runtime.engines.http_engine import AdapterGone
 from runtime.engines.sglang import _Decoder, translate_error
-from runtime.settings import Settings
+from runtime.launcher import LaunchError
+from runtime.settings import Settings, SGLangSettings
+from runtime.sglang_launcher import SGLangLauncher
 from tests.fakes.sglang_process import FakeSGLang
 from tests.runtime._client import assert_error, chat_body, post_chat, stream_chat
 from tests.runtime.test_adapter_serving import make_adapter
@@ -42,7 +47,10 @@ AUTH = {"Authorization": f"Bearer {ADMIN}"}
 @pytest.mark.parametrize(
     ("status", "body", "kind", "code"),
     [
-        (400, {"error": {"message": "The following requested LoRA adapters are not loaded: x@1-ab\nLoaded adapters: []."}}, AdapterError, None),
+        (400, {"error": {"message": "The following requested LoRA adapters are not loaded: x@1-ab\nLoaded adapters: []."}}, AdapterGone, None),
+        (400, {"error": {"message": "Got LoRA adapter that has never been loaded: x@1-ab\nAll loaded adapters: dict_keys([])."}}, AdapterGone, None),
+        (400, {"error": {"message": "Failed to implicitly load LoRA adapter x@1-ab: no such file"}}, AdapterError, None),
+        (400, {"success": False, "error_message": "LoRA with name x@1-ab does not exist. Loaded LoRAs: odict_keys([])"}, AdapterError, None),
         (
             400,
             {"error": {"message": "The input (3000 tokens) is longer than the model's context length (2048 tokens)."}},
@@ -285,8 +293,47 @@ def test_sglang_dies_mid_stream_then_comes_back(srv, fake):
 # ---- the launcher ---------------------------------------------------------------------------------
 
 
+def test_launcher_command_on_cpu_and_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOPWISE_SGLANG_VENV", str(tmp_path / "no-venv"))
+    own = SGLangSettings()
+    assert own.python_path() == Path(sys.executable)  # no `make sglang` virtualenv: this process's Python (`.[sglang]`)
+    (tmp_path / "no-venv" / "bin").mkdir(parents=True)
+    (tmp_path / "no-venv" / "bin" / "python").symlink_to(sys.executable)
+    assert own.python_path() == tmp_path / "no-venv" / "bin" / "python"  # installed: the virtualenv's
+    assert SGLangSettings(python=Path("/x/python")).python_path() == Path("/x/python")  # --sglang-python wins
+
+    def command(**settings: Any) -> list[str]:
+        launcher = SGLangLauncher(
+            SGLangSettings(python=Path(sys.executable), **settings), Path("/m"), max_lora_rank=8, max_loaded_adapters=3, dtype="float32"
+        )
+        return launcher.command("127.0.0.1", 30000)
+
+    cpu = " ".join(command(device="cpu"))
+    assert cpu.startswith(f"{sys.executable} -m sglang.launch_server --model-path /m")
+    for flag in ("--device cpu", "--attention-backend torch_native", "--lora-backend torch_native", "--disable-overlap-schedule"):
+        assert flag in cpu
+    assert "--max-total-tokens 16384" in cpu and "--dtype float32" in cpu and "--max-loras-per-batch 4" in cpu
+    assert "--constrained-json-disable-any-whitespace" in cpu  # compact JSON, as the learner's grammar mask reads it
+    cpu_env = SGLangLauncher(SGLangSettings(device="cpu"), Path("/m"), max_lora_rank=8, max_loaded_adapters=3).child_env()
+    assert cpu_env["SGLANG_USE_CPU_ENGINE"] == "1" and cpu_env["HF_HUB_OFFLINE"] == "1"
+    # a flag --sglang-arg gives is not given twice; the GPU command has none of the CPU ones
+    mine = command(device="cpu", max_total_tokens=2048, launch_args=("--attention-backend=intel_amx",))
+    assert "--max-total-tokens" in mine and mine[mine.index("--max-total-tokens") + 1] == "2048"
+    assert mine.count("--attention-backend") == 0 and mine[-1] == "--attention-backend=intel_amx"
+    gpu = command(device="cuda")
+    assert "--device" not in gpu and "--max-total-tokens" not in gpu and "--constrained-json-disable-any-whitespace" in gpu
+    gpu_env = SGLangLauncher(SGLangSettings(device="cuda"), Path("/m"), max_lora_rank=8, max_loaded_adapters=3).child_env()
+    assert "SGLANG_USE_CPU_ENGINE" not in gpu_env
+    missing = SGLangLauncher(SGLangSettings(python=tmp_path / "nope"), Path("/m"), max_lora_rank=8, max_loaded_adapters=3)
+    with pytest.raises(LaunchError, match="make sglang"):
+        missing.command("127.0.0.1", 30000)
+
+
 def test_launcher_starts_sglang_streams_its_log_and_stops_it(start_server):
-    srv = start_server("--backend", "sglang", "--sglang-launch", "--sglang-launch-module", "tests.fakes.sglang_server", "--max-loaded-adapters", "3")
+    srv = start_server(
+        *("--backend", "sglang", "--sglang-launch", "--sglang-launch-module", "tests.fakes.sglang_server"),
+        *("--sglang-python", sys.executable, "--max-loaded-adapters", "3"),  # the fake runs on loopwise's own Python
+    )
     assert post_chat(srv, chat_body(max_tokens=3)).status_code == 200
     assert httpx.get(srv.base_url + "/health", timeout=30).status_code == 200
     events = [json.loads(line) for line in srv.log().splitlines() if line.startswith("{")]
