@@ -262,12 +262,47 @@ class Built:
     learner_jobs: list[LearnerJob]  # the learner processes ``main`` starts once the server listens (none without --learner)
 
 
+@dataclass(frozen=True)
+class Stores:
+    """Where this runtime keeps its state: the interaction store (None without recording, unless it is a database),
+    agent memory and the stored responses (None: ``create_app``'s file in the data folder)."""
+
+    interactions: Any
+    memory: Any
+    responses: Any
+
+
+def open_stores(settings: Settings) -> Stores:
+    """The stores ``settings`` name. With ``--store postgresql://`` all three live in that database (one pool: memory and
+    responses use the interaction store's connections and migration runner), so every runtime on it shares them;
+    otherwise each is a file in the data folder. An unreachable database exits here, within seconds, before the model
+    loads."""
+    from learner.records.store import db_path, is_postgres_url, open_store
+    from memory.store import MemoryStore
+    from memory.store import db_path as memory_db_path
+
+    server, mem = settings.server, settings.memory
+    spec = settings.recorder.store or db_path(server.data_dir)
+    if not is_postgres_url(spec):
+        store = open_store(spec, synchronous_full=settings.recorder.durability == "sync") if settings.recorder.record else None
+        return Stores(store, MemoryStore(memory_db_path(server.data_dir), max_chars=mem.max_chars, keep_versions=mem.keep_versions), None)
+    from memory.store_pg import PostgresMemoryStore
+    from runtime.response_store_pg import PostgresResponseStore
+
+    try:
+        store = open_store(spec, synchronous_full=settings.recorder.durability == "sync")
+    except ConnectionError as exc:
+        sys.exit(f"error: {exc}")
+    return Stores(store, PostgresMemoryStore(store, max_chars=mem.max_chars, keep_versions=mem.keep_versions), PostgresResponseStore(store))
+
+
 def build(settings: Settings) -> Built:
     """The composition: model, engine, recorder, memory, agents and the app, wired from ``settings``.
 
     No process-wide effects (logging, umask, sockets, the learner process): ``main`` does those, and the
     tests serve this same app in process."""
     server = settings.server
+    stores = open_stores(settings)  # first: a database that cannot be reached fails before the model is loaded
     from runtime.app import create_app
     from runtime.engine import Engine
     from runtime.engines.local_embedder import LocalEmbedder
@@ -306,18 +341,16 @@ def build(settings: Settings) -> Built:
     holder["m"] = Metrics(engine.stats)
     recorder = None
     if settings.recorder.record:
-        from learner.records.store import db_path, is_postgres_url, open_store
         from runtime.recorder import Recorder
 
-        spec = settings.recorder.store or db_path(server.data_dir)
-        try:
-            store = open_store(spec, synchronous_full=settings.recorder.durability == "sync")
-        except ConnectionError as exc:
-            sys.exit(f"error: {exc}")
         # a database server's store journals what it refuses here, in this runtime's own data folder
-        journal = Path(server.data_dir) / "interactions.journal" if is_postgres_url(spec) else None
+        journal = Path(server.data_dir) / "interactions.journal" if getattr(stores.interactions, "shared", False) else None
         recorder = Recorder(
-            store, durability=settings.recorder.durability, queue_size=settings.recorder.queue_size, metrics=holder["m"], journal=journal
+            stores.interactions,
+            durability=settings.recorder.durability,
+            queue_size=settings.recorder.queue_size,
+            metrics=holder["m"],
+            journal=journal,
         )
     if settings.learner.enabled and not server.admin_key:
         # the learner reaches the runtime over the admin API: give it a key that only it holds
@@ -325,10 +358,7 @@ def build(settings: Settings) -> Built:
 
         server = server.model_copy(update={"admin_key": InternalKey(secrets.token_urlsafe(24))})  # no validation: stays an InternalKey
         logging.getLogger("serve").info("the learner reaches the admin API with an internal key; pass --admin-key to use the admin API yourself")
-    from memory.store import MemoryStore
-    from memory.store import db_path as memory_db_path
-
-    memory = MemoryStore(memory_db_path(server.data_dir), max_chars=settings.memory.max_chars, keep_versions=settings.memory.keep_versions)
+    memory = stores.memory
     agents = build_agents(settings.agents, memory)
     jobs = learner_jobs(settings.learner, set(agents.names()) if agents is not None else set()) if settings.learner.enabled else []
     app = create_app(
@@ -348,6 +378,7 @@ def build(settings: Settings) -> Built:
         memory=memory,
         # the external backends pool nothing for a generative model: embeddings from a local CPU copy, loaded when first asked
         embedder=LocalEmbedder(model_path, engine) if server.backend in ("sglang", "vllm") else None,
+        response_store=stores.responses,
     )
     return Built(app, engine, model_id, model_path, server, agents, jobs)
 
@@ -442,7 +473,13 @@ def build_external_engine(settings: Settings, model_path: Path, model_id: str) -
         urls = list(dict.fromkeys([*([settings.sglang.url] if settings.sglang.url and not settings.sglang.launch else []), *es.urls]))
         if settings.sglang.launch:
             launchers.append(
-                SGLangLauncher(settings.sglang, model_path, max_lora_rank=adapters.max_lora_rank, max_loaded_adapters=adapters.max_loaded_adapters)
+                SGLangLauncher(
+                    settings.sglang,
+                    model_path,
+                    max_lora_rank=adapters.max_lora_rank,
+                    max_loaded_adapters=adapters.max_loaded_adapters,
+                    dtype=es.dtype,
+                )
             )
         elif not urls:
             sys.exit("error: --backend sglang needs --sglang-url URL (a running SGLang server), --engine-url URL, or --sglang-launch (start one)")

@@ -31,7 +31,7 @@ from agents.tasks import Problem, Task, get_task
 from agents.tasks.variants import signature, synthesize, variant_seed
 from learner.records import Trajectory, Turn
 from memory.copilot import Copilot
-from memory.store import MemoryStore
+from memory.store import MemoryQueries
 from runtime.agent_api import AgentAnswer, RunNotFound, RuntimeClient
 from tools.registry import ToolRegistry
 
@@ -416,7 +416,7 @@ class Host:
         configs: Sequence[AgentConfig | dict[str, Any]],
         tools: ToolRegistry,
         reserved: Callable[[str], bool] | None = None,
-        memory: MemoryStore | None = None,
+        memory: MemoryQueries | None = None,  # the SQLite file (memory.store) or the PostgreSQL tables (memory.store_pg)
     ) -> None:
         self.tools = tools
         self.memory = memory  # the memory store, for agents with memory in their config

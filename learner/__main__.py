@@ -9,7 +9,8 @@ runs ``learner.service.LearnerService`` (see there); ``serve.py`` starts it unle
 writes one JSON object per recorded turn (``iter_samples`` of the store, in insertion order) to
 ``--out`` (default ``-``, stdout) and the count to stderr. The store is ``--store`` (a
 ``postgresql://`` URL, or a file path), ``--db`` or, by default, ``<data-dir>/interactions.db``; a
-missing SQLite file is an error (export never creates one). ``--since``
+missing SQLite file is an error (export never creates one), and so is a database that cannot be reached: within a
+few seconds, naming its host (``run`` checks its ``--store`` the same way before it starts anything). ``--since``
 takes Unix seconds (``1767225600``) or an ISO 8601 time (``2026-01-01T00:00:00``; without a UTC
 offset it is read as UTC) and keeps turns created at or after it. ``--rewarded`` keeps turns with a
 reward on them or on their trajectory.
@@ -186,9 +187,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_service(args: argparse.Namespace, settings: Any) -> int:
-    from learner.service import LearnerConfigError, LearnerService, ServiceConfig
+    from learner.service import LearnerConfigError
 
-    service = LearnerService(
+    try:
+        service = _service(args, settings)
+    except ConnectionError as exc:  # the database went away since main() reached it
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.once:
+            record = service.update()
+            print(json.dumps(record["gate"]), flush=True)
+            return 0
+        service.run_forever()
+    except LearnerConfigError as exc:
+        print(f"error: learner config: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _service(args: argparse.Namespace, settings: Any) -> Any:
+    from learner.service import LearnerService, ServiceConfig
+
+    return LearnerService(
         ServiceConfig(
             data_dir=args.data_dir,
             store=args.store,
@@ -207,16 +228,6 @@ def _run_service(args: argparse.Namespace, settings: Any) -> int:
             ab_max_samples=args.ab_max_samples or None,
         )
     )
-    try:
-        if args.once:
-            record = service.update()
-            print(json.dumps(record["gate"]), flush=True)
-            return 0
-        service.run_forever()
-    except LearnerConfigError as exc:
-        print(f"error: learner config: {exc}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def export(args: argparse.Namespace) -> int:
@@ -269,6 +280,20 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
+def unreachable(spec: str | None) -> str | None:
+    """Why the PostgreSQL store ``spec`` names cannot be reached (within seconds, the host named, never the password);
+    None when it can, or when ``spec`` is not a database URL."""
+    if not is_postgres_url(spec):
+        return None
+    from learner.records.store_pg import probe  # psycopg is imported only for a PostgreSQL store
+
+    try:
+        probe(str(spec))
+    except ConnectionError as exc:
+        return str(exc)
+    return None
+
+
 def _without_nproc(argv: list[str]) -> list[str]:
     out, skip = [], False
     for a in argv:
@@ -290,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         if args.nproc < 1:
             print(f"error: --nproc must be at least 1, got {args.nproc}", file=sys.stderr)
+            return 2
+        if (why := unreachable(args.store)) is not None:  # before any rank starts or any model loads
+            print(f"error: {why}", file=sys.stderr)
             return 2
         if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             from learner.distributed import launch

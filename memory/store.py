@@ -28,7 +28,9 @@ when reading) is refused with :class:`StaleMemory` if the document changed or wa
 own schema versions (``PRAGMA user_version`` + ordered migrations, each in one ``BEGIN IMMEDIATE``
 transaction: this module's ``migrate``) and memory deletion never touches the interaction store.
 One connection guarded by a lock (memory operations are small and rare next to turn recording); call it
-from worker threads in async code.
+from worker threads in async code. The reads are :class:`MemoryQueries`', shared with the same store on
+PostgreSQL (``memory/store_pg.py``: ``--store postgresql://``, every runtime on the database sees the same
+documents), which keeps these rules across processes.
 
 Not here: who may read what over HTTP (``runtime/memory_routes.py``), writing memory (``memory/copilot.py``).
 """
@@ -43,7 +45,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,7 +177,118 @@ def _from_row(r: tuple[Any, ...]) -> MemoryVersion:
     return MemoryVersion(owner=r[0], scope=r[1], version=r[2], text=r[3], created_at=r[4], provenance=prov)
 
 
-class MemoryStore:
+class MemoryQueries:
+    """The memory store's reads, said once for both backends (this module's SQLite file, ``memory/store_pg.py``'s
+    PostgreSQL tables); each backend adds its connections, ``read`` (with its deletion epoch), ``write`` and ``delete``.
+    Call it from worker threads in async code: every method blocks."""
+
+    max_chars: int
+    keep_versions: int
+    schema_version: int
+    placeholder = "?"  # what the queries below are written with; psycopg's is %s
+
+    def _reading(self) -> AbstractContextManager[Any]:
+        """A connection to run reads on (each statement sees what was committed before it)."""
+        raise NotImplementedError
+
+    def _q(self, sql: str) -> str:
+        return sql if self.placeholder == "?" else sql.replace("?", self.placeholder)
+
+    @staticmethod
+    def _check(owner: str, scope: str) -> None:
+        if not OWNER_PATTERN.match(owner):
+            raise ValueError(f"invalid memory owner {owner!r}")
+        if not valid_scope(scope):
+            raise ValueError(f"invalid memory scope {scope!r}")
+
+    def _check_text(self, text: str) -> None:
+        if len(text) > self.max_chars:
+            raise MemoryTooLarge(f"memory text of {len(text)} characters is over the store's limit of {self.max_chars}")
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def current(self, owner: str, scope: str) -> MemoryVersion | None:
+        """The newest version of the owner's document, or None."""
+        self._check(owner, scope)
+        with self._reading() as conn:
+            row = conn.execute(
+                self._q(f"SELECT {_COLUMNS} FROM memory_versions WHERE owner = ? AND scope = ? ORDER BY version DESC LIMIT 1"), (owner, scope)
+            ).fetchone()
+        return _from_row(row) if row else None
+
+    def read(self, owner: str, scope: str) -> tuple[str, Snapshot]:
+        """The current text ('' when there is none) and the snapshot to pass to :meth:`write`."""
+        raise NotImplementedError
+
+    def versions(self, owner: str, scope: str) -> list[MemoryVersion]:
+        """All kept versions of the owner's document, newest first."""
+        self._check(owner, scope)
+        with self._reading() as conn:
+            rows = conn.execute(
+                self._q(f"SELECT {_COLUMNS} FROM memory_versions WHERE owner = ? AND scope = ? ORDER BY version DESC"), (owner, scope)
+            ).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def document(self, owner: str, scope: str) -> dict[str, Any] | None:
+        """The API view of one document: the current text and every kept version's metadata; None if absent."""
+        versions = self.versions(owner, scope)
+        if not versions:
+            return None
+        cur = versions[0]
+        return {
+            "object": "memory",
+            "owner": owner,
+            "scope": scope,
+            "text": cur.text,
+            "version": cur.version,
+            "updated_at": cur.created_at,
+            "versions": [v.metadata() for v in versions],
+        }
+
+    def documents(self, owner: str | None) -> list[dict[str, Any]]:
+        """Summaries (owner, scope, version, chars, updated_at) of one owner's documents, or everyone's with ``owner=None``."""
+        where, args = ("WHERE owner = ?", (owner,)) if owner is not None else ("", ())
+        with self._reading() as conn:
+            rows = conn.execute(
+                self._q(f"""SELECT m.owner, m.scope, m.version, length(m.text), m.created_at FROM memory_versions m
+                    JOIN (SELECT owner, scope, max(version) AS v FROM memory_versions {where} GROUP BY owner, scope) last
+                      ON m.owner = last.owner AND m.scope = last.scope AND m.version = last.v
+                    ORDER BY m.owner, m.scope"""),
+                args,
+            ).fetchall()
+        return [{"owner": r[0], "scope": r[1], "version": r[2], "chars": r[3], "updated_at": r[4]} for r in rows]
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    def write(self, owner: str, scope: str, text: str, provenance: Provenance, *, base: Snapshot | None = None) -> MemoryVersion:
+        """Store ``text`` as the document's next version; older versions beyond ``keep_versions`` are dropped.
+
+        With ``base``, refuses (:class:`StaleMemory`) when the document is no longer at ``base.version``
+        or was deleted after the snapshot was taken.
+        """
+        raise NotImplementedError
+
+    def delete(self, owner: str, scope: str) -> int:
+        """Delete every version of the owner's document; returns how many versions were removed."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _insert(self, conn: Any, owner: str, scope: str, version: int, text: str, provenance: Provenance) -> MemoryVersion:
+        """Insert ``version`` and drop the versions beyond ``keep_versions`` (inside the caller's write transaction)."""
+        now, p = time.time(), provenance
+        conn.execute(
+            self._q(f"INSERT INTO memory_versions ({_COLUMNS}) VALUES ({', '.join('?' * 12)})"),
+            (owner, scope, version, text, now, p.method, p.adapter, p.trajectory_id, p.turn_id, p.copilot_trajectory_id, p.copilot_turn_id,
+             json.dumps(p.meta, ensure_ascii=False)),
+        )  # fmt: skip
+        prune = "DELETE FROM memory_versions WHERE owner = ? AND scope = ? AND version <= ?"
+        conn.execute(self._q(prune), (owner, scope, version - self.keep_versions))
+        return MemoryVersion(owner, scope, version, text, now, provenance)
+
+
+class MemoryStore(MemoryQueries):
     """Versioned memory documents in one SQLite file; see the module docstring."""
 
     def __init__(self, path: Path, *, max_chars: int = MAX_MEMORY_CHARS, keep_versions: int = KEEP_VERSIONS) -> None:
@@ -206,6 +319,11 @@ class MemoryStore:
             self._conn.close()
 
     @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            yield self._conn
+
+    @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         self._conn.execute("BEGIN IMMEDIATE")
         try:
@@ -215,24 +333,6 @@ class MemoryStore:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
             raise
-
-    @staticmethod
-    def _check(owner: str, scope: str) -> None:
-        if not OWNER_PATTERN.match(owner):
-            raise ValueError(f"invalid memory owner {owner!r}")
-        if not valid_scope(scope):
-            raise ValueError(f"invalid memory scope {scope!r}")
-
-    # -- reads -------------------------------------------------------------------------------------
-
-    def current(self, owner: str, scope: str) -> MemoryVersion | None:
-        """The newest version of the owner's document, or None."""
-        self._check(owner, scope)
-        with self._lock:
-            row = self._conn.execute(
-                f"SELECT {_COLUMNS} FROM memory_versions WHERE owner = ? AND scope = ? ORDER BY version DESC LIMIT 1", (owner, scope)
-            ).fetchone()
-        return _from_row(row) if row else None
 
     def read(self, owner: str, scope: str) -> tuple[str, Snapshot]:
         """The current text ('' when there is none) and the snapshot to pass to :meth:`write`."""
@@ -244,69 +344,15 @@ class MemoryStore:
             snap = Snapshot(row[1] if row else 0, self._epoch)
         return (row[0] if row else ""), snap
 
-    def versions(self, owner: str, scope: str) -> list[MemoryVersion]:
-        """All kept versions of the owner's document, newest first."""
-        self._check(owner, scope)
-        with self._lock:
-            rows = self._conn.execute(
-                f"SELECT {_COLUMNS} FROM memory_versions WHERE owner = ? AND scope = ? ORDER BY version DESC", (owner, scope)
-            ).fetchall()
-        return [_from_row(r) for r in rows]
-
-    def document(self, owner: str, scope: str) -> dict[str, Any] | None:
-        """The API view of one document: the current text and every kept version's metadata; None if absent."""
-        versions = self.versions(owner, scope)
-        if not versions:
-            return None
-        cur = versions[0]
-        return {
-            "object": "memory",
-            "owner": owner,
-            "scope": scope,
-            "text": cur.text,
-            "version": cur.version,
-            "updated_at": cur.created_at,
-            "versions": [v.metadata() for v in versions],
-        }
-
-    def documents(self, owner: str | None) -> list[dict[str, Any]]:
-        """Summaries (owner, scope, version, chars, updated_at) of one owner's documents, or everyone's with ``owner=None``."""
-        where, args = ("WHERE owner = ?", (owner,)) if owner is not None else ("", ())
-        with self._lock:
-            rows = self._conn.execute(
-                f"""SELECT m.owner, m.scope, m.version, length(m.text), m.created_at FROM memory_versions m
-                    JOIN (SELECT owner, scope, max(version) AS v FROM memory_versions {where} GROUP BY owner, scope) last
-                      ON m.owner = last.owner AND m.scope = last.scope AND m.version = last.v
-                    ORDER BY m.owner, m.scope""",
-                args,
-            ).fetchall()
-        return [{"owner": r[0], "scope": r[1], "version": r[2], "chars": r[3], "updated_at": r[4]} for r in rows]
-
-    # -- writes ------------------------------------------------------------------------------------
-
     def write(self, owner: str, scope: str, text: str, provenance: Provenance, *, base: Snapshot | None = None) -> MemoryVersion:
-        """Store ``text`` as the document's next version; older versions beyond ``keep_versions`` are dropped.
-
-        With ``base``, refuses (:class:`StaleMemory`) when the document is no longer at ``base.version``
-        or was deleted after the snapshot was taken.
-        """
+        """Store ``text`` as the document's next version (see :meth:`MemoryQueries.write`)."""
         self._check(owner, scope)
-        if len(text) > self.max_chars:
-            raise MemoryTooLarge(f"memory text of {len(text)} characters is over the store's limit of {self.max_chars}")
-        now = time.time()
+        self._check_text(text)
         with self._lock, self._write() as conn:
             latest = conn.execute("SELECT max(version) FROM memory_versions WHERE owner = ? AND scope = ?", (owner, scope)).fetchone()[0] or 0
             if base is not None and (latest != base.version or self._deleted.get((owner, scope), 0) > base.epoch):
                 raise StaleMemory(f"memory {scope} changed or was deleted since it was read (version {base.version} → {latest})")
-            version = latest + 1
-            p = provenance
-            conn.execute(
-                f"INSERT INTO memory_versions ({_COLUMNS}) VALUES ({', '.join('?' * 12)})",
-                (owner, scope, version, text, now, p.method, p.adapter, p.trajectory_id, p.turn_id, p.copilot_trajectory_id, p.copilot_turn_id,
-                 json.dumps(p.meta, ensure_ascii=False)),
-            )  # fmt: skip
-            conn.execute("DELETE FROM memory_versions WHERE owner = ? AND scope = ? AND version <= ?", (owner, scope, version - self.keep_versions))
-        return MemoryVersion(owner, scope, version, text, now, provenance)
+            return self._insert(conn, owner, scope, latest + 1, text, provenance)
 
     def delete(self, owner: str, scope: str) -> int:
         """Delete every version of the owner's document (securely); returns how many versions were removed."""

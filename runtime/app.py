@@ -68,7 +68,7 @@ from runtime.metrics import Metrics, ReplicaCollector
 from runtime.recorder import ANONYMOUS, Recorder
 from runtime.registry_sync import RegistrySync, StoreListener
 from runtime.replay_routes import install_replay_routes
-from runtime.response_store import ResponseStore
+from runtime.response_store import ResponseBackend, ResponseStore
 from runtime.serving import Gateway
 from runtime.serving_chat import install_chat_routes
 from runtime.serving_completions import install_completions_routes
@@ -100,6 +100,7 @@ def create_app(
     memory: MemoryBackend | None = None,
     learner_families: Collection[str] = (),
     embedder: Embedder | None = None,
+    response_store: ResponseBackend | None = None,
 ) -> FastAPI:
     metrics = metrics or Metrics(engine.stats)
     admission = Admission(admission_settings or AdmissionSettings(), unlimited_owners=(PUBLIC_OWNER, ADMIN_OWNER))
@@ -170,7 +171,8 @@ def create_app(
     app.state.ready = False
     app.state.created = int(time.time())
     _install_error_handlers(app)
-    responses = ResponseStore(server.data_dir / "responses.db")  # opened on the first stored response; deletes reach it too
+    # by default a file of this runtime's, opened on the first stored response; deletes reach it too
+    responses: ResponseBackend = response_store if response_store is not None else ResponseStore(server.data_dir / "responses.db")
     install_store_routes(app, recorder, server.admin_key, feedback_settings, responses=responses)
     install_adapter_routes(
         app,

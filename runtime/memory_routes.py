@@ -1,7 +1,8 @@
 """HTTP surface of agent memory: read and delete memory documents, over a small backend protocol.
 
 The runtime never imports ``memory/``: ``serve.py`` hands ``create_app`` a :class:`MemoryBackend`
-(``memory.store.MemoryStore``) and these routes call it in worker threads.
+(``memory.store.MemoryStore``, or ``memory.store_pg.PostgresMemoryStore`` with ``--store postgresql://``, where
+every runtime serves the same documents) and these routes call it in worker threads.
 
 - ``GET /v1/memory`` (API key): the caller's documents (owner, scope, version, chars, updated_at).
 - ``GET /v1/memory/{scope}``: the caller's document: current ``text``, ``version`` and every kept

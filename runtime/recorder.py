@@ -30,8 +30,12 @@ regenerated), or nothing matches (an edited earlier message), a new trajectory s
 the others open sibling trajectories. On a store that other runtimes write too (``store.shared``:
 PostgreSQL), the lookup always asks the store, so a session's next turn may land on any runtime: with
 ``sync`` durability its previous turn is committed before the client saw it; with ``async`` a client
-faster than the 50 ms commit window can start a new trajectory instead. Two runtimes continuing the same
-turn at the same instant can both extend its trajectory (no cross-process lock on the hot path).
+faster than the 50 ms commit window can start a new trajectory instead. One turn is continued once: before
+generating, a runtime on a shared store claims the turn it continues (``claim_continuation``, a primary key in the
+store), so of two runtimes (or requests) continuing the same turn at the same instant exactly one extends its
+trajectory and the other opens a branch, as a regenerate does (a new trajectory whose first turn has that
+``parent_turn_id``); the answer is never refused. A claim whose request then fails leaves the turn continued for
+good (later continuations of it branch), as in one process.
 
 **Deletion reaches the queue.** Deleting a session (``runtime/store_routes.py``) first calls
 :meth:`Recorder.tombstone`: from then on the writer drops every turn of that owner's session that was handed to
@@ -81,6 +85,7 @@ class InteractionStore(Protocol):
     def add_reward(self, reward: Reward) -> tuple[Reward, bool]: ...
     def turns_for_completion(self, completion_id: str, owner: str | None = None, choice_index: int | None = None) -> list[str]: ...
     def find_continuation(self, session_id: str, continuation_key: str, owner: str = ...) -> TurnRef | None: ...
+    def claim_continuation(self, turn_id: str) -> bool: ...
     def turn_exists(self, turn_id: str, owner: str | None = None) -> bool: ...
     def trajectory_exists(self, trajectory_id: str, owner: str | None = None) -> bool: ...
     def set_trajectory_meta(self, trajectory_id: str, meta: dict[str, Any]) -> None: ...
@@ -272,9 +277,16 @@ class Recorder:
                 # a shared store (PostgreSQL) is written by other runtimes too: its answer wins over this process's
                 # index (the session's last turn, or a successor, may have landed on another runtime)
                 parent = self.store.find_continuation(session_id, key, owner) or parent
-        slots = []
         with self._lock:
             continues = parent is not None and not parent.has_successor and parent.turn_id not in self._successors
+            if continues and parent is not None:
+                self._successors.add(parent.turn_id)
+        if continues and parent is not None and getattr(self.store, "shared", False):
+            # other runtimes may be continuing the same turn right now: the store's uniqueness rule lets one of them win,
+            # the others branch (the successor is stored only after generating, too late to settle it)
+            continues = self.store.claim_continuation(parent.turn_id)
+        slots = []
+        with self._lock:
             for i in range(n):
                 turn_id = new_id("turn")
                 if i == 0 and continues and parent is not None:
@@ -282,8 +294,6 @@ class Recorder:
                 else:
                     index = 0 if parent is None else parent.index + 1
                     slots.append(TurnSlot(turn_id, new_id("traj"), session_id, index, parent.turn_id if parent else None, owner))
-            if continues and parent is not None:
-                self._successors.add(parent.turn_id)
             for slot in slots:
                 self._inflight.add(slot.turn_id, (owner, session_id))
         return slots

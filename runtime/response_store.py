@@ -5,11 +5,15 @@ API key's identity, ``runtime/identity.py``), the session the response was serve
 object as returned, and its context items (every input item the model saw, the ``previous_response_id``
 chain's included, each with an id). ``previous_response_id`` reads the context and output back to
 continue the conversation; ``GET``, ``DELETE`` and ``input_items`` read or remove one row. Another
-owner's response is reported as not found. ``delete_session`` removes every response an owner's session
-holds (the deletion of a session, ``runtime/store_routes.py``), with ``secure_delete`` on and the WAL
-truncated after it, so no copy of the deleted rows stays in the file; ``forbid`` names the turns of requests that
-were still generating when their session was deleted, and their responses are then not stored (``put`` drops a
-response whose ``loopwise.turn_id`` is one of them). Calls are blocking: callers run them in a worker thread.
+owner's response is reported as not found, and is never replaced by a ``put`` of the same id. ``delete_session``
+removes every response an owner's session holds (the deletion of a session, ``runtime/store_routes.py``), with
+``secure_delete`` on and the WAL truncated after it, so no copy of the deleted rows stays in the file; ``forbid``
+names the turns of requests that were still generating when their session was deleted, and their responses are
+then not stored (``put`` drops a response whose ``loopwise.turn_id`` is one of them). Calls are blocking: callers
+run them in a worker thread.
+
+``ResponseBackend`` is what the routes need; ``runtime/response_store_pg.py`` keeps the same rows in the PostgreSQL
+interaction store's database (``--store postgresql://``), where every runtime on it sees them.
 
 Not here: building responses (``runtime/serving_responses.py``).
 """
@@ -21,10 +25,11 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -39,6 +44,13 @@ CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner, created_at);
 CREATE INDEX IF NOT EXISTS responses_session ON responses (owner, session_id);
 """
 
+# store or replace a response; a row of another owner under the same id is left as it is (both backends)
+UPSERT = """INSERT INTO responses (id, owner, session_id, created_at, response, context) VALUES (?, ?, ?, ?, ?, ?)
+            ON CONFLICT (id) DO UPDATE SET session_id = excluded.session_id, created_at = excluded.created_at,
+                                           response = excluded.response, context = excluded.context
+            WHERE responses.owner = excluded.owner"""
+SELECT = "SELECT id, owner, session_id, response, context FROM responses WHERE id = ? AND owner = ?"
+
 
 @dataclass(frozen=True)
 class StoredResponse:
@@ -48,6 +60,54 @@ class StoredResponse:
     response: dict[str, Any]
     context: list[dict[str, Any]]  # the input items the model saw, in order (the chain's included)
 
+    def row(self) -> tuple[str, str, str, float, str, str]:
+        """The values of ``UPSERT``: the response and its context as JSON, dated now."""
+        return (self.id, self.owner, self.session_id, time.time(), json.dumps(self.response), json.dumps(self.context))
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> StoredResponse:
+        """The response a row of ``SELECT`` holds."""
+        return cls(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]))
+
+
+class ResponseBackend(Protocol):
+    """What the routes need from a response store (this module's SQLite file, or ``runtime/response_store_pg.py``)."""
+
+    def forbid(self, turn_ids: Iterable[str]) -> None: ...
+    def put(self, stored: StoredResponse) -> None: ...
+    def get(self, response_id: str, owner: str) -> StoredResponse | None: ...
+    def delete(self, response_id: str, owner: str) -> bool: ...
+    def delete_session(self, owner: str, session_id: str) -> int: ...
+    def close(self) -> None: ...
+
+
+class ForbiddenTurns:
+    """Turn ids whose responses are not stored (see ``forbid``); the oldest are forgotten beyond ``size``. Thread-safe:
+    ``add`` waits for a response being written under ``admitting``, so a deletion's ``forbid`` followed by its
+    ``delete_session`` either stops a response or deletes it, never misses one written between the two."""
+
+    def __init__(self, size: int = 100_000) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def add(self, turn_ids: Iterable[str]) -> None:
+        with self._lock:
+            for turn_id in turn_ids:
+                self._ids[turn_id] = None
+            while len(self._ids) > self._size:
+                self._ids.popitem(last=False)
+
+    @contextmanager
+    def admitting(self, stored: StoredResponse) -> Iterator[bool]:
+        """Held while ``stored`` is written: False when it answers a forbidden turn (then forgotten: a turn is answered once)."""
+        turn_id = (stored.response.get("loopwise") or {}).get("turn_id")
+        with self._lock:
+            forbidden = isinstance(turn_id, str) and turn_id in self._ids
+            if forbidden and isinstance(turn_id, str):
+                del self._ids[turn_id]
+            yield not forbidden
+
 
 class ResponseStore:
     """The file is created on the first stored response, not before."""
@@ -56,8 +116,7 @@ class ResponseStore:
         self.path = path
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
-        self._forbidden: OrderedDict[str, None] = OrderedDict()  # turn ids whose responses are not stored (the oldest forgotten)
-        self._forbidden_size = forbidden_size
+        self._forbidden = ForbiddenTurns(forbidden_size)
 
     def _conn(self, create: bool) -> sqlite3.Connection | None:
         if self._db is None and (create or self.path.exists()):
@@ -72,34 +131,24 @@ class ResponseStore:
 
     def forbid(self, turn_ids: Iterable[str]) -> None:
         """The responses of these turns (their session was deleted while they generated) will not be stored."""
-        with self._lock:
-            for turn_id in turn_ids:
-                self._forbidden[turn_id] = None
-            while len(self._forbidden) > self._forbidden_size:
-                self._forbidden.popitem(last=False)
+        self._forbidden.add(turn_ids)
 
     def put(self, stored: StoredResponse) -> None:
         """Store (or replace) a response, unless its turn was forbidden."""
-        turn_id = (stored.response.get("loopwise") or {}).get("turn_id")
-        row = (stored.id, stored.owner, stored.session_id, time.time(), json.dumps(stored.response), json.dumps(stored.context))
-        with self._lock:
-            if isinstance(turn_id, str) and turn_id in self._forbidden:
-                del self._forbidden[turn_id]
-                return
-            db = self._conn(create=True)
-            assert db is not None
-            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
+        row = stored.row()
+        with self._forbidden.admitting(stored) as admitted, self._lock:
+            if admitted:
+                db = self._conn(create=True)
+                assert db is not None
+                db.execute(UPSERT, row)
 
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         with self._lock:
             db = self._conn(create=False)
             if db is None:
                 return None
-            sql = "SELECT id, owner, session_id, response, context FROM responses WHERE id = ? AND owner = ?"
-            row = db.execute(sql, (response_id, owner)).fetchone()
-        if row is None:
-            return None
-        return StoredResponse(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]))
+            row = db.execute(SELECT, (response_id, owner)).fetchone()
+        return None if row is None else StoredResponse.from_row(row)
 
     def delete(self, response_id: str, owner: str) -> bool:
         with self._lock:

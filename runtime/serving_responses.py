@@ -44,7 +44,7 @@ from runtime.errors import APIError, from_validation
 from runtime.generation import ChoiceDone, ChoiceOut, GenRequest, NamedTool, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
 from runtime.http_body import read_json
 from runtime.identity import owner_of
-from runtime.response_store import ResponseStore, StoredResponse
+from runtime.response_store import ResponseBackend, StoredResponse
 from runtime.responses_schemas import ResponsesRequest, function_tools, items_to_messages, normalize_items, tool_choice_of
 from runtime.serving import Gateway, Outcome
 
@@ -54,7 +54,7 @@ def _id(prefix: str) -> str:
 
 
 class ResponsesAPI:
-    def __init__(self, gateway: Gateway, store: ResponseStore | None) -> None:
+    def __init__(self, gateway: Gateway, store: ResponseBackend | None) -> None:
         self.gateway = gateway
         self.store = store
 
@@ -255,7 +255,7 @@ def output_items(choice: ChoiceOut, logprobs: bool) -> list[dict[str, Any]]:
     return items
 
 
-def install_responses_routes(app: FastAPI, gateway: Gateway, store: ResponseStore | None, max_body: int) -> None:
+def install_responses_routes(app: FastAPI, gateway: Gateway, store: ResponseBackend | None, max_body: int) -> None:
     api = ResponsesAPI(gateway, store)
 
     @app.post("/v1/responses")

@@ -29,6 +29,9 @@ What it does:
   and ``add_reward`` accepts a reward only for a target of the reward's own owner.
 - Self-checks (version 7): a self-verifying agent's turn stores its parsed self-check and per-turn
   correctness (``Turn.self_check``) as JSON in ``turns.self_check`` (NULL otherwise).
+- Continuation claims (version 8): ``turn_claims`` holds the ids of turns a runtime has continued
+  (``claim_continuation``: the primary key lets one claim win), so two runtimes on one PostgreSQL store never
+  extend one trajectory from the same turn; a single runtime's own index makes them unneeded on SQLite.
 - Deletion (``delete_session``, ``delete_trajectories``, ``prune``) is complete and secure: rows are removed from every
   table, ``secure_delete`` overwrites the freed content, and ``delete_session`` truncates the WAL
   (``wal_checkpoint(TRUNCATE)``) so no copy of the deleted pages is left in the ``-wal`` file.
@@ -93,7 +96,7 @@ def open_store(spec: str | Path, *, synchronous_full: bool = False) -> Any:
     if is_postgres_url(spec):
         from learner.records.store_pg import PostgresStore  # psycopg is imported only for a PostgreSQL store
 
-        return PostgresStore(spec, synchronous_full=synchronous_full)
+        return PostgresStore(str(spec), synchronous_full=synchronous_full)
     return SqliteStore(Path(spec), synchronous_full=synchronous_full)
 
 
@@ -217,6 +220,14 @@ def _v7_turn_checks(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE turns ADD COLUMN self_check TEXT")
 
 
+def _v8_turn_claims(conn: sqlite3.Connection) -> None:
+    # One continuation per turn across runtimes (``StoreQueries.claim_continuation``): the ids of the turns a runtime
+    # has continued, claimed before it generates. Only a store other processes write too (PostgreSQL) is asked; the
+    # table is here as well so that both backends keep one schema.
+    conn.execute("CREATE TABLE turn_claims (turn_id TEXT PRIMARY KEY, claimed_at REAL NOT NULL)")
+    conn.execute("CREATE INDEX turn_claims_claimed ON turn_claims (claimed_at)")
+
+
 # MIGRATIONS[i] takes a database from version i to version i + 1 (version 0 = an empty file).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v1_initial,
@@ -226,12 +237,13 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v5_owners,
     _v6_registry,
     _v7_turn_checks,
+    _v8_turn_claims,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
 def user_version(conn: sqlite3.Connection) -> int:
-    return conn.execute("PRAGMA user_version").fetchone()[0]
+    return int(conn.execute("PRAGMA user_version").fetchone()[0])
 
 
 def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Connection], None]] = MIGRATIONS) -> int:

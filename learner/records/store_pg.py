@@ -22,22 +22,32 @@ What it does:
   advisory lock, re-reads the version and applies what is missing, each migration in the same transaction
   as its version bump (PostgreSQL's DDL is transactional), so concurrent openers never migrate twice and a
   failing migration leaves the previous version. An empty database gets the version-5 layout in one step
-  (PostgreSQL support began at version 5), then the later migrations, the same as SQLite's.
+  (PostgreSQL support began at version 5), then the later migrations, the same as SQLite's. The runner is
+  one for every set of tables kept in this database (``PgSchema``: a version table and its migrations):
+  the interactions' (``INTERACTIONS``), and through ``PostgresStore.migrate`` the stored responses'
+  (``runtime/response_store_pg.py``) and agent memory's (``memory/store_pg.py``), each with its own version,
+  as each has its own SQLite file.
+- Fails fast: before the pool opens, one plain connection is tried with ``connect_timeout_s`` (3 s) under a
+  hard deadline, so an unreachable server, a wrong port or a refused login is a ``ConnectionError`` within
+  seconds, naming the host and the URL without its password, instead of the pool's wait.
 
 What it doesn't do: SQLite's page-level secure deletion. Deleted rows are gone from every table at once, but
 their bytes stay in dead tuples until (auto)vacuum reuses the space, and in the server's WAL and backups:
-secure erasure on PostgreSQL is the database operator's retention policy. Memory documents
-(``memory/store.py``) stay in the data folder's SQLite file.
+secure erasure on PostgreSQL is the database operator's retention policy.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
+from psycopg import sql as pgsql
 from psycopg.abc import Buffer
 from psycopg.types.string import StrDumperUnknown
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -49,7 +59,7 @@ from learner.records.store_sql import INSERT_SESSION, INSERT_TRAJECTORY, INSERT_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PG_MIGRATIONS", "PostgresStore", "is_postgres_url", "redact_url"]
+__all__ = ["INTERACTIONS", "PG_MIGRATIONS", "PgSchema", "PostgresStore", "is_postgres_url", "migrate_pg", "probe", "redact_url"]
 
 _MIGRATION_LOCK = 0x6C6F6F70  # "loop": the advisory lock key serializing migrations across processes
 
@@ -147,31 +157,92 @@ def _v7_turn_checks(conn: psycopg.Connection) -> None:
     conn.execute("ALTER TABLE turns ADD COLUMN self_check TEXT")
 
 
-PG_MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {0: _initial_v5, 5: _v6_registry, 6: _v7_turn_checks}
-PG_SCHEMA_VERSION = 7
+def _v8_turn_claims(conn: psycopg.Connection) -> None:
+    # one continuation per turn across runtimes: the turn ids already continued (StoreQueries.claim_continuation)
+    conn.execute("CREATE TABLE turn_claims (turn_id TEXT PRIMARY KEY, claimed_at DOUBLE PRECISION NOT NULL)")
+    conn.execute("CREATE INDEX turn_claims_claimed ON turn_claims (claimed_at)")
 
 
-def _next_version(version: int) -> int:
-    return 5 if version == 0 else version + 1
+PG_MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {0: _initial_v5, 5: _v6_registry, 6: _v7_turn_checks, 7: _v8_turn_claims}
+PG_SCHEMA_VERSION = 8
 
 
-def migrate_pg(conn: psycopg.Connection, target: int = PG_SCHEMA_VERSION) -> int:
-    """Bring the database (``conn`` in autocommit mode) to ``target``, one transaction per migration; the final version."""
+@dataclass(frozen=True)
+class PgSchema:
+    """One versioned set of tables in the database: the table that holds its version (one row) and its migrations.
+
+    ``migrations[v]`` takes the tables from version ``v`` to the next key of ``migrations`` (``version`` after the
+    last one), so a migration may skip versions (the interactions' empty database jumps to 5)."""
+
+    version_table: str
+    migrations: Mapping[int, Callable[[psycopg.Connection], None]]
+    version: int
+
+    def next_version(self, version: int) -> int:
+        return min((v for v in self.migrations if v > version), default=self.version)
+
+
+INTERACTIONS = PgSchema("loopwise_schema", PG_MIGRATIONS, PG_SCHEMA_VERSION)
+
+
+def migrate_pg(conn: psycopg.Connection, target: int | None = None, schema: PgSchema = INTERACTIONS) -> int:
+    """Bring ``schema``'s tables (``conn`` in autocommit mode) to ``target`` (default: its newest version), one
+    transaction per migration, each holding the advisory lock every opener takes first; the final version."""
+    target = schema.version if target is None else target
+    table = pgsql.Identifier(schema.version_table)
     while True:
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-            conn.execute("CREATE TABLE IF NOT EXISTS loopwise_schema (version INTEGER NOT NULL)")
-            row = conn.execute("SELECT version FROM loopwise_schema").fetchone()
+            conn.execute(pgsql.SQL("CREATE TABLE IF NOT EXISTS {} (version INTEGER NOT NULL)").format(table))
+            row = conn.execute(pgsql.SQL("SELECT version FROM {}").format(table)).fetchone()
             version = 0 if row is None else row[0]
-            if version > PG_SCHEMA_VERSION:
-                raise SchemaTooNew(f"database schema version {version} is newer than this code's {PG_SCHEMA_VERSION}")
+            if version > schema.version:
+                raise SchemaTooNew(f"database schema version {version} of {schema.version_table} is newer than this code's {schema.version}")
             if version >= target:
-                return version
-            PG_MIGRATIONS[version](conn)
-            if row is None:
-                conn.execute("INSERT INTO loopwise_schema (version) VALUES (%s)", (_next_version(version),))
-            else:
-                conn.execute("UPDATE loopwise_schema SET version = %s", (_next_version(version),))
+                return int(version)
+            schema.migrations[version](conn)
+            bump = "INSERT INTO {} (version) VALUES (%s)" if row is None else "UPDATE {} SET version = %s"
+            conn.execute(pgsql.SQL(bump).format(table), (schema.next_version(version),))
+
+
+def _where(url: str) -> str:
+    """The host (and port) a URL names, for messages: the server a connection goes to."""
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is not a number: the URL says it all
+        return redact_url(url)
+    if not host:
+        return "the local socket"
+    return f"{host}:{port}" if port else host
+
+
+def probe(url: str, timeout_s: float = 3.0) -> None:
+    """Connect once to ``url`` and close; a ``ConnectionError`` naming the host (never the password) when that fails or
+    takes longer than ``timeout_s`` (libpq's ``connect_timeout``, under a hard deadline that a slow name lookup cannot
+    stretch either)."""
+    outcome: list[BaseException | None] = []
+
+    def attempt() -> None:
+        try:
+            psycopg.connect(url, connect_timeout=max(2, math.ceil(timeout_s))).close()  # libpq's least timeout is 2 s
+            outcome.append(None)
+        except BaseException as exc:  # reported by the caller's thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=attempt, name="loopwise-store-probe", daemon=True)
+    worker.start()
+    worker.join(max(2, math.ceil(timeout_s)) + 1.0)
+    where = f"cannot reach the PostgreSQL store at {_where(url)} ({redact_url(url)})"
+    if not outcome:
+        raise ConnectionError(f"{where}: no answer within {timeout_s:g} s")
+    error = outcome[0]
+    if error is None:
+        return
+    if not isinstance(error, psycopg.Error):
+        raise error
+    text = str(error).strip()
+    raise ConnectionError(f"{where}: {text.splitlines()[0] if text else type(error).__name__}") from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -194,31 +265,39 @@ class PostgresStore(StoreQueries):
     shared = True  # other processes write to the same store: continuation lookups must ask it, not a local index
     _turn_row = staticmethod(turn_row)
 
-    def __init__(self, url: str, *, synchronous_full: bool = False, max_size: int = 8, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, url: str, *, synchronous_full: bool = False, max_size: int = 8, timeout_s: float = 10.0, connect_timeout_s: float = 3.0
+    ) -> None:
         if not is_postgres_url(url):
             raise ValueError("a PostgreSQL store URL starts with postgresql:// or postgres://")
         self.url = url
         self.display_url = redact_url(url)
         self.synchronous_full = synchronous_full  # kept for the interface: commits are always synchronous here
+        probe(url, connect_timeout_s)  # an unreachable server fails here within seconds, not after the pool's wait
         self._pool = ConnectionPool(
             url, min_size=1, max_size=max_size, timeout=timeout_s, open=False, name="loopwise-store", configure=self._configure
         )
         try:
             self._pool.open(wait=True, timeout=timeout_s)
         except PoolTimeout:
-            error = self._why_not(url, timeout_s)
             self._pool.close()
-            raise ConnectionError(f"cannot reach the PostgreSQL store {self.display_url}: {error}") from None
+            probe(url, connect_timeout_s)  # why, if it says
+            raise ConnectionError(f"cannot reach the PostgreSQL store at {_where(url)} ({self.display_url}): the connection pool timed out") from None
         try:
-            with self._pool.connection() as conn:
-                conn.autocommit = True
-                try:
-                    self.schema_version = migrate_pg(conn)
-                finally:
-                    conn.autocommit = False
+            self.schema_version = self.migrate(INTERACTIONS)
         except BaseException:
             self._pool.close()
             raise
+
+    def migrate(self, schema: PgSchema) -> int:
+        """Bring ``schema``'s tables in this database to their newest version (``migrate_pg`` on a pooled connection);
+        the modules that keep tables of their own here call it once when they open (stored responses, agent memory)."""
+        with self._pool.connection() as conn:
+            conn.autocommit = True
+            try:
+                return migrate_pg(conn, schema=schema)
+            finally:
+                conn.autocommit = False
 
     @staticmethod
     def _configure(conn: psycopg.Connection) -> None:
@@ -226,14 +305,6 @@ class PostgresStore(StoreQueries):
         conn.execute("SET synchronous_commit = on")
         conn.execute("SET application_name = 'loopwise'")
         conn.commit()
-
-    @staticmethod
-    def _why_not(url: str, timeout_s: float) -> str:
-        try:
-            psycopg.connect(url, connect_timeout=max(1, int(timeout_s))).close()
-        except psycopg.Error as exc:
-            return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return "the connection pool timed out"
 
     @contextmanager
     def _tx(self, snapshot: bool = False) -> Iterator[psycopg.Connection]:

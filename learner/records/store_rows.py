@@ -44,7 +44,7 @@ def pack(typecode: str, values: Sequence[int] | Sequence[float]) -> bytes:
     return a.tobytes()
 
 
-def unpack(typecode: str, blob: bytes | None) -> list:
+def unpack(typecode: str, blob: bytes | None) -> list[Any]:
     """The values of a packed array (an empty list for NULL or empty bytes)."""
     a = array(typecode)
     if blob:
@@ -66,7 +66,7 @@ N_TURN_COLUMNS = 24
 REWARD_COLUMNS = "reward_id, target, target_id, value, source, created_at, comment, idempotency_key, owner"
 
 
-def turn_row(t: Turn) -> tuple:
+def turn_row(t: Turn) -> tuple[Any, ...]:
     """A turn as the 24 values of ``TURN_COLUMNS``."""
     return (
         t.turn_id,
@@ -126,7 +126,7 @@ def turn_from_row(r: Sequence[Any]) -> Turn:
     )
 
 
-def reward_row(w: Reward) -> tuple:
+def reward_row(w: Reward) -> tuple[Any, ...]:
     """A reward as the 9 values of ``REWARD_COLUMNS``."""
     return (w.reward_id, w.target, w.target_id, w.value, w.source, w.created_at, w.comment, w.idempotency_key, w.owner)
 

@@ -8,8 +8,8 @@ What it does:
   parameter (``IN (?, ?, …)`` on SQLite, one array ``= ANY(?)`` on PostgreSQL). ``SQLITE`` and
   ``POSTGRESQL`` are the two.
 - ``StoreQueries`` holds every read and write whose SQL and Python are the same on both backends once the
-  dialect has spoken: listing, trajectories, turns, training samples, stitching lookups, owners, deletion,
-  pruning, trajectory metadata, rewards, arm statistics, the adapter registry's state. A backend
+  dialect has spoken: listing, trajectories, turns, training samples, stitching lookups and continuation claims,
+  owners, deletion, pruning, trajectory metadata, rewards, arm statistics, the adapter registry's state. A backend
   (``learner.records.store.SqliteStore``, ``learner.records.store_pg.PostgresStore``) supplies its dialect and the three
   ways it runs them: ``_read`` (one or more independent reads), ``_snapshot`` (several reads seeing one
   state) and ``_write`` (one write transaction), plus ``_after_delete`` (SQLite truncates its WAL).
@@ -224,7 +224,8 @@ class StoreQueries:
                   OR (target = 'trajectory' AND target_id IN (SELECT trajectory_id FROM trajectories WHERE owner = ? AND session_id = ?))"""),
                 (*key, *key),
             )
-            n = conn.execute(self._q("DELETE FROM turns WHERE owner = ? AND session_id = ?"), key).rowcount
+            conn.execute(self._q("DELETE FROM turn_claims WHERE turn_id IN (SELECT turn_id FROM turns WHERE owner = ? AND session_id = ?)"), key)
+            n = int(conn.execute(self._q("DELETE FROM turns WHERE owner = ? AND session_id = ?"), key).rowcount)
             conn.execute(self._q("DELETE FROM trajectories WHERE owner = ? AND session_id = ?"), key)
             conn.execute(self._q("DELETE FROM sessions WHERE owner = ? AND session_id = ?"), key)
         self._after_delete()
@@ -257,6 +258,7 @@ class StoreQueries:
                        OR (target = 'trajectory' AND target_id {in_ids})"""),
                     (*params, *params),
                 )
+                conn.execute(self._q(f"DELETE FROM turn_claims WHERE turn_id IN (SELECT turn_id FROM turns WHERE trajectory_id {in_ids})"), params)
                 n += conn.execute(self._q(f"DELETE FROM turns WHERE trajectory_id {in_ids}"), params).rowcount
                 conn.execute(self._q(f"DELETE FROM trajectories WHERE trajectory_id {in_ids}"), params)
         self._after_delete()
@@ -265,13 +267,15 @@ class StoreQueries:
     def prune(self, older_than: float) -> int:
         """Delete unrewarded turns created before ``older_than`` (Unix time), then what became empty; returns turns deleted."""
         with self._write() as conn:
-            n = conn.execute(
-                self._q("""DELETE FROM turns
+            n = int(
+                conn.execute(
+                    self._q("""DELETE FROM turns
                    WHERE created_at < ?
                      AND turn_id NOT IN (SELECT target_id FROM rewards WHERE target = 'turn')
                      AND trajectory_id NOT IN (SELECT target_id FROM rewards WHERE target = 'trajectory')"""),
-                (older_than,),
-            ).rowcount
+                    (older_than,),
+                ).rowcount
+            )
             conn.execute(
                 self._q("""DELETE FROM trajectories
                    WHERE created_at < ?
@@ -285,7 +289,17 @@ class StoreQueries:
                      AND NOT EXISTS (SELECT 1 FROM trajectories t WHERE t.owner = sessions.owner AND t.session_id = sessions.session_id)"""),
                 (older_than,),
             )
+            # a claim matters until its successor is stored (then the turn's has_successor answers): an old one is spent
+            conn.execute(self._q("DELETE FROM turn_claims WHERE claimed_at < ?"), (older_than,))
         return n
+
+    def claim_continuation(self, turn_id: str) -> bool:
+        """Claim the continuation of ``turn_id`` for the caller's next turn: True for the one caller that claims it first
+        (in any process on this store), False for every later one, which must start a branch instead. Claimed before
+        generating, so two runtimes asked to continue the same turn at once never both extend its trajectory."""
+        with self._write() as conn:
+            sql = "INSERT INTO turn_claims (turn_id, claimed_at) VALUES (?, ?) ON CONFLICT (turn_id) DO NOTHING"
+            return bool(conn.execute(self._q(sql), (turn_id, time.time())).rowcount)
 
     # -- lookups -------------------------------------------------------------------------------------
 
@@ -364,7 +378,9 @@ class StoreQueries:
             ).fetchone()
         return dict(zip(("sessions", "trajectories", "turns", "rewards"), (int(x) for x in row), strict=True))
 
-    def list_trajectories(self, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None) -> list[dict]:
+    def list_trajectories(
+        self, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None
+    ) -> list[dict[str, Any]]:
         """Newest first (by creation); ``since`` keeps trajectories created at or after it (Unix time), ``owner`` one owner's."""
         where: list[str] = []
         params: list[Any] = []
@@ -437,7 +453,7 @@ class StoreQueries:
             rewards=[reward_from_row(r) for r in rewards],
         )
 
-    def iter_samples(self, since: float | None = None, rewarded: bool | None = None, page_size: int = 256) -> Iterator[dict]:
+    def iter_samples(self, since: float | None = None, rewarded: bool | None = None, page_size: int = 256) -> Iterator[dict[str, Any]]:
         """Per-turn training samples in insertion order (see ``learner/__main__.py`` for the fields).
 
         ``since``: turns created at or after it (Unix time). ``rewarded``: True → only turns with a reward

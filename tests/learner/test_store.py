@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import sqlite3
 import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -125,7 +127,7 @@ def test_creates_parent_dirs_wal_mode_and_latest_version(tmp_path: Path) -> None
     assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
     assert conn.execute("PRAGMA secure_delete").fetchone()[0] == 1
     assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 4000
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 7
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 8
     assert s.integrity_check() == "ok"
     s.close()
     full = SqliteStore(path, synchronous_full=True)
@@ -301,6 +303,40 @@ def test_find_continuation_and_has_successor(store: SqliteStore) -> None:
     # several matches: the newest wins
     store.append_turns([make_turn(4, ckey="same", created_at=5000.0), make_turn(5, ckey="same", created_at=6000.0, trajectory="traj-c")])
     assert store.find_continuation("sess-a", "same").turn_id == "turn-5"
+
+
+def test_a_turn_is_claimed_for_continuation_once_and_its_claim_goes_with_it(store) -> None:
+    store.append_turns([make_turn(1, ckey="c1"), make_turn(2, session="sess-b", trajectory="traj-b", ckey="c2")])
+    assert store.claim_continuation("turn-1") is True
+    assert store.claim_continuation("turn-1") is False  # one continuation per turn: a second caller branches
+    assert store.claim_continuation("turn-2") is True
+    assert raw(store, "SELECT turn_id FROM turn_claims ORDER BY turn_id") == [("turn-1",), ("turn-2",)]
+    store.delete_session("public", "sess-a")  # a session's deletion removes its turns' claims
+    store.delete_trajectories(["traj-b"])  # and so does a trajectory's
+    assert raw(store, "SELECT COUNT(*) FROM turn_claims") == [(0,)]
+    store.claim_continuation("turn-gone")
+    assert store.prune(time.time() + 1) == 0 and raw(store, "SELECT COUNT(*) FROM turn_claims") == [(0,)]  # spent claims age out
+
+
+def test_racing_claims_of_one_turn_let_one_win(store) -> None:
+    store.append_turns([make_turn(1, ckey="c1")])
+    barrier = threading.Barrier(8)
+    won: list[bool] = []
+    errors: list[BaseException] = []
+
+    def claim() -> None:
+        try:
+            barrier.wait()
+            won.append(store.claim_continuation("turn-1"))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and sorted(won) == [False] * 7 + [True]
 
 
 def test_turns_for_completion_ordered_by_choice(store: SqliteStore) -> None:
@@ -545,7 +581,7 @@ def test_migrates_a_genuine_v2_database(tmp_path: Path) -> None:
     conn.executemany(f"INSERT INTO turns ({OLD_TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [old_turn_row(t) for t in turns])
     conn.close()
     s = SqliteStore(path)
-    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
     assert [s.get_turn(t.turn_id) for t in turns] == turns
     indexes = {r[0] for r in s._conn().execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert "turns_adapter" in indexes  # version 3's index for the A/B experiments' per-arm statistics
@@ -743,7 +779,7 @@ def test_pg_migrates_the_previous_schema(pg_url: str) -> None:
         )
         conn.execute("INSERT INTO experiments VALUES ('e', '{}', '{\"status\": \"running\"}', 1.0, 1.0)")
     s = PostgresStore(pg_url)
-    assert s.schema_version == 7 and s.get_turn("turn-1") == t and s.find_continuation("sess-a", "c1").turn_id == "turn-1"
+    assert s.schema_version == 8 and s.get_turn("turn-1") == t and s.find_continuation("sess-a", "c1").turn_id == "turn-1"
     assert ExperimentStore(s).load() == [("e", {}, {"status": "running"})]
     s.save_registry("alias", "f", {"target": "f@1"})
     assert s.load_registry()["alias"] == {"f": {"target": "f@1"}}
@@ -806,13 +842,53 @@ def test_pg_bad_url_says_why_without_the_password() -> None:
     assert "hunter2" not in str(err.value) and "u:***@127.0.0.1:1" in str(err.value)
 
 
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A port that takes TCP connections and never answers (a hung server, or a firewall that swallows packets):
+    what a client waits longest on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)  # connections queue in the backlog, the startup packet is never read
+        yield sock.getsockname()[1]
+
+
+def test_pg_an_unreachable_server_fails_within_seconds_naming_the_host(silent_server: int) -> None:
+    """Before: the pool waited its 10 s timeout, then a second connection attempt waited 10 s more (20 s in all)."""
+    from learner.records.store_pg import PostgresStore
+
+    url = f"postgresql://u:hunter2@127.0.0.1:{silent_server}/db"
+    start = time.monotonic()
+    with pytest.raises(ConnectionError) as err:
+        PostgresStore(url)
+    elapsed = time.monotonic() - start
+    message = str(err.value)
+    assert elapsed < 6, f"took {elapsed:.1f} s"
+    assert f"cannot reach the PostgreSQL store at 127.0.0.1:{silent_server}" in message and "hunter2" not in message, message
+
+
+def test_learner_export_and_run_fail_fast_on_an_unreachable_store(silent_server: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from learner.__main__ import main
+
+    url = f"postgresql://u:hunter2@127.0.0.1:{silent_server}/db"
+    for argv in (
+        ["export", "--format", "jsonl", "--store", url, "--out", str(tmp_path / "out.jsonl")],
+        ["run", "--store", url, "--admin-key", "k", "--base-model", str(tmp_path / "no-model"), "--data-dir", str(tmp_path)],
+    ):
+        start = time.monotonic()
+        assert main(argv) == 2
+        elapsed = time.monotonic() - start
+        err = capsys.readouterr().err
+        assert elapsed < 6, f"{argv[0]} took {elapsed:.1f} s"
+        assert f"error: cannot reach the PostgreSQL store at 127.0.0.1:{silent_server}" in err and "hunter2" not in err, err
+
+
 def test_sqlite_migrates_the_previous_schema(tmp_path: Path) -> None:
     path = tmp_path / "v5.db"
     conn = sqlite3.connect(path, isolation_level=None)
     assert store_mod.migrate(conn, MIGRATIONS[:5]) == 5
     conn.close()
     s = SqliteStore(path)
-    assert s.schema_version == 7 and s.load_registry() == {"adapter": {}, "alias": {}}
+    assert s.schema_version == 8 and s.load_registry() == {"adapter": {}, "alias": {}}
     s.close()
 
 
@@ -824,7 +900,7 @@ def test_sqlite_v6_turns_migrate_without_self_checks(tmp_path: Path) -> None:
     conn.execute(f"INSERT INTO turns ({V6_TURN_COLUMNS}) VALUES ({', '.join('?' * 23)})", v6_turn_row(t))
     conn.close()
     s = SqliteStore(path)
-    assert s.schema_version == 7 and s.get_turn("turn-1") == t and s.get_turn("turn-1").self_check is None
+    assert s.schema_version == 8 and s.get_turn("turn-1") == t and s.get_turn("turn-1").self_check is None
     checked = make_turn(2).model_copy(update={"self_check": TurnCheck(format="svr", solution="3", format_ok=False, error="missing <verdict>")})
     s.append_turns([checked])
     assert s.get_turn("turn-2") == checked

@@ -1,9 +1,12 @@
 """Two recorders (two runtimes) on one PostgreSQL store: a session's turns stitch into one trajectory whichever
-runtime records them, and a branch is seen as a branch even by the runtime that did not record the successor."""
+runtime records them, a branch is seen as a branch even by the runtime that did not record the successor, and one
+turn is continued once: of two runtimes (or concurrent requests) continuing it, one extends the trajectory, the others
+branch."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from learner.records import Turn
 from learner.records.store_pg import PostgresStore
@@ -67,3 +70,65 @@ def test_sessions_stitch_across_two_recorders_on_one_postgres(pg_url: str) -> No
     trajs = {t["trajectory_id"]: t["turns"] for t in store.list_trajectories()}
     assert sorted(trajs.values()) == [1, 1, 3]
     store.close()
+
+
+def test_one_turn_is_continued_once_across_two_runtimes(pg_url: str) -> None:
+    """Two runtimes asked to continue the same turn before either recorded its answer: one extends the trajectory, the
+    other opens a branch (a new trajectory whose first turn continues the same parent), as a regenerate would.
+    Before: both saw the turn without a successor and both extended its trajectory (two turns at one index)."""
+    a = Recorder(PostgresStore(pg_url), durability="sync")
+    b = Recorder(PostgresStore(pg_url), durability="sync")
+    a.start()
+    b.start()
+    convo: list[dict] = [{"role": "user", "content": "hi"}]
+
+    async def main() -> None:
+        first = _turn(a.assign("alice", convo, 1, "key-1")[0], convo, "hello")
+        await a.record([first])
+        nxt = [*convo, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"}]
+        on_a = a.assign("alice", nxt, 1, "key-1")[0]  # both generate at once: neither has recorded yet
+        on_b = b.assign("alice", nxt, 1, "key-1")[0]
+        await asyncio.gather(a.record([_turn(on_a, nxt, "4")]), b.record([_turn(on_b, nxt, "four")]))
+        assert on_a.trajectory_id == first.trajectory_id and on_a.index == 1 and on_a.parent_turn_id == first.turn_id
+        assert on_b.trajectory_id != first.trajectory_id and on_b.index == 1 and on_b.parent_turn_id == first.turn_id
+
+    asyncio.run(main())
+    a.close()
+    b.close()
+    store = PostgresStore(pg_url)
+    assert sorted(t["turns"] for t in store.list_trajectories()) == [1, 2]
+    store.close()
+
+
+def test_concurrent_continuations_on_two_runtimes_extend_one_trajectory_once(pg_url: str) -> None:
+    """Eight requests (four per runtime, in threads released together) continue the same turn: exactly one extends its
+    trajectory, the seven others branch from it."""
+    recorders = [Recorder(PostgresStore(pg_url), durability="sync") for _ in range(2)]
+    for rec in recorders:
+        rec.start()
+    convo: list[dict] = [{"role": "user", "content": "hi"}]
+    first = _turn(recorders[0].assign("bob", convo, 1, "key-1")[0], convo, "hello")
+    asyncio.run(recorders[0].record([first]))
+    nxt = [*convo, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again?"}]
+    barrier = threading.Barrier(8)
+    slots: list[TurnSlot] = []
+    errors: list[BaseException] = []
+
+    def continue_on(rec: Recorder) -> None:
+        try:
+            barrier.wait()
+            slots.append(rec.assign("bob", nxt, 1, "key-1")[0])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=continue_on, args=(recorders[k % 2],)) for k in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and len(slots) == 8
+    assert sum(s.trajectory_id == first.trajectory_id for s in slots) == 1
+    assert all(s.parent_turn_id == first.turn_id and s.index == 1 for s in slots)
+    assert len({s.trajectory_id for s in slots}) == 8
+    for rec in recorders:
+        rec.close()
