@@ -19,6 +19,12 @@ For an agent with ``memory`` in its config (``memory/config.py``), the host call
    deleted while the rewrite ran is not brought back (``StaleMemory``). At most ``max_pending``
    rewrites wait at once; more are skipped with a warning.
 
+**Learning from use.** The run given the memory is tagged with the document, the version it read and the copilot
+trajectory whose rewrite wrote that version (``MemoryTicket.tag``); the runtime turns the rewards of the runs that
+read a version into a reward on the rewrite that wrote it (``runtime/memory_credit.py``: the mean outcome, source
+``memory:<the runs' source>``), so a learner job on the copilot's family (traffic ``agents: ["memopilot"]``) trains
+the recorded rewrites with the ordinary sample path; ``docs/agents.md`` has the job.
+
 With ``when: episode`` the transcripts of runs are buffered per document in this process (newest
 6000 characters each, at most 10,000 documents; lost on restart) until a run ends an episode (it has a
 verifier or environment reward); that run's rewrite sees them all.
@@ -42,8 +48,8 @@ import structlog
 from learner.records import Turn, TurnTimings, new_id
 from memory.config import MemoryConfig
 from memory.methods import Interaction, MemoryMethod, get_method, keep_newest
-from memory.store import MemoryStore, Provenance, Snapshot, StaleMemory, scope_name
-from runtime.agent_api import ANONYMOUS, Lease, RuntimeClient, UnknownModel
+from memory.store import MemoryQueries, Provenance, Snapshot, StaleMemory, scope_name
+from runtime.agent_api import ANONYMOUS, MEMORY_REWRITE, MEMORY_SCOPE, MEMORY_VERSION, Lease, RuntimeClient, UnknownModel
 from runtime.engine import SamplingParams
 from runtime.identity import Caller, current_caller
 
@@ -84,6 +90,14 @@ class MemoryTicket:
     memory: str
     snapshot: Snapshot
     messages: list[dict[str, Any]]  # the run's messages with the memory system message in front
+    rewrite: str | None = None  # the copilot trajectory whose rewrite wrote the version read (None: no model call wrote it)
+
+    def tag(self) -> dict[str, Any]:
+        """The trajectory meta of a run given this memory: the document, the version read and the rewrite that wrote it."""
+        meta: dict[str, Any] = {MEMORY_SCOPE: self.scope, MEMORY_VERSION: self.snapshot.version}
+        if self.rewrite is not None:
+            meta[MEMORY_REWRITE] = self.rewrite
+        return meta
 
 
 def transcript_of(messages: Sequence[dict[str, Any]], result: RunOutcome) -> str:
@@ -123,7 +137,7 @@ class _KeyLock:
 class Copilot:
     """Memory for one agent; see the module docstring."""
 
-    def __init__(self, config: MemoryConfig, store: MemoryStore, client: RuntimeClient, agent: str, *, max_pending: int = 64) -> None:
+    def __init__(self, config: MemoryConfig, store: MemoryQueries, client: RuntimeClient, agent: str, *, max_pending: int = 64) -> None:
         self.config = config
         self.store = store
         self.client = client
@@ -162,17 +176,33 @@ class Copilot:
             log.exception("memory read failed; this run has no memory", agent=self.agent, scope=scope)
             return None
         out = list(messages)
+        rewrite = None
         if memory.strip():
             out.insert(0, {"role": "system", "content": f"{MEMORY_HEADER}\n{memory}"})
-        return MemoryTicket(caller.owner, scope, session_id, memory, snapshot, out)
+            rewrite = await self._writer_of(caller.owner, scope, snapshot.version)
+        return MemoryTicket(caller.owner, scope, session_id, memory, snapshot, out, rewrite)
+
+    async def _writer_of(self, owner: str, scope: str, version: int) -> str | None:
+        """The copilot trajectory that wrote ``version`` of the document (None: another version is current by now, or
+        no model call wrote it); a failed read only loses the credit link."""
+        try:
+            current = await asyncio.to_thread(self.store.current, owner, scope)
+        except Exception:  # the run goes on with its memory; only the credit link is lost
+            log.exception("memory provenance read failed; this run's outcome will not credit the rewrite", agent=self.agent, scope=scope)
+            return None
+        if current is None or current.version != version:
+            return None
+        return current.provenance.copilot_trajectory_id
 
     def after(self, ticket: MemoryTicket, messages: Sequence[dict[str, Any]], result: RunOutcome) -> asyncio.Task[None] | None:
         """Schedule the rewrite for a finished run (returns at once); the task, or None when none is scheduled.
 
-        A run whose prompt held the memory is tagged ``memory_scope`` (in the background), as the copilot's own
-        trajectories are: deleting the memory deletes them too, so no copy of it is left in the store."""
+        A run whose prompt held the memory is tagged (in the background) with ``memory_scope``, as the copilot's own
+        trajectories are (deleting the memory deletes them too, so no copy of it is left in the store), the version it
+        read (``memory_version``) and the copilot trajectory that wrote it (``memory_rewrite``): the runtime credits that
+        rewrite with the run's rewards (``runtime/memory_credit.py``)."""
         if ticket.memory.strip() and self.client.recording:
-            tag = asyncio.create_task(self._tag(result.trajectory_id, ticket.scope))
+            tag = asyncio.create_task(self._tag(result.trajectory_id, ticket))
             self._tasks.add(tag)
             tag.add_done_callback(self._tasks.discard)
         interaction = Interaction(transcript_of(messages, result), outcome_of(result))
@@ -196,11 +226,11 @@ class Copilot:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _tag(self, trajectory_id: str, scope: str) -> None:
+    async def _tag(self, trajectory_id: str, ticket: MemoryTicket) -> None:
         try:
-            await self.client.annotate(trajectory_id, {"memory_scope": scope})
+            await self.client.annotate(trajectory_id, ticket.tag())
         except Exception:  # an untagged run survives a later memory deletion: say so
-            log.exception("could not tag a run as holding memory", agent=self.agent, scope=scope, trajectory=trajectory_id)
+            log.exception("could not tag a run as holding memory", agent=self.agent, scope=ticket.scope, trajectory=trajectory_id)
 
     async def drain(self) -> None:
         """Wait for every scheduled rewrite (tests, shutdown)."""
@@ -288,7 +318,7 @@ class Copilot:
         if client.recording:
             meta = {
                 "agent": COPILOT_AGENT,
-                "memory_scope": ticket.scope,
+                MEMORY_SCOPE: ticket.scope,
                 "memory_method": self.method.name,
                 "player_agent": self.agent,
                 "player_trajectory_id": result.trajectory_id,

@@ -4,7 +4,9 @@ Agents (``agents/``) reach the model through :class:`RuntimeClient`: render chat
 token ids the engine sees, parse tool calls out of generated text, generate token-in/token-out under a
 model name (base, alias, ``family@N``; the alias resolves to one version per call, acquired and released
 around it, like a chat request), record turns and attach rewards. :class:`LocalRuntimeClient` is the
-in-process implementation over the engine, the chat formatter, the adapter registry and the recorder.
+in-process implementation over the engine, the chat formatter, the adapter registry and the recorder; a reward
+on a run that read a memory copilot's memory, and that run's memory tag (the trajectory meta keys
+``MEMORY_SCOPE``, ``MEMORY_VERSION``, ``MEMORY_REWRITE``), credit the rewrite that wrote it (``runtime/memory_credit.py``).
 
 The runtime reaches agents through :class:`AgentHost`: ``serve.py`` builds one (``agents.host``) and
 hands it to ``create_app``; the app binds it to a client once the engine is up, lists its agents in
@@ -27,6 +29,7 @@ from runtime.adapter_registry import AdapterRegistry
 from runtime.chat_format import ChatFormatter, RenderedPrompt
 from runtime.engine import Engine, GenerateRequest, GenerateResult, Grammar, SamplingParams, StreamChunk
 from runtime.identity import current_caller
+from runtime.memory_credit import MEMORY_REWRITE, MEMORY_SCOPE, MEMORY_VERSION, after_rewards, after_tag
 from runtime.metrics import Metrics
 from runtime.recorder import ANONYMOUS, Recorder
 from runtime.tool_parsers import ParseResult, get_parser
@@ -205,7 +208,9 @@ class LocalRuntimeClient:
             return
         await self.recorder.flush()
         owner = current_caller().owner
-        await self.recorder.call(self.recorder.store.add_reward, reward if reward.owner == owner else reward.model_copy(update={"owner": owner}))
+        mine = reward if reward.owner == owner else reward.model_copy(update={"owner": owner})
+        saved, _ = await self.recorder.call(self.recorder.store.add_reward, mine)
+        await after_rewards(self.recorder, [saved])  # a run that read a copilot's memory credits its rewrite (runtime/memory_credit.py)
 
     def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, output_format: dict[str, Any] | None) -> Grammar | None:
         """The decoding constraint of a request's ``tool_choice`` (``"required"`` or ``{"name": ...}``: exactly one call to
@@ -223,6 +228,8 @@ class LocalRuntimeClient:
             return
         await self.recorder.flush()
         await self.recorder.call(self.recorder.store.set_trajectory_meta, trajectory_id, meta)
+        if MEMORY_REWRITE in meta:  # the run's memory tag: the rewards it already has credit the rewrite behind it
+            await after_tag(self.recorder, trajectory_id)
 
     async def trajectory(self, trajectory_id: str) -> Trajectory | None:
         """A recorded trajectory as the store holds it (a branch's backbone); None when unknown or not recording."""
@@ -233,4 +240,17 @@ class LocalRuntimeClient:
         return await self.recorder.call(self.recorder.store.get_trajectory, trajectory_id)
 
 
-__all__ = ["ANONYMOUS", "AgentAnswer", "AgentHost", "Lease", "LocalRuntimeClient", "RuntimeClient", "ServedAgent", "StreamChunk", "UnknownModel"]
+__all__ = [
+    "ANONYMOUS",
+    "MEMORY_REWRITE",
+    "MEMORY_SCOPE",
+    "MEMORY_VERSION",
+    "AgentAnswer",
+    "AgentHost",
+    "Lease",
+    "LocalRuntimeClient",
+    "RuntimeClient",
+    "ServedAgent",
+    "StreamChunk",
+    "UnknownModel",
+]

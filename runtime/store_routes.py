@@ -4,13 +4,15 @@
   "turn_rewards"?: {turn_id: reward}, "source"?, "comment"?, "idempotency_key"?}``. Rewards may come
   at any later time, only for the caller's own records: unknown ids and other keys' ids are both 404;
   rewards outside ``[-max_abs_reward, max_abs_reward]`` (or not finite) are 400; ``source`` is a plain
-  name, and ``verifier:*`` / ``judge:*`` / ``hook:*`` are reserved for the runtime's evaluators and the learner's scorers (403); each key
+  name, and ``verifier:*`` / ``judge:*`` / ``hook:*`` are reserved for the runtime's evaluators and the learner's scorers,
+  ``memory:*`` for the rewards the runtime derives for a memory copilot's rewrites (403); each key
   may send ``per_minute`` feedback requests a minute (429 with ``Retry-After`` beyond); a repeated
   idempotency key (per key) is stored once (the answer says ``"duplicate": true``). A ``completion_id``
   rewards each of its choices' turns, or with ``choice_index`` that choice's turn only. How each form reaches
   training (the rule): a turn reward is part of its trajectory's reward stream, so on a one-turn trajectory
   (a plain chat completion; each of ``n`` choices is its own one-turn trajectory) it is that trajectory's
-  outcome; see ``learner/advantages.py`` and ``docs/learning.md``.
+  outcome; see ``learner/advantages.py`` and ``docs/learning.md``. A reward on a run that read a memory copilot's
+  memory also rewards the rewrite that wrote it (``runtime/memory_credit.py``).
 - ``DELETE /v1/sessions/{key}`` (API key): deletes the caller's own session completely: its stored turns,
   trajectories and the rewards on them, its turns still queued for the store (or journaled, or of requests still
   generating: :meth:`Recorder.tombstone`, so none is written after the deletion) and its stored ``/v1/responses``.
@@ -46,9 +48,10 @@ from runtime.admission import RateLimiter
 from runtime.errors import APIError, from_validation
 from runtime.http_body import read_json
 from runtime.identity import KeyRing, bearer_token, owner_of
+from runtime.memory_credit import CREDIT_PREFIX, after_rewards
 from runtime.openai_schemas import FeedbackRequest
 from runtime.recorder import ANONYMOUS, Recorder
-from runtime.response_store import ResponseStore
+from runtime.response_store import ResponseBackend
 from runtime.settings import FeedbackSettings
 
 log = logging.getLogger(__name__)
@@ -100,16 +103,17 @@ def check_admin_key(request: Request, admin_key: str | None) -> None:
 
 
 SOURCE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+CLIENT_RESERVED = tuple(dict.fromkeys((*RESERVED_SOURCES, CREDIT_PREFIX)))  # memory:<source>: a rewrite's credit (the runtime's)
 
 
 def check_source(source: str, *, reserved_ok: bool = False) -> None:
     """A feedback ``source`` is a plain name, and not one the runtime's evaluators own (case-insensitively; the admin may)."""
     if not SOURCE.match(source):
         raise APIError(400, "source must be 1-200 characters of letters, digits and _ . : -", param="source", code="invalid_value")
-    if not reserved_ok and source.lower().startswith(RESERVED_SOURCES):
+    if not reserved_ok and source.lower().startswith(CLIENT_RESERVED):
         raise APIError(
             403,
-            f"reward sources starting with {' or '.join(RESERVED_SOURCES)} are reserved for the runtime's own evaluators",
+            f"reward sources starting with {' or '.join(CLIENT_RESERVED)} are reserved for the runtime's own evaluators and memory credit",
             type="permission_error",
             param="source",
             code="reserved_source",
@@ -131,7 +135,7 @@ def install_store_routes(
     recorder: Recorder | None,
     admin_key: str | None,
     settings: FeedbackSettings | None = None,
-    responses: ResponseStore | None = None,
+    responses: ResponseBackend | None = None,
 ) -> None:
     """The routes of the module docstring; ``responses``: the stored ``/v1/responses`` a session's deletion removes too."""
     settings = settings or FeedbackSettings()
@@ -211,6 +215,7 @@ def install_store_routes(
                 raise APIError(404, f"unknown turn_id {tid!r} in turn_rewards", param="turn_rewards", code="not_found")
             targets.append(("turn", tid, value, f"{fb.idempotency_key}:turn:{tid}" if fb.idempotency_key else None))
         stored, duplicate = [], False
+        fresh: list[Reward] = []
         for kind, target_id, value, key in targets:
             by = owner if owner is not None else await rec.call(rec.store.record_owner, kind, target_id)
             reward = Reward(
@@ -227,7 +232,10 @@ def install_store_routes(
             except UnknownTarget as exc:  # deleted meanwhile
                 raise APIError(404, f"unknown {kind} id {target_id!r}", code="not_found") from exc
             duplicate = duplicate or not created
+            if created:
+                fresh.append(saved)
             stored.append({"reward_id": saved.reward_id, "target": saved.target, "target_id": saved.target_id, "value": saved.value})
+        await after_rewards(rec, fresh)  # a run that read a copilot's memory credits the rewrite that wrote it
         return {"object": "feedback", "rewards": stored, "duplicate": duplicate}
 
     @app.delete("/v1/sessions/{key}")

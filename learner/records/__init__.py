@@ -60,7 +60,12 @@ def context_sha256(ids: Sequence[int]) -> str:
     return hashlib.sha256(a.tobytes()).hexdigest()
 
 
-RESERVED_SOURCES = ("verifier:", "judge:", "hook:")  # the runtime's evaluators, the learner's judges and reward hooks; never a client's word
+RESERVED_SOURCES = (
+    "verifier:",
+    "judge:",
+    "hook:",
+    "memory:",
+)  # the runtime's evaluators, the learner's judges and reward hooks, memory credit; never a client's word
 PROCESS_SUFFIX = ":process"  # an agent task's per-turn process scores: ``<outcome source>:process`` (agents/loop.py)
 
 

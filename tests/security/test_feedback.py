@@ -34,7 +34,9 @@ def _rewards(app) -> int:
     return app.get("/admin/stats", headers=auth(ADMIN)).json()["rewards"]
 
 
-@pytest.mark.parametrize("source", ["verifier:calc_arith", "judge:helpful", "hook:my_reward", "VERIFIER:calc_arith", " verifier:x"])
+@pytest.mark.parametrize(
+    "source", ["verifier:calc_arith", "judge:helpful", "hook:my_reward", "memory:feedback", "VERIFIER:calc_arith", " verifier:x"]
+)
 def test_reserved_sources_are_refused(app, source):
     r = app.post("/v1/feedback", json={"turn_id": _turn(app), "reward": 1.0, "source": source}, headers=auth(KEY1))
     assert r.status_code in (400, 403), r.text
