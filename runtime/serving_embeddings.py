@@ -6,7 +6,8 @@ run through the base model (never an adapter) by the engine (:class:`runtime.eng
 embedding is the model's final hidden state (after its last norm) pooled over the input's tokens:
 ``mean`` by default, or ``last`` (the last token's state) with the loopwise extension field
 ``pooling``; then scaled to unit length, as OpenAI's embeddings are. ``encoding_format: "base64"``
-returns little-endian float32 bytes (what the openai SDK asks for by default). A chat model's hidden
+returns little-endian float32 bytes (what the openai SDK asks for by default); ``float``, left out or ``null`` (as
+litellm sends it) returns lists of floats. A chat model's hidden
 states are not trained as sentence embeddings: fine for clustering and retrieval experiments, not a
 replacement for a dedicated embedding model.
 
@@ -41,7 +42,7 @@ MAX_TOTAL_TOKENS = 65_536  # per request: bounds how long one request holds the 
 class EmbeddingRequest(_In):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = None  # null (litellm sends it) is the default, float
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     pooling: Literal["mean", "last"] = "mean"

@@ -3,7 +3,8 @@
 
 ``python litellm_calls.py <base_url> <model> <json>``, where the JSON gives ``prompts`` (``penalized``, ``plain``,
 ``streamed``: one per call, so the test finds each call's recorded turn by its prompt) and ``logit_bias``. Prints one
-JSON line: per call, the reply text, or the error the library raised (a non-200 raises in litellm).
+JSON line: per call, the reply text, or the error the library raised (a non-200 raises in litellm). A fourth call,
+``embedding``, embeds the ``plain`` prompt with ``litellm.embedding``'s defaults (its vector, as JSON).
 """
 
 from __future__ import annotations
@@ -39,8 +40,14 @@ def streamed() -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def embedding() -> str:
+    # no encoding_format: litellm sends "encoding_format": null (the server's default, float, answers it)
+    r = litellm.embedding(model=model, api_base=url, api_key="unused", input=[prompts["plain"]])
+    return json.dumps(r.data[0]["embedding"])
+
+
 out: dict[str, dict[str, str]] = {}
-for name, call in (("penalized", penalized), ("plain", plain), ("streamed", streamed)):
+for name, call in (("penalized", penalized), ("plain", plain), ("streamed", streamed), ("embedding", embedding)):
     try:
         out[name] = {"content": call()}
     except Exception as exc:  # reported per call, so one failure does not hide the others

@@ -160,3 +160,11 @@ def test_plain_default_call(server, replies, library) -> None:
     assert (s["presence_penalty"], s["frequency_penalty"], s["logit_bias"]) == (0.0, 0.0, None), s
     assert not sampled_with_penalties(s)
     assert turn["output_ids"] and turn["finish_reason"] in ("stop", "length")
+
+
+def test_litellm_embedding_default_call(replies) -> None:
+    """``litellm.embedding`` with nothing but the model and the input sends ``"encoding_format": null``: a unit vector of
+    floats comes back (it was a 400: the server refused the null)."""
+    vector = json.loads(replies("litellm", "embedding"))
+    assert len(vector) > 0 and all(isinstance(x, float) for x in vector)
+    assert abs(sum(x * x for x in vector) - 1) < 1e-4

@@ -386,6 +386,17 @@ def test_embeddings_are_the_pooled_final_hidden_states(tiny_app, tiny_model_path
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
+def test_embeddings_take_a_null_encoding_format_as_float(tiny_app):
+    """litellm (and so dspy's ``Embedder``) sends ``"encoding_format": null`` when its caller names none, which OpenAI
+    takes as the default: float vectors, the same as asking for them (it was a 400 that named the field)."""
+    texts = ["hello world", "goodbye"]
+    r = tiny_app.client.post("/v1/embeddings", json={"model": "tiny", "input": texts, "encoding_format": None})
+    assert r.status_code == 200, r.text
+    got = [d["embedding"] for d in r.json()["data"]]
+    want = oai(tiny_app).embeddings.create(model="tiny", input=texts, encoding_format="float")
+    assert got == [d.embedding for d in want.data] and all(isinstance(x, float) for x in got[0])
+
+
 def test_embeddings_are_501_on_a_backend_without_them(serve):
     srv = serve([])
     r = srv.client.post("/v1/embeddings", json={"model": "tiny", "input": "x"})
