@@ -401,7 +401,10 @@ def test_tool_choice_required_streamed(served, oai):
     sse = stream_chat(served, chat_body(tools=TOOLS, tool_choice="required", max_tokens=120, seed=6))
     raw_calls = [tc for e in sse.choice_events() for tc in e["choices"][0]["delta"].get("tool_calls", [])]
     assert raw_calls and set(raw_calls[0]) == {"index", "id", "type", "function"}
-    assert raw_calls[0]["function"]["name"] == name
+    # the second request samples afresh (real SGLang on CPU ignores seeds), so it may call the other tool
+    raw_name = raw_calls[0]["function"]["name"]
+    assert raw_name in SCHEMAS
+    jsonschema.validate(json.loads("".join(c["function"].get("arguments") or "" for c in raw_calls)), SCHEMAS[raw_name])
 
 
 def test_tool_schema_with_defs_and_refs(oai):
@@ -476,7 +479,7 @@ def test_response_format_json_schema(oai, seed):
 def test_response_format_json_schema_streamed(served):
     sse = stream_chat(
         served,
-        chat_body(max_tokens=120, seed=9, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}),
+        chat_body(max_tokens=120, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}),
     )
     assert sse.done
     jsonschema.validate(json.loads(sse.content()), ANSWER)
