@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (got := fn()) is not None:
+        if got := fn():  # truthy: a condition chained with `and` gives False while it does not hold
             return got
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
