@@ -41,7 +41,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def replay(data_dir: Path, model: Path, family: str, settings: dict[str, Any], minutes: float, window_s: float, work: Path) -> dict[str, Any]:
-    from learner.baseline import GROUP_ESTIMATORS, apply_to_singletons
+    from learner.baseline import singleton_advantages
     from learner.config import LearnerSettings
     from learner.records.store import SqliteStore
     from learner.samples import Cursor, collect_samples
@@ -69,19 +69,9 @@ def replay(data_dir: Path, model: Path, family: str, settings: dict[str, Any], m
             continue
         samples = batch.samples
         adv = estimate(samples, s.trainer.estimator, s.trainer.estimator_params)
-        sc = s.singletons
-        if sc.mode in ("baseline", "complete") and s.trainer.estimator in GROUP_ESTIMATORS:
-            adv, baseline, _warm = apply_to_singletons(
-                samples,
-                adv,
-                baseline,
-                decay=sc.baseline_decay,
-                norm_by_std=sc.baseline_norm_by_std,
-                std_floor=sc.baseline_std_floor,
-                clip=sc.baseline_clip,
-                per_owner=sc.baseline_per_owner,
-                owner_min=sc.baseline_owner_min,
-            )
+        baselined = singleton_advantages(samples, adv, baseline, s.singletons, s.trainer.estimator)
+        if baselined is not None:
+            adv, baseline, _warm = baselined
         t = time.monotonic()
         m = trainer.step(samples, adv, skipped=batch.counts.as_dict()).as_dict()
         row = {

@@ -44,7 +44,8 @@ traffic per key reduces both.
 
 :func:`apply_to_singletons` puts it into an update: the group estimator's advantages stay for every group of two
 or more trajectories, and each singleton trajectory's turns get the baseline advantage instead of the 0 a group
-of one gets.
+of one gets; :func:`singleton_advantages` does that as the ``[singletons]`` table (``learner.config.SingletonConfig``)
+says, for the learner's updates and ``bench/replay_learning.py``'s alike.
 
 Not here: the group estimators (``learner.advantages``).
 """
@@ -58,9 +59,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from learner.advantages import Advantages
+    from learner.config import SingletonConfig
     from learner.samples import Sample
 
-__all__ = ["GROUP_ESTIMATORS", "apply_to_singletons", "baseline_key", "owner_key", "running_baseline", "trajectory_score"]
+__all__ = [
+    "GROUP_ESTIMATORS",
+    "apply_to_singletons",
+    "baseline_key",
+    "owner_key",
+    "running_baseline",
+    "singleton_advantages",
+    "trajectory_score",
+]
 
 # estimators that give a group of one trajectory advantage 0 (their baseline is the group): the baseline replaces that 0
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "gigpo", "turn_grpo")
@@ -192,3 +202,29 @@ def apply_to_singletons(
     seeded = sum(1 for w in warm if not w)
     stats = dataclasses.replace(advantages.stats, n_zero_std_groups=max(0, advantages.stats.n_zero_std_groups - seeded))
     return Advantages(values, stats), new_state, warmup
+
+
+def singleton_advantages(
+    samples: Sequence[Sample],
+    advantages: Advantages,
+    state: dict[str, dict[str, float]] | None,
+    cfg: SingletonConfig,
+    estimator: str,
+) -> tuple[Advantages, dict[str, dict[str, float]], set[str]] | None:
+    """:func:`apply_to_singletons` with the ``[singletons]`` table's baseline settings, or None where it does not apply.
+
+    It applies in the ``baseline`` and ``complete`` modes (``complete``: to the singletons it did not complete) and only
+    under a group estimator (:data:`GROUP_ESTIMATORS`); otherwise the caller keeps the estimator's advantages and state."""
+    if cfg.mode not in ("baseline", "complete") or estimator not in GROUP_ESTIMATORS:
+        return None
+    return apply_to_singletons(
+        samples,
+        advantages,
+        state,
+        decay=cfg.baseline_decay,
+        norm_by_std=cfg.baseline_norm_by_std,
+        std_floor=cfg.baseline_std_floor,
+        clip=cfg.baseline_clip,
+        per_owner=cfg.baseline_per_owner,
+        owner_min=cfg.baseline_owner_min,
+    )

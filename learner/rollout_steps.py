@@ -26,7 +26,7 @@ import httpx
 import structlog
 
 from learner.advantages import Advantages
-from learner.baseline import GROUP_ESTIMATORS, apply_to_singletons
+from learner.baseline import GROUP_ESTIMATORS, singleton_advantages
 from learner.parity import ParityRefused
 from learner.records import Trajectory
 from learner.rerollout import (
@@ -76,18 +76,9 @@ class RolloutSteps(ServiceState):
         if sc.mode == "complete" and tcfg.estimator in GROUP_ESTIMATORS:
             samples, info = self._complete_groups(trainer, samples)
         advantages = estimate(samples, tcfg.estimator, tcfg.estimator_params)
-        if sc.mode in ("baseline", "complete") and tcfg.estimator in GROUP_ESTIMATORS:  # "complete": what it did not complete
-            advantages, self._baseline_state, self._warmup = apply_to_singletons(
-                samples,
-                advantages,
-                trainer.cursor.get(BASELINE),
-                decay=sc.baseline_decay,
-                norm_by_std=sc.baseline_norm_by_std,
-                std_floor=sc.baseline_std_floor,
-                clip=sc.baseline_clip,
-                per_owner=sc.baseline_per_owner,
-                owner_min=sc.baseline_owner_min,
-            )
+        baselined = singleton_advantages(samples, advantages, trainer.cursor.get(BASELINE), sc, tcfg.estimator)
+        if baselined is not None:  # "complete": what it did not complete
+            advantages, self._baseline_state, self._warmup = baselined
         if own is not None and own[0]:
             from learner.sources import join_tree_samples
 

@@ -119,14 +119,14 @@ class Snapshot:
     epoch: int
 
 
-def _v1_initial(conn: sqlite3.Connection) -> None:
-    conn.execute(
-        """CREATE TABLE memory_versions (
+def memory_versions_table(real: str) -> str:
+    """The ``memory_versions`` table of both backends (``created_at`` a ``real``: SQLite's REAL, PostgreSQL's DOUBLE PRECISION)."""
+    return f"""CREATE TABLE memory_versions (
             owner TEXT NOT NULL,
             scope TEXT NOT NULL,
             version INTEGER NOT NULL,
             text TEXT NOT NULL,
-            created_at REAL NOT NULL,
+            created_at {real} NOT NULL,
             method TEXT NOT NULL,
             adapter TEXT,
             trajectory_id TEXT,
@@ -136,7 +136,10 @@ def _v1_initial(conn: sqlite3.Connection) -> None:
             meta TEXT NOT NULL,
             PRIMARY KEY (owner, scope, version)
         )"""
-    )
+
+
+def _v1_initial(conn: sqlite3.Connection) -> None:
+    conn.execute(memory_versions_table("REAL"))
 
 
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1_initial,)
@@ -186,6 +189,16 @@ class MemoryQueries:
     keep_versions: int
     schema_version: int
     placeholder = "?"  # what the queries below are written with; psycopg's is %s
+    # the rows of the owner's document from its newest version on (``SELECT <columns> NEWEST``: the newest alone)
+    NEWEST = "FROM memory_versions WHERE owner = ? AND scope = ? ORDER BY version DESC LIMIT 1"
+    # the document's newest version number (NULL when it has none): what a write numbers its version after
+    LATEST = "SELECT max(version) FROM memory_versions WHERE owner = ? AND scope = ?"
+
+    def _limits(self, max_chars: int, keep_versions: int) -> None:
+        if max_chars < 1 or keep_versions < 1:
+            raise ValueError("max_chars and keep_versions must be at least 1")
+        self.max_chars = max_chars
+        self.keep_versions = keep_versions
 
     def _reading(self) -> AbstractContextManager[Any]:
         """A connection to run reads on (each statement sees what was committed before it)."""
@@ -205,15 +218,20 @@ class MemoryQueries:
         if len(text) > self.max_chars:
             raise MemoryTooLarge(f"memory text of {len(text)} characters is over the store's limit of {self.max_chars}")
 
+    @staticmethod
+    def _check_base(scope: str, base: Snapshot | None, latest: int, deleted: int) -> None:
+        """Refuse a write based on ``base`` (:class:`StaleMemory`) when the document is no longer at its version or was
+        deleted after it was taken (``deleted``: the deletion epoch now, as the backend counts it)."""
+        if base is not None and (latest != base.version or deleted > base.epoch):
+            raise StaleMemory(f"memory {scope} changed or was deleted since it was read (version {base.version} → {latest})")
+
     # -- reads -------------------------------------------------------------------------------------
 
     def current(self, owner: str, scope: str) -> MemoryVersion | None:
         """The newest version of the owner's document, or None."""
         self._check(owner, scope)
         with self._reading() as conn:
-            row = conn.execute(
-                self._q(f"SELECT {_COLUMNS} FROM memory_versions WHERE owner = ? AND scope = ? ORDER BY version DESC LIMIT 1"), (owner, scope)
-            ).fetchone()
+            row = conn.execute(self._q(f"SELECT {_COLUMNS} {self.NEWEST}"), (owner, scope)).fetchone()
         return _from_row(row) if row else None
 
     def read(self, owner: str, scope: str) -> tuple[str, Snapshot]:
@@ -292,12 +310,9 @@ class MemoryStore(MemoryQueries):
     """Versioned memory documents in one SQLite file; see the module docstring."""
 
     def __init__(self, path: Path, *, max_chars: int = MAX_MEMORY_CHARS, keep_versions: int = KEEP_VERSIONS) -> None:
-        if max_chars < 1 or keep_versions < 1:
-            raise ValueError("max_chars and keep_versions must be at least 1")
+        self._limits(max_chars, keep_versions)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.max_chars = max_chars
-        self.keep_versions = keep_versions
         self._lock = threading.Lock()
         self._epochs = itertools.count(1)
         self._epoch = 0
@@ -338,9 +353,7 @@ class MemoryStore(MemoryQueries):
         """The current text ('' when there is none) and the snapshot to pass to :meth:`write`."""
         self._check(owner, scope)
         with self._lock:
-            row = self._conn.execute(
-                "SELECT text, version FROM memory_versions WHERE owner = ? AND scope = ? ORDER BY version DESC LIMIT 1", (owner, scope)
-            ).fetchone()
+            row = self._conn.execute(f"SELECT text, version {self.NEWEST}", (owner, scope)).fetchone()
             snap = Snapshot(row[1] if row else 0, self._epoch)
         return (row[0] if row else ""), snap
 
@@ -349,9 +362,8 @@ class MemoryStore(MemoryQueries):
         self._check(owner, scope)
         self._check_text(text)
         with self._lock, self._write() as conn:
-            latest = conn.execute("SELECT max(version) FROM memory_versions WHERE owner = ? AND scope = ?", (owner, scope)).fetchone()[0] or 0
-            if base is not None and (latest != base.version or self._deleted.get((owner, scope), 0) > base.epoch):
-                raise StaleMemory(f"memory {scope} changed or was deleted since it was read (version {base.version} → {latest})")
+            latest = conn.execute(self.LATEST, (owner, scope)).fetchone()[0] or 0
+            self._check_base(scope, base, latest, self._deleted.get((owner, scope), 0))
             return self._insert(conn, owner, scope, latest + 1, text, provenance)
 
     def delete(self, owner: str, scope: str) -> int:

@@ -34,29 +34,13 @@ import psycopg
 from learner.records.store import SchemaTooNew as StoreSchemaTooNew
 from learner.records.store_pg import PgSchema, PostgresStore
 from memory.settings import KEEP_VERSIONS, MAX_MEMORY_CHARS
-from memory.store import MemoryQueries, MemoryVersion, Provenance, SchemaTooNew, Snapshot, StaleMemory
+from memory.store import MemoryQueries, MemoryVersion, Provenance, SchemaTooNew, Snapshot, memory_versions_table
 
 _LOCK_CLASS = 0x6C6D656D  # "lmem": the first key of a document's advisory lock (the second: a hash of its name)
 
 
 def _v1_memory(conn: psycopg.Connection) -> None:
-    conn.execute(
-        """CREATE TABLE memory_versions (
-            owner TEXT NOT NULL,
-            scope TEXT NOT NULL,
-            version INTEGER NOT NULL,
-            text TEXT NOT NULL,
-            created_at DOUBLE PRECISION NOT NULL,
-            method TEXT NOT NULL,
-            adapter TEXT,
-            trajectory_id TEXT,
-            turn_id TEXT,
-            copilot_trajectory_id TEXT,
-            copilot_turn_id TEXT,
-            meta TEXT NOT NULL,
-            PRIMARY KEY (owner, scope, version)
-        )"""
-    )
+    conn.execute(memory_versions_table("DOUBLE PRECISION"))
     conn.execute("CREATE TABLE memory_deletions (bucket INTEGER PRIMARY KEY, deletions BIGINT NOT NULL)")
 
 
@@ -75,11 +59,8 @@ class PostgresMemoryStore(MemoryQueries):
     placeholder = "%s"
 
     def __init__(self, db: PostgresStore, *, max_chars: int = MAX_MEMORY_CHARS, keep_versions: int = KEEP_VERSIONS) -> None:
-        if max_chars < 1 or keep_versions < 1:
-            raise ValueError("max_chars and keep_versions must be at least 1")
+        self._limits(max_chars, keep_versions)
         self.db = db
-        self.max_chars = max_chars
-        self.keep_versions = keep_versions
         try:
             self.schema_version = db.migrate(MEMORY)
         except StoreSchemaTooNew as exc:
@@ -103,7 +84,7 @@ class PostgresMemoryStore(MemoryQueries):
         """The current text ('' when there is none) and the snapshot to pass to :meth:`write` (one statement: one state)."""
         self._check(owner, scope)
         bucket, _ = _keys(owner, scope)
-        newest = "FROM memory_versions WHERE owner = %s AND scope = %s ORDER BY version DESC LIMIT 1"
+        newest = self._q(self.NEWEST)
         with self.db.transaction() as conn:
             row = conn.execute(
                 f"SELECT (SELECT text {newest}), (SELECT version {newest}), (SELECT deletions FROM memory_deletions WHERE bucket = %s)",
@@ -118,14 +99,11 @@ class PostgresMemoryStore(MemoryQueries):
         self._check_text(text)
         with self._locked(owner, scope) as (conn, bucket):
             row = conn.execute(
-                """SELECT (SELECT max(version) FROM memory_versions WHERE owner = %s AND scope = %s),
-                          (SELECT deletions FROM memory_deletions WHERE bucket = %s)""",
-                (owner, scope, bucket),
+                self._q(f"SELECT ({self.LATEST}), (SELECT deletions FROM memory_deletions WHERE bucket = ?)"), (owner, scope, bucket)
             ).fetchone()
             assert row is not None
             latest, deletions = row[0] or 0, row[1] or 0
-            if base is not None and (latest != base.version or deletions > base.epoch):
-                raise StaleMemory(f"memory {scope} changed or was deleted since it was read (version {base.version} → {latest})")
+            self._check_base(scope, base, latest, deletions)
             return self._insert(conn, owner, scope, latest + 1, text, provenance)
 
     def delete(self, owner: str, scope: str) -> int:
