@@ -233,6 +233,30 @@ class Embedder(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class PoolingModel:
+    """An external engine that serves a pooling (embedding) model rather than a generative one: vLLM with
+    ``--runner pooling`` (its ``/v1/embeddings`` route exists only then), SGLang with ``--is-embedding``
+    (``/get_model_info`` says ``is_generation: false``). Such a server embeds and cannot generate."""
+
+    backend: str  # "vllm", "sglang"
+    served: str  # the engine's name of the model (the ``model`` of its requests)
+    pooling: str  # how it pools, as the engine says ("last", "mean", "cls"); "model_defined": the model's own config decides
+    normalized: bool | None = None  # whether it scales each vector to unit length (None: the engine does not say)
+
+
+@runtime_checkable
+class PoolingEngine(Protocol):
+    """An external engine that may serve a pooling model; ``pooling_model`` is None when it serves a generative one."""
+
+    @property
+    def pooling_model(self) -> PoolingModel | None: ...
+
+    async def pool(self, inputs: list[tuple[int, ...]], dimensions: int | None = None) -> list[list[float]]:
+        """The engine's own embedding of each input (token ids), as its pooling model computes it."""
+        ...
+
+
 async def collect(req: GenerateRequest, chunks: AsyncIterator[StreamChunk]) -> GenerateResult:
     """Fold a stream into a :class:`GenerateResult` (shared by engines that implement ``generate`` via ``stream``)."""
     ids: list[int] = []

@@ -1,22 +1,32 @@
-"""``POST /v1/embeddings``: hidden states of the served base model, pooled per input.
+"""``POST /v1/embeddings``: the served model's embeddings, from the engine that serves it where it pools, else the base
+model's hidden states pooled per input.
 
 Each input (a string, a list of strings, a list of token ids or a list of such lists; at most 2048
-inputs, each at most the model's context length) is tokenized as the tokenizer does by default and
-run through the base model (never an adapter) by the engine (:class:`runtime.engine.Embedder`). The
-embedding is the model's final hidden state (after its last norm) pooled over the input's tokens:
-``mean`` by default, or ``last`` (the last token's state) with the loopwise extension field
-``pooling``; then scaled to unit length, as OpenAI's embeddings are. ``encoding_format: "base64"``
-returns little-endian float32 bytes (what the openai SDK asks for by default); ``float``, left out or ``null`` (as
-litellm sends it) returns lists of floats. A chat model's hidden
-states are not trained as sentence embeddings: fine for clustering and retrieval experiments, not a
-replacement for a dedicated embedding model.
+inputs, each at most the model's context length) is tokenized as the tokenizer does by default. Where the vectors
+come from, in this order (the response's ``loopwise`` object says which: ``source``, ``backend``, ``pooling``):
 
-``model`` must be the base model's id; ``dimensions`` other than the model's hidden size is a 400
-(the states cannot be shortened meaningfully). On the external backends (vLLM, SGLang, whose servers pool nothing
-for a generative model) the same states come from a local CPU copy of the base model, loaded on the first request
-(``runtime/engines/local_embedder.py``; a 501 when its weights are too large for that).
+- ``engine``: on the vLLM and SGLang backends, when the external engine serves a pooling (embedding) model (vLLM
+  ``--runner pooling``, SGLang ``--is-embedding``; detected when loopwise connects, ``runtime/engines/http_engine.py``),
+  the token ids go to the engine's own ``POST /v1/embeddings`` and its vectors come back as it computed them (its
+  model's pooling and normalization: ``pooling`` says what the engine reports, ``model_defined`` where it does not).
+  The loopwise field ``pooling`` cannot change how an engine's model pools (400); ``dimensions`` is passed on (the
+  engine accepts it for a Matryoshka model and refuses it otherwise);
+- ``embedded``: on the embedded backend, the engine's own forward pass (:class:`runtime.engine.Embedder`);
+- ``local``: on the vLLM and SGLang backends when the engine serves a generative model (whose servers pool nothing
+  for it), a local CPU copy of the base model this server loads on the first request
+  (``runtime/engines/local_embedder.py``; a 501 when its weights are too large for that).
 
-Not here: the forward pass (the engine's ``embed``).
+For ``embedded`` and ``local`` the embedding is the base model's (never an adapter's) final hidden state (after its
+last norm) pooled over the input's tokens: ``mean`` by default, or ``last`` (the last token's state) with the loopwise
+extension field ``pooling``; then scaled to unit length, as OpenAI's embeddings are. A chat model's hidden states are
+not trained as sentence embeddings: fine for clustering and retrieval experiments, not a replacement for a dedicated
+embedding model (which is what an engine's pooling model is). ``dimensions`` other than the hidden size is a 400 there
+(the states cannot be shortened meaningfully).
+
+``encoding_format: "base64"`` returns little-endian float32 bytes (what the openai SDK asks for by default); ``float``,
+left out or ``null`` (as litellm sends it) returns lists of floats. ``model`` must be the served model's id.
+
+Not here: the forward passes (the engines' ``embed`` / ``pool``).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import Field, ValidationError, model_validator
 
-from runtime.engine import Embedder, InvalidRequest, NotSupported
+from runtime.engine import Embedder, EngineError, NotSupported, PoolingEngine
 from runtime.errors import APIError, from_engine, from_validation
 from runtime.http_body import read_json
 from runtime.openai_schemas import FieldError, _In
@@ -45,7 +55,7 @@ class EmbeddingRequest(_In):
     encoding_format: Literal["float", "base64"] | None = None  # null (litellm sends it) is the default, float
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
-    pooling: Literal["mean", "last"] = "mean"
+    pooling: Literal["mean", "last"] | None = None  # loopwise's extension, for the base model's states (default mean)
 
     @model_validator(mode="after")
     def _non_empty(self) -> EmbeddingRequest:
@@ -75,18 +85,26 @@ def install_embeddings_routes(app: FastAPI, gateway: Gateway, model_id: str, max
         if req.model != model_id:
             raise APIError(
                 400,
-                f"Embeddings come from the base model's hidden states; set model to `{model_id}` (adapters and agents have no embeddings here).",
+                f"Embeddings come from the served model; set model to `{model_id}` (adapters and agents have no embeddings here).",
                 param="model",
                 code="model_not_supported",
             )
         served = gateway.engine()
-        engine = served if isinstance(served, Embedder) else fallback
+        pooled = served.pooling_model if isinstance(served, PoolingEngine) else None
+        engine: Embedder | PoolingEngine | None = served if pooled is not None or isinstance(served, Embedder) else fallback
         if engine is None:
             raise from_engine(NotSupported(f"embeddings are not supported by the {served.info.backend} backend"))
+        source = "engine" if pooled is not None else "embedded" if engine is served else "local"
+        if pooled is not None and req.pooling is not None:
+            raise APIError(
+                400,
+                f"the {pooled.backend} engine serves a pooling model, which pools as it was built to ({pooled.pooling}); leave pooling out",
+                param="pooling",
+            )
         inputs = req.inputs()
         if len(inputs) > MAX_INPUTS:
             raise APIError(400, f"at most {MAX_INPUTS} inputs per request", param="input")
-        tokenizer, vocab, max_len = gateway.tokenizer(), gateway.vocab_size(), engine.info.max_model_len
+        tokenizer, vocab, max_len = gateway.tokenizer(), gateway.vocab_size(), served.info.max_model_len
         ids: list[tuple[int, ...]] = []
         for i, x in enumerate(inputs):
             param = "input" if len(inputs) == 1 else f"input[{i}]"
@@ -99,16 +117,35 @@ def install_embeddings_routes(app: FastAPI, gateway: Gateway, model_id: str, max
         total = sum(len(s) for s in ids)
         if total > MAX_TOTAL_TOKENS:
             raise APIError(400, f"the inputs hold {total} tokens; at most {MAX_TOTAL_TOKENS} per request", param="input")
+        pooling = req.pooling or "mean"
         try:
-            vectors = await engine.embed(ids, req.pooling)
-        except (InvalidRequest, NotSupported) as exc:
+            if pooled is not None:
+                assert isinstance(engine, PoolingEngine)
+                vectors = await engine.pool(ids, req.dimensions)
+            else:
+                assert isinstance(engine, Embedder)
+                vectors = await engine.embed(ids, pooling)
+                if req.dimensions is not None and vectors and req.dimensions != len(vectors[0]):
+                    raise APIError(400, f"dimensions must be {len(vectors[0])} (this model's hidden size) or left out", param="dimensions")
+                vectors = [_unit(v) for v in vectors]
+        except EngineError as exc:
             raise from_engine(exc) from exc
-        if req.dimensions is not None and vectors and req.dimensions != len(vectors[0]):
-            raise APIError(400, f"dimensions must be {len(vectors[0])} (this model's hidden size) or left out", param="dimensions")
         data = []
         for i, v in enumerate(vectors):
-            norm = math.sqrt(sum(x * x for x in v)) or 1.0
-            unit = [x / norm for x in v]
-            value: Any = base64.b64encode(struct.pack(f"<{len(unit)}f", *unit)).decode() if req.encoding_format == "base64" else unit
+            value: Any = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if req.encoding_format == "base64" else v
             data.append({"object": "embedding", "index": i, "embedding": value})
-        return {"object": "list", "model": req.model, "data": data, "usage": {"prompt_tokens": total, "total_tokens": total}}
+        origin: dict[str, Any] = {"source": source, "backend": served.info.backend, "pooling": pooled.pooling if pooled is not None else pooling}
+        if pooled is not None:
+            origin["normalized"] = pooled.normalized
+        return {
+            "object": "list",
+            "model": req.model,
+            "data": data,
+            "usage": {"prompt_tokens": total, "total_tokens": total},
+            "loopwise": origin,
+        }
+
+
+def _unit(v: list[float]) -> list[float]:
+    norm = math.sqrt(sum(x * x for x in v)) or 1.0
+    return [x / norm for x in v]

@@ -23,8 +23,24 @@ What this module does NOT do:
   ``stream_hold_index`` and calls ``parse`` on the full text at the end.
 * It never raises on malformed model output and never drops text: anything it
   cannot parse (bad JSON, positional arguments, a name not in ``tool_names``)
-  stays in ``content``. The exception is ``parse_cut``, for grammar-forced output only: its text is
-  never shown as content (a cut call is a call, whatever JSON it holds so far).
+  stays in ``content``. The exceptions: ``parse_cut``, for grammar-forced output only: its text is
+  never shown as content (a cut call is a call, whatever JSON it holds so far); and a Hermes/Qwen
+  ``<tool_call>`` block that is not valid JSON but whose head is readable (``{"name": "<one of the
+  tools>", "arguments": {``) is a call all the same, with the model's own text of the arguments object
+  as its ``arguments`` (up to where that object closes; never closed, up to the next ``<tool_call>`` /
+  ``</tool_call>`` tag or the end): exactly what ``runtime.tool_stream`` streams as the model decodes, so a
+  streamed and a non-streamed answer agree. Such arguments may not be valid JSON (the model wrote invalid
+  JSON), as OpenAI's own non-strict calls may not be; clients validate them. A block whose head is not
+  readable (no name first, an unknown tool, arguments that are not an object, not JSON at all) stays
+  content, verbatim.
+
+How vLLM and SGLang treat the same output (``<tool_call>`` JSON that does not parse, ``tool_choice`` auto),
+read from their source: vLLM's ``hermes`` parser returns the whole text as content and no call when not
+streaming (``vllm/parser/hermes.py``: "non-streaming is all-or-nothing, while streaming keeps the engine's
+best-effort behaviour", which streams the call's name and argument text as they come); SGLang 0.5.21's
+``hermes`` detector returns the whole text as content, and its ``qwen25`` detector drops the block (the
+content is the text before it, the call is logged and lost). loopwise streams calls as they decode, so its
+non-streamed answer follows the stream rather than vLLM's non-streamed one.
 """
 
 from __future__ import annotations
@@ -160,6 +176,61 @@ def _scan_json(s: str, sep: str, end: str | None = None) -> list[tuple[Any, str]
         return None
 
 
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+# the head of a Hermes/Qwen call up to its arguments object: what a call is known by before its JSON is complete
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)', re.DOTALL)
+
+
+class ArgsScanner:
+    """Where a Hermes/Qwen call's arguments object ends, in text fed as it arrives (streamed or all at once).
+
+    It tracks JSON strings and nesting from the object's ``{``: the arguments end just past the brace that closes
+    it (``"closed"``) or, if it never closes, where a ``<tool_call>`` or ``</tool_call>`` tag starts outside a string
+    (``"tag"``: markup, which JSON cannot hold there). Anything else the model wrote, valid JSON or not, is part of
+    the arguments. Not final, a trailing ``<…`` that may still become a tag is held back."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_str = False
+        self.esc = False
+
+    def feed(self, s: str, final: bool = False) -> tuple[int, str | None]:
+        """``(n, how)``: the first ``n`` characters of ``s`` are arguments; ``how`` is ``"closed"``, ``"tag"`` (a tag
+        starts at ``n``) or None (more is needed; ``s[n:]`` is held back, unread)."""
+        for i, ch in enumerate(s):
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1, "closed"
+            elif ch == "<":
+                rest = s[i:]
+                if rest.startswith((HERMES_START, HERMES_END)):
+                    return i, "tag"
+                if not final and (HERMES_START.startswith(rest) or HERMES_END.startswith(rest)):
+                    return i, None
+        return len(s), None
+
+
+def could_close(s: str) -> bool:
+    """``s`` is (a prefix of) what closes a call after its arguments: whitespace, the wrapper's ``}``, whitespace,
+    ``</tool_call>``."""
+    t = s.lstrip()
+    if t.startswith("}"):
+        t = t[1:].lstrip()
+    return HERMES_END.startswith(t[: len(HERMES_END)]) and len(t) <= len(HERMES_END)
+
+
 def _hold_for_markers(text: str, markers: tuple[str, ...]) -> int:
     """Earliest index of a marker in text, or of a partial marker ending text."""
     best = len(text)
@@ -216,7 +287,7 @@ def _object_prefix(s: str) -> str:
 
 class Qwen25Parser(ToolCallParser):
     name = "qwen25"
-    START, END = "<tool_call>", "</tool_call>"
+    START, END = HERMES_START, HERMES_END
     markers = (START,)
     forced = CallFormat(START + "\n", "arguments", "\n" + END)
 
@@ -235,10 +306,41 @@ class Qwen25Parser(ToolCallParser):
                 call = _call_from_obj(json.loads(body))
             except (ValueError, RecursionError):
                 call = None
-            if call is None or not out.call(*call):
-                out.text(text[start:pos])
+            if call is not None and out.call(*call):
+                continue
+            headed = _headed_call(text, body_start, tool_names)
+            if headed is not None:  # not JSON, but a call all the same (see the module docstring)
+                name, arguments, pos = headed
+                out.calls.append(ParsedToolCall(name, arguments, new_call_id()))
+                continue
+            out.text(text[start:pos])
         out.text(text[pos:])
         return out.result()
+
+
+def _headed_call(text: str, body_start: int, tool_names: set[str] | None) -> tuple[str, str, int] | None:
+    """A Hermes/Qwen block from ``body_start`` read as a stream reads it: (name, the arguments' text, where the block
+    ends), or None when its head is not ``{"name": <a tool>, "arguments": {``."""
+    m = CALL_HEAD.match(text, body_start)
+    if m is None or text[m.end()] != "{":
+        return None
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return None
+    if tool_names is not None and name not in tool_names:
+        return None
+    n, how = ArgsScanner().feed(text[m.end() :], final=True)
+    after = m.end() + n
+    if how == "tag":  # never closed: a closing tag ends the call, an opening one starts the next
+        return name, text[m.end() : after], after + (len(HERMES_END) if text.startswith(HERMES_END, after) else 0)
+    if how is None:  # never closed, to the end of the output
+        return name, text[m.end() :], len(text)
+    rest = text[after:]
+    i = rest.find(HERMES_END)
+    if i >= 0 and could_close(rest[: i + len(HERMES_END)]):
+        return name, text[m.end() : after], after + i + len(HERMES_END)
+    return name, text[m.end() : after], len(text) if could_close(rest) else after
 
 
 def _json_end(text: str, body_start: int, end: int, marker: str) -> int:

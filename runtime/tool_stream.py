@@ -7,9 +7,12 @@
 For the Hermes/Qwen2.5 format (parsers ``qwen25``, ``hermes``, ``qwen``; what loopwise renders for
 templates without a tool section) calls stream incrementally: once ``<tool_call>`` and the
 ``{"name": "...", "arguments": `` head are decoded and the name is one of the request's tools, the
-call starts, and every later character of the arguments object is sent as it arrives (a JSON scanner
-tracks strings and nesting to find where the object ends). The arguments are the model's own JSON
-text, which under a forced tool choice is compact JSON that the grammar guarantees to match the schema.
+call starts, and every later character of the arguments object is sent as it arrives (a JSON scanner,
+``tool_parsers.ArgsScanner``, tracks strings and nesting to find where the object ends; an object that
+never closes ends where a ``<tool_call>`` / ``</tool_call>`` tag starts outside a string). The arguments
+are the model's own text, which under a forced tool choice is compact JSON that the grammar guarantees
+to match the schema; under ``auto`` it is whatever the model wrote, valid JSON or not (the parser reads
+a complete output the same way, so a streamed answer and a non-streamed one agree: ``tool_parsers``).
 For the other formats (``llama3``, ``pythonic``, ``mistral``) the text from the first possible
 call marker is held back and parsed when the choice ends, then sent as one delta per call.
 
@@ -25,14 +28,11 @@ Not here: parsing complete outputs (``tool_parsers``), or any wire format.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
-from runtime.tool_parsers import ParsedToolCall, ToolCallParser, new_call_id
+from runtime.tool_parsers import CALL_HEAD, HERMES_END, ArgsScanner, ParsedToolCall, ToolCallParser, could_close, new_call_id
 
 _INCREMENTAL = {"qwen25"}  # parser class names whose calls stream incrementally
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)', re.DOTALL)
-_END = "</tool_call>"
 _MAX_HEAD = 512  # a call head longer than this is not one: hold the rest and parse it at the end
 
 
@@ -48,9 +48,7 @@ class ToolCallStreamer:
         self.after: list[str] = []  # content between/after calls, sent at the end
         self.held = ""  # text from a call marker on that is parsed when the choice ends
         self._calls: list[list[str]] = []  # [id, name, arguments]
-        self._depth = 0
-        self._in_str = False
-        self._esc = False
+        self._scanner = ArgsScanner()
 
     # ---- feeding
     def feed(self, text: str) -> list[tuple[Any, ...]]:
@@ -78,9 +76,9 @@ class ToolCallStreamer:
         elif self.mode == "text":
             self.after.append(rest)
         elif self.mode in ("tail", "args"):
-            if self.mode == "args":
+            if self.mode == "args":  # never closed: the arguments run to the end (a held-back "<…" included)
                 self._emit_args(rest, out)
-            elif not _could_close(rest):
+            elif not could_close(rest):
                 self.after.append(rest)
         text = "".join(self.after)
         if self._calls:
@@ -145,7 +143,7 @@ class ToolCallStreamer:
         return False
 
     def _head(self, out: list[tuple[Any, ...]]) -> bool:
-        m = _HEAD.match(self.buf)
+        m = CALL_HEAD.match(self.buf)
         if m is None:
             if len(self.buf) > _MAX_HEAD or (self.buf.strip() and not self.buf.lstrip().startswith("{")):
                 return self._give_up()
@@ -161,7 +159,7 @@ class ToolCallStreamer:
         self._calls.append([call_id, name, ""])
         out.append(("start", k, call_id, name))
         self.buf = self.buf[m.end() :]
-        self._depth, self._in_str, self._esc = 0, False, False
+        self._scanner = ArgsScanner()
         self.mode = "args"
         return True
 
@@ -173,15 +171,18 @@ class ToolCallStreamer:
         return False
 
     def _args(self, out: list[tuple[Any, ...]]) -> bool:
-        end = self._scan(self.buf)
-        if end < 0:
-            self._emit_args(self.buf, out)
-            self.buf = ""
-            return False
-        self._emit_args(self.buf[:end], out)
-        self.buf = self.buf[end:]
-        self.mode = "tail"
-        return True
+        n, how = self._scanner.feed(self.buf)
+        self._emit_args(self.buf[:n], out)
+        self.buf = self.buf[n:]
+        if how == "closed":
+            self.mode = "tail"
+            return True
+        if how == "tag":  # the object never closed: a closing tag ends the call, an opening one starts the next
+            if self.buf.startswith(HERMES_END):
+                self.buf = self.buf[len(HERMES_END) :]
+            self.mode = "text"
+            return True
+        return False
 
     def _emit_args(self, piece: str, out: list[tuple[Any, ...]]) -> None:
         if piece:
@@ -189,46 +190,17 @@ class ToolCallStreamer:
             self._calls[k][2] += piece
             out.append(("args", k, piece))
 
-    def _scan(self, s: str) -> int:
-        """Advance the JSON scanner over ``s``; the index just past the object's closing brace, else -1."""
-        for i, ch in enumerate(s):
-            if self._in_str:
-                if self._esc:
-                    self._esc = False
-                elif ch == "\\":
-                    self._esc = True
-                elif ch == '"':
-                    self._in_str = False
-            elif ch == '"':
-                self._in_str = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    return i + 1
-        return -1
-
     def _tail(self, out: list[tuple[Any, ...]]) -> bool:
-        """After the arguments: ``}`` and ``</tool_call>`` close the call; anything else is content."""
-        i = self.buf.find(_END)
-        if i >= 0:
-            self.buf = self.buf[i + len(_END) :]
+        """After the arguments: ``}`` and ``</tool_call>`` close the call; anything else is content (read as text)."""
+        i = self.buf.find(HERMES_END)
+        if i >= 0 and could_close(self.buf[: i + len(HERMES_END)]):
+            self.buf = self.buf[i + len(HERMES_END) :]
             self.mode = "text"
             return True
-        if not _could_close(self.buf):
-            self.after.append(self.buf)
-            self.buf = ""
+        if not could_close(self.buf):
             self.mode = "text"
+            return True
         return False
 
     def _done(self, out: list[tuple[Any, ...]]) -> bool:
         return False
-
-
-def _could_close(s: str) -> bool:
-    """``s`` is a prefix of the rest of a call: optional whitespace, ``}``, whitespace, ``</tool_call>``."""
-    t = s.lstrip()
-    if not t:
-        return True
-    return t[0] == "}" and _END.startswith(t[1:].lstrip()[: len(_END)])

@@ -26,6 +26,11 @@ What the core does:
   yet, so a replica set may send the request elsewhere; :class:`ServerLost` once a stream handed out
   tokens. Idempotent GETs are retried (bounded, each retry logged); POSTs never are.
 
+Embeddings: a server that serves a pooling (embedding) model instead of a generative one (``_connect`` sets
+``pooling_model``: vLLM ``--runner pooling``, SGLang ``--is-embedding``) embeds token ids through its OpenAI-compatible
+``POST /v1/embeddings`` (``pool``), which vLLM and SGLang both serve for such a model; it cannot generate, so a
+generation request is :class:`NotSupported` here rather than the server's 404.
+
 Hooks a backend implements: ``_connect`` (read server info → :class:`EngineInfo`), ``_body``,
 ``_decoder``, ``translate_error``, ``_load``/``_unload`` (adapter endpoints), ``health``, ``probe``. A backend
 whose server cannot stream some request (vLLM: ``prompt_logprobs``) says so in ``_streams``; such a request
@@ -57,6 +62,9 @@ from runtime.engine import (
     EngineOverloaded,
     GenerateRequest,
     GenerateResult,
+    InvalidRequest,
+    NotSupported,
+    PoolingModel,
     StreamChunk,
     Timings,
     TokenLogprob,
@@ -137,6 +145,19 @@ def error_message(body: Any) -> str:
     return str(body)[:500] if body not in (None, "") else "no error message"
 
 
+def grammar_refusal(label: str, status: int, msg: str) -> InvalidRequest | None:
+    """The engine's refusal of a request's decoding constraint, as the embedded engine reports its own: an
+    :class:`InvalidRequest` on ``response_format`` (which each API renames to the field its client sent: Anthropic's
+    ``output_config.format``, a forced ``tool_choice``), the engine's text kept. SGLang aborts such a request with
+    "Failed to compile json grammar: ..." (or "Grammar preprocessing timed out"); vLLM refuses it with "Failed to
+    transform json schema into a grammar: ...", "Grammar error: ...", "Invalid grammar specification", or "The provided
+    JSON schema contains features not supported by xgrammar"."""
+    low = msg.lower()
+    if 400 <= status < 500 and ("grammar" in low or "json schema" in low or "structured output" in low):
+        return InvalidRequest(f"the response_format / tool_choice grammar was refused by {label}: {msg}", param="response_format")
+    return None
+
+
 def json_or_text(resp: httpx.Response) -> Any:
     try:
         return resp.json()
@@ -213,6 +234,7 @@ class HTTPEngine:
         self._names: dict[str, str] = {}  # loopwise adapter name (family@N) -> the server's name for it
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.local = local
+        self.pooling_model: PoolingModel | None = None  # set by _connect when the server serves a pooling model
 
     # ---- lifecycle -------------------------------------------------------------------------
     @property
@@ -308,6 +330,14 @@ class HTTPEngine:
         return name
 
     def _admit(self) -> httpx.AsyncClient:
+        if self.pooling_model is not None:
+            raise NotSupported(
+                f"the {self.label} server at {self.url} serves a pooling (embedding) model, which cannot generate; "
+                "it answers POST /v1/embeddings (serve a generative model for the other APIs)"
+            )
+        return self._admit_pooled()
+
+    def _admit_pooled(self) -> httpx.AsyncClient:
         if self._client is None:
             raise EngineClosed("engine is not running")
         if self._in_flight >= self._max_concurrency:
@@ -400,6 +430,49 @@ class HTTPEngine:
             yield chunk
 
         return await collect(req, one())
+
+    # ---- embeddings (a pooling model) ------------------------------------------------------
+    async def pool(self, inputs: list[tuple[int, ...]], dimensions: int | None = None) -> list[list[float]]:
+        """``POST /v1/embeddings`` with the token ids of each input; the server's vectors, in input order."""
+        if self.pooling_model is None:
+            raise NotSupported(f"the {self.label} server at {self.url} serves a generative model, which has no embeddings endpoint")
+        client = self._admit_pooled()
+        body: dict[str, Any] = {"model": self.pooling_model.served, "input": [list(x) for x in inputs], "encoding_format": "float"}
+        if dimensions is not None:
+            body["dimensions"] = dimensions
+        self._in_flight += 1
+        try:
+            resp = await client.post("/v1/embeddings", json=body)
+        except httpx.TransportError as exc:
+            raise self._down(exc) from exc
+        finally:
+            self._in_flight -= 1
+        out = json_or_text(resp)
+        if resp.status_code != 200:
+            err = self.translate_error(resp.status_code, out)
+            if isinstance(err, InvalidRequest) and err.param is None and "dimension" in str(err).lower():
+                err.param = "dimensions"
+            raise err
+        data = out.get("data") if isinstance(out, dict) else None
+        if not isinstance(data, list) or len(data) != len(inputs):
+            raise EngineError(f"{self.label} answered {len(inputs)} embedding inputs with {len(data) if isinstance(data, list) else 'no'} vectors")
+        vectors: list[list[float]] = [[] for _ in inputs]
+        for item in data:
+            index, value = item.get("index"), item.get("embedding")
+            if not isinstance(index, int) or not 0 <= index < len(inputs) or not isinstance(value, list):
+                raise EngineError(f"{self.label} sent an embedding entry loopwise cannot read: {str(item)[:200]}")
+            vectors[index] = [float(x) for x in value]
+        return vectors
+
+    async def _serves_embeddings(self, model: str) -> bool:
+        """Whether ``POST /v1/embeddings`` embeds here: one token, 200 only from a server whose model pools."""
+        assert self.local is not None
+        body = {"model": model, "input": [list(self.local.eos_token_ids[:1] or (0,))], "encoding_format": "float"}
+        try:
+            resp = await self._admit_any().post("/v1/embeddings", json=body, timeout=60.0)
+        except httpx.TransportError as exc:
+            raise self._down(exc) from exc
+        return resp.status_code == 200
 
     # ---- GETs ------------------------------------------------------------------------------
     async def _get(self, client: httpx.AsyncClient, path: str, attempts: int = _GET_ATTEMPTS) -> httpx.Response:

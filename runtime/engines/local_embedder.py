@@ -1,7 +1,8 @@
 """Embeddings for engines that serve none: the base model's hidden states from a local CPU copy of its weights.
 
-The external backends (vLLM, SGLang) serve a generative model, whose servers have no pooling endpoint for it; so that
-``POST /v1/embeddings`` answers on every backend, :class:`LocalEmbedder` loads the same base model folder the runtime
+When the external backends (vLLM, SGLang) serve a generative model, their servers have no pooling endpoint for it (when
+they serve a pooling model, the route takes the engine's own embeddings instead: ``runtime/serving_embeddings.py``); so
+that ``POST /v1/embeddings`` answers on every backend, :class:`LocalEmbedder` loads the same base model folder the runtime
 already holds for its tokenizer (``transformers.AutoModel``: the decoder with its final norm, no LM head) on the first
 request, and computes exactly what the embedded engine's ``embed`` does: the final hidden state, mean-pooled over the
 input's tokens or the last token's. bf16 where the CPU has native bf16 (as ``--dtype auto``), else fp32; one forward

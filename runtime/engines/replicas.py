@@ -17,6 +17,8 @@ server gets the same failure handling.
   load (not a transport failure) rolls it back everywhere and the error propagates, so the registry
   stays unchanged; replicas that are down get the adapter when they return. Aliases are resolved by the
   registry above (``runtime/adapter_registry.py``) before a request gets here, so a flip reaches every replica.
+- **Embeddings**: servers of a pooling model (``HTTPEngine.pooling_model``, read at connect) embed on the least
+  loaded one that is up (``pool``); one that cannot be reached is skipped, as for generation.
 - **Monitor**: one task per replica probes it every ``health_interval_s`` (``HTTPEngine.probe``: cheap,
   and for vLLM it lists the server's adapters). A refused connection takes a replica out; probes that
   time out or fail do after three in a row, unless the replica handed out tokens within the last probe
@@ -43,7 +45,7 @@ from typing import Any
 import httpx
 import structlog
 
-from runtime.engine import AdapterError, EngineClosed, EngineError, EngineInfo, GenerateRequest, GenerateResult, StreamChunk
+from runtime.engine import AdapterError, EngineClosed, EngineError, EngineInfo, GenerateRequest, GenerateResult, PoolingModel, StreamChunk
 from runtime.engines.http_engine import AdapterGone, HTTPEngine, LocalModel, ServerDown, ServerLost
 
 log = structlog.stdlib.get_logger(__name__)
@@ -248,6 +250,29 @@ class ReplicaSet:
                 self._failed_before_output(r, req, exc)
                 if not self._has_candidate(req, tried):
                     raise
+
+    # ---- embeddings (servers of a pooling model) ---------------------------------------------
+    @property
+    def pooling_model(self) -> PoolingModel | None:
+        """The pooling model the servers serve (None: a generative one), as the first server read says, up or not."""
+        return next((r.engine.pooling_model for r in self.replicas if r.engine.pooling_model is not None), None)
+
+    async def pool(self, inputs: list[tuple[int, ...]], dimensions: int | None = None) -> list[list[float]]:
+        """Embed on the least loaded server of the pooling model that is up; one that cannot be reached is skipped."""
+        tried: set[int] = set()
+        while True:
+            cands = [r for r in self.replicas if r.up and r.index not in tried and r.engine.pooling_model is not None]
+            if not cands:
+                n_down = sum(not r.up for r in self.replicas)
+                raise EngineClosed(f"no {self.backend} replica serving the pooling model is up ({n_down} of {len(self.replicas)} down)")
+            r = min(cands, key=lambda x: x.engine.in_flight)
+            try:
+                return await r.engine.pool(inputs, dimensions)
+            except ServerDown as exc:
+                tried.add(r.index)
+                if isinstance(exc.__cause__, httpx.ConnectError):
+                    self._mark_down(r, str(exc))
+                r.wake.set()
 
     def _has_candidate(self, req: GenerateRequest, tried: set[int]) -> bool:
         return any(r.up and r.index not in tried and r.has(req.adapter) for r in self.replicas)

@@ -24,11 +24,16 @@ fresh adapter names, transport failures, engine request ids). This module holds 
   the registry (``runtime/adapter_registry.py``) drains in-flight requests before unload and caps loaded
   adapters at SGLang's ``--max-loras-per-batch`` − 1 (``serve.py``);
 - health: ``GET /health_generate`` (a one-token generate inside SGLang); info: ``/get_model_info``,
-  ``/get_server_info``.
+  ``/get_server_info``;
+- an embedding model (SGLang ``--is-embedding``: ``/get_model_info`` says ``is_generation: false``) makes this engine a
+  :class:`PoolingModel`: ``pool`` embeds token ids through SGLang's ``POST /v1/embeddings``, pooled as its
+  ``/get_model_info`` ``embedding`` entry says (``pooling``, ``normalize``; ``model_defined`` where it does not say).
 
 Errors: SGLang's nested ``{"error": {"message"}}`` (``/generate``, stream events), flat
 ``{"object": "error", "message", ...}`` (OpenAI routes) and ``LoRAUpdateOutput`` (``success: false``)
-bodies become :class:`InvalidRequest`, :class:`AdapterError`, :class:`EngineOverloaded` or
+bodies, and a stream's ``abort`` finish with a 4xx ``status_code`` (how SGLang ends a request whose grammar does
+not compile: "Failed to compile json grammar: ...", an :class:`InvalidRequest` on ``response_format``, as the
+embedded engine names its own) become :class:`InvalidRequest`, :class:`AdapterError`, :class:`EngineOverloaded` or
 :class:`EngineError`, which the app turns into OpenAI's envelope or an SSE error event. A request naming an
 adapter SGLang has never loaded ("Got LoRA adapter that has never been loaded": it restarted since we loaded
 it) is :class:`AdapterGone`, so the replica set loads it again and retries. SGLang itself reloads a name it
@@ -61,11 +66,22 @@ from runtime.engine import (
     EngineOverloaded,
     GenerateRequest,
     InvalidRequest,
+    PoolingModel,
     SamplingParams,
     StreamChunk,
     TokenLogprob,
 )
-from runtime.engines.http_engine import AdapterGone, ChunkBuilder, HTTPEngine, HTTPTimeouts, LocalModel, ServerDown, error_message, json_or_text
+from runtime.engines.http_engine import (
+    AdapterGone,
+    ChunkBuilder,
+    HTTPEngine,
+    HTTPTimeouts,
+    LocalModel,
+    ServerDown,
+    error_message,
+    grammar_refusal,
+    json_or_text,
+)
 from runtime.settings import SGLangSettings
 
 log = structlog.stdlib.get_logger(__name__)
@@ -87,6 +103,8 @@ def translate_error(status: int, body: Any) -> EngineError:
         return EngineOverloaded(f"SGLang is overloaded: {msg}", retry_after=1.0)
     if "context length" in low or "context_length" in low or "too long" in low:
         return InvalidRequest(f"SGLang: {msg}", param="messages", code="context_length_exceeded")
+    if (refused := grammar_refusal("SGLang", status, msg)) is not None:
+        return refused
     if 400 <= status < 500:
         return InvalidRequest(f"SGLang refused the request: {msg}")
     if status == 503:
@@ -226,6 +244,15 @@ class SGLangEngine(HTTPEngine):
         self.model_info = await self._get_json("/get_model_info")
         self.server_info = await self._get_json("/get_server_info")
         self._incremental = bool(self.server_info.get("incremental_streaming_output", False))
+        self.pooling_model = None
+        if self.model_info.get("is_generation") is False:  # launched with --is-embedding
+            spec = self.model_info.get("embedding")
+            spec = spec if isinstance(spec, dict) else {}
+            served = self.model_info.get("served_model_name") or self.server_info.get("served_model_name") or "default"
+            normalize = spec.get("normalize")
+            self.pooling_model = PoolingModel(
+                "sglang", str(served), str(spec.get("pooling") or "model_defined"), normalize if isinstance(normalize, bool) else None
+            )
         max_len = self.local.max_len
         served = self.server_info.get("context_length")
         if isinstance(served, int) and served > 0:
@@ -246,6 +273,7 @@ class SGLangEngine(HTTPEngine):
             version=self.server_info.get("version"),
             max_loras_per_batch=self.server_info.get("max_loras_per_batch"),
             incremental_streaming=self._incremental,
+            pooling=self.pooling_model is not None,
         )
         return EngineInfo(
             backend="sglang",

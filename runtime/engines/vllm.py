@@ -29,10 +29,17 @@ HTTP engine core (``runtime/engines/http_engine.py``). This module holds vLLM's 
   routes exist only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, checked at connect). Each load has a
   fresh name, never ``load_inplace`` (an in-place reload can reuse stale prefix-cache blocks, vLLM #42125);
 - health: a one-token ``/v1/completions``; the replica monitor's cheap probe is ``GET /health`` plus
-  ``GET /v1/models``, whose adapter entries (``parent`` set) tell whether a restarted server lost them.
+  ``GET /v1/models``, whose adapter entries (``parent`` set) tell whether a restarted server lost them;
+- a pooling model (``vllm serve --runner pooling``, e.g. ``--convert embed``): vLLM registers ``POST /v1/embeddings``
+  only for a model whose pooling task is ``embed`` (and ``/v1/completions`` only for a generative one), so ``connect``
+  asks it to embed one token: a 200 makes this engine a :class:`PoolingModel` (``pool``; health embeds one token),
+  a 404 (or an older vLLM's "does not support Embeddings API") a generative one. vLLM does not say over HTTP how its
+  model pools (its pooler config: the model's own, or ``--pooler-config``): ``pooling`` is ``model_defined``.
+  ``/pooling`` (the pooler's raw output, per token for token-level models) is not used;
 
 Errors: vLLM's ``{"error": {"message", "type", "param", "code"}}`` bodies (and the same inside a stream)
-become :class:`InvalidRequest` (with ``context_length_exceeded`` for an over-long prompt), an adapter
+become :class:`InvalidRequest` (with ``context_length_exceeded`` for an over-long prompt; on ``response_format`` for a
+structured-output constraint vLLM refuses, as the embedded engine names its own), an adapter
 error (404 on ``param: model``: the server does not have that adapter), :class:`EngineOverloaded`,
 :class:`EngineClosed` or :class:`EngineError`; ``finish_reason`` ``abort``/``error`` raise.
 
@@ -65,6 +72,7 @@ from runtime.engine import (
     EngineOverloaded,
     GenerateRequest,
     InvalidRequest,
+    PoolingModel,
     StreamChunk,
     TokenLogprob,
 )
@@ -76,6 +84,7 @@ from runtime.engines.http_engine import (
     LocalModel,
     ServerDown,
     error_message,
+    grammar_refusal,
     json_or_text,
 )
 
@@ -101,6 +110,8 @@ def translate_error(status: int, body: Any) -> EngineError:
         return EngineOverloaded(f"vLLM is overloaded: {msg}", retry_after=1.0)
     if "maximum context length" in low or "context length" in low:
         return InvalidRequest(f"vLLM: {msg}", param="messages", code="context_length_exceeded")
+    if (refused := grammar_refusal("vLLM", status, msg)) is not None:
+        return refused
     if 400 <= status < 500:
         return InvalidRequest(f"vLLM refused the request: {msg}", param=_PARAMS.get(str(param)) if param else None)
     if status == 503:
@@ -257,10 +268,12 @@ class VLLMEngine(HTTPEngine):
         if root and Path(root).name != self._path.name:
             log.warning("vllm_model_mismatch", local=str(self._path), vllm=root, note="the tokenizer and template come from the local folder")
         await self._check_tokenizer()
+        pooling = await self._serves_embeddings(self.served)
+        self.pooling_model = PoolingModel("vllm", self.served, "model_defined") if pooling else None
         self.runtime_lora = await self._runtime_lora_enabled()
         if not self.runtime_lora:
             log.warning("vllm_runtime_lora_disabled", url=self.url, note=f"adapters cannot be loaded: {_RUNTIME_LORA_HINT}")
-        log.info("vllm_connected", url=self.url, served_model=self.served, root=root, version=self.version, max_model_len=served_len)
+        log.info("vllm_connected", url=self.url, served_model=self.served, root=root, version=self.version, max_model_len=served_len, pooling=pooling)
         return EngineInfo(
             backend="vllm",
             model=self._model_id,
@@ -343,8 +356,11 @@ class VLLMEngine(HTTPEngine):
         return _Decoder(req, self.tokenizer, frozenset(self.local.eos_token_ids) | frozenset(req.sampling.stop_token_ids))
 
     async def health(self) -> None:
-        """A one-token ``/v1/completions``; raise :class:`EngineError` if it fails."""
+        """A one-token ``/v1/completions`` (a pooling model: a one-token embedding); raise :class:`EngineError` if it fails."""
         assert self.local is not None
+        if self.pooling_model is not None:
+            await self.pool([self.local.eos_token_ids[:1] or (0,)])
+            return
         body = {"model": self.served, "prompt": list(self.local.eos_token_ids[:1] or (0,)), "max_tokens": 1, "temperature": 0.0}
         try:
             resp = await self._admit_any().post("/v1/completions", json=body, timeout=30.0)

@@ -34,6 +34,18 @@ It implements the request and response shapes of SGLang's native HTTP API:
 - ``GET /health_generate`` (and ``/health``): a one-token generate; 200 with an empty body.
 - ``GET /get_model_info``, ``GET /get_server_info`` (the server args we take, plus ``version``).
 - ``GET /v1/models``: the base model and each loaded adapter (``parent``), as after SGLang PR #12229.
+- A ``json_schema`` / ``ebnf`` that does not compile aborts the request as SGLang 0.5.21 does: HTTP 400
+  ``{"error": {"message": "Failed to compile json grammar: <xgrammar's error>"}}``, or in a stream one event whose
+  ``meta_info.finish_reason`` is ``{"type": "abort", "message", "status_code": 400, "err_type": "BadRequestError"}``,
+  then ``[DONE]`` (the scheduler's ``set_finish_with_abort``; the tokenizer manager raises it as a ``ValueError`` only
+  when not streaming).
+- ``--is-embedding`` serves the model as an embedding model, as SGLang does with that flag: ``/get_model_info`` says
+  ``is_generation: false`` with its ``embedding`` entry (a decoder asked for embeddings: ``pooling``
+  ``model_defined``, which for a Llama-family model is the last token's final hidden state, ``normalize`` true),
+  ``POST /v1/embeddings`` answers (``input`` a string, strings, token ids or lists of them; ``encoding_format``
+  ``float`` or ``base64``; ``dimensions`` refused, the model not being Matryoshka) with SGLang's ``EmbeddingResponse``
+  (``data`` of ``{"embedding", "index", "object": "embedding"}``, ``model`` the model path, ``usage``) or its flat
+  ``{"object": "error", "message", "type", "param", "code"}`` 400, and ``/generate`` refuses to generate.
 
 Fake-only controls, for tests: ``POST /fake/die_after`` ``{"tokens": n}`` makes the process exit
 (``os._exit``, like a crashed SGLang) after the next stream has sent ``n`` token events;
@@ -43,7 +55,7 @@ The contract with real SGLang (0.5.21 on CPU) is checked by ``tests/runtime/test
 the same requests against this fake and, where ``make sglang`` installed it, a real server.
 
 Not faithful (and not needed here): batch requests, ``text`` prompts, ``n``, ``regex``, the
-OpenAI-compatible routes, abort/flush endpoints, real GPU slot accounting. The scheduler crash of SGLang
+OpenAI-compatible routes other than ``/v1/embeddings``, abort/flush endpoints, real GPU slot accounting. The scheduler crash of SGLang
 #23141 (more distinct adapters in flight, plus base requests, than ``--max-loras-per-batch``) is *not*
 reproduced as a crash: the fake answers such a request with HTTP 500 and logs it, so a test that breaks
 loopwise's "one slot free for the base" rule fails loudly.
@@ -53,10 +65,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import os
+import struct
 import sys
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -129,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--constrained-json-disable-any-whitespace", action="store_true")  # the fake's JSON is compact anyway
     # SGLang 0.5.21 samples with a request's sampling_seed only with this flag (which its CPU path cannot run); else it ignores it
     p.add_argument("--enable-deterministic-inference", action="store_true")
+    p.add_argument("--is-embedding", action="store_true")  # serve the model as an embedding model (no generation)
     return p.parse_args(argv)
 
 
@@ -181,17 +198,37 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             "device": args.device,
             "dtype": args.dtype,
             "stream_interval": 1,
+            "is_embedding": args.is_embedding,
         }
 
     # ---- info and health ----------------------------------------------------------------------
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def get_model_info() -> dict[str, Any]:
         return {
             "model_path": args.model_path,
+            "served_model_name": args.served_model_name or args.model_path,
             "tokenizer_path": args.model_path,
-            "is_generation": True,
+            "is_generation": not args.is_embedding,
             "preferred_sampling_params": None,
             "weight_version": "default",
+            "embedding": embedding_spec(),
+        }
+
+    def embedding_spec() -> dict[str, Any]:
+        """SGLang 0.5.21's ``resolved_embedding_plan`` of a decoder (LlamaForCausalLM): "explicit_decoder_embedding" under
+        ``--is-embedding``, else no embedding task (the fields loopwise reads, and a few beside them)."""
+        if not args.is_embedding:
+            return {"family": "none", "task": "none", "execution": "none", "pooling": "model_defined", "normalize": False, "enabled": False}
+        return {
+            "family": "explicit_decoder_embedding",
+            "task": "embed",
+            "execution": "decoder_pooling",
+            "attention": "causal",
+            "pooling": "model_defined",
+            "normalize": True,
+            "supports_dimensions": False,
+            "enabled": True,
         }
 
     @app.get("/get_server_info")
@@ -416,13 +453,32 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             return {"type": "length", "length": n}
         return {"type": "stop", "matched": chunk.matched_stop}
 
+    async def compiled(req: GenerateRequest) -> GenerateRequest | str:
+        """``req`` with its grammar compiled, or SGLang's abort message when it does not compile (its grammar backend
+        compiles on a thread; "Failed to compile json grammar: <xgrammar's error>", the scheduler's wording)."""
+        grammar = req.sampling.grammar
+        if grammar is None:
+            return req
+        try:
+            ready = await asyncio.to_thread(engine.compile_grammar, grammar)
+        except InvalidRequest as exc:
+            key = "json" if grammar.kind == "json_schema" else grammar.kind
+            return f"Failed to compile {key} grammar: {exc.__cause__ or exc}"
+        return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, grammar=dataclasses.replace(grammar, compiled=ready)))
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await request.json()
         state["generate_calls"] += 1
+        if args.is_embedding:  # [U] wording: what SGLang's scheduler answers a generate on an embedding model
+            return _error(InvalidRequest("This model is an embedding model (--is-embedding): it does not generate"), stream=bool(body.get("stream")))
         try:
             req = to_request(body)
             await resolve_lora(req.adapter)
+            ready = await compiled(req)
+            if isinstance(ready, str):
+                return _abort(req, ready, stream=bool(body.get("stream")))
+            req = ready
             acquire(req.adapter)
         except (InvalidRequest, AdapterError) as exc:
             return _error(exc, stream=bool(body.get("stream")))
@@ -485,6 +541,48 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             release(req.adapter)
         yield b"data: [DONE]\n\n"
 
+    # ---- embeddings (--is-embedding) ------------------------------------------------------------
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> JSONResponse:
+        body = await request.json()
+        x, fmt = body.get("input"), body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            return _openai_error(f"encoding_format must be either 'float' or 'base64', got {fmt!r}")
+        if not x:
+            return _openai_error("Input cannot be empty")
+        if not args.is_embedding:  # the tokenizer manager's check, raised as a ValueError
+            return _openai_error(
+                "This model does not appear to be an embedding model by default. "
+                "Please add `--is-embedding` when launching the server or try another model."
+            )
+        if body.get("dimensions") is not None:
+            return _openai_error(
+                f"Model '{args.model_path}' does not support matryoshka representation, changing output dimensions will lead to poor results."
+            )
+        tok = engine.tokenizer
+        if isinstance(x, str):
+            seqs = [tok(x)["input_ids"]]
+        elif all(isinstance(v, int) for v in x):
+            seqs = [list(x)]
+        elif all(isinstance(v, str) for v in x):
+            seqs = [tok(v)["input_ids"] for v in x]
+        else:
+            seqs = [list(v) for v in x]
+        for seq in seqs:
+            if len(seq) > engine.info.max_model_len:
+                return _openai_error(f"The input ({len(seq)} tokens) is longer than the model's context length ({engine.info.max_model_len} tokens).")
+        # a LlamaForCausalLM under --is-embedding: the last token's final hidden state, L2-normalized (SGLang's Pooler)
+        states = await engine.embed([tuple(s) for s in seqs], "last")
+        data = []
+        for i, v in enumerate(states):
+            norm = math.sqrt(sum(f * f for f in v)) or 1.0
+            unit = [f / norm for f in v]
+            value: Any = base64.b64encode(struct.pack(f"<{len(unit)}f", *unit)).decode("ascii") if fmt == "base64" else unit
+            data.append({"embedding": value, "index": i, "object": "embedding"})
+        n = sum(len(s) for s in seqs)
+        usage = {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None, "reasoning_tokens": 0}
+        return JSONResponse({"data": data, "model": args.model_path, "object": "list", "usage": usage})
+
     # ---- fake-only controls -------------------------------------------------------------------
     @app.post("/fake/die_after")
     async def die_after(request: Request) -> dict[str, Any]:
@@ -518,6 +616,27 @@ def _error(exc: EngineError, *, stream: bool) -> Response:
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _abort(req: GenerateRequest, message: str, *, stream: bool) -> Response:
+    """A request the scheduler finished with ``set_finish_with_abort`` (400): a ``ValueError`` → HTTP 400 when not
+    streaming; streamed, its one output event carries the abort finish reason, then ``[DONE]``."""
+    if not stream:
+        return JSONResponse({"error": {"message": message}}, status_code=400)
+    finish = {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
+    meta = {"id": req.request_id, "finish_reason": finish, "prompt_tokens": len(req.input_ids), "completion_tokens": 0, "cached_tokens": 0}
+    out = {"text": "", "output_ids": [], "meta_info": meta}
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b"data: " + json.dumps(out).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _openai_error(message: str, status: int = 400) -> JSONResponse:
+    """SGLang's OpenAI-compatible routes' flat error body (``OpenAIServingBase.create_error_response``)."""
+    return JSONResponse({"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": status}, status_code=status)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -266,9 +266,8 @@ UNBUILDABLE = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}
 
 @pytest.mark.parametrize("with_tools", [False, True])
 @pytest.mark.parametrize("field", ["output_config", "output_format"])
-def test_a_schema_no_grammar_can_be_built_from_names_the_field_sent(srv, backend, field, with_tools):
-    if backend != "embedded" and not with_tools:
-        pytest.skip("without tools the schema is compiled by the external engine, whose refusal is passed on as its own text")
+def test_a_schema_no_grammar_can_be_built_from_names_the_field_sent(srv, field, with_tools):
+    # without tools, on vLLM and SGLang the schema is compiled by the engine: its refusal comes back the same way
     fmt = {"type": "json_schema", "schema": UNBUILDABLE}
     body: dict[str, Any] = {"output_config": {"format": fmt}} if field == "output_config" else {"output_format": fmt}
     if with_tools:
@@ -281,6 +280,40 @@ def test_a_schema_no_grammar_can_be_built_from_names_the_field_sent(srv, backend
         with claude(srv).messages.stream(model=MODEL, max_tokens=8, messages=[USER], **kw) as s:
             list(s)
     assert named in ei.value.message and "response_format" not in ei.value.message
+
+
+@pytest.mark.parametrize(
+    ("engine", "status", "body"),
+    [
+        # SGLang 0.5.21: the scheduler aborts the request (a ValueError → 400 when not streamed) ...
+        ("sglang", 400, {"error": {"message": "Failed to compile json grammar: Invalid reference: #/$defs/missing"}}),
+        ("sglang", 400, {"error": {"message": "Grammar preprocessing timed out: req.grammar_key=('json', '{}')"}}),
+        # ... vLLM 0.32: the request's structured_outputs fail validation
+        (
+            "vllm",
+            400,
+            {"error": {"message": "Failed to transform json schema into a grammar: bad ref", "type": "BadRequestError", "param": None, "code": 400}},
+        ),
+        ("vllm", 400, {"error": {"message": "Grammar error: unknown ref", "type": "BadRequestError", "param": None, "code": 400}}),
+        ("vllm", 400, {"error": {"message": "The provided JSON schema contains features not supported by xgrammar.", "code": 400}}),
+    ],
+)
+def test_an_engines_refusal_of_the_schema_is_an_anthropic_400_on_the_field_sent(engine, status, body):
+    from runtime.engine import InvalidRequest
+    from runtime.engines import sglang, vllm
+    from runtime.errors import from_engine
+    from runtime.serving_messages import _in_anthropic_terms
+
+    err = (vllm if engine == "vllm" else sglang).translate_error(status, body)
+    assert isinstance(err, InvalidRequest) and err.param == "response_format"  # as the embedded engine names its own
+    api = _in_anthropic_terms(from_engine(err), "output_config.format")
+    assert api.status == 400 and api.param == "output_config.format"
+    assert api.message.startswith("the output_config.format grammar was refused by ") and body["error"]["message"] in api.message
+    if engine == "sglang":  # streamed, SGLang ends the request with an abort finish instead (loopwise's decoder raises it)
+        finish = {"type": "abort", "message": body["error"]["message"], "status_code": 400, "err_type": "BadRequestError"}
+        with pytest.raises(InvalidRequest) as ei:
+            sglang._finish(finish)
+        assert ei.value.param == "response_format"
 
 
 def test_grammar_timeout_names_the_field_sent():

@@ -112,12 +112,34 @@ def test_qwen_no_call_content_unchanged():
     assert not QWEN.detect(text)
 
 
-def test_qwen_malformed_json_kept_as_content():
-    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>'
+def test_qwen_malformed_markup_without_a_readable_head_kept_as_content():
     good = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
-    r = QWEN.parse("Hi " + bad + "\n" + good)
-    assert r.content == "Hi " + bad
-    assert calls(r) == [("get_time", {})]
+    for bad in (
+        "<tool_call>\nget_weather(city='Paris')\n</tool_call>",  # not JSON
+        '<tool_call>\n{"arguments": {"city": "Paris"}, "name": "get_weather"\n</tool_call>',  # the name not first
+        '<tool_call>\n{"name": "get_weather", "arguments": "city=Paris"\n</tool_call>',  # arguments not an object
+    ):
+        r = QWEN.parse("Hi " + bad + "\n" + good)
+        assert r.content == "Hi " + bad
+        assert calls(r) == [("get_time", {})]
+
+
+def test_qwen_malformed_json_with_a_readable_head_is_a_call_with_the_models_arguments():
+    # the JSON does not parse, but the call is known by its head: its arguments are the model's text, as streamed
+    unclosed = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>'
+    good = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    r = QWEN.parse("Hi " + unclosed + "\n" + good)
+    assert r.content == "Hi"
+    assert [(c.name, c.arguments) for c in r.tool_calls] == [("get_weather", '{"city": "Paris"\n'), ("get_time", "{}")]
+    wrapper_unclosed = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'
+    r = QWEN.parse(wrapper_unclosed)
+    assert r.content is None and calls(r) == [("get_weather", {"city": "Paris"})]
+    invalid = '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call> Done.'
+    r = QWEN.parse(invalid, tool_names={"get_weather"})
+    assert r.content == "Done." and [(c.name, c.arguments) for c in r.tool_calls] == [("get_weather", '{"city": Paris}')]
+    # an unknown tool stays content, readable head or not
+    r = QWEN.parse(invalid, tool_names={"get_time"})
+    assert r.content == invalid and r.tool_calls == []
 
 
 def test_qwen_unclosed_final_block():
