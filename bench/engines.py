@@ -1,25 +1,30 @@
-"""Engines side by side on SmolLM2: embedded vs vLLM through loopwise vs vLLM directly, one vs two vLLM replicas, hot swap.
+"""Engines one after another on the same model folder and dtype (SmolLM2): embedded, vLLM and SGLang.
 
-    make vllm && .venv/bin/python bench/engines.py                 # SmolLM2, 16 clients, 64 new tokens, 6 rounds
-    .venv/bin/python bench/engines.py --rounds 3 --skip-scaling    # shorter
+    .venv/bin/python bench/engines.py                              # SmolLM2, 16 clients, 64 new tokens, 6 rounds, 5 swaps
+    .venv/bin/python bench/engines.py --engines embedded sglang --rounds 1 --clients 4 --max-tokens 16 --swaps 2   # smoke
 
-Starts two vLLM servers (``runtime/vllm_launcher.py``, the flags ``--vllm-launch`` uses; on a 2-core host
-one core each) and the loopwise servers it compares, all on the same model folder and dtype:
+``--engines`` (default: embedded plus every external engine whose virtualenv is installed, ``make vllm`` /
+``make sglang``; naming one that is not installed is an error). Every round sends the same 16 conversations
+at once (``--clients``), greedy, 64 new tokens (``ignore_eos``). On 2 cores each engine runs alone, its
+servers stopped before the next starts (an idle SGLang scheduler polls a core), so the tok/s of different
+engines come from different phases; within a phase the sides alternate round by round, so noise hits both:
 
-1. **overhead**: the same 16 conversations, greedy, 64 new tokens (``ignore_eos``), through
-   ``serve.py --backend embedded``, through ``serve.py --backend vllm --engine-url V1`` (templating,
-   routing, recording with logprobs) and straight to V1's ``/v1/completions`` with the token ids loopwise
-   would send (checked against loopwise's ``usage.prompt_tokens``) and the same return options. Each
-   round sends 16 concurrent requests to one side, then the next, the order rotating round by round, so
-   machine noise hits all sides alike. Printed: p50/p95 latency and completion tokens/s per side; the
-   loopwise-vs-direct p50 ratio (target ≤ 1.10);
-2. **scaling**: ``serve.py --backend vllm`` on V1 alone vs on V1 + V2 (two replicas), same rounds;
-   tokens/s ratio (the embedded server is stopped first, to leave the cores to vLLM);
-3. **hot swap**: on the two-replica server, ``--swaps`` times: POST a new adapter version (r=8,
-   q/k/v/o_proj) with ``alias: true`` while 16 clients keep the base model busy, and time until the
-   first answer through the alias comes from the new version (target ≤ 1 s).
+1. **embedded**: ``serve.py --backend embedded``: p50/p95 latency, completion tok/s;
+2. **vLLM**: two servers (``runtime/vllm_launcher.py``, the flags ``--vllm-launch`` uses, one core each).
+   Overhead: ``serve.py --backend vllm --engine-url V1`` (templating, routing, recording with logprobs) vs
+   V1's ``/v1/completions`` with the token ids loopwise would send and the same return options; scaling:
+   through loopwise on V1 alone vs V1 + V2 (tok/s ratio); hot swap on the two-replica server;
+3. **SGLang**: one server (``runtime/sglang_launcher.py``, the flags ``--sglang-launch`` uses: its CPU path
+   here). Overhead: ``serve.py --backend sglang`` vs SGLang's ``/generate`` with the token ids loopwise would
+   send (``bench/sglang_overhead.py``'s ``compare``); hot swap; logprobs: a turn of 32 tokens per conversation at T = 1 and
+   T = 0.7 recorded through loopwise, then, SGLang stopped, their output ids re-scored by the learner's trainer
+   (``LoRATrainer.token_logprobs``, in ``--dtype``, no autocast) against SGLang's logprobs: max and mean |diff|.
 
-Results also go to bench/results/engines.json, with ``uptime``'s load averages. Not a test.
+Overhead targets: loopwise-vs-direct p50 ratio ≤ 1.10 (prompt lengths checked against loopwise's
+``usage.prompt_tokens``). Hot swap: ``--swaps`` times, POST a new adapter version (r=8, q/k/v/o_proj) with
+``alias: true`` while 16 clients keep the base model busy; seconds until the first answer through the alias
+comes from the new version (target ≤ 1 s). Results go to bench/results/engines.json after each phase, with
+load averages; the launched servers' logs to the work folder printed first. Not a test.
 """
 
 from __future__ import annotations
@@ -43,9 +48,14 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TOPICS = ["the sea", "a lighthouse", "winter", "a robot", "bread", "trains", "maps", "the moon", "ghosts", "pirates", "libraries", "rivers"]
+from bench.sglang_overhead import compare as sglang_compare  # noqa: E402
+from bench.sglang_overhead import conversations  # noqa: E402
+
+ENGINES = ("embedded", "vllm", "sglang")
 ADMIN = "bench-admin"
 MAX_ADAPTERS = 4  # LoRA slots of each vLLM server (--max-loras, --max-cpu-loras) and loopwise's --max-loaded-adapters
+LOGPROB_TOKENS = 32
+LOGPROB_TEMPERATURES = (1.0, 0.7)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -180,8 +190,248 @@ async def hot_swaps(base: str, convs: list[list[dict]], adapters: list[Path]) ->
     return out
 
 
+def installed(engine: str) -> bool:
+    """``make vllm`` / ``make sglang`` finished (the virtualenv's stamp is there), as the engine tests check."""
+    from runtime.settings import default_sglang_venv, default_vllm_venv
+
+    if engine == "embedded":
+        return True
+    venv = default_vllm_venv() if engine == "vllm" else default_sglang_venv()
+    return (venv / "bin" / "python").exists() and any(venv.glob(".installed-*"))
+
+
+def side_stats(out: dict, loopwise: str, direct: str) -> dict:
+    """``rounds``'s two sides as ``{"loopwise", "direct"}`` with their ratios (``sglang_overhead.compare``'s shape)."""
+    res = {"loopwise": out[loopwise], "direct": out[direct]}
+    for key, field in (("p50_ratio", "p50_s"), ("p95_ratio", "p95_s"), ("tok_s_ratio", "tok_s")):
+        res[key] = res["loopwise"][field] / res["direct"][field]
+    return res
+
+
+def client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64))
+
+
+def embedded_phase(args: argparse.Namespace, model: Path, work: Path, convs: list[list[dict]]) -> dict:
+    proc, url = start_loopwise(args, model, work, "embedded", [])
+    try:
+
+        async def go() -> dict:
+            async with client() as c:
+                await asyncio.gather(*(via_loopwise(c, url, conv, 2) for conv in convs))
+                return (
+                    await rounds({"embedded": lambda: asyncio.gather(*(via_loopwise(c, url, conv, args.max_tokens) for conv in convs))}, args.rounds)
+                )["embedded"]
+
+        return asyncio.run(go())
+    finally:
+        stop(proc)
+
+
+def vllm_phase(args: argparse.Namespace, model: Path, work: Path, convs: list[list[dict]], ids: list[list[int]], adapters: list[Path]) -> dict:
+    from runtime.launcher import start_all
+    from runtime.settings import VLLMSettings
+    from runtime.vllm_launcher import vllm_launchers
+
+    settings = VLLMSettings(kv_cache=args.kv_cache, replicas=2)  # as --vllm-launch --vllm-replicas 2: one core each on 2 cores
+    launchers = vllm_launchers(settings, model, served_name="m", max_lora_rank=8, max_loaded_adapters=MAX_ADAPTERS, dtype=args.dtype)
+    print(f"vLLM: starting 2 servers ({args.dtype}, KV cache {args.kv_cache} each)", flush=True)
+    v1, v2 = start_all(launchers)
+    procs: list[subprocess.Popen[str]] = []
+    res: dict = {}
+    try:
+        one, one_url = start_loopwise(args, model, work, "vllm-1", ["--backend", "vllm", "--engine-url", v1])
+        procs.append(one)
+
+        async def overhead() -> dict:
+            async with client() as c:
+                check = await asyncio.gather(*(via_loopwise(c, one_url, conv, 2) for conv in convs))
+                await asyncio.gather(*(direct(c, v1, "m", i, 2) for i in ids))
+                out = await rounds(
+                    {
+                        "loopwise": lambda: asyncio.gather(*(via_loopwise(c, one_url, conv, args.max_tokens) for conv in convs)),
+                        "direct": lambda: asyncio.gather(*(direct(c, v1, "m", i, args.max_tokens) for i in ids)),
+                    },
+                    args.rounds,
+                )
+                return {**side_stats(out, "loopwise", "direct"), "same_prompt_tokens": all(p == len(ids[k]) for k, (_, p, _, _) in enumerate(check))}
+
+        res["overhead"] = asyncio.run(overhead())
+        print(f"partial, vLLM overhead (load {load_average()}): {json.dumps(res['overhead'])}", flush=True)
+        two, two_url = start_loopwise(args, model, work, "vllm-2", ["--backend", "vllm", "--engine-url", v1, "--engine-url", v2])
+        procs.append(two)
+        if not args.skip_scaling:
+
+            async def scaling() -> dict:
+                async with client() as c:
+                    await asyncio.gather(*(via_loopwise(c, two_url, conv, 2) for conv in convs))
+                    return await rounds(
+                        {
+                            "one_replica": lambda: asyncio.gather(*(via_loopwise(c, one_url, conv, args.max_tokens) for conv in convs)),
+                            "two_replicas": lambda: asyncio.gather(*(via_loopwise(c, two_url, conv, args.max_tokens) for conv in convs)),
+                        },
+                        args.rounds,
+                    )
+
+            s = res["scaling"] = asyncio.run(scaling())
+            s["tok_s_ratio"] = s["two_replicas"]["tok_s"] / s["one_replica"]["tok_s"]
+            print(f"partial, vLLM scaling (load {load_average()}): {json.dumps(s)}", flush=True)
+        if adapters:
+            res["hot_swap_s"] = swap_stats(asyncio.run(hot_swaps(two_url, convs, adapters)))
+        res["load"] = load_average()
+        return res
+    finally:
+        for proc in procs:
+            stop(proc)
+        for launcher in launchers:
+            launcher.stop()
+
+
+async def record_turns(base: str, convs: list[list[dict]], temperature: float) -> list[dict]:
+    """One turn per conversation through loopwise at ``temperature`` (``LOGPROB_TOKENS``, ``ignore_eos``), as recorded."""
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    async with client() as c:
+
+        async def one(conv: list[dict]) -> dict:
+            body = {"model": "m", "messages": conv, "max_tokens": LOGPROB_TOKENS, "temperature": temperature, "ignore_eos": True}
+            r = await c.post(base + "/v1/chat/completions", json=body)
+            r.raise_for_status()
+            trajectory = r.json()["loopwise"]["trajectory_id"]
+            for _ in range(200):  # recording is asynchronous
+                t = await c.get(f"{base}/admin/trajectories/{trajectory}", headers=auth)
+                if t.status_code == 200:
+                    [turn] = t.json()["turns"]
+                    return {"context_ids": turn["context_ids"], "output_ids": turn["output_ids"], "logprobs": turn["logprobs"]}
+                await asyncio.sleep(0.1)
+            raise RuntimeError(f"trajectory {trajectory} was not recorded")
+
+        return list(await asyncio.gather(*(one(conv) for conv in convs)))
+
+
+def rescore(model: Path, dtype: str, recorded: dict[float, list[dict]]) -> dict:
+    """The trainer's logprobs of the recorded output ids (``LoRATrainer.token_logprobs``, base model) vs the engine's."""
+    from learner.config import LoRAConfig, TrainerConfig
+    from learner.samples import Sample
+    from learner.trainer import LoRATrainer
+
+    trainer = LoRATrainer(
+        model,
+        TrainerConfig(threads=os.cpu_count() or 1, progress=False, dtype=dtype, autocast="off"),
+        LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj"]),
+    )
+    out: dict = {"trainer": f"LoRATrainer.token_logprobs, {dtype}, autocast off", "tokens_per_turn": LOGPROB_TOKENS}
+    for temperature, turns in recorded.items():
+        samples = [
+            Sample(
+                turn_id=f"t{k}",
+                trajectory_id=f"tr{k}",
+                group_id="g",
+                turn_index=0,
+                context_ids=t["context_ids"],
+                output_ids=t["output_ids"],
+                logprobs=[],
+                loss_mask=[1] * len(t["output_ids"]),
+                adapter=None,
+                adapter_version=0,
+                reward=1.0,
+                trajectory_reward=None,
+                temperature=temperature,
+                created_at=0.0,
+            )
+            for k, t in enumerate(turns)
+        ]
+        diffs = [
+            abs(a - b)
+            for row, t in zip(trainer.token_logprobs(samples, adapter=False), turns, strict=True)
+            for a, b in zip(row, t["logprobs"], strict=True)
+        ]
+        out[f"T={temperature}"] = {"max_abs": max(diffs), "mean_abs": statistics.fmean(diffs), "turns": len(turns), "tokens": len(diffs)}
+    return out
+
+
+def sglang_phase(args: argparse.Namespace, model: Path, work: Path, convs: list[list[dict]], ids: list[list[int]], adapters: list[Path]) -> dict:
+    from runtime.settings import SGLangSettings
+    from runtime.sglang_launcher import SGLangLauncher, resolve_device
+
+    settings = SGLangSettings(max_total_tokens=args.sglang_kv_tokens)  # the Python of `make sglang`'s virtualenv; its CPU path where no CUDA
+    launcher = SGLangLauncher(settings, model, max_lora_rank=8, max_loaded_adapters=MAX_ADAPTERS, dtype=args.dtype)
+    print(f"SGLang: starting 1 server ({args.dtype}, {resolve_device(settings.device)}, {launcher.python})", flush=True)
+    url = launcher.start()
+    proc = None
+    res: dict = {}
+    recorded: dict[float, list[dict]] = {}
+    try:
+        proc, base = start_loopwise(args, model, work, "sglang", ["--backend", "sglang", "--sglang-url", url])
+
+        async def overhead() -> dict:
+            async with client() as c:
+                return await sglang_compare(c, base, url, convs, ids, args.rounds, args.max_tokens)
+
+        res["overhead"] = asyncio.run(overhead())
+        print(f"partial, SGLang overhead (load {load_average()}): {json.dumps(res['overhead'])}", flush=True)
+        if adapters:
+            res["hot_swap_s"] = swap_stats(asyncio.run(hot_swaps(base, convs, adapters)))
+        for temperature in LOGPROB_TEMPERATURES:
+            recorded[temperature] = asyncio.run(record_turns(base, convs, temperature))
+        res["load"] = load_average()
+    finally:
+        if proc is not None:
+            stop(proc)
+        launcher.stop()
+    res["logprobs"] = rescore(model, args.dtype, recorded)  # with SGLang stopped: the cores are the trainer's
+    return res
+
+
+def swap_stats(swaps: list[float]) -> dict:
+    return {"each": swaps, "median": statistics.median(swaps), "max": max(swaps)}
+
+
+def report(res: dict) -> None:
+    print(
+        f"model {Path(res['model']).name} ({res['dtype']}); {res['clients']} clients x {res['rounds']} rounds per side, {res['max_tokens']} new tokens"
+    )
+    print(f"load average before {res['load_before']}, after {res.get('load_after')}")
+    print(f"{'side':28s} {'p50':>9s} {'p95':>9s} {'tok/s':>8s}")
+
+    def row(name: str, side: dict) -> None:
+        print(f"{name:28s} {side['p50_s'] * 1000:7.0f}ms {side['p95_s'] * 1000:7.0f}ms {side['tok_s']:8.1f}")
+
+    if "embedded" in res:
+        row("embedded", res["embedded"])
+    for engine, label in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        if "overhead" not in res.get(engine, {}):
+            continue
+        o = res[engine]["overhead"]
+        row(f"{engine} through loopwise", o["loopwise"])
+        row(f"{engine} direct", o["direct"])
+        print(
+            f"  loopwise overhead on {label}, p50 ratio {o['p50_ratio']:.3f} (target <= 1.10), p95 ratio {o['p95_ratio']:.3f}; same prompt tokens: {o['same_prompt_tokens']}"
+        )
+        if "embedded" in res:
+            print(f"  {label} through loopwise vs embedded, tok/s ratio {o['loopwise']['tok_s'] / res['embedded']['tok_s']:.3f} (separate phases)")
+    if "scaling" in res.get("vllm", {}):
+        s = res["vllm"]["scaling"]
+        row("vllm one replica", s["one_replica"])
+        row("vllm two replicas", s["two_replicas"])
+        print(f"  two vLLM replicas vs one, tok/s ratio {s['tok_s_ratio']:.3f}")
+    for engine, label in (("vllm", "vLLM (2 replicas)"), ("sglang", "SGLang (1 server)")):
+        if "hot_swap_s" in res.get(engine, {}):
+            h = res[engine]["hot_swap_s"]
+            print(
+                f"hot swap into {label}, {res['clients']}-client load: median {h['median']:.3f}s, max {h['max']:.3f}s over {len(h['each'])} (target <= 1 s)"
+            )
+    if "logprobs" in res.get("sglang", {}):
+        lp = res["sglang"]["logprobs"]
+        for temperature in LOGPROB_TEMPERATURES:
+            d = lp[f"T={temperature}"]
+            print(
+                f"trainer vs SGLang logprobs at T={temperature}: max |diff| {d['max_abs']:.2e}, mean {d['mean_abs']:.2e} over {d['tokens']} tokens ({lp['trainer']})"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=None, help="default: embedded and every external engine installed")
     ap.add_argument("--model", default="default", help="'default' (SmolLM2) or a local model folder")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for every engine")
     ap.add_argument("--clients", type=int, default=16)
@@ -189,110 +439,51 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--swaps", type=int, default=5)
     ap.add_argument("--kv-cache", default="256M", help="vLLM KV cache per server")
-    ap.add_argument("--skip-scaling", action="store_true")
+    ap.add_argument("--sglang-kv-tokens", type=int, default=None, help="SGLang --max-total-tokens (default: the launcher's, 16384 on CPU)")
+    ap.add_argument("--skip-scaling", action="store_true", help="leave out vLLM's one-vs-two replicas")
     ap.add_argument("--data-dir", default=str(ROOT / ".data"))
     args = ap.parse_args()
+    if args.engines is None:
+        engines = [e for e in ENGINES if installed(e)]
+    else:
+        engines = [e for e in ENGINES if e in args.engines]
+        if missing := [e for e in engines if not installed(e)]:
+            ap.error("; ".join(f"{e} is not installed: `make {e}` installs it into its own virtualenv" for e in missing))
 
+    import structlog
     from transformers import AutoTokenizer
 
-    from runtime.launcher import start_all
     from runtime.model_store import resolve_model
-    from runtime.settings import VLLMSettings
-    from runtime.vllm_launcher import vllm_launchers
 
     model = resolve_model(args.model, Path(args.data_dir) / "models") if args.model in ("tiny", "default") else Path(args.model)
     work = Path(tempfile.mkdtemp(prefix="engines-bench-"))
     (work / "adapters").mkdir()
-    tok = AutoTokenizer.from_pretrained(model)
-    convs = [[{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}. Request {i}."}] for i in range(args.clients)]
-    ids = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)) for c in convs]
-    adapters = make_adapters(model, work / "adapters", args.swaps) if args.swaps else []
-    settings = VLLMSettings(kv_cache=args.kv_cache, replicas=2)  # as --vllm-launch --vllm-replicas 2: one core each on 2 cores
-    launchers = vllm_launchers(settings, model, served_name="m", max_lora_rank=8, max_loaded_adapters=MAX_ADAPTERS, dtype=args.dtype)
-    print(f"starting 2 vLLM servers ({args.dtype}, KV cache {args.kv_cache} each), log in {work}", flush=True)
-    v1, v2 = start_all(launchers)
-    procs: list[subprocess.Popen[str]] = []
-    res: dict = {"model": str(model), "dtype": args.dtype, "clients": args.clients, "max_tokens": args.max_tokens, "rounds": args.rounds}
-    try:
-        emb, emb_url = start_loopwise(args, model, work, "embedded", [])
-        one, one_url = start_loopwise(args, model, work, "vllm-1", ["--backend", "vllm", "--engine-url", v1])
-        procs += [emb, one]
-
-        async def overhead() -> dict:
-            async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
-                check = await asyncio.gather(*(via_loopwise(client, one_url, c, 2) for c in convs))
-                await asyncio.gather(*(via_loopwise(client, emb_url, c, 2) for c in convs))
-                await asyncio.gather(*(direct(client, v1, "m", i, 2) for i in ids))
-                same = all(p == len(ids[k]) for k, (_, p, _, _) in enumerate(check))
-                out = await rounds(
-                    {
-                        "embedded": lambda: asyncio.gather(*(via_loopwise(client, emb_url, c, args.max_tokens) for c in convs)),
-                        "vllm_loopwise": lambda: asyncio.gather(*(via_loopwise(client, one_url, c, args.max_tokens) for c in convs)),
-                        "vllm_direct": lambda: asyncio.gather(*(direct(client, v1, "m", i, args.max_tokens) for i in ids)),
-                    },
-                    args.rounds,
-                )
-                out["same_prompt_tokens"] = same
-                return out
-
-        res["load_before"] = load_average()
-        res["overhead"] = asyncio.run(overhead())
-        o = res["overhead"]
-        o["p50_ratio_loopwise_vs_direct"] = o["vllm_loopwise"]["p50_s"] / o["vllm_direct"]["p50_s"]
-        o["tok_s_ratio_vllm_vs_embedded"] = o["vllm_loopwise"]["tok_s"] / o["embedded"]["tok_s"]
-        print(f"partial, overhead (load {load_average()}): {json.dumps(o)}", flush=True)  # a run cut short still reports
-        stop(emb)
-        procs.remove(emb)
-        two, two_url = start_loopwise(args, model, work, "vllm-2", ["--backend", "vllm", "--engine-url", v1, "--engine-url", v2])
-        procs.append(two)
-        if not args.skip_scaling:
-
-            async def scaling() -> dict:
-                async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
-                    await asyncio.gather(*(via_loopwise(client, two_url, c, 2) for c in convs))
-                    return await rounds(
-                        {
-                            "one_replica": lambda: asyncio.gather(*(via_loopwise(client, one_url, c, args.max_tokens) for c in convs)),
-                            "two_replicas": lambda: asyncio.gather(*(via_loopwise(client, two_url, c, args.max_tokens) for c in convs)),
-                        },
-                        args.rounds,
-                    )
-
-            res["scaling"] = asyncio.run(scaling())
-            s = res["scaling"]
-            s["tok_s_ratio"] = s["two_replicas"]["tok_s"] / s["one_replica"]["tok_s"]
-            print(f"partial, scaling (load {load_average()}): {json.dumps(s)}", flush=True)
-        if adapters:
-            swaps = asyncio.run(hot_swaps(two_url, convs, adapters))
-            res["hot_swap_s"] = {"each": swaps, "median": statistics.median(swaps), "max": max(swaps)}
+    structlog.configure(logger_factory=structlog.WriteLoggerFactory(file=open(work / "launchers.log", "a")))  # the launched servers' output
+    print(f"engines: {', '.join(engines)}; logs in {work}", flush=True)
+    convs, ids = conversations(AutoTokenizer.from_pretrained(model), args.clients)
+    external = [e for e in engines if e != "embedded"]
+    adapters = make_adapters(model, work / "adapters", args.swaps) if args.swaps and external else []
+    res: dict = {
+        "model": str(model),
+        "dtype": args.dtype,
+        "clients": args.clients,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "engines": engines,
+    }
+    res["load_before"] = load_average()
+    out = ROOT / "bench" / "results" / "engines.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    phases = {"embedded": lambda: embedded_phase(args, model, work, convs), "vllm": lambda: vllm_phase(args, model, work, convs, ids, adapters)}
+    phases["sglang"] = lambda: sglang_phase(args, model, work, convs, ids, adapters)
+    for engine in engines:
+        t0 = time.monotonic()
+        res[engine] = phases[engine]()
+        res[engine]["phase_s"] = time.monotonic() - t0
         res["load_after"] = load_average()
-    finally:
-        for proc in procs:
-            stop(proc)
-        for launcher in launchers:
-            launcher.stop()
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "engines.json").write_text(json.dumps(res, indent=2))
-
-    o = res["overhead"]
-    print(f"model {model.name} ({args.dtype}); {args.clients} clients x {args.rounds} rounds per side, {args.max_tokens} new tokens")
-    print(f"load average before {res['load_before']}, after {res['load_after']}; same prompt tokens: {o['same_prompt_tokens']}")
-    print(f"{'side':28s} {'p50':>9s} {'p95':>9s} {'tok/s':>8s}")
-    for side in ("embedded", "vllm_loopwise", "vllm_direct"):
-        print(f"{side:28s} {o[side]['p50_s'] * 1000:7.0f}ms {o[side]['p95_s'] * 1000:7.0f}ms {o[side]['tok_s']:8.1f}")
-    print(f"loopwise overhead on vLLM, p50 ratio: {o['p50_ratio_loopwise_vs_direct']:.3f} (target <= 1.10)")
-    print(f"vLLM through loopwise vs embedded, tok/s ratio: {o['tok_s_ratio_vllm_vs_embedded']:.3f}")
-    if "scaling" in res:
-        s = res["scaling"]
-        for side in ("one_replica", "two_replicas"):
-            print(f"{side:28s} {s[side]['p50_s'] * 1000:7.0f}ms {s[side]['p95_s'] * 1000:7.0f}ms {s[side]['tok_s']:8.1f}")
-        print(f"two replicas vs one, tok/s ratio: {s['tok_s_ratio']:.3f}")
-    if "hot_swap_s" in res:
-        h = res["hot_swap_s"]
-        print(
-            f"hot swap into vLLM (2 replicas, 16-client load): median {h['median']:.3f}s, max {h['max']:.3f}s over {len(h['each'])} (target <= 1 s)"
-        )
+        out.write_text(json.dumps(res, indent=2))  # after each phase: a run cut short still reports
+        print(f"{engine} done in {res[engine]['phase_s']:.0f}s (load {res['load_after']})", flush=True)
+    report(res)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ p50 ratio (target ≤ 1.10), and throughput. Results also go to bench/results/sg
 
 On CPU against the fake this measures loopwise's HTTP + templating + recording cost relative to a
 tiny model's generation time, so it is pessimistic; ``bench/gpu_sglang.sh`` runs it against a real
-SGLang on a GPU. Not here: timed assertions (never in tests).
+SGLang on a GPU, and ``bench/engines.py`` runs ``compare`` (the measurement, shared) against SGLang's CPU server.
+Not here: timed assertions (never in tests).
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ async def side_loopwise(client: httpx.AsyncClient, base: str, messages: list[dic
 
 
 async def side_direct(client: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int) -> tuple[float, int, int]:
-    body = {
+    body = {  # what loopwise's SGLang engine sends for a recorded, greedy, non-streamed request (less its rid)
         "input_ids": ids,
-        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "skip_special_tokens": True},
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "top_p": 1.0, "ignore_eos": True, "skip_special_tokens": True},
+        "stream": False,
         "return_logprob": True,
         "top_logprobs_num": 0,
     }
@@ -88,35 +90,39 @@ async def side_direct(client: httpx.AsyncClient, url: str, ids: list[int], max_t
     return dt, meta["prompt_tokens"], meta["completion_tokens"]
 
 
-async def run(args: argparse.Namespace, model: Path, sglang_url: str, base: str) -> dict:
-    from transformers import AutoTokenizer
+def conversations(tok, n: int) -> tuple[list[list[dict]], list[list[int]]]:
+    """``n`` one-message chats and the prompt token ids loopwise sends for each (the chat template, the same tokenizer)."""
+    convs = [[{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}. Request {i}."}] for i in range(n)]
+    return convs, [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)) for c in convs]
 
-    tok = AutoTokenizer.from_pretrained(model)
-    convs = [[{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}. Request {i}."}] for i in range(args.clients)]
-    ids = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)) for c in convs]
+
+async def compare(
+    client: httpx.AsyncClient, base: str, sglang_url: str, convs: list[list[dict]], ids: list[list[int]], rounds: int, max_tokens: int
+) -> dict:
+    """Loopwise at ``base`` vs SGLang's ``/generate`` at ``sglang_url``: all of ``convs`` at once per round and side, alternating.
+
+    Returns per side p50/p95 latency and completion tok/s, their ratios, and whether loopwise saw ``ids``'s prompt lengths."""
     lat: dict[str, list[float]] = {"loopwise": [], "direct": []}
     tokens = {"loopwise": 0, "direct": 0}
     wall = {"loopwise": 0.0, "direct": 0.0}
-    limits = httpx.Limits(max_connections=args.clients * 2)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        # warm-up, and the check that both sides see the same prompt tokens
-        check = await asyncio.gather(*(side_loopwise(client, base, c, 2) for c in convs))
-        await asyncio.gather(*(side_direct(client, sglang_url, i, 2) for i in ids))
-        mismatched = [k for k, (_, p, _) in enumerate(check) if p != len(ids[k])]
-        if mismatched:
-            print(f"warning: prompt token counts differ for {len(mismatched)} conversations (template differs from loopwise's)", flush=True)
-        for rnd in range(args.rounds):
-            order = ["loopwise", "direct"] if rnd % 2 == 0 else ["direct", "loopwise"]
-            for side in order:
-                t0 = time.perf_counter()
-                if side == "loopwise":
-                    res = await asyncio.gather(*(side_loopwise(client, base, c, args.max_tokens) for c in convs))
-                else:
-                    res = await asyncio.gather(*(side_direct(client, sglang_url, i, args.max_tokens) for i in ids))
-                wall[side] += time.perf_counter() - t0
-                lat[side] += [r[0] for r in res]
-                tokens[side] += sum(r[2] for r in res)
-    out: dict = {"clients": args.clients, "rounds": args.rounds, "max_tokens": args.max_tokens, "same_prompt_tokens": not mismatched}
+    # warm-up, and the check that both sides see the same prompt tokens
+    check = await asyncio.gather(*(side_loopwise(client, base, c, 2) for c in convs))
+    await asyncio.gather(*(side_direct(client, sglang_url, i, 2) for i in ids))
+    mismatched = [k for k, (_, p, _) in enumerate(check) if p != len(ids[k])]
+    if mismatched:
+        print(f"warning: prompt token counts differ for {len(mismatched)} conversations (template differs from loopwise's)", flush=True)
+    for rnd in range(rounds):
+        order = ["loopwise", "direct"] if rnd % 2 == 0 else ["direct", "loopwise"]
+        for side in order:
+            t0 = time.perf_counter()
+            if side == "loopwise":
+                res = await asyncio.gather(*(side_loopwise(client, base, c, max_tokens) for c in convs))
+            else:
+                res = await asyncio.gather(*(side_direct(client, sglang_url, i, max_tokens) for i in ids))
+            wall[side] += time.perf_counter() - t0
+            lat[side] += [r[0] for r in res]
+            tokens[side] += sum(r[2] for r in res)
+    out: dict = {"clients": len(convs), "rounds": rounds, "max_tokens": max_tokens, "same_prompt_tokens": not mismatched}
     for side in lat:
         out[side] = {
             "p50_s": statistics.median(lat[side]),
@@ -128,6 +134,14 @@ async def run(args: argparse.Namespace, model: Path, sglang_url: str, base: str)
     out["p95_ratio"] = out["loopwise"]["p95_s"] / out["direct"]["p95_s"]
     out["tok_s_ratio"] = out["loopwise"]["tok_s"] / out["direct"]["tok_s"]
     return out
+
+
+async def run(args: argparse.Namespace, model: Path, sglang_url: str, base: str) -> dict:
+    from transformers import AutoTokenizer
+
+    convs, ids = conversations(AutoTokenizer.from_pretrained(model), args.clients)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=args.clients * 2)) as client:
+        return await compare(client, base, sglang_url, convs, ids, args.rounds, args.max_tokens)
 
 
 def main() -> None:
