@@ -4,6 +4,12 @@
         --max-turns 3 --max-tokens 64 --seeds 0,1,2 --budget 8000          # SmolLM2, TCPO's verifier-feedback mode
     .venv/bin/python bench/rtpo_compare.py --seeds 0,1,2 --budget 6000          # SmolLM2, FrozenLake
     .venv/bin/python bench/rtpo_compare.py --model tiny --seeds 0 --budget 300  # smoke run
+    ... the same command --resume                                                 # continue a cut run (or add --seeds)
+
+A run is resumable (runs of hours span days): ``rtpo_compare.json`` holds the design, the base evaluation and
+every finished arm; ``arm-<family>.json`` the running arm's iterations, written after each update (whose learner
+checkpoint is written before it). ``--resume`` restarts the server on the same data folder, skips finished arms,
+and continues a cut arm from its learner's checkpoint, recording where it resumed (``resumed`` in the arm).
 
 Task: ``frozenlake`` by default (random 4x4 maps, deterministic moves), one action per turn, the
 episode reward (1 at the goal) as the outcome reward; ``--task calc_arith --stop-policy fixed
@@ -75,8 +81,17 @@ def run_arm(url: str, key: str, data: Path, model_path: Path, est: str, seed: in
         "rerollouts": {"branches": args.branches, "siblings": args.siblings, "refresh": True},
     }
     svc = service(url, key, data, model_path, name, settings)
-    spent, it, curve = 0, 0, []
-    t0 = time.perf_counter()
+    progress = args.out / f"arm-{family}.json"  # written after every iteration: a killed run resumes the arm here
+    state: dict[str, Any] = {"spent": 0, "it": 0, "curve": [], "wall_s": 0.0, "final": None, "resumed": []}
+    if progress.exists():
+        state = json.loads(progress.read_text())
+        state["resumed"].append({"iteration": state["it"], "tokens": state["spent"], "learner_version": svc.status.champion})
+        print(
+            f"  {family}: resumed at iteration {state['it']} ({state['spent']} tokens), learner at {svc.status.champion or 'the base (no version yet)'}",
+            flush=True,
+        )
+    spent, it, curve = state["spent"], state["it"], state["curve"]
+    t0 = time.perf_counter() - state["wall_s"]
     while spent < args.budget:
         problems = [seed * 10_000 + it * args.prompts + j for j in range(args.prompts)]
         runs = rollouts(url, name, args.task, problems, args.group, seed=seed)
@@ -88,10 +103,13 @@ def run_arm(url: str, key: str, data: Path, model_path: Path, est: str, seed: in
         curve.append({"iteration": it, "tokens": spent, "train_success": success, "optimizer_step": rec["metrics"].get("optimizer_step")})
         print(f"  {family} it {it}: success {success:.2f}, tokens {spent}, siblings {rr.get('siblings', 0)}", flush=True)
         it += 1
-    final = svc.status.champion
+        state.update(spent=spent, it=it, curve=curve, wall_s=time.perf_counter() - t0, final=svc.status.champion)
+        write_json(progress, state)
+    final = svc.status.champion or state["final"]
     wall = time.perf_counter() - t0
     del svc
-    return {"estimator": est, "seed": seed, "family": family, "final": final, "iterations": it, "tokens": spent, "curve": curve, "wall_s": wall}
+    arm = {"estimator": est, "seed": seed, "family": family, "final": final, "iterations": it, "tokens": spent, "curve": curve, "wall_s": wall}
+    return arm | ({"resumed": state["resumed"]} if state["resumed"] else {})
 
 
 def plot(arms: list[dict[str, Any]], out: Path, title: str) -> None:
@@ -122,6 +140,12 @@ def plot(arms: list[dict[str, Any]], out: Path, title: str) -> None:
     plt.close(fig)
 
 
+def save(path: Path, design: dict[str, str], args: argparse.Namespace, base_runs: list[bool], arms: list[dict[str, Any]]) -> None:
+    """The run so far: its design (what ``--resume`` checks), the base evaluation and every finished arm."""
+    args_s = {k: str(v) for k, v in vars(args).items()}
+    write_json(path, {"design": design, "args": args_s, "base": sum(base_runs) / len(base_runs), "base_runs": base_runs, "arms": arms})
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
@@ -140,22 +164,43 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--n-eval", type=int, default=24)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rtpo_compare")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out (same design; --seeds may add seeds): finished arms are kept, a cut arm resumes "
+        "from its learner's checkpoint and its last iteration",
+    )
     args = p.parse_args()
 
-    arms: list[dict[str, Any]] = []
-    with bench_server(args.model, args.out) as srv:
-        base_runs = base_heldout(srv, agent("fl-eval", None, args), args.task, args.n_eval)
+    design = {k: str(v) for k, v in vars(args).items() if k not in ("resume", "seeds")}
+    results = args.out / "rtpo_compare.json"
+    done: dict[str, Any] = json.loads(results.read_text()) if args.resume and results.exists() else {}
+    if done and done.get("design") != design:
+        changed = sorted(k for k in design if done.get("design", {}).get(k) != design[k])
+        raise SystemExit(f"--resume: {results} was run with another design (differs in {', '.join(changed)}); fix the design or start anew")
+    arms: list[dict[str, Any]] = list(done.get("arms", []))
+    with bench_server(args.model, args.out, resume=args.resume) as srv:
+        add_agent(srv.url, srv.key, agent("fl-eval", None, args))
+        if "base_runs" in done:
+            base_runs = [bool(b) for b in done["base_runs"]]
+            print(f"resumed: {len(arms)} arm(s) finished, base held-out success {sum(base_runs) / len(base_runs):.3f} (from the run)", flush=True)
+        else:
+            base_runs = base_heldout(srv, agent("fl-eval", None, args), args.task, args.n_eval)
+            save(results, design, args, base_runs, arms)
         base_success = sum(base_runs) / len(base_runs)
         print(f"base held-out success {base_success:.3f} (n={args.n_eval})", flush=True)
         seeds = [int(s) for s in args.seeds.split(",")]
+        finished = {(a["estimator"], a["seed"]) for a in arms}
         # interleaved: seed by seed, every estimator, so the machine's load (other users) hits all arms alike
         for seed in seeds:
             for est in args.estimators.split(","):
+                if (est, seed) in finished:
+                    continue
                 print(f"arm {est} seed {seed}", flush=True)
                 arm = run_arm(srv.url, srv.key, srv.data, srv.model_path, est, seed, args)
                 final_heldout(srv, "fl-eval", args.task, args.n_eval, arm)
                 arms.append(arm)
-                write_json(args.out / "rtpo_compare.json", {"args": {k: str(v) for k, v in vars(args).items()}, "base": base_success, "arms": arms})
+                save(results, design, args, base_runs, arms)
     plot(arms, args.out / "rtpo_compare.png", args.task)
     report(arms, base_runs, args)
     print(f"plot: {args.out / 'rtpo_compare.png'}")
