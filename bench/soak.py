@@ -20,8 +20,27 @@ ask for ``soak``, the rest for the base model.
 Printed (and written to ``bench/results/soak.json``): honest p50 / p95 latency per side and the hostile /
 calm ratios (target <= 1.2), honest 5xx count (target 0), answered honest turns missing from the store after
 shutdown (target 0), the hostile client's status codes (any 5xx is a finding), and the server's RSS per
-round (flat: the last rounds' median within 10% of the first's), with ``uptime``'s load at the start and end.
+round (flat: the last quarter's median within 5% of the median of round 3, after the first calm and hostile rounds
+have grown the KV pools to the batch's size; the first quarter's median is printed too), with ``uptime``'s load at
+the start and end.
 Not here: timed assertions (this prints figures); GPU runs.
+
+Finding memory growth (opt-in, never in a production path): ``--memprobe DIR`` starts ``serve.py`` through this
+script (``--memprobe-serve``), which installs a ``SIGUSR1`` handler before running ``serve.py`` unchanged; the soak
+signals it at the end of every round, and the server appends one JSON line to ``DIR/probe.jsonl``: VmRSS and
+``/proc/self/smaps_rollup``, glibc's ``mallinfo2`` (bytes in use vs free-but-kept in the arenas, mmapped bytes) and
+``malloc_info`` (the number of arenas, each one's size and free bytes), the thread count, and with
+``--memprobe-frames N`` (N > 0: ``tracemalloc`` with N frames, started at the first probe, after the warm-up round,
+so that only blocks allocated since then are traced and a snapshot stays cheap) the traced Python total, the 25
+call sites that grew most since the previous probe, and the 25 that hold most of what is still alive from since the
+first (growth that stays there is a leak; growth of RSS that neither ``mallinfo2``'s in-use bytes nor the traced
+total follow is the allocator keeping freed memory). A probe blocks the server's event loop while it runs.
+``--malloc-trim-s S`` (with ``--memprobe``) has the server call ``malloc_trim(0)`` every S seconds on a thread of the
+probe, ``--engine-fcfs`` (with ``--memprobe``) puts the embedded engine's admission back to first-come-first-served
+(no per-owner counters) in the server, for an A/B of the fair share, and ``--server-env K=V`` sets an environment
+variable for the server (e.g. ``MALLOC_ARENA_MAX=2``), to measure remedies. Every run also samples the engine's
+waiting and running requests (``/metrics``) with the RSS: a waiting count of 0 means admission into the batch was
+never contended, so its order (the fair share) could not matter.
 """
 
 from __future__ import annotations
@@ -32,6 +51,7 @@ import json
 import os
 import random
 import re
+import signal
 import sqlite3
 import statistics
 import subprocess
@@ -66,9 +86,23 @@ def load() -> str:
 
 def start_server(args: argparse.Namespace, data: Path) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, str(ROOT / "serve.py"), "--model", args.model, "--served-model-name", "base", "--port", "0", "--data-dir", str(data)]
+    if args.memprobe:  # the same serve.py, started through the probe (module docstring)
+        Path(args.memprobe).mkdir(parents=True, exist_ok=True)
+        cmd[1:2] = [
+            str(Path(__file__).resolve()),
+            MEMPROBE_SERVE,
+            args.memprobe,
+            str(args.memprobe_frames),
+            str(args.malloc_trim_s),
+            "fcfs" if args.engine_fcfs else "fair",
+            str(ROOT / "serve.py"),
+        ]
     cmd += ["--no-learner"]
     cmd += ["--dtype", args.dtype, "--admin-key-file", str(data.parent / "admin.key")]
     env = {**os.environ, "LOOPWISE_API_KEYS": ",".join([*HONEST_KEYS, HOSTILE_KEY])}
+    for kv in args.server_env:
+        k, _, v = kv.partition("=")
+        env[k] = v
     (data.parent / "admin.key").write_text(ADMIN_KEY + "\n")
     log = open(data.parent / "server.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
@@ -81,6 +115,147 @@ def start_server(args: argparse.Namespace, data: Path) -> tuple[subprocess.Popen
         if m := re.search(r"on (http://[\d.]+:\d+)/v1", line):
             return proc, m.group(1)
     raise TimeoutError("server did not start")
+
+
+# ---- the memory probe (opt-in: --memprobe) ---------------------------------------------------------------
+
+MEMPROBE_SERVE = "--memprobe-serve"
+
+
+def _proc_fields(path: str, names: tuple[str, ...]) -> dict[str, float]:
+    """``name: N kB`` lines of a /proc file, in MB."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in names:
+            out[key] = int(rest.split()[0]) / 1024
+    return out
+
+
+def _malloc_state(libc: Any) -> dict[str, Any]:
+    """glibc's view: mallinfo2 (all arenas) and malloc_info's per-arena sizes, in MB."""
+    import ctypes
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [
+            (n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        ]
+
+    libc.mallinfo2.restype = Mallinfo2
+    mi = libc.mallinfo2()
+    state: dict[str, Any] = {
+        "malloc_arena_mb": mi.arena / 2**20,  # bytes the arenas took from the system (sbrk + arena mmaps)
+        "malloc_in_use_mb": mi.uordblks / 2**20,  # bytes allocated and not freed, in the arenas
+        "malloc_free_kept_mb": mi.fordblks / 2**20,  # freed bytes the arenas keep (RSS only where touched)
+        "malloc_mmapped_mb": mi.hblkhd / 2**20,  # large blocks served by their own mmap (returned on free)
+        "malloc_mmapped_blocks": mi.hblks,
+    }
+    fd, path = tempfile.mkstemp(prefix="malloc-info-")
+    os.close(fd)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    fp = libc.fopen(path.encode(), b"w")
+    libc.malloc_info(0, fp)
+    libc.fclose(fp)
+    xml = Path(path).read_text()
+    os.unlink(path)
+    heaps = re.findall(r'<heap nr="(\d+)">(.*?)</heap>', xml, re.S)
+    arenas = []
+    for nr, body in heaps:
+        cur = re.search(r'<system type="current" size="(\d+)"', body)
+        rest = re.search(r'<total type="rest" count="\d+" size="(\d+)"', body)
+        arenas.append((int(nr), round(int(cur.group(1)) / 2**20, 1) if cur else None, round(int(rest.group(1)) / 2**20, 1) if rest else None))
+    state["arenas"] = len(arenas)
+    state["arena_mb_free_mb"] = [[s, f] for _, s, f in arenas]  # per arena: its size and the free bytes in it
+    return state
+
+
+def _fcfs_pop(self: Any) -> Any:
+    """``FairQueue.pop`` as before the fair share: the earliest arrival of any owner."""
+    waiting = self._waiting
+    if not waiting:
+        return None
+    owner = min(waiting, key=lambda o: waiting[o][0][0])
+    _, item = waiting[owner].popleft()
+    if not waiting[owner]:
+        del waiting[owner]
+    self._len -= 1
+    self._running[owner] = self._running.get(owner, 0) + 1
+    return item
+
+
+def _memprobe_serve(argv: list[str]) -> None:
+    """Run serve.py (argv[3:]) in this process with the probe installed (module docstring)."""
+    import ctypes
+    import runpy
+    import signal
+    import threading
+    import tracemalloc
+
+    out, frames, trim_s, order, serve = Path(argv[0]), int(argv[1]), float(argv[2]), argv[3], argv[4]
+    if order == "fcfs":
+        from runtime.engines.fair_share import FairQueue
+
+        FairQueue.pop = _fcfs_pop  # type: ignore[method-assign]
+    libc = ctypes.CDLL("libc.so.6")
+    seen: dict[str, Any] = {"n": 0, "prev": None, "busy": False, "trims": 0, "trimmed_mb": 0.0}
+
+    def growth(now: dict[Any, tuple[int, int]], then: dict[Any, tuple[int, int]] | None) -> list[dict[str, Any]]:
+        if then is None:
+            return []
+        rows = [(size - then.get(tb, (0, 0))[0], count - then.get(tb, (0, 0))[1], tb) for tb, (size, count) in now.items()]
+        rows.sort(key=lambda r: r[0], reverse=True)
+        return [{"kb": round(d / 1024, 1), "blocks": c, "where": [f"{f.filename}:{f.lineno}" for f in tb]} for d, c, tb in rows[:25]]
+
+    def probe(signum: int, frame: Any) -> None:
+        if seen["busy"]:  # a signal that arrives while a probe runs (handlers can nest) is dropped
+            return
+        seen["busy"] = True
+        try:
+            measure()
+        finally:
+            seen["busy"] = False
+
+    def measure() -> None:
+        t0 = time.perf_counter()
+        rec: dict[str, Any] = {"n": seen["n"], "t": time.time()}
+        rec.update(_proc_fields("/proc/self/status", ("VmRSS", "RssAnon", "RssFile", "Threads")))
+        rec["Threads"] = int(rec["Threads"] * 1024)
+        rec.update({f"rollup_{k}": v for k, v in _proc_fields("/proc/self/smaps_rollup", ("Rss", "Anonymous", "Private_Dirty", "Swap")).items()})
+        rec.update(_malloc_state(libc))
+        rec["trims"], rec["trimmed_mb"] = seen["trims"], round(seen["trimmed_mb"], 1)
+        if frames and tracemalloc.is_tracing():
+            # traced: only blocks allocated since the first probe (after warm-up) and still alive, so the snapshot is small
+            snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+            stats = {s.traceback: (s.size, s.count) for s in snap.statistics("traceback")}
+            del snap
+            rec["traced_mb"] = tracemalloc.get_traced_memory()[0] / 2**20
+            rec["growth_since_previous"] = growth(stats, seen["prev"])
+            rec["alive_since_first"] = growth(stats, {})
+            seen["prev"] = stats
+        elif frames:
+            tracemalloc.start(frames)
+        rec["probe_s"] = round(time.perf_counter() - t0, 2)
+        with open(out / "probe.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        seen["n"] += 1
+
+    def trim_forever() -> None:
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        while True:
+            time.sleep(trim_s)
+            before = rss_mb(os.getpid())
+            libc.malloc_trim(0)
+            seen["trims"] += 1
+            seen["trimmed_mb"] += before - rss_mb(os.getpid())
+
+    signal.signal(signal.SIGUSR1, probe)
+    if trim_s > 0:
+        threading.Thread(target=trim_forever, name="memprobe-trim", daemon=True).start()
+    sys.argv = [serve, *argv[5:]]
+    runpy.run_path(serve, run_name="__main__")
 
 
 def make_adapter(model_dir: Path, out: Path, seed: int) -> None:
@@ -101,6 +276,8 @@ def make_adapter(model_dir: Path, out: Path, seed: int) -> None:
 
 class Stats:
     def __init__(self) -> None:
+        self.engine: dict[str, list[tuple[float, float]]] = {"calm": [], "hostile": []}  # (waiting, running) per sample
+        self.rss_rounds: list[list[float]] = []  # the server's RSS samples, round by round
         self.latency: dict[str, list[float]] = {"calm": [], "hostile": []}
         self.status: dict[str, Counter[int]] = {"calm": Counter(), "hostile": Counter()}
         self.turns: list[str] = []
@@ -218,20 +395,42 @@ async def run(args: argparse.Namespace, url: str, pid: int, adapters: list[Path]
         for k in range(rounds):
             phase["side"] = "calm" if k % 2 == 0 else "hostile"
             end = time.monotonic() + args.round_s
+            stats.rss_rounds.append([])
             while time.monotonic() < end:
                 await asyncio.sleep(min(5.0, end - time.monotonic()))
                 rss.append((phase["side"], rss_mb(pid)))
+                stats.rss_rounds[-1].append(rss[-1][1])
+                if (sample := await engine_load(client)) is not None:
+                    stats.engine[phase["side"]].append(sample)
             print(
                 f"round {k + 1}/{rounds} ({phase['side']}): rss {rss[-1][1]:.0f} MB, honest {sum(stats.status['calm'].values()) + sum(stats.status['hostile'].values())} requests",
                 flush=True,
             )
+            if args.memprobe:
+                os.kill(pid, signal.SIGUSR1)  # the server appends this round's line to probe.jsonl
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
     return stats, swaps, rss
 
 
+async def engine_load(client: httpx.AsyncClient) -> tuple[float, float] | None:
+    """The engine's waiting and running requests now (``/metrics``): whether admission into the batch is contended at all."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return None
+    found = dict(re.findall(r"^loopwise_(queue_depth|running_requests) ([\d.]+)$", text, re.M))
+    if len(found) < 2:
+        return None
+    return float(found["queue_depth"]), float(found["running_requests"])
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[int(q) - 1] if len(xs) >= 2 else float("nan")
+
+
+def _max_mean(xs: list[float]) -> tuple[float, float] | None:
+    return (max(xs), round(statistics.fmean(xs), 1)) if xs else None
 
 
 def main() -> None:
@@ -243,7 +442,16 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--hostile-workers", type=int, default=4)
     ap.add_argument("--attacks", default="", help="comma-separated attack names to use (default: all); for finding which one hurts")
+    ap.add_argument("--memprobe", default="", metavar="DIR", help="probe the server's memory every round into DIR/probe.jsonl (see above)")
+    ap.add_argument("--memprobe-frames", type=int, default=0, metavar="N", help="with --memprobe: tracemalloc with N frames (0: off)")
+    ap.add_argument("--engine-fcfs", action="store_true", help="with --memprobe: the engine admits first-come-first-served (A/B)")
+    ap.add_argument("--malloc-trim-s", type=float, default=0.0, metavar="S", help="with --memprobe: malloc_trim(0) in the server every S seconds")
+    ap.add_argument(
+        "--server-env", action="append", default=[], metavar="K=V", help="set an environment variable for the server, e.g. MALLOC_ARENA_MAX=2"
+    )
     args = ap.parse_args()
+    if (args.malloc_trim_s or args.engine_fcfs) and not args.memprobe:
+        ap.error("--malloc-trim-s and --engine-fcfs need --memprobe DIR")
     from runtime.model_store import resolve_model
 
     tmp = Path(tempfile.mkdtemp(prefix="loopwise-soak-"))
@@ -277,6 +485,8 @@ def main() -> None:
     hostile_5xx = {k: v for k, v in stats.hostile.items() if int(k.rsplit(":", 1)[1]) >= 500}
     first = statistics.median(v for s, v in rss[: max(1, len(rss) // 4)])
     last = statistics.median(v for s, v in rss[-max(1, len(rss) // 4) :])
+    # after warm-up: the third round, once a calm and a hostile round have grown the KV pools to the batch's size
+    warm = statistics.median(stats.rss_rounds[2]) if len(stats.rss_rounds) >= 4 and stats.rss_rounds[2] else float("nan")
     result = {
         "model": args.model,
         "dtype": args.dtype,
@@ -293,10 +503,18 @@ def main() -> None:
         "hostile_statuses": dict(sorted(stats.hostile.items())),
         "hostile_5xx": hostile_5xx,
         "hot_swaps": len(swaps),
+        "engine_waiting_max_mean": {side: _max_mean([w for w, _ in xs]) for side, xs in stats.engine.items()},
+        "engine_running_max_mean": {side: _max_mean([r for _, r in xs]) for side, xs in stats.engine.items()},
         "rss_mb_first_quarter": first,
         "rss_mb_last_quarter": last,
         "load_start": start_load,
         "load_end": end_load,
+        "rss_mb_after_warmup": warm,
+        "rss_growth_after_warmup": last / warm - 1,
+        "rss_mb_per_sample": [round(v, 1) for _, v in rss],
+        "server_env": args.server_env,
+        "malloc_trim_s": args.malloc_trim_s,
+        "engine_admission": "fcfs" if args.engine_fcfs else "fair share (VTC)",
     }
     out = ROOT / "bench" / "results" / "soak.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -305,10 +523,14 @@ def main() -> None:
     print(
         f"\nhonest p50 {result['p50_s']['calm']:.3f} -> {result['p50_s']['hostile']:.3f} s (x{result['p50_ratio']:.2f}), "
         f"p95 {result['p95_s']['calm']:.3f} -> {result['p95_s']['hostile']:.3f} s (x{result['p95_ratio']:.2f}); honest 5xx {honest_5xx}; "
-        f"turns lost {lost} of {len(answered)}; hostile 5xx {sum(hostile_5xx.values())}; RSS {first:.0f} -> {last:.0f} MB; "
+        f"turns lost {lost} of {len(answered)}; hostile 5xx {sum(hostile_5xx.values())}; RSS {first:.0f} -> {last:.0f} MB "
+        f"({warm:.0f} after warm-up: {100 * (last / warm - 1):+.1f} %); "
         f"{len(swaps)} hot swaps; load {start_load} -> {end_load}"
     )
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == MEMPROBE_SERVE:
+        _memprobe_serve(sys.argv[2:])
+    else:
+        main()

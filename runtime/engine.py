@@ -130,6 +130,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     adapter: str | None = None  # None serves the base model
     session: str | None = None  # the conversation's routing key: replicas of an external engine keep a session on one server
+    owner: str | None = None  # the API key's identity: the embedded engine shares its batch fairly between owners
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,7 @@ class Prepared:
     completion_tokens: int = 0  # filled in as the choices finish
     tag: str | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.. (choice 0's engine request), once it answered
+    owner: str = PUBLIC_OWNER  # the API key's identity: the embedded engine shares its batch fairly between owners
 
     @property
     def prompt_tokens(self) -> int:
@@ -327,7 +328,7 @@ class Generation:
                 logit_bias=logit_bias,
                 prompt_logprobs=req.prompt_logprobs if i == 0 else None,
             )
-            engine_reqs.append(GenerateRequest(f"{request_id}-{i}", prompt_ids, sampling, adapter=adapter, session=session))
+            engine_reqs.append(GenerateRequest(f"{request_id}-{i}", prompt_ids, sampling, adapter=adapter, session=session, owner=owner))
         self.metrics.prompt_tokens.inc(prompt_len * req.n)
         return Prepared(
             id=f"{id_prefix}{uuid.uuid4().hex[:24]}",
@@ -344,6 +345,7 @@ class Generation:
             logprobs_with_stop=req.logprobs_with_stop,
             api=req.api,
             tag=req.tag,
+            owner=owner,
         )
 
     def _logit_bias(self, bias: dict[int, float]) -> tuple[tuple[int, float], ...]:

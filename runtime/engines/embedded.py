@@ -3,6 +3,8 @@
 Architecture: one scheduler thread owns the model, the running batch and every torch call of the
 engine (loading included, so the process has one OpenMP thread pool; see ``_loop_forever``). Each
 loop iteration it (1) runs adapter commands, (2) admits waiting requests up to ``max_batch_size``,
+fairly across owners when the batch cannot take them all (``fair_share.FairQueue``: the Virtual Token
+Counter of Sheng et al., OSDI 2024; FCFS within an owner, and exactly FCFS when there is room),
 (3) drops cancelled ones, then (4) runs one forward (``runner.py``): one token for every decoding row
 plus up to ``prefill_chunk`` prompt tokens of the admitted requests, oldest first, so a long prompt is
 fed over several steps while the others keep decoding (chunked prefill). It samples per row
@@ -24,7 +26,7 @@ one generation config for all requests (no per-request temperature, seed or gram
 chosen token's logprob (no top-k), and has no per-request adapter. Those are what this API promises.
 
 Concurrency invariants:
-- ``_waiting`` is guarded by ``_cv``; the scheduler thread alone touches ``_running``, ``_prefilling``
+- ``_waiting`` (and its owners' counters) is guarded by ``_cv``; the scheduler thread alone touches ``_running``, ``_prefilling``
   and the runner.
 - A request's ``cancelled`` flag is written by the event loop and read by the scheduler; the flag is a
   plain bool (atomic under the GIL) and the scheduler drops the row at its next step.
@@ -81,6 +83,7 @@ from runtime.engine import (
     collect,
 )
 from runtime.engines import llama_runner
+from runtime.engines.fair_share import W_DECODE, W_PREFILL, FairQueue, owner_of
 from runtime.engines.hf_runner import HFRunner
 from runtime.engines.lora_batch import LoraBank
 from runtime.engines.lora_weights import LoraWeights, read_lora
@@ -127,6 +130,7 @@ class _Seq:
     last_token: int = 0
     cancelled: bool = False
     done: bool = False
+    owner: str = ""  # whose service this is (fair_share.owner_of)
 
     def send(self, item: StreamChunk | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -149,6 +153,7 @@ class EmbeddedEngine:
         runner: Literal["auto", "llama", "transformers"] = "auto",
         on_step: Callable[[int], None] | None = None,
         grammar_cache_mb: int = 256,
+        fair_weights: tuple[float, float] = (W_PREFILL, W_DECODE),
     ) -> None:
         self._path = Path(model_path)
         self.grammar_cache_bytes = grammar_cache_mb << 20
@@ -162,7 +167,8 @@ class EmbeddedEngine:
         self._runner_choice = runner
         self._on_step = on_step
         self._cv = threading.Condition()
-        self._waiting: deque[_Seq] = deque()
+        self._waiting: FairQueue[_Seq] = FairQueue(*fair_weights)  # by owner: VTC order across owners, FCFS within one
+        self._ended: list[_Seq] = []  # rows that left the batch this iteration (their owners' counters settle under _cv)
         self._running: list[_Seq] = []  # decoding; the scheduler thread alone touches these two lists
         self._prefilling: list[_Seq] = []  # admitted, prompt not fully fed yet (oldest first)
         self._runner: Runner | None = None
@@ -215,6 +221,7 @@ class EmbeddedEngine:
         self._loop_forever()
 
     def _load(self) -> None:
+        bound_onednn_caches()  # before the first oneDNN primitive of the process (the weights' packing below)
         if self._threads:
             torch.set_num_threads(self._threads)
         t0 = time.perf_counter()
@@ -439,6 +446,7 @@ class EmbeddedEngine:
             stop_ids=stop_ids,
             matcher=matcher,
             prompt_lps=[] if sp.prompt_logprobs is not None else None,
+            owner=owner_of(req),
         )
         with self._cv:  # the adapter check and the enqueue in one step: an unload can't slip in between
             if req.adapter is not None and req.adapter not in self._adapters:
@@ -449,7 +457,7 @@ class EmbeddedEngine:
                     f"server overloaded: {len(self._waiting)} requests waiting (max_queue={self._max_queue})",
                     retry_after=1.0,
                 )
-            self._waiting.append(seq)
+            self._waiting.push(seq.owner, seq)
             self._cv.notify()
         return seq
 
@@ -483,22 +491,36 @@ class EmbeddedEngine:
                 with self._cv:
                     admitted: list[_Seq] = []
                     while self._waiting and len(self._running) + len(self._prefilling) + len(admitted) < self._max_batch:
-                        seq = self._waiting.popleft()
-                        if not seq.cancelled:
-                            admitted.append(seq)
+                        seq = self._waiting.pop()  # the lowest-counter owner's oldest request
+                        assert seq is not None
+                        if seq.cancelled:
+                            self._waiting.done(seq.owner)
+                            continue
+                        self._waiting.charge(seq.owner, prefill=len(seq.req.input_ids))
+                        admitted.append(seq)
+                decoded: list[_Seq] = []
                 try:
                     self._drop_cancelled()
                     for seq in admitted:
                         self._admit(seq)
                     if self._busy():
-                        self._step()
+                        decoded = self._step()
                 except Exception as exc:  # the model raised: fail every admitted request, keep serving
-                    log.exception("engine step failed; failing %d requests", len(self._running) + len(self._prefilling))
-                    for seq in [*self._running, *self._prefilling]:
+                    failed = [*self._running, *self._prefilling, *(s for s in admitted if s not in self._prefilling)]
+                    log.exception("engine step failed; failing %d requests", len(failed))
+                    for seq in failed:
                         seq.send(EngineError(f"generation failed: {type(exc).__name__}"))
+                    self._ended.extend(s for s in failed if s not in self._ended)  # a row released before the failure counts once
                     self._running, self._prefilling = [], []
                     assert self._runner is not None
                     self._runner.reset()
+                if decoded or self._ended:
+                    with self._cv:  # the step's service and departures, for the next admission
+                        for seq in decoded:
+                            self._waiting.charge(seq.owner, decode=1)
+                        for seq in self._ended:
+                            self._waiting.done(seq.owner)
+                    self._ended = []
         for seq in [*self._running, *self._prefilling, *self._waiting]:
             seq.send(EngineClosed("engine shut down"))
 
@@ -521,17 +543,23 @@ class EmbeddedEngine:
         self._runner.begin(seq, len(seq.req.input_ids))
         self._prefilling.append(seq)
 
-    def _drop_cancelled(self) -> None:
+    def _release(self, seq: _Seq) -> None:
+        """``seq`` leaves the batch: its KV is freed, and its owner's running count drops after the step."""
         assert self._runner is not None
+        self._runner.release(seq)
+        self._ended.append(seq)
+
+    def _drop_cancelled(self) -> None:
         for seqs in (self._running, self._prefilling):
             gone = [s for s in seqs if s.cancelled]
             for seq in gone:
-                self._runner.release(seq)
+                self._release(seq)
             if gone:
                 seqs[:] = [s for s in seqs if not s.cancelled]
 
-    def _step(self) -> None:
-        """One forward: a token for every decoding row, and up to ``prefill_chunk`` prompt tokens (oldest prompt first)."""
+    def _step(self) -> list[_Seq]:
+        """One forward: a token for every decoding row, and up to ``prefill_chunk`` prompt tokens (oldest prompt first).
+        Returns the rows that sampled a token (their owners are charged for it)."""
         assert self._runner is not None
         decode = [DecodeRow(s, s.last_token, s.req.adapter) for s in self._running]
         chunks: list[Chunk] = []
@@ -562,13 +590,14 @@ class EmbeddedEngine:
         for seq in joined:
             if seq.req.sampling.max_new_tokens == 0:
                 self._end_after_prefill(seq)
-                self._runner.release(seq)
+                self._release(seq)
         if joined:
             self._prefilling = [s for s in self._prefilling if s not in joined]
         for seq, done in zip(sampled, finished, strict=True):
             if done:
-                self._runner.release(seq)
+                self._release(seq)
         self._running = [s for s, done in zip(sampled, finished, strict=True) if not done]
+        return sampled
 
     def _score(self, c: Chunk) -> None:
         """Score a chunk that just ran: each of its positions at the prompt token after it (the prompt's final position has none)."""
@@ -667,6 +696,23 @@ def _penalties(sp: SamplingParams) -> Penalties | None:
 def _compile(compiler: Any, grammar: Grammar) -> Any:
     """Compile a constraint here; xgrammar's compiler caches compiled grammars itself (bounded)."""
     return compile_grammar(compiler, grammar.kind, grammar.spec)
+
+
+ONEDNN_CACHE_ENTRIES = "64"
+
+
+def bound_onednn_caches() -> None:
+    """Cap oneDNN's primitive cache and ideep's linear cache at ``ONEDNN_CACHE_ENTRIES`` entries each (unless set already).
+
+    Both keep one entry per distinct input shape, and every step of this engine has its own token count (decode rows
+    plus a prefill chunk of any length), so under varied traffic they fill towards their default 1,024 entries at about
+    0.38 MB an entry: that was the server's steady RSS climb in ``bench/soak.py`` (malloc's in-use bytes, in the engine
+    thread's arena; 300 token counts x 4 SmolLM2 linear shapes held +460 MB, +29 MB with both caps at 64). A hit saves
+    nothing measurable here (16 x 16-token requests on SmolLM2: 1.76 s a batch with the caps at 1,024, 64 or 16).
+    oneDNN reads its capacity when it creates its first primitive and ideep at its first linear, so this must run before
+    the model's weights are packed; an operator's own values win."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
+    os.environ.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
 
 
 def default_threads() -> int:
