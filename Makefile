@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# test workers (pytest-xdist); a file's tests stay on one worker (--dist loadfile), so module fixtures are built once
-JOBS   ?= 2
+# test workers (pytest-xdist); a file's tests stay on one worker (--dist loadfile), so module fixtures are built once;
+# 3 on 2 cores: the suite waits on servers and subprocesses a third of the time (4:52 vs 5:23 with 2, measured)
+JOBS   ?= 3
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1

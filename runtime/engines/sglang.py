@@ -134,6 +134,7 @@ class _Decoder:
         start = 0 if self.incremental else self.builder.seen
         new_ids = [int(t) for t in ids[start:]]
         finish = meta.get("finish_reason")
+        reason, matched = _finish(finish)  # an abort raises first: SGLang's abort event can carry an id but no logprobs
         sp = self.req.sampling
         if sp.prompt_logprobs is not None and self.prompt is None and meta.get("input_token_logprobs") is not None:
             self.prompt = prompt_scores(meta, self.req.input_ids, sp.prompt_logprobs)
@@ -150,7 +151,6 @@ class _Decoder:
                 TokenLogprob(int(tid), float(lp[0]), _top(new_tops[k] if k < len(new_tops) else None, sp.top_logprobs))
                 for k, (tid, lp) in enumerate(zip(new_ids, new_lps, strict=True))
             )
-        reason, matched = _finish(finish)
         chunk = self.builder.build(new_ids, lps, reason, matched)
         if chunk is not None and sp.prompt_logprobs is not None and not self.prompt_sent:
             if self.prompt is None:

@@ -620,12 +620,22 @@ def _error(exc: EngineError, *, stream: bool) -> Response:
 
 def _abort(req: GenerateRequest, message: str, *, stream: bool) -> Response:
     """A request the scheduler finished with ``set_finish_with_abort`` (400): a ``ValueError`` → HTTP 400 when not
-    streaming; streamed, its one output event carries the abort finish reason, then ``[DONE]``."""
+    streaming; streamed, its one output event carries the abort finish reason, then ``[DONE]``. As the real server
+    sends it (seen on SGLang 0.5.21's CPU path), that event holds one output id already sampled but no logprob for it
+    (``output_token_logprobs: []``, ``completion_tokens: 1``)."""
     if not stream:
         return JSONResponse({"error": {"message": message}}, status_code=400)
     finish = {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
-    meta = {"id": req.request_id, "finish_reason": finish, "prompt_tokens": len(req.input_ids), "completion_tokens": 0, "cached_tokens": 0}
-    out = {"text": "", "output_ids": [], "meta_info": meta}
+    meta = {
+        "id": req.request_id,
+        "finish_reason": finish,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": 1,
+        "cached_tokens": 0,
+        "input_token_logprobs": [],
+        "output_token_logprobs": [],
+    }
+    out = {"text": "", "output_ids": [req.input_ids[-1]], "meta_info": meta}
 
     async def events() -> AsyncIterator[bytes]:
         yield b"data: " + json.dumps(out).encode() + b"\n\n"

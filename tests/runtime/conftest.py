@@ -44,6 +44,12 @@ SGLANG_SEEDS = (
     "backend: its CPU path ignores seeds (the fake honours them, as a GPU server run with that flag; test_sglang_contract.py)"
 )
 
+SGLANG_UTF8 = (
+    "SGLang's grammar backend (xgrammar 0.2.9) lets a sampled string inside constrained JSON hold byte sequences that are "
+    "not valid UTF-8 (seen about 1 call in 20 on the tiny model at T = 1); decoded they become U+FFFD and can break "
+    "maxLength. The embedded engine's own mask refuses them; loopwise cannot re-sample inside an external engine"
+)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if ENGINES:  # `make test-engines`: only what runs on real engines (and test_sglang_real.py, marked sglang)
@@ -53,6 +59,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in keep:
             if item.get_closest_marker("seeded") and _backend_of(item) == "sglang":
                 item.add_marker(pytest.mark.skip(reason=SGLANG_SEEDS))
+            if item.get_closest_marker("utf8_strings") and _backend_of(item) == "sglang":
+                item.add_marker(pytest.mark.xfail(reason=SGLANG_UTF8, strict=False))
     reasons = {"vllm": _vllm.skip_reason(), "sglang": _sglang.skip_reason()}
     for item in items:
         marker = item.get_closest_marker("engines")  # engines("sglang") names its engine; vLLM's tests name none

@@ -355,6 +355,7 @@ def test_tool_choice_required(oai, seed):
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+@pytest.mark.utf8_strings
 def test_a_forced_call_with_a_length_bounded_argument_is_always_a_tool_call(oai):
     """pydantic's Field(max_length=40) in a function tool (openai-agents users write it): the random tiny model sampled raw
     control characters into the bounded string about one time in five, and the call came back as text."""

@@ -41,11 +41,16 @@ def oai(served) -> Any:
 
 
 def _partial(arguments: str) -> None:
-    """Arguments cut short: the start of the compact JSON object the grammar admits (or nothing yet), never markup."""
+    """Arguments cut short: the start of the compact JSON object the grammar admits (or nothing yet), never markup. The
+    cut usually leaves the object unfinished; a sample that closed it just before the cut (before the call's own end:
+    possible where the engine ignores the seed, as real SGLang on CPU) leaves the whole object, which must then parse."""
     assert isinstance(arguments, str) and "<tool_call>" not in arguments and "</tool_call>" not in arguments, arguments
     assert arguments == "" or arguments.startswith("{"), arguments
-    with pytest.raises(ValueError):
-        json.loads(arguments)  # the cut left the call unfinished
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return  # the cut left the call unfinished
+    assert isinstance(parsed, dict), arguments
 
 
 def _no_markup(text: str | None) -> None:
