@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,21 @@ DEFAULT_FLAGS = (
     *("--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "all", "--max-loras-per-batch", "16", "--max-loaded-loras", "64"),
     "--enable-deterministic-inference",
 )
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], health_url: str, timeout: float, label: str, log: Callable[[], str]) -> None:
+    """Until ``health_url`` answers 200; a process that exits first, or a deadline passed, raises with its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{label} exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(health_url, timeout=10).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{label} not healthy in {timeout}s:\n{log()}")
 
 
 def free_port() -> int:
@@ -51,17 +67,7 @@ class FakeSGLang:
 
     def wait_healthy(self) -> None:
         assert self.proc is not None
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fake SGLang exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health_generate", timeout=10).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"fake SGLang not healthy in {self.timeout}s:\n{self.log()}")
+        wait_healthy(self.proc, self.url + "/health_generate", self.timeout, "fake SGLang", self.log)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

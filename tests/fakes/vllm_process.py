@@ -11,12 +11,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
-from tests.fakes.sglang_process import ROOT, free_port
+from tests.fakes.sglang_process import ROOT, free_port, wait_healthy
 
 
 class FakeVLLMPooling:
@@ -29,18 +26,11 @@ class FakeVLLMPooling:
         cmd += ["--runner", "pooling", "--convert", "embed", "--served-model-name", served_name]
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fake vLLM exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=10).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"fake vLLM not healthy in {timeout}s:\n{self.log()}")
+        try:
+            wait_healthy(self.proc, self.url + "/health", timeout, "fake vLLM", self.log)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
