@@ -25,7 +25,7 @@ numbers by default, where SmolLM2-135M is sometimes right), in one of these shap
 
 Most conversations rate one reply (often the last) through ``POST /v1/feedback`` by ``turn_id``, sometimes by
 ``trajectory_id`` or ``completion_id``, under the source ``"user"``, ``"thumbs"`` (+1/-1) or none (``feedback``);
-some rate nothing; ``--garbage-users`` keys rate at random. The users' answers are checked with the task's verifier
+some rate nothing; ``--garbage-users`` keys rate at random, each holding ``--garbage-rate`` conversations at a time. The users' answers are checked with the task's verifier
 (the number in the last answer tags, boxed, "final answer" phrase or else the last number of the reply).
 
 Meanwhile it polls ``GET /admin/learner`` and ``GET /admin/experiments``: learner restarts (the learner's pid changing,
@@ -218,14 +218,14 @@ class _Traffic:
         http = openai.DefaultAsyncHttpxClient(timeout=900, event_hooks={"response": [_status_hook(self.report.statuses)]})
         return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=user.key, max_retries=0, http_client=http)
 
-    async def user(self, user: User, seed: int, mix: dict[str, float], quota: int | None, deadline: float | None) -> None:
-        rng = random.Random(f"{seed}:{user.name}")
+    async def user(self, user: User, seed: int, mix: dict[str, float], quota: int | None, deadline: float | None, lane: int = 0) -> None:
+        rng = random.Random(f"{seed}:{user.name}" if lane == 0 else f"{seed}:{user.name}:{lane}")
         oai = self.client(user)
         done = 0
         try:
             while (quota is None or done < quota) and (deadline is None or time.monotonic() < deadline):
                 shape = _pick(rng, mix)
-                session = f"{user.name}-{done}-{rng.getrandbits(32):08x}"
+                session = f"{user.name}-{lane}-{done}-{rng.getrandbits(32):08x}"
                 self.report.conversations[shape] += 1
                 replies = await getattr(self, "_" + shape)(oai, user, rng, session)
                 done += 1
@@ -445,9 +445,11 @@ async def run_users(
     seed: int = 0,
     max_tokens: int = 64,
     model: str = FAMILY,
+    garbage_rate: int = 1,
 ) -> TrafficReport:
     """The users' traffic against ``base_url`` (the server root), each user one conversation at a time, until
-    ``minutes`` have passed or ``conversations`` (split evenly over the users) are done."""
+    ``minutes`` have passed or ``conversations`` (split evenly over the users) are done. A garbage user holds
+    ``garbage_rate`` conversations at a time (its key rates that many times as often as an honest one)."""
     if minutes is None and conversations is None:
         raise ValueError("give minutes or conversations")
     weights = parse_mix(mix) if isinstance(mix, str) else mix
@@ -461,7 +463,12 @@ async def run_users(
     )
     t0 = time.monotonic()
     try:
-        await asyncio.gather(*(traffic.user(u, seed, weights, q, deadline) for u, q in zip(users, quotas, strict=True)))
+        loops = [
+            traffic.user(u, seed, weights, q, deadline, lane=j)
+            for u, q in zip(users, quotas, strict=True)
+            for j in range(garbage_rate if u.garbage else 1)
+        ]
+        await asyncio.gather(*loops)
     finally:
         if traffic.worker is not None:
             await traffic.worker.close()
@@ -878,7 +885,15 @@ async def _drive(
     watcher = asyncio.create_task(watch_learner(watch, stop, args.poll_s, lambda: print(_line(t0, box.get("r"), watch), flush=True)))
     try:
         report = await run_users(
-            url, users, task=task, problems=problems, minutes=args.minutes, mix=args.mix, seed=args.seed, max_tokens=args.max_tokens
+            url,
+            users,
+            task=task,
+            problems=problems,
+            minutes=args.minutes,
+            mix=args.mix,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            garbage_rate=args.garbage_rate,
         )
         box["r"] = report
     finally:
@@ -897,6 +912,12 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=60.0, help="wall time of the users' traffic")
     p.add_argument("--users", type=int, default=8, help="simulated users, one API key each, one conversation at a time")
     p.add_argument("--garbage-users", type=int, default=1, help="of them, users who rate at random")
+    p.add_argument(
+        "--garbage-rate",
+        type=int,
+        default=1,
+        help="conversations each garbage user holds at a time (10: its key rates ten times as often as an honest one)",
+    )
     p.add_argument("--model", default="default", help="the served model: default (SmolLM2), tiny, or a local folder")
     p.add_argument("--seed", type=int, default=0, help="the training problems' seed and the users' randomness")
     p.add_argument("--heldout-n", type=int, default=100, help="held-out problems (0: no held-out evaluation)")
@@ -961,6 +982,7 @@ def main() -> int:
         "model": args.model,
         "users": len(users),
         "garbage_users": sum(u.garbage for u in users),
+        "garbage_rate": args.garbage_rate,
         "mix": parse_mix(args.mix),
         "minutes": args.minutes,
         "loadavg_start": load,

@@ -4,7 +4,8 @@ Architecture: one scheduler thread owns the model, the running batch and every t
 engine (loading included, so the process has one OpenMP thread pool; see ``_loop_forever``). Each
 loop iteration it (1) runs adapter commands, (2) admits waiting requests up to ``max_batch_size``,
 fairly across owners when the batch cannot take them all (``fair_share.FairQueue``: the Virtual Token
-Counter of Sheng et al., OSDI 2024; FCFS within an owner, and exactly FCFS when there is room),
+Counter of Sheng et al., OSDI 2024; FCFS within an owner), each owner holding at most its equal share of
+the rows while others are active (``row_share``: on a CPU every row slows every step),
 (3) drops cancelled ones, then (4) runs one forward (``runner.py``): one token for every decoding row
 plus up to ``prefill_chunk`` prompt tokens of the admitted requests, oldest first, so a long prompt is
 fed over several steps while the others keep decoding (chunked prefill). It samples per row
@@ -154,6 +155,7 @@ class EmbeddedEngine:
         on_step: Callable[[int], None] | None = None,
         grammar_cache_mb: int = 256,
         fair_weights: tuple[float, float] = (W_PREFILL, W_DECODE),
+        row_share: bool = True,
     ) -> None:
         self._path = Path(model_path)
         self.grammar_cache_bytes = grammar_cache_mb << 20
@@ -168,6 +170,7 @@ class EmbeddedEngine:
         self._on_step = on_step
         self._cv = threading.Condition()
         self._waiting: FairQueue[_Seq] = FairQueue(*fair_weights)  # by owner: VTC order across owners, FCFS within one
+        self._row_share = row_share  # while owners share the batch, each holds at most its equal share of rows
         self._ended: list[_Seq] = []  # rows that left the batch this iteration (their owners' counters settle under _cv)
         self._running: list[_Seq] = []  # decoding; the scheduler thread alone touches these two lists
         self._prefilling: list[_Seq] = []  # admitted, prompt not fully fed yet (oldest first)
@@ -490,9 +493,11 @@ class EmbeddedEngine:
                     self._run_command(fn, fut)
                 with self._cv:
                     admitted: list[_Seq] = []
+                    cap = self._waiting.row_cap(self._max_batch) if self._row_share else None
                     while self._waiting and len(self._running) + len(self._prefilling) + len(admitted) < self._max_batch:
-                        seq = self._waiting.pop()  # the lowest-counter owner's oldest request
-                        assert seq is not None
+                        seq = self._waiting.pop(cap)  # the lowest-counter owner's oldest request, within its row share
+                        if seq is None:  # every waiting owner holds its share: the rest wait for their own rows
+                            break
                         if seq.cancelled:
                             self._waiting.done(seq.owner)
                             continue

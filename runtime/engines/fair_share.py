@@ -17,6 +17,13 @@ Sheng, Cao, Li, Zhu, Li, Zhuo, Gonzalez, Stoica: "Fairness in Serving Large Lang
   so an owner cannot bank service while idle and then crowd the others out. With no owner active it is raised
   to the counter of the owner that last went idle (the paper's "last client that left").
 
+Row share (not in the paper, whose GPU batch is bounded by memory, not by step time): on a CPU every row of
+the batch lengthens every decode step for everyone, so a free row is not free. While two or more owners are
+active, the engine lets one owner hold at most ``ceil(max_batch / active owners)`` rows (:meth:`FairQueue.row_cap`);
+the rest of its requests wait (an ``n``=16 request from one key runs in waves beside three other keys' work
+instead of doubling the batch). Alone, an owner may fill the batch. It is not work-conserving by design: rows
+an owner may not take stay empty rather than slow the others' steps. ``row_share=False`` on the engine turns it off.
+
 One deviation from the paper, on purpose: its lift compares with the clients *in the waiting queue*; here
 "active" is waiting *or* running. On a CPU engine the waiting queue is often empty while the batch holds
 every owner's work, and an owner whose requests all run is still taking service the newcomer should not be
@@ -90,12 +97,21 @@ class FairQueue(Generic[T]):
         self._waiting.setdefault(owner, deque()).append((next(self._arrivals), item))
         self._len += 1
 
-    def pop(self) -> T | None:
+    def row_cap(self, rows: int) -> int:
+        """The most of ``rows`` batch rows one owner may hold now: all of them while it is the only active owner,
+        else its equal share ``ceil(rows / active owners)`` (module docstring, "Row share")."""
+        active = len(self._counters)
+        return rows if active <= 1 else max(1, -(-rows // active))
+
+    def pop(self, cap: int | None = None) -> T | None:
         """The head of the waiting owner with the lowest counter (ties: the earliest head); it counts as running
-        until :meth:`done`. None when nothing waits."""
+        until :meth:`done`. With ``cap``, owners already running ``cap`` items are passed over. None when nothing
+        (eligible) waits."""
         best: str | None = None
         best_key: tuple[float, int] | None = None
         for owner, q in self._waiting.items():
+            if cap is not None and self._running.get(owner, 0) >= cap:
+                continue
             key = (self._counters[owner], q[0][0])
             if best_key is None or key < best_key:
                 best, best_key = owner, key

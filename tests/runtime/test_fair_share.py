@@ -120,6 +120,29 @@ def test_state_is_bounded_and_left_clean() -> None:
     assert q.active() == {}
 
 
+def test_row_cap_is_an_equal_share_of_the_rows_while_others_are_active() -> None:
+    q: FairQueue[str] = FairQueue()
+    assert q.row_cap(32) == 32  # nobody active
+    q.push("A", "A1")
+    assert q.row_cap(32) == 32  # alone: the whole batch
+    for owner in "BCDE":
+        q.push(owner, owner + "1")
+    assert q.row_cap(32) == 7  # five owners: ceil(32 / 5)
+    assert q.row_cap(3) == 1  # never below one row
+
+
+def test_pop_passes_over_an_owner_at_its_cap() -> None:
+    q: FairQueue[str] = FairQueue()
+    for item in ("A1", "A2", "A3", "B1", "B2"):
+        q.push(item[0], item)
+    assert q.pop(cap=1) == "A1"  # tie at 0, A's head is older
+    assert q.pop(cap=1) == "B1"  # A runs 1 = cap: passed over although its counter is no higher
+    assert q.pop(cap=1) is None  # both at their cap: nothing eligible, though three wait
+    assert len(q) == 3
+    q.done("A")
+    assert q.pop(cap=1) == "A2"
+
+
 def test_owner_of_reads_the_requests_owner() -> None:
     assert owner_of(GenerateRequest("r", (1, 2))) == "public"  # no owner and no caller bound
     assert owner_of(GenerateRequest("r", (1, 2), owner="key-abc")) == "key-abc"
@@ -185,3 +208,42 @@ def test_the_api_keys_owner_reaches_the_engine(tmp_path: Path, tiny_model_path: 
         assert chat(client, KEY1, hello, n=2).status_code == 200
         assert chat(client, KEY2, hello, stream=True).status_code == 200
     assert seen == [owner_of_token(KEY1)] * 2 + [owner_of_token(KEY2)]
+
+
+def test_engine_holds_an_owner_to_its_row_share_while_another_runs(tiny_model_path: Path) -> None:
+    """Batch of eight: B's one long request runs, then A asks for eight. With the row share A holds at most
+    ceil(8 / 2) = 4 rows while B runs (the rest wait); without it A takes all seven free rows."""
+
+    def run(row_share: bool) -> int:
+        peak = 0
+        engine = EmbeddedEngine(tiny_model_path, model_id="tiny", dtype="float32", max_batch_size=8, row_share=row_share)
+
+        def on_step(rows: int) -> None:
+            nonlocal peak
+            owners = [s.owner for s in [*engine._running, *engine._prefilling]]
+            if "B" in owners:
+                peak = max(peak, owners.count("A"))
+
+        engine._on_step = on_step
+
+        async def one(owner: str, name: str, n: int) -> None:
+            req = GenerateRequest(name, (5, 6, 7), SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True), owner=owner)
+            await engine.generate(req)
+
+        async def main() -> None:
+            await engine.start()
+            try:
+                long = asyncio.ensure_future(one("B", "B1", 120))
+                for _ in range(400):
+                    if engine.stats()["running"] == 1.0:
+                        break
+                    await asyncio.sleep(0.005)
+                await asyncio.wait_for(asyncio.gather(long, *(one("A", f"A{i}", 8) for i in range(8))), 120)
+            finally:
+                await engine.close()
+
+        asyncio.run(main())
+        return peak
+
+    assert run(row_share=True) == 4
+    assert run(row_share=False) == 7
