@@ -32,21 +32,17 @@ from typing import Any, get_args, get_origin
 import uvicorn
 
 from agents.settings import AgentSettings
+from loopwise_settings import LearnerJob, LearnerProcessSettings, Settings, load_config_file, short_env_overrides
 from memory.settings import MemorySettings
 from runtime.settings import (
     AdapterSettings,
     AdmissionSettings,
     EngineSettings,
     FeedbackSettings,
-    LearnerJob,
-    LearnerProcessSettings,
     RecorderSettings,
     ServerSettings,
-    Settings,
     SGLangSettings,
     VLLMSettings,
-    load_config_file,
-    short_env_overrides,
 )
 
 SECTIONS: tuple[tuple[str, type[Any]], ...] = (
@@ -277,7 +273,9 @@ def open_stores(settings: Settings) -> Stores:
     responses use the interaction store's connections and migration runner), so every runtime on it shares them;
     otherwise each is a file in the data folder. An unreachable database exits here, within seconds, before the model
     loads."""
-    from learner.records.store import db_path, is_postgres_url, open_store
+    from learner.records.store import db_path
+    from learner.records.store_open import open_store
+    from learner.records.store_sql import is_postgres_url
     from memory.store import MemoryStore
     from memory.store import db_path as memory_db_path
 
@@ -337,6 +335,7 @@ def build(settings: Settings) -> Built:
             runner=settings.engine.runner,
             on_step=lambda rows: holder["m"].on_step(rows),
             grammar_cache_mb=settings.admission.grammar_cache_mb,
+            row_share=settings.engine.row_share,
         )
     holder["m"] = Metrics(engine.stats)
     recorder = None
@@ -565,7 +564,7 @@ def _fit_adapters_to_sglang(adapters: AdapterSettings, server_info: dict[str, An
 
 
 # ``loopwise COMMAND ...`` (the console script): each command is a module's own entry point, imported when run
-COMMANDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {  # name -> (module:function, leading args, help)
     "serve": ("serve:main", (), "the server: OpenAI-compatible API, recording, adapters, agents (the flags of `python serve.py`)"),
     "learner": ("learner.__main__:main", (), "the learner: run | export | report (as `python -m learner`)"),
     "export": ("learner.__main__:main", ("export",), "recorded turn samples as JSONL for external trainers (`loopwise learner export`)"),

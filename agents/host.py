@@ -25,8 +25,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agents.config import AgentConfig
-from agents.loop import AgentLoop, Branch, BranchMismatch, RunResult, Segment
+from agents.loop import AgentLoop, BranchMismatch, RunResult
 from agents.reves import reves_run
+from agents.run_state import Branch, Segment
 from agents.tasks import Problem, Task, get_task
 from agents.tasks.variants import signature, synthesize, variant_seed
 from learner.records import Trajectory, Turn
@@ -37,7 +38,7 @@ from tools.registry import ToolRegistry
 
 
 class BranchRequest(BaseModel):
-    """``branch`` of a run (admin API only): re-roll a recorded task run from its turn ``turn`` (``agents.loop.Branch``).
+    """``branch`` of a run (admin API only): re-roll a recorded task run from its turn ``turn`` (``agents.run_state.Branch``).
 
     The backbone is read from the interaction store: its outputs and observations are replayed as recorded,
     so a caller names what to replay but never supplies it."""
@@ -68,7 +69,7 @@ class RevesRequest(BaseModel):
 
 
 class SegmentRequest(BaseModel):
-    """``segment`` of a run (admin API only): a PATR tree segment (``agents.loop.Segment``): sample at most ``turns`` turns, then pause."""
+    """``segment`` of a run (admin API only): a PATR tree segment (``agents.run_state.Segment``): sample at most ``turns`` turns, then pause."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,8 +1,9 @@
 """The agent loop: a state machine over exact token ids (generate → parse → run tools → observe → decide).
 
 The run's state, its phases and the one rule that ends it are ``agents/run_state.py`` (``RunState``, ``Phase``,
-``ending``); ``AgentLoop`` has one handler per phase (``_begin``, ``_generate_turn``, ``_score``, ``_replay``,
-``_act``, ``_observe``) and ``_run`` drives them until ``ending`` says stop.
+``ending``, and the parts a run is made of: ``Branch``, ``Segment``, ``ContextTracker``, ``StepRecord``);
+``AgentLoop`` has one handler per phase (``_begin``, ``_generate_turn``, ``_score``, ``_replay``, ``_act``,
+``_observe``) and ``_run`` drives them until ``ending`` says stop.
 
 One run is one trajectory. Every model call is one recorded turn: its context ids are exactly what the
 engine was given, its output ids exactly what it produced (loss mask 1); tool results, policy feedback
@@ -86,7 +87,7 @@ import structlog
 from agents.config import AgentConfig
 from agents.policies import make_policy
 from agents.prompts import format_grammar
-from agents.run_state import Phase, RunState, ending
+from agents.run_state import Branch, ContextTracker, Phase, RunState, Segment, StepRecord, ToolEvent, ending
 from agents.self_checks import fixed_horizon, turn_check
 from agents.stop import StopPolicy, TurnView
 from agents.t2po import T2POCounters, chunk_cut, intervention_text, resample_seed, thinking_tokens, token_uncertainty, turn_uncertainty
@@ -106,35 +107,6 @@ FINALIZE_PROMPTS = {
 SENTINEL = "\u2063LOOPWISE\u2063SENTINEL\u2063"  # never produced by a tokenizer's decode of normal text
 
 
-@dataclass(frozen=True)
-class Branch:
-    """Start a run at turn ``turn`` of a recorded trajectory (module docstring: re-rollouts)."""
-
-    backbone: tuple[Turn, ...]  # the recorded turns 0..turn (at least), as the store holds them
-    turn: int  # the branch turn: turns 0..turn-1 are replayed from ``backbone``, sampling starts here
-    of: str | None = None  # the backbone's trajectory id
-    kind: str = "rtpo"  # why the learner branched (recorded as meta ``rerollout``)
-    pending: tuple[dict[str, Any], ...] | None = None  # continuing a paused path (turn == len(backbone)): what followed its last turn
-
-    @property
-    def parent_turn_id(self) -> str | None:
-        """The backbone's turn ``turn - 1`` (the first sampled turn's parent)."""
-        return self.backbone[self.turn - 1].turn_id if self.turn else None
-
-    @property
-    def context_sha256(self) -> str | None:
-        """The id of the backbone's context at the branch turn (recorded as meta ``anchor``); None when continuing a paused path."""
-        return context_sha256(self.backbone[self.turn].context_ids) if self.turn < len(self.backbone) else None
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Sample at most ``turns`` turns, then pause (module docstring: segments); ``tree`` is the PATR tree's id."""
-
-    tree: str
-    turns: int = 1
-
-
 class BranchMismatch(RunConflict):
     """The backbone cannot be replayed here (the agent's first context or the environment's replay differs from the record)."""
 
@@ -144,18 +116,6 @@ class BranchMismatch(RunConflict):
 
 # Rewrites the messages before a turn (e.g. a memory copilot); returns None to keep them.
 RewriteHook = Callable[[list[dict[str, Any]], int], list[dict[str, Any]] | None]
-
-
-@dataclass
-class ToolEvent:
-    call_id: str
-    name: str
-    arguments: str
-    content: str
-    ok: bool
-    error_kind: str | None = None
-    flags: dict[str, Any] = field(default_factory=dict)
-    elapsed_s: float = 0.0
 
 
 def json_safe(x: Any) -> Any:
@@ -169,32 +129,6 @@ def json_safe(x: Any) -> Any:
     if x is None or isinstance(x, str | int | float | bool):
         return x
     return str(x)
-
-
-@dataclass
-class StepRecord:
-    """One turn of a run as the runs endpoint reports it."""
-
-    index: int
-    turn_id: str
-    text: str
-    output_tokens: int
-    finish_reason: str
-    tool_calls: list[ToolEvent] = field(default_factory=list)
-    observation: str | None = None  # the user message appended after this turn (feedback or env observation)
-    decision: str | None = None  # the stop policy's reason
-    verdict: str | None = None  # the parsed self-check verdict (svr / svr_r1)
-    confidence: float | None = None
-    correct: bool | None = None  # svr / svr_r1 with a task problem: the verifier on this turn's stated answer
-    format_failure: bool = False
-    process_score: float | None = None
-    uncertainty: float | None = None
-    intervened: bool = False  # T²PO cut this turn's thinking
-    drafts_discarded: int = 0  # T²PO regenerations of this turn
-    replayed: bool = False  # a branch's replayed backbone turn (not sampled, not recorded)
-    info: dict[str, Any] | None = (
-        None  # the environment's structured report of this turn (its EnvStep.info: for kernels compiled, correct, speedup, ...)
-    )
 
 
 @dataclass
@@ -256,26 +190,6 @@ class _Final:
     step: StepRecord
     answer: str
     calls: list[Any]
-
-
-class ContextTracker:
-    """The running context ids and the prefix invariant: every next context extends the last one."""
-
-    def __init__(self, ids: Sequence[int]) -> None:
-        self.ids: list[int] = list(ids)
-        self.broken_at: int | None = None
-
-    def advance(self, turn: int, output_ids: Sequence[int], next_ids: Sequence[int]) -> None:
-        """Move to ``next_ids``, the context of turn ``turn + 1``; it must start with context + output."""
-        expected = self.ids + list(output_ids)
-        if list(next_ids[: len(expected)]) != expected and self.broken_at is None:
-            self.broken_at = turn + 1
-            log.warning("prefix invariant broken; trajectory marked untrainable", turn=turn + 1)
-        self.ids = list(next_ids)
-
-    @property
-    def intact(self) -> bool:
-        return self.broken_at is None
 
 
 class AgentLoop:

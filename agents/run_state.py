@@ -14,6 +14,10 @@ What it does:
   are ``client_tool_call``, a replayed turn's ending, ``env_done``, the stop policy's own reason, ``paused`` (a
   PATR segment sampled its turns), ``max_turns``, ``context_full`` and ``token_budget`` (those two end with
   finish reason ``length``).
+- The parts a run is made of: ``Branch`` (start at a turn of a recorded trajectory) and ``Segment`` (sample a few
+  turns, then pause), what the caller fixes for the run; ``ContextTracker`` (the running context ids and the prefix
+  invariant: every next context extends the last one); ``StepRecord`` with its ``ToolEvent`` values (one turn as the
+  runs endpoint reports it). ``agents/loop.py``'s docstring says what branches, segments and the invariant mean.
 
 What it does not: call the model, run tools or record turns (``agents/loop.py``), or decide whether an
 answer is good enough (the stop policies, ``agents/policies.py``).
@@ -22,16 +26,109 @@ answer is good enough (the stop policies, ``agents/policies.py``).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
+from learner.records import Turn, context_sha256
+
 if TYPE_CHECKING:
-    from agents.loop import Branch, ContextTracker, Segment, StepRecord
     from agents.stop import StopDecision, StopPolicy, TurnView
     from agents.t2po import T2POCounters
     from agents.tasks import Env, Problem
     from runtime.agent_api import Lease
     from runtime.engine import GenerateResult, Grammar
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Start a run at turn ``turn`` of a recorded trajectory (``agents/loop.py``'s docstring: re-rollouts)."""
+
+    backbone: tuple[Turn, ...]  # the recorded turns 0..turn (at least), as the store holds them
+    turn: int  # the branch turn: turns 0..turn-1 are replayed from ``backbone``, sampling starts here
+    of: str | None = None  # the backbone's trajectory id
+    kind: str = "rtpo"  # why the learner branched (recorded as meta ``rerollout``)
+    pending: tuple[dict[str, Any], ...] | None = None  # continuing a paused path (turn == len(backbone)): what followed its last turn
+
+    @property
+    def parent_turn_id(self) -> str | None:
+        """The backbone's turn ``turn - 1`` (the first sampled turn's parent)."""
+        return self.backbone[self.turn - 1].turn_id if self.turn else None
+
+    @property
+    def context_sha256(self) -> str | None:
+        """The id of the backbone's context at the branch turn (recorded as meta ``anchor``); None when continuing a paused path."""
+        return context_sha256(self.backbone[self.turn].context_ids) if self.turn < len(self.backbone) else None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Sample at most ``turns`` turns, then pause (``agents/loop.py``'s docstring: segments); ``tree`` is the PATR tree's id."""
+
+    tree: str
+    turns: int = 1
+
+
+@dataclass
+class ToolEvent:
+    call_id: str
+    name: str
+    arguments: str
+    content: str
+    ok: bool
+    error_kind: str | None = None
+    flags: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class StepRecord:
+    """One turn of a run as the runs endpoint reports it."""
+
+    index: int
+    turn_id: str
+    text: str
+    output_tokens: int
+    finish_reason: str
+    tool_calls: list[ToolEvent] = field(default_factory=list)
+    observation: str | None = None  # the user message appended after this turn (feedback or env observation)
+    decision: str | None = None  # the stop policy's reason
+    verdict: str | None = None  # the parsed self-check verdict (svr / svr_r1)
+    confidence: float | None = None
+    correct: bool | None = None  # svr / svr_r1 with a task problem: the verifier on this turn's stated answer
+    format_failure: bool = False
+    process_score: float | None = None
+    uncertainty: float | None = None
+    intervened: bool = False  # T²PO cut this turn's thinking
+    drafts_discarded: int = 0  # T²PO regenerations of this turn
+    replayed: bool = False  # a branch's replayed backbone turn (not sampled, not recorded)
+    info: dict[str, Any] | None = (
+        None  # the environment's structured report of this turn (its EnvStep.info: for kernels compiled, correct, speedup, ...)
+    )
+
+
+class ContextTracker:
+    """The running context ids and the prefix invariant: every next context extends the last one."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids: list[int] = list(ids)
+        self.broken_at: int | None = None
+
+    def advance(self, turn: int, output_ids: Sequence[int], next_ids: Sequence[int]) -> None:
+        """Move to ``next_ids``, the context of turn ``turn + 1``; it must start with context + output."""
+        expected = self.ids + list(output_ids)
+        if list(next_ids[: len(expected)]) != expected and self.broken_at is None:
+            self.broken_at = turn + 1
+            log.warning("prefix invariant broken; trajectory marked untrainable", turn=turn + 1)
+        self.ids = list(next_ids)
+
+    @property
+    def intact(self) -> bool:
+        return self.broken_at is None
 
 
 class Phase(enum.Enum):

@@ -1,12 +1,12 @@
-"""The served agents' server-level settings: ``[agents]`` in the runtime's settings, ``serve.py``'s agent flags.
+"""The served agents' server-level settings: ``[agents]`` in loopwise's root settings, ``serve.py``'s agent flags.
 
 Declared once here (name, default, bounds, help; ``json_schema_extra={"flag": ...}`` names the flag):
-``runtime/settings.py`` embeds :class:`AgentSettings` as its ``agents`` section, and ``serve.py``'s flags are
-generated from these fields. One agent's own configuration is ``agents/config.py``'s ``AgentConfig``; the
+``loopwise_settings.py`` (the root settings, beside ``serve.py``) embeds :class:`AgentSettings` as its ``agents`` section,
+and ``serve.py``'s flags are generated from these fields. One agent's own configuration is ``agents/config.py``'s ``AgentConfig``; the
 definitions here stay plain JSON objects until the host validates them through it.
 
-Imports only pydantic and the standard library, so the runtime's settings can embed it without importing
-the agents package (``tests/test_import_rules.py``).
+Imports only pydantic and the standard library, so the root settings embed it, and ``serve.py`` parses its flags,
+without importing the agents package (``tests/test_import_rules.py``).
 
 Not here: building the tools and agents from these settings (``serve.py``, ``agents/host.py``).
 """

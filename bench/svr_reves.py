@@ -129,7 +129,7 @@ def svr_part(url: str, args: argparse.Namespace, data: Path, deadline: float) ->
     model = svc.status.champion or base
     after = evaluate(model)
     svc.store.close()
-    svc._trainer = None  # one model in memory at a time
+    svc.state.trainer = None  # one model in memory at a time
     gc.collect()
     return {"before": before, "after": after, "model": model, "updates": updates, "sampled_tokens": tokens, "curve": curve}
 
@@ -194,7 +194,7 @@ def reves_part(url: str, args: argparse.Namespace, data: Path, deadline: float) 
             print(f"{arm}: update {updates}: tokens {tokens}, reward {curve[-1]['reward_mean']}, reves {rec.get('reves')}", flush=True)
         model = svc.status.champion or base
         svc.store.close()
-        svc._trainer = None
+        svc.state.trainer = None
         gc.collect()
         res = asyncio.run(_sr(url, agent, model, args.n_eval, args.sr_rounds, args.concurrency))
         arms[arm] = {"model": model, "updates": updates, "sampled_tokens": tokens, "curve": curve, "per_problem": res}

@@ -160,7 +160,7 @@ def main() -> int:
         # ---- loopwise
         t0 = time.perf_counter()
         svc = service(url, key, data, model_path, "lw-train", settings)
-        svc._get_trainer()
+        svc.state.get_trainer()
         lw_setup = time.perf_counter() - t0
         t1 = time.perf_counter()
         lw_rewards, lw_tokens = [], 0

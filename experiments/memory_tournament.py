@@ -208,7 +208,7 @@ def summarize(games: Sequence[GameRecord], *, n_boot: int = 1000, seed: int = 0,
     matches = matches_from_games(games)
     elo = fit_elo(players, matches, prior_sd=prior_sd)
     ci = bootstrap_elo(players, matches, n_boot=n_boot, seed=seed, prior_sd=prior_sd)
-    rows = []
+    rows: list[dict[str, Any]] = []  # one JSON row per method
     for p in players:
         mine = [g for g in games if g.method == p]
         rounds = min(len(g.rounds) for g in mine)

@@ -61,7 +61,9 @@ from typing import Any, get_args
 from pydantic import BaseModel, ValidationError
 
 from learner.config import ScheduleConfig
-from learner.records.store import DEFAULT_DB_NAME, SqliteStore, db_path, is_postgres_url, open_store
+from learner.records.store import DEFAULT_DB_NAME, SqliteStore, db_path
+from learner.records.store_open import open_store
+from learner.records.store_sql import is_postgres_url
 
 FORMATS = ("jsonl",)
 
@@ -158,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"error: learner schedule: {exc}", file=sys.stderr)
         return 2
-    data: dict = {"family": args.family}
+    data: dict[str, Any] = {"family": args.family}
     if args.config is not None:
         text = args.config.read_text()
         data.update(json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text))

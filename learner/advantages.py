@@ -12,9 +12,8 @@ What it does
     Registered (sources and readings: ``docs/methods.md``):
     ``grpo``, ``drgrpo``, ``rloo``, ``gigpo``, ``turn_grpo`` (per turn index across a group, the
     MemoPilot/SVR reading), ``rtpo``, ``tcpo``, ``rank`` (LEAP).
-    The TCPO pieces (:func:`tcpo_retrospective`, :func:`tcpo_hindsight`, :func:`tcpo_counterfactual`,
-    :func:`tcpo_select_turns`), LEAP's :func:`rank_wins` and RTPO's :func:`rtpo_update_order` are public
-    pure functions too.
+    The TCPO pieces (:func:`tcpo_retrospective`, :func:`tcpo_hindsight`, :func:`tcpo_scores`,
+    :func:`tcpo_counterfactual`) and LEAP's :func:`rank_wins` are public pure functions too.
 
 The reward stream (one rule for process and outcome rewards; every estimator follows it)
     A trajectory's rewards are its turn rewards ``r_t`` (``TurnSample.reward``: process scores, per-turn
@@ -42,7 +41,8 @@ Shared policy
 What it does not do
     No torch (numpy only, so the runtime side stays light; ``learner/losses.py`` has the torch losses), no
     token-level broadcast (the trainer spreads a turn's scalar over its masked tokens), no rollouts: RTPO
-    siblings and TCPO counterfactual scores are produced by the re-rollout code and passed in. GiGPO's
+    siblings and TCPO counterfactual scores are produced by the re-rollout code and passed in, which also plans
+    them (RTPO's reverse sweep, TCPO's turn selection: ``learner/rerollout.py``). GiGPO's
     similarity-based anchor clustering (difflib) is not implemented; anchors are exact keys.
 
 Readings (RTPO, TCPO and LEAP are known to us from abstracts only: ``docs/methods.md``; these are our choices)
@@ -82,14 +82,10 @@ __all__ = [
     "get_advantage",
     "rank_wins",
     "register_advantage",
-    "rtpo_turn_buckets",
-    "rtpo_update_order",
     "tcpo_counterfactual",
     "tcpo_hindsight",
     "tcpo_retrospective",
     "tcpo_scores",
-    "tcpo_select_turns",
-    "turn_surprisal",
 ]
 
 FloatArray = NDArray[np.float64]
@@ -531,7 +527,7 @@ def rtpo(
     over the sibling set, ``G`` its continuation return (return-to-go with ``gamma``; outcome-only rewards
     give the sibling's trajectory reward). Every other turn (no anchor, or an anchor nobody else shares)
     gets trajectory GRPO over its group, so with no branches (K=0, m=1) this *is* :func:`grpo`.
-    The reverse update sweep is :func:`rtpo_update_order`. ``stats`` counts sibling sets and GRPO groups.
+    The reverse update sweep is planned in ``learner/rerollout.py``. ``stats`` counts sibling sets and GRPO groups.
     """
     _check(eps, zero_std_tol)
     b = _batch(samples)
@@ -550,32 +546,6 @@ def rtpo(
         valid = np.where(sib, sib_valid, valid)
         n_g, n_z = n_g + s_g, n_z + s_z
     return base, _stats(b, valid, n_g, n_z)
-
-
-def rtpo_turn_buckets(turn_indices: Sequence[int], bucket_size: int = 1) -> list[list[int]]:
-    """RTPO's reverse sweep over turn indices: the distinct turns in buckets of ``bucket_size``, latest first, each ascending.
-
-    Bucket k holds the turns in ``(t_max - (k+1)*bucket_size, t_max - k*bucket_size]``; empty buckets are
-    dropped, so every turn in a bucket is strictly below every turn of the bucket before it."""
-    if bucket_size < 1:
-        raise AdvantageInputError(f"bucket_size must be >= 1, got {bucket_size}")
-    turns = sorted(set(turn_indices))
-    buckets: dict[int, list[int]] = {}
-    for t in turns:
-        buckets.setdefault((turns[-1] - t) // bucket_size, []).append(t)
-    return [buckets[k] for k in sorted(buckets)]
-
-
-def rtpo_update_order(samples: Sequence[TurnSample], *, bucket_size: int = 1) -> list[list[int]]:
-    """RTPO's reverse sweep (``docs/methods.md#rtpo``): sample indices by :func:`rtpo_turn_buckets`, latest first.
-
-    Indices inside a bucket are ascending."""
-    turns = [s.turn_index for s in samples]
-    bucket_of = {t: k for k, b in enumerate(rtpo_turn_buckets(turns, bucket_size)) for t in b}
-    out: list[list[int]] = [[] for _ in set(bucket_of.values())]
-    for i, t in enumerate(turns):
-        out[bucket_of[t]].append(i)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -627,29 +597,6 @@ def tcpo_counterfactual(score: float, alternative_scores: Sequence[float]) -> fl
     if len(alternative_scores) == 0:
         raise AdvantageInputError("a counterfactual needs at least one alternative score")
     return float(score) - float(np.mean(np.asarray(alternative_scores, dtype=np.float64)))
-
-
-def turn_surprisal(logprobs: Sequence[float]) -> float:
-    """``-(1/|a_t|) sum_j log pi_old(a_{t,j})``: the mean negative log-probability of one turn's tokens."""
-    if len(logprobs) == 0:
-        return 0.0
-    return -float(np.mean(np.asarray(logprobs, dtype=np.float64)))
-
-
-def tcpo_select_turns(surprisals: Sequence[float], *, top_q: float = 0.2, threshold: float | None = None) -> list[bool]:
-    """Which turns get counterfactual re-rollouts: ``surprisal > threshold`` if given, else the top ``top_q`` fraction.
-
-    The top-q rule keeps ``ceil(top_q * n)`` turns, ties broken by position (earlier first), so the cost is bounded.
-    """
-    s = np.asarray(surprisals, dtype=np.float64)
-    if threshold is not None:
-        return [bool(x) for x in s > threshold]
-    if not 0.0 <= top_q <= 1.0:
-        raise AdvantageInputError(f"top_q must be in [0, 1], got {top_q}")
-    k = math.ceil(top_q * s.shape[0])
-    chosen = np.zeros(s.shape[0], dtype=np.bool_)
-    chosen[np.argsort(-s, kind="stable")[:k]] = True
-    return chosen.tolist()
 
 
 @register_advantage(Estimator.TCPO)

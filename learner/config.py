@@ -9,9 +9,11 @@ what to set instead.
 
 ``ScheduleConfig`` is the process's own part: when to update (the scheduler's thresholds) and how a version is
 released (gate size and tolerance, the A/B experiment's sample bounds); the learner's command line and the
-runtime's ``[learner]`` settings are built from it, and ``check_ab_bounds`` is the one rule on the A/B bounds they share.
+root settings' ``[learner]`` section (``loopwise_settings.py``) are built from it, and ``check_ab_bounds`` is the one
+rule on the A/B bounds they share.
 
-Not here: the runtime's other settings, the scheduler itself, the eval gate or A/B policy.
+Not here: the server's other settings (``runtime/settings.py``, ``loopwise_settings.py``), the scheduler itself, the
+eval gate or A/B policy.
 Importing this module does not import torch.
 """
 
@@ -22,7 +24,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ESTIMATORS = ("grpo", "drgrpo", "rloo", "gigpo", "turn_grpo", "rtpo", "tcpo", "rank")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGG_MODES: tuple[AggMode, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 # the runtime's own evaluators first (clients cannot send verifier:*, judge:* or hook:* rewards), then users' feedback, then the rest
@@ -106,7 +109,7 @@ class TrainerConfig(BaseModel):
     dual_clip_c: float = Field(3.0, gt=1, description="dual-clip constant for negative advantages")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-base coefficient; > 0 runs a second forward pass with the adapter disabled")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="per-token KL estimator (Schulman's k1/k2/k3)")
-    agg: str = Field("token-mean", description=f"loss aggregation, one of {', '.join(AGG_MODES)}")
+    agg: AggMode = Field("token-mean", description=f"loss aggregation, one of {', '.join(AGG_MODES)}")
     max_tokens: int | None = Field(None, ge=1, description="the constant L of seq-mean-token-sum-norm (Dr.GRPO); required for that mode")
     seed: int = Field(0, description="seeds LoRA init, dropout and the RNGs saved in checkpoints")
     threads: int | None = Field(1, ge=1, description="torch CPU threads for training (None = torch's default); keep low so serving keeps its cores")
@@ -130,9 +133,9 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"unknown estimator {v!r}; choose one of {', '.join(ESTIMATORS)}")
         return v
 
-    @field_validator("agg")
+    @field_validator("agg", mode="before")  # before the Literal's own check, for this message
     @classmethod
-    def _known_agg(cls, v: str) -> str:
+    def _known_agg(cls, v: Any) -> Any:
         if v not in AGG_MODES:
             raise ValueError(f"unknown loss aggregation {v!r}; choose one of {', '.join(AGG_MODES)}")
         return v
@@ -365,7 +368,7 @@ class RerolloutConfig(BaseModel):
 
 class LeapConfig(BaseModel):
     """LEAP's data engine inside the learner (``learner/leap_expand.py``): before each update, probe the next problems of
-    the agent's kernel task with one-turn runs, prune them with DCP (``learner/leap.py``) and expand the useful ones
+    the agent's kernel task with one-turn runs, prune them with DCP (``learner/leap_dcp.py``) and expand the useful ones
     into multi-turn episodes; the update trains on the episodes once they settle (``settle_s``). Pair with
     ``estimator = "rank"`` and the task's ``reward = "rank"``."""
 
@@ -449,8 +452,8 @@ class ScheduleConfig(BaseModel):
     """When one learner updates and how its versions are released: the process-level settings.
 
     Declared once here: ``python -m learner run``'s flags are generated from these fields (``flag`` names the
-    flag), and the runtime's ``[learner]`` settings and ``[[learner.jobs]]`` tables take their defaults,
-    bounds and help from them (``runtime/settings.py``)."""
+    flag), and the root settings' ``[learner]`` section and ``[[learner.jobs]]`` tables take their defaults,
+    bounds and help from them (``loopwise_settings.py``)."""
 
     model_config = _FROZEN
     agent: str = Field(

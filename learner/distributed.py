@@ -5,6 +5,8 @@ each rank accumulates the gradients of its share, with the weights ``LoRATrainer
 relative to the *whole* batch, so one all-reduce (sum) of the LoRA gradients leaves every rank with the
 gradient one process would have computed; every rank then clips and steps identically. The loss sums
 and token counts of the metrics are all-reduced the same way. One rank is exactly today's learner.
+The collectives the trainer's step calls (``world``, ``allreduce_grads``, ``allreduce_sums``) are
+``learner/collectives.py``; this module joins the process group, starts the ranks and mirrors rank 0's trainer.
 
 Rank 0 is the learner (it reads the store, estimates advantages, checkpoints, publishes, gates and runs
 experiments); ranks 1..N-1 are workers that only train. Rank 0's trainer is a :class:`RankZeroTrainer`:
@@ -30,22 +32,18 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
+
+from learner.collectives import world
+
+if TYPE_CHECKING:
+    from learner.trainer import LoRATrainer
 
 log = structlog.get_logger(__name__)
 
 WAIT_FOREVER = datetime.timedelta(days=365)  # workers wait in a broadcast while rank 0 polls the store for data
-
-
-def world() -> tuple[int, int]:
-    """(rank, world size): (0, 1) when not distributed."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def init_from_env() -> tuple[int, int]:
@@ -67,34 +65,6 @@ def init_from_env() -> tuple[int, int]:
     return rank, size
 
 
-def allreduce_grads(params: Sequence[Any]) -> None:
-    """Sum every parameter's gradient over the ranks (a rank without micro-batches contributes zeros), in one flat buffer."""
-    import torch
-    import torch.distributed as dist
-
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for p, g in zip(params, grads, strict=True):
-        n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
-
-
-def allreduce_sums(values: dict[str, float]) -> dict[str, float]:
-    """Sum a dict of floats over the ranks (keys: the union; a missing key counts 0)."""
-    import torch
-    import torch.distributed as dist
-
-    keys: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(keys, sorted(values))
-    union = sorted(set().union(*keys))
-    t = torch.tensor([float(values.get(k, 0.0)) for k in union], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return dict(zip(union, t.tolist(), strict=True))
-
-
 def _broadcast(obj: Any = None) -> Any:
     import torch.distributed as dist
 
@@ -113,6 +83,8 @@ def broadcast_params(params: Sequence[Any]) -> None:
 
 class RankZeroTrainer:
     """Rank 0's trainer: a ``LoRATrainer`` whose building, resuming and steps are mirrored on every worker."""
+
+    _inner: LoRATrainer  # set in __init__ past this class's __setattr__, which forwards to it
 
     def __init__(self, base_model: Path, trainer_cfg: Any, lora_cfg: Any) -> None:
         from learner.trainer import LoRATrainer
@@ -174,7 +146,8 @@ def serve_worker(base_model: Path, trainer_cfg: Any, lora_cfg: Any) -> int:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # typeshed types the address as Any
+        return port
 
 
 def launch(nproc: int, argv: Sequence[str]) -> int:

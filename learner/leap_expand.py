@@ -11,11 +11,11 @@ name such as ``level1/relu``, which the server resolves), :func:`expand`:
 
 1. **probes**: ``G`` first-turn runs ``POST /v1/agents/{agent}/runs`` with ``{"task": "kernels",
    "problem_index": i | "problem_id": "kernels/<name>", "seed": seed, "sample_seed": sample_seed + k, "max_turns": 1}``;
-2. turns each probe run into a :class:`learner.leap.ProbeSample` (:func:`probe_sample`) from the structured
+2. turns each probe run into a :class:`learner.leap_dcp.ProbeSample` (:func:`probe_sample`) from the structured
    outcome the kernel Env reports for the first step (``steps[0].info.outcome``: whether code was found,
    whether it compiled and the first compiler error, whether it was measured, correct and how fast),
    cross-checked against the run's ``correct``; a step without that outcome raises :class:`ProbeParseError`;
-3. calls :func:`learner.leap.prune` (which logs ``leap.dcp`` with the fraction pruned);
+3. calls :func:`learner.leap_dcp.prune` (which logs ``leap.dcp`` with the fraction pruned);
 4. **expands** every kept (``useful``) problem into ``G`` full episodes of up to ``max_turns`` turns with
    fresh sampling seeds ``sample_seed + G + k`` (so they do not replay the probes' first turns).
 
@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 import structlog
 
-from learner.leap import ProbeSample, PruneReport, prune
+from learner.leap_dcp import ProbeSample, PruneReport, prune
 
 __all__ = ["ExpandReport", "ProbeParseError", "RunFailed", "compile_calls", "expand", "parse_problems", "probe_sample", "problem_ref"]
 
@@ -68,7 +68,7 @@ class RunFailed(RuntimeError):
 
 
 def _first_step(run: Mapping[str, Any]) -> Mapping[str, Any]:
-    steps = run.get("steps") or []
+    steps: Sequence[Mapping[str, Any]] = run.get("steps") or []
     if not steps:
         raise ProbeParseError(f"run {run.get('run_id')}: no steps")
     return steps[0]
@@ -85,7 +85,7 @@ def _kernel_outcome(step: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def probe_sample(run: Mapping[str, Any], task: str | None = None) -> ProbeSample:
-    """The :class:`ProbeSample` of a probe run (its first step), as :func:`learner.leap.classify_probe` reads it.
+    """The :class:`ProbeSample` of a probe run (its first step), as :func:`learner.leap_dcp.classify_probe` reads it.
 
     ``task`` defaults to the run's ``problem_id``. For a one-step run the outcome's correctness must agree with
     the run's ``correct`` (the Env's ``info["correct"]``; an unmeasured kernel is recorded as not correct)."""
@@ -94,7 +94,7 @@ def probe_sample(run: Mapping[str, Any], task: str | None = None) -> ProbeSample
     outcome = _kernel_outcome(step)
     if outcome is None:
         raise ProbeParseError(f"{where}: the first step has no kernel outcome (a tool call instead of a kernel, or not the kernels task?)")
-    fields = {k: outcome.get(k) for k in _OUTCOME_FIELDS if outcome.get(k) is not None}
+    fields: dict[str, Any] = {k: outcome.get(k) for k in _OUTCOME_FIELDS if outcome.get(k) is not None}
     if isinstance(fields.get("first_error"), str):
         fields["first_error"] = fields["first_error"].strip()[:300] or None
     name = task if task is not None else run.get("problem_id")

@@ -236,7 +236,8 @@ class RuntimeAdmin:
                 elif resp.is_error:
                     raise _admin_error(resp)
                 else:
-                    return resp.json()
+                    body: dict[str, Any] = resp.json()
+                    return body
             time.sleep(self._backoff * 2 ** (attempt - 1))
         raise AssertionError("unreachable")  # the last attempt returns or raises
 

@@ -1,13 +1,14 @@
 """Releasing a trained version: publish, load, parity probe, eval gate, champion and A/B, and rejections.
 
-``Release._publish_and_gate`` publishes ``family@N`` (``learner/publish.py``), loads it into the runtime,
-probes logprob parity (``learner/parity.py``), runs the held-out eval gate against the champion through the
-runs endpoint, and then makes the first passing version the champion (alias) or starts an A/B experiment
-against the champion. ``_experiment_running`` follows that experiment to its decision; a version refused by
-the parity probe or the gate, or rolled back, is rejected: with ``restart_from_champion`` the next update
-starts from the champion's weights (``_restart_from_champion``). ``_publish_intermediate`` publishes an
+``Release`` is the learner service's release job (one object over the service's shared ``ServiceState``).
+``publish_and_gate`` publishes ``family@N`` (through ``learner.update.checkpoint_and_publish``, the one publish path
+of every trainer), loads it into the runtime, probes logprob parity (``learner/parity.py``), runs the held-out eval
+gate against the champion through the runs endpoint, and then makes the first passing version the champion (alias)
+or starts an A/B experiment against the champion. ``experiment_running`` follows that experiment to its decision; a
+version refused by the parity probe or the gate, or rolled back, is rejected: with ``restart_from_champion`` the
+next update starts from the champion's weights (``restart_from_champion``). ``publish_intermediate`` publishes an
 RTPO sweep's step for its next re-rollouts (parity probe, no eval gate, no alias; a refused one is unloaded and
-raises ``learner.parity.ParityRefused``); ``_publish_held`` releases a version trained while an experiment ran.
+raises ``learner.parity.ParityRefused``); ``publish_held`` releases a version trained while an experiment ran.
 
 Not here: the publish protocol and the admin client (``learner/publish.py``), the experiment's statistics
 (the runtime's ``runtime/experiments.py``), when a release happens (``learner/scheduler.py``).
@@ -25,74 +26,79 @@ import httpx
 import structlog
 
 from learner.parity import refusal
-from learner.publish import AdminError, adapter_path, publish_adapter
+from learner.publish import AdminError, adapter_path
 from learner.reward_plot import plot_rewards
 from learner.samples import Sample
-from learner.service_state import CHAIN_FILE, INTERMEDIATE, LINEAGE_START, RESTART_FILE, UPDATE_VERSIONS, ServiceState, _update_versions
+from learner.service_state import CHAIN_FILE, INTERMEDIATE, LINEAGE_START, RESTART_FILE, UPDATE_VERSIONS, ServiceState, update_versions
 from learner.svr_rollouts import adaptive_report
-from learner.update import checkpoint_and_publish
+from learner.update import Trainer, checkpoint_and_publish
 
 log = structlog.get_logger(__name__)
 
 
-class Release(ServiceState):
-    """Publish, gate, champion and A/B (mixed into ``LearnerService``)."""
+class Release:
+    """Publish, gate, champion and A/B: the learner service's release job (module docstring)."""
 
-    def _publish_held(self) -> None:
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+
+    def publish_held(self) -> None:
         """Publish and gate the version trained while an experiment ran (one history line, no new metrics)."""
-        trainer = self._get_trainer()
-        self._held = False
+        trainer = self.state.get_trainer()
+        self.state.held = False
         record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": {}, "held": True}
-        record["gate"] = self._publish_and_gate(trainer)
-        with open(self.dir / "history.jsonl", "a") as f:
+        record["gate"] = self.publish_and_gate(trainer)
+        with open(self.state.dir / "history.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        plot_rewards(self.dir, self.family)
+        plot_rewards(self.state.dir, self.state.family)
 
-    def _publish_current(self, trainer: Any, meta: dict[str, Any] | None = None) -> str:
-        """Publish (once) and load the trainer's current weights as ``family@N`` without an alias. Without ``meta``: the held
-        version, for the learner's own runs while an experiment runs (``RolloutSteps._rollout_model``); its checkpoint was
-        written by the update that made it, and ``_publish_and_gate`` later releases the same folder (version N has one
-        set of weights)."""
-        version = trainer.version
-        if not adapter_path(self.adapter_root, self.family, version).exists():
-            publish_adapter(trainer.model, self.adapter_root, self.family, version, meta=meta or {INTERMEDIATE: True, "held": True})
-        return self._ensure_loaded(version)
+    def publish_current(self, trainer: Trainer, meta: dict[str, Any] | None = None) -> str:
+        """Publish (once, through ``learner.update.checkpoint_and_publish``) and load the trainer's current weights as
+        ``family@N`` without an alias; its checkpoint was written by the update that made it. Without ``meta``: the held
+        version, for the learner's own runs while an experiment runs (``RolloutSteps.rollout_model``), and
+        ``publish_and_gate`` later releases the same folder (version N has one set of weights)."""
+        if adapter_path(self.state.adapter_root, self.state.family, trainer.version).exists():
+            return self.state.ensure_loaded(trainer.version)
+        meta = meta or {INTERMEDIATE: True, "held": True}
+        return checkpoint_and_publish(trainer, None, self.state.adapter_root, self.state.family, meta=meta, admin=self.state.admin).name
 
-    def _publish_intermediate(self, trainer: Any, candidates: Sequence[Sample] | None = None) -> str:
+    def publish_intermediate(self, trainer: Trainer, candidates: Sequence[Sample] | None = None) -> str:
         """Checkpoint, publish and load the trainer's current weights for the next step's re-rollouts (no eval gate, no alias),
         then probe its logprob parity (``candidates``: the sweep's samples, where the probe picks its turns; default the
         last update's).
 
         The checkpoint comes first and keeps the update's old data cursor and the sweep's progress (``rtpo_sweep``): a
         learner killed after it resumes the sweep at the next step from this version (never publishing it a second time
-        with other weights, never re-applying a step; ``RolloutSteps._rtpo_sweep``).
+        with other weights, never re-applying a step; ``RolloutSteps``' RTPO sweep).
         A version the probe refuses is unloaded, joins the rejected names and raises :class:`learner.parity.ParityRefused`:
         nothing may be sampled from it (the sweep goes on with the policy it sampled from before)."""
-        ckpt = self.dir / "checkpoints"
-        published = checkpoint_and_publish(trainer, ckpt, self.adapter_root, self.family, meta={INTERMEDIATE: True}, admin=self.admin)
-        return self._probe_intermediate(trainer, published.name, candidates)
+        ckpt = self.state.dir / "checkpoints"
+        published = checkpoint_and_publish(
+            trainer, ckpt, self.state.adapter_root, self.state.family, meta={INTERMEDIATE: True}, admin=self.state.admin
+        )
+        return self.probe_intermediate(trainer, published.name, candidates)
 
-    def _probe_intermediate(self, trainer: Any, name: str, candidates: Sequence[Sample] | None) -> str:
+    def probe_intermediate(self, trainer: Trainer, name: str, candidates: Sequence[Sample] | None) -> str:
         """Probe a loaded intermediate version's parity; a refused one is unloaded, joins the rejected names and raises
         :class:`learner.parity.ParityRefused`. Returns ``name`` when it passes."""
         from learner.parity import ParityRefused, refusal
 
-        report = self._parity(trainer, name, candidates=candidates, intermediate=True)
-        reason = refusal(report, self.cfg.settings.parity.threshold)
+        report = self.parity(trainer, name, candidates=candidates, intermediate=True)
+        reason = refusal(report, self.state.cfg.settings.parity.threshold)
         if reason is not None:
             assert report is not None
-            self._unload(name)
-            self._rejected_names.add(name)
+            self.state.unload(name)
+            self.state.rejected_names.add(name)
             log.warning("an intermediate version was refused by the parity probe", version=name, reason=reason)
             raise ParityRefused(name, reason, report)
         return name
 
-    def _publish_and_gate(self, trainer: Any) -> dict[str, Any]:
+    def publish_and_gate(self, trainer: Trainer) -> dict[str, Any]:
         version = trainer.version
-        self._set("publishing", f"{self.family}@{version}")
-        new = self._publish_current(trainer, meta={"metrics": self.status.last_metrics})
-        parity = self._parity(trainer, new)
-        pc = self.cfg.settings.parity
+        self.state.set_status("publishing", f"{self.state.family}@{version}")
+        new = self.publish_current(trainer, meta={"metrics": self.state.status.last_metrics})
+        parity = self.parity(trainer, new)
+        pc = self.state.cfg.settings.parity
         refused = refusal(parity, pc.threshold)
         if parity is not None and refused is not None:
             gate = {
@@ -101,50 +107,52 @@ class Release(ServiceState):
                 "new": new,
                 "parity": parity,
             }
-            self.status.last_gate = gate
-            self._unload(new)
+            self.state.status.last_gate = gate
+            self.state.unload(new)
             self._rejected(new, "refused by the parity probe")
             return gate
-        champion = self._champion()
-        gate = self._gate(new, champion)
+        champion = self.state.champion()
+        gate = self.gate(new, champion)
         if parity is not None:
             gate["parity"] = parity
-        self.status.last_gate = gate
+        self.state.status.last_gate = gate
         if gate["decision"] == "refused":
-            self._unload(new)
+            self.state.unload(new)
             self._rejected(new, "refused by the eval gate")
         elif champion is None:
-            self.admin.set_alias(self.family, new)
-            self.status.champion = new
-            self._set("idle", f"{new} is the first champion")
+            self.state.admin.set_alias(self.state.family, new)
+            self.state.status.champion = new
+            self.state.set_status("idle", f"{new} is the first champion")
         else:
-            name = f"{self.family}-v{version}"
-            self.admin.create_experiment(self._experiment_config(name, champion, new))
-            self.status.experiment, self.status.challenger = name, new
-            self._set("ab", f"experiment {name}: {champion} vs {new}")
+            name = f"{self.state.family}-v{version}"
+            self.state.admin.create_experiment(self._experiment_config(name, champion, new))
+            self.state.status.experiment, self.state.status.challenger = name, new
+            self.state.set_status("ab", f"experiment {name}: {champion} vs {new}")
         return gate
 
-    def _parity(self, trainer: Any, model: str, candidates: Sequence[Sample] | None = None, *, intermediate: bool = False) -> dict[str, Any] | None:
+    def parity(
+        self, trainer: Trainer, model: str, candidates: Sequence[Sample] | None = None, *, intermediate: bool = False
+    ) -> dict[str, Any] | None:
         """The logprob parity probe of a just-loaded version (``learner/parity.py``): its greedy, sampled and constrained
         turns, picked among ``candidates`` (default: the last update's trained samples) the first time; None when it is
         off or has no turns yet."""
         from learner.parity import parity_probe, probe_turns
 
-        pc = self.cfg.settings.parity
+        pc = self.state.cfg.settings.parity
         if not pc.enabled:
             return None
-        probe = probe_turns(self.dir, self.store, self._trained if candidates is None else candidates, pc.turns)
+        probe = probe_turns(self.state.dir, self.state.store, self.state.trained if candidates is None else candidates, pc.turns)
         if not probe:
             return None
         what = ", ".join(f"{len(ids)} {kind}" for kind, ids in probe.items())
-        self._set("probing", f"logprob parity of {model} on recorded turns ({what})")
-        headers = {"Authorization": f"Bearer {self.cfg.admin_key}"}
-        with httpx.Client(base_url=self.cfg.admin_url, headers=headers, timeout=300) as client:
-            report = parity_probe(client, self.store, trainer, model=model, probe=probe, max_tokens=pc.max_tokens)
+        self.state.set_status("probing", f"logprob parity of {model} on recorded turns ({what})")
+        headers = {"Authorization": f"Bearer {self.state.cfg.admin_key}"}
+        with httpx.Client(base_url=self.state.cfg.admin_url, headers=headers, timeout=300) as client:
+            report = parity_probe(client, self.state.store, trainer, model=model, probe=probe, max_tokens=pc.max_tokens)
         report["model"] = model
         if intermediate:
             report["intermediate"] = True
-        self.status.last_parity = report
+        self.state.status.last_parity = report
         log.info("parity probe", **report)
         return report
 
@@ -159,22 +167,22 @@ class Release(ServiceState):
         new version is promoted if shown non-inferior (``ab_non_inferiority_margin``), else the champion stays. The margin
         bounds the chain: the promotions since the first champion (``_chain``) are the test's prior, so the served line
         never drifts more than the margin below where it started, however many small steps it takes."""
-        sc = self.cfg.settings.samples
-        task = self._task()
+        sc = self.state.cfg.settings.samples
+        task = self.state.task()
         rule: dict[str, Any] = {"metric": f"verifier:{task}"} if task else {"reward_sources": list(sc.reward_sources)}
         return {
             "name": name,
-            "family": self.family,
+            "family": self.state.family,
             "arms": [{"adapter": champion, "weight": 1}, {"adapter": new, "weight": 1}],
             "sticky": "session",
             **rule,
             "owners": list(sc.owners) if sc.owners is not None else None,
             "max_owner_share": sc.max_owner_share,
-            "max_duration_s": self.cfg.settings.ab_max_duration_s,
-            "non_inferiority_margin": self.cfg.settings.ab_non_inferiority_margin,
+            "max_duration_s": self.state.cfg.settings.ab_max_duration_s,
+            "non_inferiority_margin": self.state.cfg.settings.ab_non_inferiority_margin,
             "non_inferiority_chain": self._chain(champion),
-            "min_samples": self.cfg.ab_min_samples,
-            "max_samples": self.cfg.ab_max_samples,
+            "min_samples": self.state.cfg.ab_min_samples,
+            "max_samples": self.state.cfg.ab_max_samples,
             "auto_promote": True,
             "auto_rollback": True,
         }
@@ -183,105 +191,105 @@ class Release(ServiceState):
         """The chain of promotions this learner's experiments made since its anchor (the first champion they started from):
         their effects summed in pooled sds (``chain.json`` in the learner's folder; the status shows it)."""
         try:
-            chain = json.loads((self.dir / CHAIN_FILE).read_text())
+            chain = json.loads((self.state.dir / CHAIN_FILE).read_text())
         except (OSError, ValueError):
             chain = {}
         if not isinstance(chain, dict) or not chain.get("anchor"):
             chain = {"anchor": champion, "steps": 0, "diff_sd": 0.0, "var_sd": 0.0}
-        self.status.chain = chain
+        self.state.status.chain = chain
         return {k: chain[k] for k in ("anchor", "steps", "diff_sd", "var_sd")}
 
-    def _extend_chain(self, state: dict[str, Any]) -> None:
+    def _extend_chain(self, exp: dict[str, Any]) -> None:
         """A promotion adds its ``effect`` (the runtime's estimate of new minus champion, in pooled sds) to the chain."""
-        effect, winner = state.get("effect"), state.get("winner")
-        if state.get("status") != "promoted" or not isinstance(effect, dict) or effect.get("arm") != winner:
+        effect, winner = exp.get("effect"), exp.get("winner")
+        if exp.get("status") != "promoted" or not isinstance(effect, dict) or effect.get("arm") != winner:
             return
-        chain = self._chain(str(state.get("champion")))
-        if self.status.chain.get("experiment") == state.get("name"):
+        chain = self._chain(str(exp.get("champion")))
+        if self.state.status.chain.get("experiment") == exp.get("name"):
             return  # counted already (a learner restarted after reading the experiment's end)
         chain.update(
-            experiment=state.get("name"),
+            experiment=exp.get("name"),
             steps=int(chain["steps"]) + 1,
             diff_sd=float(chain["diff_sd"]) + float(effect["diff_sd"]),
             var_sd=float(chain["var_sd"]) + float(effect["var_sd"]),
             last=winner,
         )
-        (self.dir / CHAIN_FILE).write_text(json.dumps(chain))
-        self.status.chain = chain
+        (self.state.dir / CHAIN_FILE).write_text(json.dumps(chain))
+        self.state.status.chain = chain
         log.info("promotion chain", **chain)
 
     def _rejected(self, version: str, why: str) -> None:
         """A version was refused or rolled back: with ``restart_from_champion`` the next update starts from the champion."""
-        restart = self.cfg.settings.restart_from_champion
-        self._restart = restart
-        self._rejected_names.add(version)
+        restart = self.state.cfg.settings.restart_from_champion
+        self.state.restart = restart
+        self.state.rejected_names.add(version)
         if restart:
-            (self.dir / RESTART_FILE).touch()
-        self._set("idle", f"{version} {why}" + ("; the next update starts from the champion's weights" if restart else ""))
+            (self.state.dir / RESTART_FILE).touch()
+        self.state.set_status("idle", f"{version} {why}" + ("; the next update starts from the champion's weights" if restart else ""))
 
-    def _gate(self, new: str, champion: str | None) -> dict[str, Any]:
+    def gate(self, new: str, champion: str | None) -> dict[str, Any]:
         """Held-out success of the new version vs the champion (or the base model), through the runs endpoint."""
-        if self.cfg.agent is None or self.cfg.gate_n <= 0:
+        if self.state.cfg.agent is None or self.state.cfg.gate_n <= 0:
             return {"decision": "passed", "reason": "no gate configured"}
-        self._set("gating", f"{new} vs {champion or 'base'} on {self.cfg.gate_n} held-out problems")
-        base = self._base_model_name()
+        self.state.set_status("gating", f"{new} vs {champion or 'base'} on {self.state.cfg.gate_n} held-out problems")
+        base = self.state.base_model_name()
         new_runs = asyncio.run(self._gate_runs(new))
         old_runs = asyncio.run(self._gate_runs(champion or base))
         new_rate = sum(bool(r.get("correct")) for r in new_runs) / len(new_runs)
         old_rate = sum(bool(r.get("correct")) for r in old_runs) / len(old_runs)
-        passed = new_rate >= old_rate - self.cfg.gate_tolerance
+        passed = new_rate >= old_rate - self.state.cfg.gate_tolerance
         return {
             "decision": "passed" if passed else "refused",
             "new": new,
             "champion": champion or base,
             "new_success": new_rate,
             "champion_success": old_rate,
-            "tolerance": self.cfg.gate_tolerance,
-            "n": self.cfg.gate_n,
+            "tolerance": self.state.cfg.gate_tolerance,
+            "n": self.state.cfg.gate_n,
             # the adaptive agent's figures (mean turns, wrong-stop rate, ECE of its stated confidence): learner/svr_rollouts.py
             "new_report": adaptive_report(new_runs),
             "champion_report": adaptive_report(old_runs),
         }
 
     async def _gate_runs(self, model: str) -> list[dict[str, Any]]:
-        headers = {"Authorization": f"Bearer {self.cfg.admin_key}"}
-        task = self._task()
+        headers = {"Authorization": f"Bearer {self.state.cfg.admin_key}"}
+        task = self.state.task()
         sem = asyncio.Semaphore(8)
-        async with httpx.AsyncClient(base_url=self.cfg.admin_url, headers=headers, timeout=900) as client:
+        async with httpx.AsyncClient(base_url=self.state.cfg.admin_url, headers=headers, timeout=900) as client:
 
             async def one(i: int) -> dict[str, Any]:
-                body: dict[str, Any] = {"problem_index": i, "seed": self.cfg.gate_seed, "model": model, "eval": True}
+                body: dict[str, Any] = {"problem_index": i, "seed": self.state.cfg.gate_seed, "model": model, "eval": True}
                 if task:
                     body["task"] = task
                 async with sem:
-                    r = await client.post(f"/admin/agents/{self.cfg.agent}/runs", json=body)  # the admin API's runs: owned by "admin"
+                    r = await client.post(f"/admin/agents/{self.state.cfg.agent}/runs", json=body)  # the admin API's runs: owned by "admin"
                 r.raise_for_status()
                 out: dict[str, Any] = r.json()
                 return out
 
-            return list(await asyncio.gather(*(one(i) for i in range(self.cfg.gate_n))))
+            return list(await asyncio.gather(*(one(i) for i in range(self.state.cfg.gate_n))))
 
-    def _experiment_running(self, name: str) -> bool:
+    def experiment_running(self, name: str) -> bool:
         try:
-            state = self.admin.experiment_status(name)
+            exp = self.state.admin.experiment_status(name)
         except AdminError as exc:
             if exc.status == 404:
                 return False
             raise
-        if state.get("status") == "running":
+        if exp.get("status") == "running":
             return True
         # a promotion's winner is the champion now; "champion" is the one the experiment started with
-        self.status.champion = state.get("winner") or state.get("champion") or self.status.champion
-        self._extend_chain(state)
-        challenger, self.status.experiment, self.status.challenger = self.status.challenger, None, None
-        if state.get("status") == "rolled_back" and challenger is not None:
-            if self._held and self.cfg.settings.restart_from_champion:
-                self._held = False  # trained on from the rolled-back version: that line is dropped
+        self.state.status.champion = exp.get("winner") or exp.get("champion") or self.state.status.champion
+        self._extend_chain(exp)
+        challenger, self.state.status.experiment, self.state.status.challenger = self.state.status.challenger, None, None
+        if exp.get("status") == "rolled_back" and challenger is not None:
+            if self.state.held and self.state.cfg.settings.restart_from_champion:
+                self.state.held = False  # trained on from the rolled-back version: that line is dropped
                 log.info("dropping the version held during the experiment: it descends from the rolled-back one", rolled_back=challenger)
             self._rejected(challenger, "was rolled back by its experiment")
         return False
 
-    def _restart_from_champion(self, trainer: Any) -> None:
+    def restart_from_champion(self, trainer: Trainer) -> None:
         """Load the champion's published LoRA (the base model's identity LoRA before any champion), fresh optimizer.
 
         The trainer's line becomes the champion's: the update versions after the champion's (the rejected line) leave
@@ -290,20 +298,20 @@ class Release(ServiceState):
         restarts from the champion again instead of resuming the rejected line's checkpoint."""
         from safetensors.torch import load_file
 
-        self._restart = False
-        champion = self._champion()
-        state, version = None, 0
+        self.state.restart = False
+        champion = self.state.champion()
+        weights, version = None, 0
         if champion is not None:
             _, _, v = champion.partition("@")
             version = int(v)
-            folder = adapter_path(self.adapter_root, self.family, version)
+            folder = adapter_path(self.state.adapter_root, self.state.family, version)
             files = sorted(folder.glob("*.safetensors"))
             if not files:
                 log.warning("the champion's adapter files are missing; continuing from the trainer's own weights", champion=champion)
                 return
-            state = load_file(str(files[0]))
-        trainer.restart_from(state)
-        line = [x for x in _update_versions(trainer) if x < version] + [version]  # the champion's own updates (as far as kept), then it
+            weights = load_file(str(files[0]))
+        trainer.restart_from(weights)
+        line = [x for x in update_versions(trainer) if x < version] + [version]  # the champion's own updates (as far as kept), then it
         trainer.cursor = {**trainer.cursor, UPDATE_VERSIONS: line, LINEAGE_START: line[0]}
-        self.status.restarts += 1
+        self.state.status.restarts += 1
         log.info("restarted from the champion", champion=champion or "base", version=trainer.version)

@@ -153,7 +153,9 @@ def render(data: dict[str, Any]) -> str:
 def build_report(data_dir: Path, out: Path, db: Path | str | None = None) -> dict[str, int]:
     """Write the report; returns what it holds (learners, updates, experiments). ``db``: the store's file or
     ``postgresql://`` URL (default ``<data-dir>/interactions.db``)."""
-    from learner.records.store import db_path, is_postgres_url, open_store
+    from learner.records.store import db_path
+    from learner.records.store_open import open_store
+    from learner.records.store_sql import is_postgres_url
 
     path = db or db_path(data_dir)
     exps: list[dict[str, Any]] = []
@@ -163,6 +165,7 @@ def build_report(data_dir: Path, out: Path, db: Path | str | None = None) -> dic
             exps = experiments(store)
         finally:
             store.close()
-    data = {"data_dir": str(data_dir), "generated_at": time.time(), "learners": learners(data_dir), "experiments": exps}
+    runs = learners(data_dir)
+    data = {"data_dir": str(data_dir), "generated_at": time.time(), "learners": runs, "experiments": exps}
     out.write_text(render(data), encoding="utf-8")
-    return {"learners": len(data["learners"]), "updates": sum(len(s["history"]) for s in data["learners"]), "experiments": len(exps)}
+    return {"learners": len(runs), "updates": sum(len(s["history"]) for s in runs), "experiments": len(exps)}

@@ -18,11 +18,12 @@ window, so training uses the exact recorded ids, never the HTTP answer.
 Planning (pure; the service executes the plan: runs, estimator, trainer, publish):
 - RTPO: :func:`plan_rtpo` picks ``K`` branch turns per backbone (:func:`choose_branch_turns`, uniform over
   turns ``1..T-1``; turn 0 needs no branch: a problem's runs already share that context, so they are its
-  siblings) and the sweep's optimizer steps, latest turns first (:func:`rtpo_segments`); for each branch
+  siblings) and the sweep's optimizer steps, latest turns first (:func:`rtpo_segments` over the turn buckets of
+  :func:`rtpo_turn_buckets`; :func:`rtpo_update_order` gives those buckets as sample indices); for each branch
   point the service runs ``m`` siblings and one *refresh* of the backbone's own continuation
   (:func:`refresh_point`), both with the policy of that moment, and :func:`rtpo_estimator_input` builds
   the sibling sets the ``rtpo`` estimator scores (whole continuations, not the branch turn alone).
-- TCPO: :func:`tcpo_branch_points` picks the high-surprisal turns (``advantages.tcpo_select_turns``) that
+- TCPO: :func:`tcpo_branch_points` picks the high-surprisal turns (:func:`turn_surprisal`, :func:`tcpo_select_turns`) that
   can be replayed; :func:`counterfactual_scores` collects the verifier's scores of their one-step
   alternatives (:func:`counterfactual_score`: the step's process score, else the run's reward, the latter only
   for a backbone's last turn, where the backbone's own score is its outcome too).
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -41,9 +43,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
+import numpy as np
 import structlog
 
-from learner.advantages import rtpo_turn_buckets, tcpo_select_turns, turn_surprisal
+from learner.advantages import TurnSample
 from learner.records import Trajectory, context_sha256
 from learner.samples import Sample
 
@@ -109,7 +112,30 @@ def choose_branch_turns(n_turns: int, k: int, rng: random.Random) -> list[int]:
     return sorted(rng.sample(pool, min(k, len(pool))))
 
 
-rtpo_buckets = rtpo_turn_buckets  # the reverse sweep's turn buckets (one rule, in learner.advantages)
+def rtpo_turn_buckets(turn_indices: Sequence[int], bucket_size: int = 1) -> list[list[int]]:
+    """RTPO's reverse sweep over turn indices: the distinct turns in buckets of ``bucket_size``, latest first, each ascending.
+
+    Bucket k holds the turns in ``(t_max - (k+1)*bucket_size, t_max - k*bucket_size]``; empty buckets are
+    dropped, so every turn in a bucket is strictly below every turn of the bucket before it."""
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
+    turns = sorted(set(turn_indices))
+    buckets: dict[int, list[int]] = {}
+    for t in turns:
+        buckets.setdefault((turns[-1] - t) // bucket_size, []).append(t)
+    return [buckets[k] for k in sorted(buckets)]
+
+
+def rtpo_update_order(samples: Sequence[TurnSample], *, bucket_size: int = 1) -> list[list[int]]:
+    """RTPO's reverse sweep (``docs/methods.md#rtpo``): sample indices by :func:`rtpo_turn_buckets`, latest first.
+
+    Indices inside a bucket are ascending."""
+    turns = [s.turn_index for s in samples]
+    bucket_of = {t: k for k, b in enumerate(rtpo_turn_buckets(turns, bucket_size)) for t in b}
+    out: list[list[int]] = [[] for _ in set(bucket_of.values())]
+    for i, t in enumerate(turns):
+        out[bucket_of[t]].append(i)
+    return out
 
 
 # ---- RTPO: the sweep's plan and its estimator input ------------------------------------------------------
@@ -219,6 +245,29 @@ def rtpo_estimator_input(
 
 
 # ---- TCPO: the counterfactuals' plan and scores ----------------------------------------------------------
+
+
+def turn_surprisal(logprobs: Sequence[float]) -> float:
+    """``-(1/|a_t|) sum_j log pi_old(a_{t,j})``: the mean negative log-probability of one turn's tokens."""
+    if len(logprobs) == 0:
+        return 0.0
+    return -float(np.mean(np.asarray(logprobs, dtype=np.float64)))
+
+
+def tcpo_select_turns(surprisals: Sequence[float], *, top_q: float = 0.2, threshold: float | None = None) -> list[bool]:
+    """Which turns get counterfactual re-rollouts: ``surprisal > threshold`` if given, else the top ``top_q`` fraction.
+
+    The top-q rule keeps ``ceil(top_q * n)`` turns, ties broken by position (earlier first), so the cost is bounded.
+    """
+    s = np.asarray(surprisals, dtype=np.float64)
+    if threshold is not None:
+        return [bool(x) for x in s > threshold]
+    if not 0.0 <= top_q <= 1.0:
+        raise ValueError(f"top_q must be in [0, 1], got {top_q}")
+    k = math.ceil(top_q * s.shape[0])
+    chosen = np.zeros(s.shape[0], dtype=np.bool_)
+    chosen[np.argsort(-s, kind="stable")[:k]] = True
+    return chosen.tolist()
 
 
 def select_counterfactual_turns(samples: Sequence[Sample], *, top_q: float, threshold: float | None) -> list[Sample]:

@@ -99,7 +99,8 @@ class PoolItem:
 
     def priority(self, floor: float, exponent: float) -> float:
         b = 1.0 if self.boundary is None else self.boundary
-        return (b + floor) ** exponent
+        p: float = (b + floor) ** exponent  # typeshed types float ** float as Any (a negative base gives a complex)
+        return p
 
 
 @dataclass

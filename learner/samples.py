@@ -2,7 +2,7 @@
 
     batch = collect_samples(store, family="tools-agent", min_version=1, cursor=Cursor(), cfg=SampleConfig())
     groups = make_groups(batch.samples)          # one Group per task key, for the advantage estimators
-    turn_samples = to_turn_samples(batch.samples)  # learner.advantages.TurnSample, same order
+    turn_samples = [s.to_turn_sample() for s in batch.samples]  # the estimators' rows (learner.advantages.TurnSample)
     ... train ...; keep batch.cursor (it goes into the trainer's checkpoint) for the next call
 
 A **sample** is one recorded turn exactly as the engine saw it: context ids, output ids, behaviour
@@ -92,15 +92,13 @@ import time
 from array import array
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import structlog
 
+from learner.advantages import TurnSample
 from learner.config import SampleConfig, TrafficFilter
 from learner.records import ADMIN_OWNER, PROCESS_SUFFIX, Reward, Trajectory, TurnCheck, context_sha256, owner_quota, source_rank
-
-if TYPE_CHECKING:
-    from learner.advantages import TurnSample
 
 log = structlog.get_logger(__name__)
 
@@ -174,6 +172,34 @@ class Sample:
     def n_tokens(self) -> int:
         """Output tokens that are trained on (loss mask 1)."""
         return sum(self.loss_mask)
+
+    def to_turn_sample(self) -> TurnSample:
+        """This turn as the estimators see it (``learner.advantages.TurnSample``).
+
+        ``correct`` and ``score`` (LEAP's rank) are the turn's own result when the trajectory recorded one for its index
+        (meta ``turn_correct``: bool, and ``turn_scores``: number, lists indexed by turn index like ``state_keys``;
+        ``result_of="turn"``), else the trajectory's final outcome (meta ``correct`` / ``score``, ``result_of="trajectory"``),
+        which rank's ``per="turn"`` leaves out;
+        ``anchor`` is the exact context's id (:func:`learner.records.context_sha256`): turns with byte-identical
+        contexts (the first turns of one problem's runs, RTPO siblings and their backbone turn) share it (RTPO's
+        sibling key). ``state`` is GiGPO's anchor state: the environment's state key when the run recorded one
+        (meta ``state_keys``, the observation without the history), else the exact context id.
+        """
+        own = _opt_bool(per_turn(self.meta, "turn_correct", self.turn_index))
+        anchor = context_sha256(self.context_ids)
+        return TurnSample(
+            trajectory_id=self.trajectory_id,
+            group_id=self.group_id,
+            turn_index=self.turn_index,
+            reward=self.reward,
+            trajectory_reward=self.trajectory_reward,
+            n_tokens=self.n_tokens,
+            correct=own if own is not None else _opt_bool(self.meta.get("correct")),
+            score=_number(per_turn(self.meta, "turn_scores", self.turn_index)) if own is not None else _number(self.meta.get("score")),
+            result_of="turn" if own is not None else "trajectory",
+            anchor=anchor,
+            state=f"state:{self.state_key}" if self.state_key else anchor,
+        )
 
 
 @dataclass
@@ -565,43 +591,9 @@ def make_groups(samples: Iterable[Sample]) -> list[Group]:
     return [Group(group_id=g, samples=tuple(ss)) for g, ss in by_id.items()]
 
 
-def to_turn_samples(samples: Sequence[Sample]) -> list[TurnSample]:
-    """The estimators' view of ``samples`` (same order).
-
-    ``correct`` and ``score`` (LEAP's rank) are the turn's own result when the trajectory recorded one for its index
-    (meta ``turn_correct``: bool, and ``turn_scores``: number, lists indexed by turn index like ``state_keys``;
-    ``result_of="turn"``), else the trajectory's final outcome (meta ``correct`` / ``score``, ``result_of="trajectory"``),
-    which rank's ``per="turn"`` leaves out;
-    ``anchor`` is the exact context's id (:func:`learner.records.context_sha256`): turns with byte-identical
-    contexts (the first turns of one problem's runs, RTPO siblings and their backbone turn) share it (RTPO's
-    sibling key). ``state`` is GiGPO's anchor state: the environment's state key when the run recorded one
-    (meta ``state_keys``, the observation without the history), else the exact context id.
-    """
-    from learner.advantages import TurnSample  # numpy-only; imported here so this module stays importable on its own
-
-    def number(v: Any) -> float | None:
-        return _finite(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-    out: list[TurnSample] = []
-    for s in samples:
-        own = _opt_bool(per_turn(s.meta, "turn_correct", s.turn_index))
-        out.append(
-            TurnSample(
-                trajectory_id=s.trajectory_id,
-                group_id=s.group_id,
-                turn_index=s.turn_index,
-                reward=s.reward,
-                trajectory_reward=s.trajectory_reward,
-                n_tokens=s.n_tokens,
-                correct=own if own is not None else _opt_bool(s.meta.get("correct")),
-                score=number(per_turn(s.meta, "turn_scores", s.turn_index)) if own is not None else number(s.meta.get("score")),
-                result_of="turn" if own is not None else "trajectory",
-                anchor=(anchor := context_sha256(s.context_ids)),
-                state=f"state:{s.state_key}" if s.state_key else anchor,
-            )
-        )
-    return out
-
-
 def _opt_bool(v: Any) -> bool | None:
     return v if isinstance(v, bool) else None
+
+
+def _number(v: Any) -> float | None:
+    return _finite(v) if isinstance(v, int | float) and not isinstance(v, bool) else None

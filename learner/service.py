@@ -48,10 +48,12 @@ in the skip counts) and named in the status (``quarantine``). The runtime being 
 is not a crash: the round is retried. A configuration the learner refuses exits with status 2.
 
 Where each job lives: this module is the process (start-up, the round loop, signals, a dead parent server)
-and one update (samples → train → checkpoint → history); ``learner/scheduler.py`` decides when an update runs;
-``learner/rollout_steps.py`` does the optimizer work with re-rollouts (RTPO, TCPO, group completion) and the
-data engines (LEAP, SVR, REVES); ``learner/release.py`` publishes, gates, crowns a champion and runs the A/B;
-``learner/service_state.py`` holds the configuration, the status and the state they share.
+and one update (samples → train → checkpoint → history); the jobs are objects the service holds, each over one
+shared ``ServiceState`` (``learner/service_state.py``: the configuration, the status, the typed trainer and the state
+they share): ``Scheduler`` (``learner/scheduler.py``) decides when an update runs; ``RolloutSteps``
+(``learner/rollout_steps.py``) does the optimizer work with re-rollouts (RTPO, TCPO, group completion) and the
+data engines (LEAP, SVR, REVES); ``Release`` (``learner/release.py``) publishes, gates, crowns a champion and runs
+the A/B.
 
 Not here: how samples, steps and publishing work (``samples``, ``trainer``, ``publish``).
 """
@@ -64,17 +66,18 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import httpx
 import structlog
 
+from learner.advantages import Advantages
 from learner.config import TrafficFilter
 from learner.publish import AdminError, RuntimeAdmin, clean_staging
 from learner.quarantine import BatchLedger, Outcome, error_record
 from learner.reasons import unused_reasons
-from learner.records.store import db_path, open_store
 from learner.release import Release
 from learner.reward_plot import plot_rewards
 from learner.rollout_steps import RolloutSteps
@@ -92,12 +95,13 @@ from learner.service_state import (
     UPDATE_VERSIONS,
     LearnerConfigError,
     ServiceConfig,
+    ServiceState,
     Status,
-    _update_versions,
-    carried_over,
     learner_dir,
+    update_versions,
 )
 from learner.svr_rewards import apply_self_check_rewards
+from learner.update import Trainer
 
 __all__ = [
     "REQUEST_FILE",
@@ -128,48 +132,59 @@ def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:
     return True
 
 
-class LearnerService(Scheduler, RolloutSteps, Release):
-    """The learner process for one adapter family (see the module docstring; each job is one base class)."""
+class LearnerService:
+    """The learner process for one adapter family (see the module docstring). Its jobs are objects over one shared
+    ``ServiceState``: ``scheduler`` (when an update runs), ``steps`` (the optimizer work with re-rollouts and data engines)
+    and ``release`` (publish, gate, champion, A/B)."""
 
     def __init__(self, cfg: ServiceConfig) -> None:
-        self.cfg = cfg
-        self.family = cfg.settings.family
-        self.dir = learner_dir(cfg.data_dir, self.family)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.adapter_root = cfg.adapter_root or Path(cfg.data_dir) / "adapters"
-        self.store = open_store(cfg.store or db_path(cfg.data_dir))
-        self.admin = RuntimeAdmin(cfg.admin_url, cfg.admin_key)
-        s = cfg.settings.traffic
-        # --agent names the one agent this learner trains (and gates) on; otherwise the [traffic] table decides
-        self.traffic = TrafficFilter(chat=False, agents=[cfg.agent], models=s.models, tags=s.tags) if cfg.agent else s
-        self.status = Status(self.family, traffic=self.traffic.model_dump(), **carried_over(self.dir))
-        self.ledger = BatchLedger(self.dir)
-        self._retry = False
-        self._short = None
+        self.state = ServiceState(cfg)
+        self.release = Release(self.state)
+        self.steps = RolloutSteps(self.state, self.release)
+        self.scheduler = Scheduler(self.state, self.release)
         self._failure: Outcome | None = None  # what the last failed update did to its batch's count (for the crash record)
-        self._restart = (self.dir / RESTART_FILE).exists()  # a version was rejected: the next update starts from the champion's weights
-        self._rejected_names: set[str] = set()  # versions refused or rolled back: never used for re-rollouts
-        self._trained: list[Sample] = []  # the last update's samples (the parity probe picks its turns among them)
-        self._baseline_state: dict[str, Any] | None = None  # the singleton baselines after this update's step
-        self._warmup: set[str] = set()
-        self._trainer: Any = None  # built on the first update: idle learners hold no model
-        self._sources: Any = None  # learner.sources.RolloutSources, built on the first update that needs it
-        self._held = False  # a version trained during an experiment waits to be published
         self._stop = False
         self._busy = False  # inside a scheduling round (an update, a publish, a gate)
-        self._seen_since = time.time()
-        self._window: dict[str, Any] = {}
         self._checked = False
         # set by serve.py: the learner stops when its server does (uvicorn re-raises SIGTERM, so the server cannot always stop it)
         parent = os.environ.get("LOOPWISE_LEARNER_PARENT")
         self._parent = int(parent) if parent and parent.isdigit() and int(parent) == os.getppid() else None
+
+    # the handles the process's callers and tests read (all the shared state's)
+    @property
+    def cfg(self) -> ServiceConfig:
+        return self.state.cfg
+
+    @property
+    def dir(self) -> Path:
+        return self.state.dir
+
+    @property
+    def store(self) -> Any:
+        return self.state.store
+
+    @property
+    def admin(self) -> RuntimeAdmin:
+        return self.state.admin
+
+    @property
+    def traffic(self) -> TrafficFilter:
+        return self.state.traffic
+
+    @property
+    def status(self) -> Status:
+        return self.state.status
+
+    @property
+    def ledger(self) -> BatchLedger:
+        return self.state.ledger
 
     # ---- the loop ------------------------------------------------------------------------------
     def run_forever(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if self._parent is not None:
             die_with_parent(self._parent)  # SIGTERM when the server dies: the polling in _sleep only notices between rounds
-        removed = clean_staging(self.adapter_root)
+        removed = clean_staging(self.state.adapter_root)
         if removed:
             log.info("removed half-published adapters", paths=[str(p) for p in removed])
         self._restore_cursor()
@@ -177,7 +192,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         try:
             self.check_setup()
         except LearnerConfigError as exc:
-            self._set("error", str(exc))
+            self.state.set_status("error", str(exc))
             raise
         except (AdminError, httpx.HTTPError):  # the runtime is not up yet: checked again before the first update
             pass
@@ -186,7 +201,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
                 self._busy = True
                 self.tick()
             except (AdminError, httpx.HTTPError) as exc:  # the runtime is away (restarting?): retry next round
-                self._set("error", f"runtime admin API: {exc}")
+                self.state.set_status("error", f"runtime admin API: {exc}")
                 log.warning("learner round failed", error=str(exc))
             except LearnerConfigError:
                 raise
@@ -194,10 +209,31 @@ class LearnerService(Scheduler, RolloutSteps, Release):
                 self._crash(exc)
             finally:
                 self._busy = False
-            self._sleep(self.cfg.poll_s)
-        self._set("stopped", "")
-        self.admin.close()
-        self.store.close()
+            self._sleep(self.state.cfg.poll_s)
+        self.state.set_status("stopped", "")
+        self.state.admin.close()
+        self.state.store.close()
+
+    def tick(self) -> bool:
+        """One scheduling round, as ``Scheduler.next_round`` decides it; returns whether an update ran."""
+        r = self.scheduler.next_round()
+        if r.action == "publish_held":
+            self.release.publish_held()
+            return True
+        if r.action == "wait":
+            return False
+        record = self.update(force=r.force, publish=r.publish)
+        return bool(record["metrics"])
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait between rounds; wake on an update request file, stop when the server that started this learner is gone."""
+        end = time.monotonic() + seconds
+        while not self._stop and time.monotonic() < end and not (self.state.dir / REQUEST_FILE).exists():
+            if self._parent is not None and os.getppid() != self._parent:
+                log.info("the server that started this learner is gone; stopping", parent=self._parent)
+                self.stop()
+                break
+            time.sleep(min(0.5, seconds))
 
     def stop(self) -> None:
         self._stop = True
@@ -205,7 +241,7 @@ class LearnerService(Scheduler, RolloutSteps, Release):
     def _on_sigterm(self, *_: Any) -> None:
         """Stop after this round; orphaned mid-round (the server died), abandon it: checkpoints and publishes are atomic.
         Either way an update cut short from now on is a stop, not a failure of its batch (``ledger.terminating``)."""
-        self.ledger.terminating()
+        self.state.ledger.terminating()
         self.stop()
         if self._busy and self._parent is not None and os.getppid() != self._parent:
             raise SystemExit(143)
@@ -214,31 +250,31 @@ class LearnerService(Scheduler, RolloutSteps, Release):
     def _recover_batch(self) -> None:
         """At start: a batch the previous process did not finish is counted (a death mid-update is a failure) and retried
         at the first round; the quarantine and a failing batch go into the status."""
-        outcome = self.ledger.recover()
+        outcome = self.state.ledger.recover()
         if outcome is not None:
-            self._retry = True
+            self.scheduler.retry = True
             if outcome.counted:
-                self.status.crashes += 1
-                self.status.last_error = outcome.error | {"failures": outcome.failures, "quarantined": outcome.quarantined}
+                self.state.status.crashes += 1
+                self.state.status.last_error = outcome.error | {"failures": outcome.failures, "quarantined": outcome.quarantined}
                 log.error("the previous learner process died during an update", error=outcome.error["message"], failures=outcome.failures)
             log.info("retrying the update the previous learner process did not finish", failures_so_far=outcome.failures)
-        self._ledger_status()
+        self.state.ledger_status()
 
     def _crash(self, exc: Exception) -> NoReturn:
         """Record an update that raised (status ``error``, ``last_error``, the log) and exit with status 1."""
         outcome, self._failure = self._failure, None
         err = error_record(exc)
         err |= {"failures": outcome.failures if outcome else 0, "quarantined": outcome.quarantined if outcome else []}
-        self.status.crashes += 1
-        self.status.last_error = err
-        self._ledger_status()
+        self.state.status.crashes += 1
+        self.state.status.last_error = err
+        self.state.ledger_status()
         if outcome is not None and outcome.quarantined:
             what = f"; its batch failed {outcome.failures} times: {len(outcome.quarantined)} trajectories quarantined"
         elif outcome is not None:
-            what = f"; its batch failed {outcome.failures} of {self.ledger.after} times before quarantine"
+            what = f"; its batch failed {outcome.failures} of {self.state.ledger.after} times before quarantine"
         else:
             what = ""
-        self._set("error", f"update failed: {err['type']}: {err['message'][:300]}{what}; restarting from the last checkpoint")
+        self.state.set_status("error", f"update failed: {err['type']}: {err['message'][:300]}{what}; restarting from the last checkpoint")
         log.error("learner update failed; exiting to restart from the last checkpoint", error=f"{err['type']}: {err['message']}", exc_info=exc)
         raise SystemExit(1) from exc
 
@@ -251,13 +287,13 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         trains wherever rewards exist: without per-turn scores it falls back to the outcome.)"""
         if self._checked:
             return
-        s = self.cfg.settings
+        s = self.state.cfg.settings
         needs_task = s.rerollouts.enabled and s.trainer.estimator in ("rtpo", "tcpo")
         svr_runs = s.svr.enabled and s.svr.problems_per_update > 0
         engine = "[leap]" if s.leap.enabled else "[svr] runs" if svr_runs else "[reves]" if s.reves.enabled else None
         own = s.rollouts == "patr" or s.rods.enabled
         engine = engine or ("own rollouts (rollouts = 'patr', [rods])" if own else None)
-        if (needs_task or engine) and self.cfg.agent is None:
+        if (needs_task or engine) and self.state.cfg.agent is None:
             what = f"estimator {s.trainer.estimator!r} with re-rollouts" if needs_task else f"{engine} enabled"
             raise LearnerConfigError(f"{what} needs the learner's agent (--agent): its runs are what is replayed or expanded")
         sc = s.singletons
@@ -268,15 +304,15 @@ class LearnerService(Scheduler, RolloutSteps, Release):
                 load_hook(sc.hook)
             except (ImportError, ValueError) as exc:
                 raise LearnerConfigError(f"[singletons] hook {sc.hook!r} cannot be loaded: {exc}") from exc
-        if own and self._task() is None:
-            raise LearnerConfigError(f"rollouts = 'patr' and [rods] roll out task problems, but agent {self.cfg.agent!r} has no task")
+        if own and self.state.task() is None:
+            raise LearnerConfigError(f"rollouts = 'patr' and [rods] roll out task problems, but agent {self.state.cfg.agent!r} has no task")
         if s.rollouts == "patr" and needs_task:
             raise LearnerConfigError(
                 "rollouts = 'patr' trains its trees in one step next to the live samples: use a one-step estimator, not rtpo/tcpo"
             )
-        if needs_task and self._task() is None:
+        if needs_task and self.state.task() is None:
             raise LearnerConfigError(
-                f"estimator {s.trainer.estimator!r} re-rolls task runs scored by a verifier, but agent {self.cfg.agent!r} has no task: "
+                f"estimator {s.trainer.estimator!r} re-rolls task runs scored by a verifier, but agent {self.state.cfg.agent!r} has no task: "
                 "give the agent a task, or set [rerollouts] enabled = false"
             )
         self._checked = True
@@ -286,10 +322,10 @@ class LearnerService(Scheduler, RolloutSteps, Release):
 
         While an A/B experiment runs, users are served by its arms only, so once the trainer is more than
         ``max_staleness`` updates past them every new trajectory is stale and the learner waits for the decision."""
-        have = f"{trainable} of {self.cfg.min_new_trajectories} trainable trajectories" if trainable else "nothing to train on"
+        have = f"{trainable} of {self.state.cfg.min_new_trajectories} trainable trajectories" if trainable else "nothing to train on"
         line = f"{have}: {why['top'] or 'no rewarded trajectories'}"
-        if self.status.experiment is not None:
-            line += f"; experiment {self.status.experiment} serves its arms until it decides"
+        if self.state.status.experiment is not None:
+            line += f"; experiment {self.state.status.experiment} serves its arms until it decides"
         return line
 
     def update(self, force: bool = True, publish: bool = True) -> dict[str, Any]:
@@ -299,83 +335,131 @@ class LearnerService(Scheduler, RolloutSteps, Release):
         With ``publish=False`` (an experiment is running) a trained version is held: checkpointed, not
         published; ``tick`` publishes the newest held version once the experiment has decided.
 
-        Between reading its batch and its checkpoint an update is in flight (``self.ledger``): an exception there counts
+        Between reading its batch and its checkpoint an update is in flight (``self.state.ledger``): an exception there counts
         against the batch, unless it is a stop or the runtime being away (module docstring: crashes)."""
         try:
             return self._update(force, publish)
         except (AdminError, httpx.HTTPError):
-            self.ledger.interrupted()
+            self.state.ledger.interrupted()
             raise
         except Exception as exc:
-            self._failure = self.ledger.failed(exc)
-            self._ledger_status()
+            self._failure = self.state.ledger.failed(exc)
+            self.state.ledger_status()
             raise
         except BaseException:  # SystemExit (a SIGTERM while orphaned), KeyboardInterrupt: a stop
-            self.ledger.interrupted()
+            self.state.ledger.interrupted()
             raise
 
     def _update(self, force: bool, publish: bool) -> dict[str, Any]:
         self.check_setup()
-        trainer = self._get_trainer()
-        restarts = self.status.restarts
-        if self._restart:
-            self._restart_from_champion(trainer)
-        # an RTPO sweep a dead process left mid-way (its steps so far are in the checkpoint's weights) is resumed on the same
-        # window; after a restart from the champion the weights are the pre-sweep ones again and the sweep starts over
-        resume = self._sweep_to_resume(trainer, restarted=self.status.restarts != restarts)
+        state = self.state
+        trainer = state.get_trainer()
+        resume = self._restart_or_resume(trainer)
         force = force or resume is not None  # half a sweep never waits for more data: its window is fixed
-        leap = self._leap_expand(trainer) if self.cfg.settings.leap.enabled else None
-        svr_runs = self._svr_runs(trainer) if self.cfg.settings.svr.enabled and self.cfg.settings.svr.problems_per_update else None
-        reves = self._reves_round(trainer) if self.cfg.settings.reves.enabled else None
-        own = self._own_rollouts(trainer) if self.cfg.settings.rollouts == "patr" or self.cfg.settings.rods.enabled else None
-        own_runs = own[2].pop("trajectory_ids", []) if own is not None else []
-        self._await_recorded([*(svr_runs or {}).pop("trajectory_ids", []), *(reves or {}).pop("trajectory_ids", []), *own_runs])
-        self._set("training", f"version {trainer.version + 1}")
-        # the window's end and staleness floor, kept by a sweep's intermediate checkpoints: a resumed sweep reads the same batch
-        floor = int(resume["min_version"]) if resume is not None and "min_version" in resume else self._staleness_floor(trainer)
-        now = float(resume["now"]) if resume is not None and "now" in resume else time.time()
-        self._window = {"now": now, "min_version": floor}
-        batch = collect_samples(
-            self.store,
-            family=self.family,
-            min_version=floor,
-            now=now,
-            cursor=Cursor.from_dict(trainer.cursor),
-            cfg=self.cfg.settings.samples,
-            traffic=self.traffic,
-            exclude=self.ledger.quarantined(),
-        )
-        samples = batch.samples
-        skipped = batch.counts.as_dict()
-        samples, self_check_rewards = apply_self_check_rewards(samples, self.cfg.settings.svr, self.cfg.settings.svr_r1)
-        skipped["svr_adaptive"], skipped["self_check_unmeasured"] = self_check_rewards["adaptive"], self_check_rewards["unmeasured"]
-        trainable = len({s.trajectory_id for s in samples})
-        if not force and own is None and trainable < max(1, self.cfg.min_new_trajectories):  # own rollouts (PATR, RODS): no waiting
+        made = self._data_engines(trainer)
+        state.set_status("training", f"version {trainer.version + 1}")
+        batch = self._read_batch(trainer, resume)
+        trainable = len({s.trajectory_id for s in batch.samples})
+        if not force and made.own is None and trainable < max(1, state.cfg.min_new_trajectories):  # own rollouts (PATR, RODS): no waiting
             # too few fresh trajectories (the rest stale, settling, unrewarded...): wait, keeping the cursor, rather than take a
             # full-size Adam step on a handful (Adam's step does not shrink with the batch: two noisy samples move the
             # weights as far as two hundred)
-            why = unused_reasons(skipped, [], [])
-            self.status.last_reasons = why
-            self._set("waiting", self._nothing_to_train(why, trainable))
-            self._short = (self.status.new_trajectories, max(1, self.cfg.min_new_trajectories - trainable))
-            reason = "no samples" if not samples else f"{trainable} trainable trajectories, fewer than {self.cfg.min_new_trajectories}"
-            return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": reason}}
-        self._short = None
-        self._baseline_state, self._warmup = None, set()
-        self.ledger.begin(s.trajectory_id for s in samples)  # until its checkpoint, a failure counts against this batch
-        metrics, rerollouts, advantages, used = self._train(trainer, samples, skipped, own)
-        self._trained = used or samples  # RTPO/TCPO steps report no one list: the parity probe picks among the live samples
-        why = unused_reasons(skipped, used, advantages, warmup=self._warmup) | {"trained": metrics.trained_samples}
-        keep = self.cfg.settings.samples.max_staleness + 1
-        leap_next = int(trainer.cursor.get(LEAP_NEXT, 0)) + (self.cfg.settings.leap.problems_per_update if leap is not None else 0)
-        svr_next = int(svr_runs["problems"][1]) if svr_runs is not None else int(trainer.cursor.get(SVR_NEXT, 0))
-        reves_next = int(reves["items"][1]) if reves is not None else int(trainer.cursor.get(REVES_NEXT, 0))
-        own_next = self._sources.cursor_after(trainer.cursor) if own is not None else {}  # PATR's next problem (RODS off)
-        baseline = self._baseline_state if self._baseline_state is not None else trainer.cursor.get(BASELINE, {})
-        trainer.cursor = {
+            return self._wait_for_more(trainer, batch, trainable)
+        self.scheduler.short = None
+        state.ledger.begin(s.trajectory_id for s in batch.samples)  # until its checkpoint, a failure counts against this batch
+        metrics, rerollouts, advantages, used = self.steps.train(trainer, batch.samples, batch.skipped, made.own)
+        state.trained = used or batch.samples  # RTPO/TCPO steps report no one list: the parity probe picks among the live samples
+        why = unused_reasons(batch.skipped, used, advantages, warmup=self.steps.warmup) | {"trained": metrics.trained_samples}
+        trainer.cursor = self._cursor_after(trainer, batch, made, stepped=metrics.optimizer_step)
+        self.scheduler.seen_since = batch.cursor.since
+        trainer.save_checkpoint(state.dir / "checkpoints")
+        state.ledger.done()
+        state.ledger_status()
+        (state.dir / RESTART_FILE).unlink(missing_ok=True)  # a restart from the champion is durable only from its first checkpoint on
+        record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict(), "unused": why}
+        state.status.last_reasons = why
+        if why["top"]:
+            log.info("unused data", top_reason=why["top"], trained=why["trained"], **why["counts"])
+        record |= self._reports(rerollouts, made, batch)
+        if made.own is not None:
+            state.status.sources = {k: v for k, v in made.own[2].items() if k != "patr"} | (
+                {"patr": {k: v for k, v in made.own[2]["patr"].items() if k != "per_tree"}} if "patr" in made.own[2] else {}
+            )
+        state.status.version, state.status.updates, state.status.last_update_at = trainer.version, state.status.updates + 1, time.time()
+        state.status.last_metrics = metrics.as_dict()
+        record["gate"] = self._publish_or_hold(trainer, why, stepped=metrics.optimizer_step, publish=publish)
+        with open(state.dir / "history.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        plot_rewards(state.dir, state.family)
+        return record
+
+    def _restart_or_resume(self, trainer: Trainer) -> dict[str, Any] | None:
+        """Where the update's weights start: the champion's after a requested restart; and the RTPO sweep to resume, if any."""
+        restarts = self.state.status.restarts
+        if self.state.restart:
+            self.release.restart_from_champion(trainer)
+        # an RTPO sweep a dead process left mid-way (its steps so far are in the checkpoint's weights) is resumed on the same
+        # window; after a restart from the champion the weights are the pre-sweep ones again and the sweep starts over
+        return self.steps.sweep_to_resume(trainer, restarted=self.state.status.restarts != restarts)
+
+    def _data_engines(self, trainer: Trainer) -> _EngineRuns:
+        """The enabled data engines' runs (LEAP, SVR, REVES) and the learner's own rollouts, awaited until recorded."""
+        settings = self.state.cfg.settings
+        leap = self.steps.leap_expand(trainer) if settings.leap.enabled else None
+        svr_runs = self.steps.svr_runs(trainer) if settings.svr.enabled and settings.svr.problems_per_update else None
+        reves = self.steps.reves_round(trainer) if settings.reves.enabled else None
+        own = self.steps.own_rollouts(trainer) if settings.rollouts == "patr" or settings.rods.enabled else None
+        own_runs = own[2].pop("trajectory_ids", []) if own is not None else []
+        self.steps.await_recorded([*(svr_runs or {}).pop("trajectory_ids", []), *(reves or {}).pop("trajectory_ids", []), *own_runs])
+        return _EngineRuns(leap, svr_runs, reves, own)
+
+    def _read_batch(self, trainer: Trainer, resume: dict[str, Any] | None) -> _Batch:
+        """The samples past the data cursor in the update's window (a resumed sweep's own window), self-check rewards applied."""
+        state, settings = self.state, self.state.cfg.settings
+        # the window's end and staleness floor, kept by a sweep's intermediate checkpoints: a resumed sweep reads the same batch
+        floor = int(resume["min_version"]) if resume is not None and "min_version" in resume else self.scheduler.staleness_floor(trainer)
+        now = float(resume["now"]) if resume is not None and "now" in resume else time.time()
+        state.window = {"now": now, "min_version": floor}
+        batch = collect_samples(
+            state.store,
+            family=state.family,
+            min_version=floor,
+            now=now,
+            cursor=Cursor.from_dict(trainer.cursor),
+            cfg=settings.samples,
+            traffic=state.traffic,
+            exclude=state.ledger.quarantined(),
+        )
+        skipped = batch.counts.as_dict()
+        samples, self_check_rewards = apply_self_check_rewards(batch.samples, settings.svr, settings.svr_r1)
+        skipped["svr_adaptive"], skipped["self_check_unmeasured"] = self_check_rewards["adaptive"], self_check_rewards["unmeasured"]
+        return _Batch(samples, skipped, batch.cursor, self_check_rewards)
+
+    def _wait_for_more(self, trainer: Trainer, batch: _Batch, trainable: int) -> dict[str, Any]:
+        """An update that trains nothing yet: the status says why, the scheduler how many trajectories are missing."""
+        state = self.state
+        why = unused_reasons(batch.skipped, [], [])
+        state.status.last_reasons = why
+        state.set_status("waiting", self._nothing_to_train(why, trainable))
+        self.scheduler.short = (state.status.new_trajectories, max(1, state.cfg.min_new_trajectories - trainable))
+        reason = "no samples" if not batch.samples else f"{trainable} trainable trajectories, fewer than {state.cfg.min_new_trajectories}"
+        return {"version": trainer.version, "at": time.time(), "metrics": {}, "gate": {"decision": "skipped", "reason": reason}}
+
+    def _cursor_after(self, trainer: Trainer, batch: _Batch, made: _EngineRuns, *, stepped: bool) -> dict[str, Any]:
+        """The trainer's cursor after this update: the data cursor past the batch, the versions that bound staleness, the
+        data engines' next problems and items, the singleton baselines."""
+        settings = self.state.cfg.settings
+        keep = settings.samples.max_staleness + 1
+        leap_next = int(trainer.cursor.get(LEAP_NEXT, 0)) + (settings.leap.problems_per_update if made.leap is not None else 0)
+        svr_next = int(made.svr_runs["problems"][1]) if made.svr_runs is not None else int(trainer.cursor.get(SVR_NEXT, 0))
+        reves_next = int(made.reves["items"][1]) if made.reves is not None else int(trainer.cursor.get(REVES_NEXT, 0))
+        sources = self.steps.sources
+        own_next = sources.cursor_after(trainer.cursor) if made.own is not None and sources is not None else {}  # PATR's next problem (RODS off)
+        baseline = self.steps.baseline_state if self.steps.baseline_state is not None else trainer.cursor.get(BASELINE, {})
+        return {
             **batch.cursor.to_dict(),
             # an update without an optimizer step made no new version: it does not move the staleness bound either
-            UPDATE_VERSIONS: ([*_update_versions(trainer), trainer.version] if metrics.optimizer_step else _update_versions(trainer))[-keep:],
+            UPDATE_VERSIONS: ([*update_versions(trainer), trainer.version] if stepped else update_versions(trainer))[-keep:],
             LINEAGE_START: int(trainer.cursor.get(LINEAGE_START, 0)),
             LEAP_NEXT: leap_next,
             SVR_NEXT: svr_next,
@@ -383,64 +467,79 @@ class LearnerService(Scheduler, RolloutSteps, Release):
             BASELINE: baseline,
             **own_next,
         }
-        self._seen_since = batch.cursor.since
-        trainer.save_checkpoint(self.dir / "checkpoints")
-        self.ledger.done()
-        self._ledger_status()
-        (self.dir / RESTART_FILE).unlink(missing_ok=True)  # a restart from the champion is durable only from its first checkpoint on
-        record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": metrics.as_dict(), "unused": why}
-        self.status.last_reasons = why
-        if why["top"]:
-            log.info("unused data", top_reason=why["top"], trained=why["trained"], **why["counts"])
+
+    def _reports(self, rerollouts: dict[str, Any] | None, made: _EngineRuns, batch: _Batch) -> dict[str, Any]:
+        """The history record's reports of what fed the step: re-rollouts or group completion, the data engines, the
+        self-check rewards, the own rollouts."""
+        settings = self.state.cfg.settings
+        reports: dict[str, Any] = {}
         if rerollouts is not None:
-            record["group_completion" if "completed_groups" in rerollouts or "group_completion" in rerollouts else "rerollouts"] = rerollouts
-        if leap is not None:
-            record["leap"] = leap
-        if svr_runs is not None:
-            record["svr_runs"] = svr_runs
-        if reves is not None:
-            record["reves"] = reves
-        if self.cfg.settings.svr.enabled or self.cfg.settings.svr_r1.enabled:
-            record["self_check_rewards"] = self_check_rewards
-        if own is not None:
-            record["sources"] = own[2]
-            self.status.sources = {k: v for k, v in own[2].items() if k != "patr"} | (
-                {"patr": {k: v for k, v in own[2]["patr"].items() if k != "per_tree"}} if "patr" in own[2] else {}
-            )
-        self.status.version, self.status.updates, self.status.last_update_at = trainer.version, self.status.updates + 1, time.time()
-        self.status.last_metrics = metrics.as_dict()
-        if metrics.optimizer_step and publish:
-            self._held = False
-            record["gate"] = self._publish_and_gate(trainer)
-        elif metrics.optimizer_step:
-            self._held = True
-            record["gate"] = {"decision": "held", "reason": f"experiment {self.status.experiment} is running: published once it decides"}
-            self._set("ab", f"version {trainer.version} trained, held until experiment {self.status.experiment} decides")
-        else:
-            reason = why["top"] or "no samples"
-            record["gate"] = {"decision": "skipped", "reason": f"no optimizer step: {reason}"}
-            self._set("idle", f"version {trainer.version}: nothing learned; top reason: {reason}")
-        with open(self.dir / "history.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        plot_rewards(self.dir, self.family)
-        return record
+            reports["group_completion" if "completed_groups" in rerollouts or "group_completion" in rerollouts else "rerollouts"] = rerollouts
+        if made.leap is not None:
+            reports["leap"] = made.leap
+        if made.svr_runs is not None:
+            reports["svr_runs"] = made.svr_runs
+        if made.reves is not None:
+            reports["reves"] = made.reves
+        if settings.svr.enabled or settings.svr_r1.enabled:
+            reports["self_check_rewards"] = batch.self_check_rewards
+        if made.own is not None:
+            reports["sources"] = made.own[2]
+        return reports
+
+    def _publish_or_hold(self, trainer: Trainer, why: dict[str, Any], *, stepped: bool, publish: bool) -> dict[str, Any]:
+        """The update's ``gate`` record: the new version published and gated, held while an experiment runs, or, without an
+        optimizer step, skipped."""
+        state = self.state
+        if stepped and publish:
+            state.held = False
+            return self.release.publish_and_gate(trainer)
+        if stepped:
+            state.held = True
+            gate = {"decision": "held", "reason": f"experiment {state.status.experiment} is running: published once it decides"}
+            state.set_status("ab", f"version {trainer.version} trained, held until experiment {state.status.experiment} decides")
+            return gate
+        reason = why["top"] or "no samples"
+        state.set_status("idle", f"version {trainer.version}: nothing learned; top reason: {reason}")
+        return {"decision": "skipped", "reason": f"no optimizer step: {reason}"}
 
     def _restore_cursor(self) -> None:
         """Where the data window starts, without loading the model: the newest checkpoint's cursor."""
         from learner.trainer import list_checkpoints, read_checkpoint_meta
 
-        ckpts = list_checkpoints(self.dir / "checkpoints") if (self.dir / "checkpoints").is_dir() else []
+        ckpts = list_checkpoints(self.state.dir / "checkpoints") if (self.state.dir / "checkpoints").is_dir() else []
         if ckpts:
             meta = read_checkpoint_meta(ckpts[-1])
-            self.status.version = int(meta.get("version", 0))
-            self._seen_since = float(Cursor.from_dict(meta.get("cursor")).since)
+            self.state.status.version = int(meta.get("version", 0))
+            self.scheduler.seen_since = float(Cursor.from_dict(meta.get("cursor")).since)
             sweep = (meta.get("cursor") or {}).get(RTPO_SWEEP)
             if isinstance(sweep, dict):
                 log.info(
                     "an RTPO sweep was interrupted; the next update resumes it",
-                    version=self.status.version,
+                    version=self.state.status.version,
                     steps_done=sweep.get("done"),
                     of=len(sweep.get("segments") or []),
                 )
         else:
-            self._seen_since = 0.0
+            self.scheduler.seen_since = 0.0
+
+
+@dataclass
+class _EngineRuns:
+    """What the data engines and the learner's own rollouts made before the batch is read (None: not run this update)."""
+
+    leap: dict[str, Any] | None
+    svr_runs: dict[str, Any] | None
+    reves: dict[str, Any] | None
+    own: tuple[list[Sample], Advantages, dict[str, Any]] | None  # PATR's tree samples with their advantages, and the figures
+
+
+@dataclass
+class _Batch:
+    """An update's batch: the samples past the data cursor (self-check rewards applied), the skip counts, the cursor past
+    the batch, the self-check rewards' counts."""
+
+    samples: list[Sample]
+    skipped: dict[str, int]
+    cursor: Cursor
+    self_check_rewards: dict[str, Any]

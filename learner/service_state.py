@@ -1,11 +1,13 @@
 """What the learner service's jobs share: its configuration, its status, and the state and helpers they all use.
 
 ``ServiceConfig`` (what ``python -m learner run`` and ``serve.py`` pass in), ``Status`` (what
-``GET /admin/learner`` shows, written to ``status.json`` by ``ServiceState._set``; a restarted learner keeps its
+``GET /admin/learner`` shows, written to ``status.json`` by ``ServiceState.set_status``; a restarted learner keeps its
 predecessor's last error and crash count, :func:`carried_over`), the file and cursor keys,
-and ``ServiceState``: the attributes ``LearnerService.__init__`` sets, read by the jobs in
-``learner/scheduler.py``, ``learner/rollout_steps.py`` and ``learner/release.py``, and the small queries of the
-runtime they all make (the champion, the agent's task, the base model's name, the newest published version).
+and ``ServiceState``: one object, made by ``LearnerService`` and handed to its jobs in ``learner/scheduler.py``,
+``learner/rollout_steps.py`` and ``learner/release.py``, that holds the handles they use (store, runtime admin,
+status, ledger), the typed trainer (``learner.update.Trainer``, built on first use), the state one job leaves for
+another, and the small queries of the runtime they all make (the champion, the agent's task, the base model's name,
+the newest published version).
 
 Not here: any job itself (scheduling, training, publishing); those modules hold them.
 """
@@ -26,7 +28,10 @@ from learner.config import LearnerSettings, TrafficFilter, schedule_default
 from learner.publish import AdminError, RuntimeAdmin, adapter_path
 from learner.quarantine import BatchLedger
 from learner.records.adapter_manifest import manifest_sha256
+from learner.records.store import db_path
+from learner.records.store_open import open_store
 from learner.samples import Sample
+from learner.update import Trainer
 
 log = structlog.get_logger(__name__)
 
@@ -115,70 +120,74 @@ class Status:
 
 
 class ServiceState:
-    """The state ``LearnerService.__init__`` sets and every job reads; the helpers several jobs use."""
+    """What the learner service and its jobs share: the handles (configuration, store, runtime admin, status, ledger),
+    the trainer (built on first use), the state one job leaves for another, and the queries of the runtime they all make.
 
-    cfg: ServiceConfig
-    family: str
-    dir: Path  # <data-dir>/learner/<family>: checkpoints, history.jsonl, status.json, reward.png
-    adapter_root: Path
-    store: Any  # the interaction store (SQLite or PostgreSQL: learner/records/store.py, learner/records/store_pg.py)
-    admin: RuntimeAdmin
-    traffic: TrafficFilter
-    status: Status
-    _restart: bool  # a version was rejected: the next update starts from the champion's weights
-    _rejected_names: set[str]  # versions refused or rolled back: never used for re-rollouts
-    _trained: list[Sample]  # the last update's samples (the parity probe picks its turns among them)
-    _baseline_state: dict[str, Any] | None  # the singleton baselines after this update's step
-    _warmup: set[str]
-    _trainer: Any  # built on the first update: idle learners hold no model
-    _sources: Any  # learner.sources.RolloutSources (PATR trees, RODS pool), built on the first update that needs it
-    _held: bool  # a version trained during an experiment waits to be published
-    _short: tuple[int, int] | None  # an update found too few trainable: (new trajectories counted then, how many more it needs)
-    _stop: bool
-    _busy: bool  # inside a scheduling round (an update, a publish, a gate)
-    _seen_since: float
-    _checked: bool
-    _parent: int | None
-    ledger: BatchLedger  # the in-flight marker and the quarantine (learner/quarantine.py)
-    _retry: bool  # the previous process did not finish an update: run one at the first round
-    _window: dict[str, Any]  # this update's sample window: "now" and "min_version" as collect_samples read them (a resumed sweep's)
+    One instance per learner process, made by ``LearnerService`` and handed to each job (``Scheduler``, ``RolloutSteps``,
+    ``Release``)."""
 
-    def _get_trainer(self) -> Any:
-        if self._trainer is None:
-            from learner.distributed import RankZeroTrainer, world
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.family = cfg.settings.family
+        self.dir = learner_dir(cfg.data_dir, self.family)  # checkpoints, history.jsonl, status.json, reward.png
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.adapter_root = cfg.adapter_root or Path(cfg.data_dir) / "adapters"
+        # the interaction store (SQLite or PostgreSQL: learner/records/store.py, learner/records/store_pg.py)
+        self.store: Any = open_store(cfg.store or db_path(cfg.data_dir))
+        self.admin = RuntimeAdmin(cfg.admin_url, cfg.admin_key)
+        s = cfg.settings.traffic
+        # --agent names the one agent this learner trains (and gates) on; otherwise the [traffic] table decides
+        self.traffic = TrafficFilter(chat=False, agents=[cfg.agent], models=s.models, tags=s.tags) if cfg.agent else s
+        self.status = Status(self.family, traffic=self.traffic.model_dump(), **carried_over(self.dir))
+        self.ledger = BatchLedger(self.dir)  # the in-flight marker and the quarantine (learner/quarantine.py)
+        self.trainer: Trainer | None = None  # built by the first ``get_trainer``: idle learners hold no model
+        self.restart = (self.dir / RESTART_FILE).exists()  # a version was rejected: the next update starts from the champion's weights
+        self.rejected_names: set[str] = set()  # versions refused or rolled back: never used for re-rollouts
+        self.held = False  # a version trained during an experiment waits to be published
+        self.trained: list[Sample] = []  # the last update's samples (the parity probe picks its turns among them)
+        # this update's sample window: "now" and "min_version" as collect_samples read them (a resumed sweep's)
+        self.window: dict[str, Any] = {}
+
+    def get_trainer(self) -> Trainer:
+        """The trainer, built (and resumed from the newest checkpoint) on the first call."""
+        if self.trainer is None:
+            from learner.collectives import world
+            from learner.distributed import RankZeroTrainer
             from learner.trainer import LoRATrainer  # torch + peft: only once there is something to train
 
             s = self.cfg.settings
             # with --nproc N, the workers build, resume and step in lockstep with this trainer (learner/distributed.py)
-            factory = RankZeroTrainer if world()[1] > 1 else LoRATrainer
-            self._trainer = factory(self.cfg.base_model, s.trainer, s.lora)
-            if self._trainer.load_checkpoint(self.dir / "checkpoints") is not None:
-                log.info("resumed from checkpoint", version=self._trainer.version)
-        return self._trainer
+            trainer: Trainer = (
+                RankZeroTrainer(self.cfg.base_model, s.trainer, s.lora) if world()[1] > 1 else LoRATrainer(self.cfg.base_model, s.trainer, s.lora)
+            )
+            if trainer.load_checkpoint(self.dir / "checkpoints") is not None:
+                log.info("resumed from checkpoint", version=trainer.version)
+            self.trainer = trainer
+        return self.trainer
 
-    def _published_version(self) -> int:
+    def published_version(self) -> int:
         """The family's newest published version (0 before the first): what the runtime may be serving."""
         versions = [int(p.name[1:]) for p in (self.adapter_root / self.family).glob("v*") if p.name[1:].isdigit()]
         return max(versions, default=0)
 
-    def _task(self) -> str | None:
+    def task(self) -> str | None:
         """The gate's and the A/B metric's task: configured, else the agent's own."""
         if self.cfg.task is None and self.cfg.agent is not None:
             agents = self.admin._call("GET", "/admin/agents", idempotent=True).get("data", [])
             self.cfg.task = next((a.get("task") for a in agents if a.get("name") == self.cfg.agent), None)
         return self.cfg.task
 
-    def _champion(self) -> str | None:
+    def champion(self) -> str | None:
         aliases = self.admin.list_adapters().get("aliases", {})
         target = aliases.get(self.family)
         return target if isinstance(target, str) else None
 
-    def _base_model_name(self) -> str:
+    def base_model_name(self) -> str:
         r = httpx.get(f"{self.cfg.admin_url}/ready", timeout=30)
         r.raise_for_status()
         return str(r.json()["model"])
 
-    def _ensure_loaded(self, version: int) -> str:
+    def ensure_loaded(self, version: int) -> str:
         """``family@version`` (published) loaded into the runtime unless it already is; its name."""
         name = f"{self.family}@{version}"
         if name not in {a["name"] for a in self.admin.list_adapters().get("data", [])}:
@@ -186,25 +195,26 @@ class ServiceState:
             self.admin.load(path, self.family, version, sha256=manifest_sha256(path))
         return name
 
-    def _unload(self, name: str) -> None:
+    def unload(self, name: str) -> None:
         try:
             self.admin._call("DELETE", f"/admin/adapters/{name}", idempotent=True)
         except AdminError as exc:
             log.warning("could not unload a refused version", adapter=name, error=str(exc))
 
-    def _ledger_status(self) -> None:
-        """The quarantine and a failing batch, as the ledger files say, into the status (written by the next ``_set``)."""
+    def ledger_status(self) -> None:
+        """The quarantine and a failing batch, as the ledger files say, into the status (written by the next ``set_status``)."""
         self.status.quarantine = self.ledger.summary()
         self.status.failing_batch = self.ledger.pending()
 
-    def _set(self, state: str, detail: str) -> None:
+    def set_status(self, state: str, detail: str) -> None:
+        """Set the status's state and detail and write ``status.json`` (atomically)."""
         self.status.state, self.status.detail, self.status.updated_at = state, detail, time.time()
         tmp = self.dir / "status.json.tmp"
         tmp.write_text(json.dumps(asdict(self.status)))
         os.replace(tmp, self.dir / "status.json")
 
 
-def _update_versions(trainer: Any) -> list[int]:
+def update_versions(trainer: Trainer) -> list[int]:
     """The trainer's version at the end of each of the last updates (oldest first), as its checkpoint keeps them."""
     v = trainer.cursor.get(UPDATE_VERSIONS)
     return [int(x) for x in v] if isinstance(v, list) else []

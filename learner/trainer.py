@@ -57,7 +57,8 @@ the configured one rebuilds the adapter in the checkpoint's shape (logged), neve
 Not here: choosing samples (``learner.samples``), advantages (``learner.advantages``, called by
 ``learner.update``), the loss formulas (``learner.losses``), publishing (``learner.publish``), scheduling updates.
 Data parallelism is ``learner/distributed.py``: in a process group each rank takes its share of the
-micro-batches (``b % world_size == rank``) and the LoRA gradients are summed across ranks before clipping.
+micro-batches (``b % world_size == rank``) and the LoRA gradients are summed across ranks before clipping
+(``learner/collectives.py``).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from learner._files import fsync_path, writer_alive
+from learner.collectives import allreduce_grads, allreduce_sums, world
 from learner.config import LoRAConfig, TrainerConfig
-from learner.distributed import allreduce_grads, allreduce_sums, world
 from learner.grammar_mask import GrammarMasks, GrammarReplayError, unpack_bitmask
 from learner.losses import LossConfig, policy_loss
 from learner.records.adapter_manifest import sha256_file
@@ -235,7 +236,7 @@ class LoRATrainer:
         self.lora_cfg = lora
         peft_cfg = PeftLoraConfig(
             r=lora.rank,
-            lora_alpha=lora.alpha,
+            lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates an int; it only divides by it (alpha / r)
             lora_dropout=lora.dropout,
             target_modules=list(lora.target_modules),
             bias="none",
@@ -533,7 +534,7 @@ class LoRATrainer:
         if lora_state is None:
             for module in self.model.modules():
                 if hasattr(module, "reset_lora_parameters") and "default" in getattr(module, "lora_A", {}):
-                    module.reset_lora_parameters("default", True)
+                    module.reset_lora_parameters("default", True)  # type: ignore[operator]  # torch types Module attributes as Tensor | Module
         else:
             result = set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in lora_state.items()})
             missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
@@ -653,7 +654,7 @@ def clean_checkpoint_temps(root: Path) -> list[Path]:
 def read_checkpoint_meta(folder: Path) -> dict[str, Any]:
     """``state.json`` of a checkpoint after checking the files' hashes; raises ``CheckpointError``."""
     try:
-        meta = json.loads((folder / META_FILE).read_text())
+        meta: dict[str, Any] = json.loads((folder / META_FILE).read_text())
         files = meta["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{folder / META_FILE} is missing or unreadable: {exc}") from exc
@@ -665,7 +666,7 @@ def read_checkpoint_meta(folder: Path) -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, gauss = np.random.get_state()  # type: ignore[misc]
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],

@@ -1,13 +1,13 @@
-"""The memory store's server-level settings: ``[memory]`` in the runtime's settings, ``serve.py``'s memory flags.
+"""The memory store's server-level settings: ``[memory]`` in loopwise's root settings, ``serve.py``'s memory flags.
 
 Declared once here (name, default, bounds, help; ``json_schema_extra={"flag": ...}`` names the flag):
-``runtime/settings.py`` embeds :class:`MemorySettings` as its ``memory`` section, and ``serve.py``'s flags are
-generated from these fields. :data:`MAX_MEMORY_CHARS`, the longest memory text, is the one number behind the
+``loopwise_settings.py`` (the root settings, beside ``serve.py``) embeds :class:`MemorySettings` as its ``memory`` section,
+and ``serve.py``'s flags are generated from these fields. :data:`MAX_MEMORY_CHARS`, the longest memory text, is the one number behind the
 store's default limit (here and in ``memory/store.py``) and the bound on an agent's ``memory.max_chars``
 (``memory/config.py``).
 
-Imports only pydantic and the standard library, so the runtime's settings can embed it without importing
-the memory package (``tests/test_import_rules.py``).
+Imports only pydantic and the standard library, so the root settings embed it, and ``serve.py`` parses its flags,
+without importing the memory package (``tests/test_import_rules.py``).
 
 Not here: an agent's memory options (``memory/config.py``), the store itself (``memory/store.py``).
 """

@@ -25,8 +25,9 @@ memory before a deletion cannot bring it back: :meth:`write` with ``base`` (a :c
 when reading) is refused with :class:`StaleMemory` if the document changed or was deleted since.
 
 **File.** A sibling of the interaction store (``interactions.db``), not its tables: the two have their
-own schema versions (``PRAGMA user_version`` + ordered migrations, each in one ``BEGIN IMMEDIATE``
-transaction: this module's ``migrate``) and memory deletion never touches the interaction store.
+own schema versions (``PRAGMA user_version``; this module's ``MEMORY`` migrations, applied on open by
+``learner/records/migrations.py``'s runner, each in one ``BEGIN IMMEDIATE`` transaction; a file of a newer
+loopwise is refused with ``SchemaTooNew``) and memory deletion never touches the interaction store.
 One connection guarded by a lock (memory operations are small and rare next to turn recording); call it
 from worker threads in async code. The reads are :class:`MemoryQueries`', shared with the same store on
 PostgreSQL (``memory/store_pg.py``: ``--store postgresql://``, every runtime on the database sees the same
@@ -44,12 +45,13 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from learner.records.migrations import Schema, migrate_sqlite
 from memory.settings import KEEP_VERSIONS, MAX_MEMORY_CHARS
 
 log = logging.getLogger(__name__)
@@ -142,32 +144,8 @@ def _v1_initial(conn: sqlite3.Connection) -> None:
     conn.execute(memory_versions_table("REAL"))
 
 
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1_initial,)
-
-
-class SchemaTooNew(RuntimeError):
-    """The memory database was written by a newer loopwise (its schema version is past this code's)."""
-
-
-def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Connection], None]] = MIGRATIONS) -> int:
-    """Apply the missing ``migrations`` in order, each with its version bump in one ``BEGIN IMMEDIATE`` transaction
-    (so two processes opening the file never migrate twice); the final version. ``conn`` in autocommit mode."""
-    while True:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]  # re-read under the write lock
-            if version > len(migrations):
-                raise SchemaTooNew(f"memory database schema version {version} is newer than this code's {len(migrations)}")
-            if version == len(migrations):
-                conn.execute("COMMIT")
-                return int(version)
-            migrations[version](conn)
-            conn.execute(f"PRAGMA user_version = {version + 1}")
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+# the file's migrations (learner/records/migrations.py runs them); the same name as the tables' on PostgreSQL
+MEMORY: Schema[sqlite3.Connection] = Schema("loopwise_memory_schema", ((1, _v1_initial),))
 
 
 _COLUMNS = "owner, scope, version, text, created_at, method, adapter, trajectory_id, turn_id, copilot_trajectory_id, copilot_turn_id, meta"
@@ -324,7 +302,7 @@ class MemoryStore(MemoryQueries):
             mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise RuntimeError(f"could not put {self.path} in WAL mode (journal_mode={mode})")
-            self.schema_version = migrate(self._conn)
+            self.schema_version = migrate_sqlite(self._conn, MEMORY)
         except BaseException:
             self._conn.close()
             raise

@@ -16,7 +16,8 @@ deletion of the document, or now and then of another in its bucket, since the sn
 memory stays as it was).
 
 ``db`` is the interaction store (``learner.records.store_pg.PostgresStore``), used for its pooled transactions and its
-migration runner (the tables' version in ``loopwise_memory_schema``); ``close`` leaves its pool open.
+migrations (``learner/records/migrations.py``'s runner; the tables' version in ``loopwise_memory_schema``, a newer one
+refused with ``SchemaTooNew``); ``close`` leaves its pool open.
 
 What it does not: erase securely: PostgreSQL keeps a deleted version's bytes in dead tuples until vacuum and in its WAL
 and backups, as for turns (the database's retention policy); it stores text with U+0000 replaced, as the interaction
@@ -31,10 +32,10 @@ from contextlib import AbstractContextManager, contextmanager
 
 import psycopg
 
-from learner.records.store import SchemaTooNew as StoreSchemaTooNew
-from learner.records.store_pg import PgSchema, PostgresStore
+from learner.records.migrations import Schema
+from learner.records.store_pg import PostgresStore
 from memory.settings import KEEP_VERSIONS, MAX_MEMORY_CHARS
-from memory.store import MemoryQueries, MemoryVersion, Provenance, SchemaTooNew, Snapshot, memory_versions_table
+from memory.store import MemoryQueries, MemoryVersion, Provenance, Snapshot, memory_versions_table
 
 _LOCK_CLASS = 0x6C6D656D  # "lmem": the first key of a document's advisory lock (the second: a hash of its name)
 
@@ -44,7 +45,7 @@ def _v1_memory(conn: psycopg.Connection) -> None:
     conn.execute("CREATE TABLE memory_deletions (bucket INTEGER PRIMARY KEY, deletions BIGINT NOT NULL)")
 
 
-MEMORY = PgSchema("loopwise_memory_schema", {0: _v1_memory}, 1)
+MEMORY: Schema[psycopg.Connection] = Schema("loopwise_memory_schema", ((1, _v1_memory),))
 
 
 def _keys(owner: str, scope: str) -> tuple[int, int]:
@@ -61,10 +62,7 @@ class PostgresMemoryStore(MemoryQueries):
     def __init__(self, db: PostgresStore, *, max_chars: int = MAX_MEMORY_CHARS, keep_versions: int = KEEP_VERSIONS) -> None:
         self._limits(max_chars, keep_versions)
         self.db = db
-        try:
-            self.schema_version = db.migrate(MEMORY)
-        except StoreSchemaTooNew as exc:
-            raise SchemaTooNew(f"memory tables: {exc}") from None
+        self.schema_version = db.migrate(MEMORY)
 
     def close(self) -> None:
         """Nothing to close: the connections are the interaction store's."""

@@ -216,7 +216,7 @@ class LocalRuntimeClient:
         """The decoding constraint of a request's ``tool_choice`` (``"required"`` or ``{"name": ...}``: exactly one call to
         one of ``tools``) or ``output_format`` (``{"kind": "json_object" | "json_schema", "schema": ...}``), as chat requests get it."""
         from runtime.constraints import grammar_for
-        from runtime.generation import GenRequest, NamedTool, OutputFormat
+        from runtime.gen_request import GenRequest, NamedTool, OutputFormat
 
         choice = NamedTool(tool_choice["name"]) if isinstance(tool_choice, dict) else tool_choice
         fmt = OutputFormat(output_format["kind"], output_format.get("schema")) if output_format else None

@@ -18,15 +18,13 @@ parallel forced calls (a forced choice yields exactly one call).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import xgrammar as xgr
 
 from runtime.engine import Grammar, InvalidRequest
+from runtime.gen_request import GenRequest
 from runtime.tool_parsers import PARSERS
-
-if TYPE_CHECKING:
-    from runtime.generation import GenRequest
 
 
 def grammar_for(req: GenRequest, parser_name: str) -> Grammar | None:

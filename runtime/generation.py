@@ -1,8 +1,8 @@
 """The one generation path under every API: an internal request → engine requests → choices or stream events.
 
 Chat Completions, Responses, Anthropic Messages and Completions are thin translations of their wire
-formats into a :class:`GenRequest` (chat-template messages, tools, tool choice, output format,
-sampling) and back from :class:`ChoiceOut` values or :class:`StreamEvent` values. Everything that must
+formats into a ``GenRequest`` (``runtime/gen_request.py``: chat-template messages, tools, tool choice, output
+format, sampling) and back from :class:`ChoiceOut` values or :class:`StreamEvent` values. Everything that must
 behave the same whichever API a client speaks happens here: rendering the prompt (``chat_format``),
 the context-length check, the decoding constraint (``constraints``), the logit bias's vocabulary check,
 one :class:`GenerateRequest` per choice, tool-call parsing (``tool_parsers``; in a stream,
@@ -27,8 +27,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from learner.records import PUBLIC_OWNER, ToolCallRecord, Turn, TurnTimings
 from runtime.chat_format import ChatFormatter, is_prefill
@@ -44,6 +44,7 @@ from runtime.engine import (
     Timings,
     TokenLogprob,
 )
+from runtime.gen_request import GenRequest
 from runtime.metrics import Metrics
 from runtime.recorder import ANONYMOUS, Recorder, TurnSlot, messages_key
 from runtime.token_bytes import token_bytes_fn
@@ -51,87 +52,6 @@ from runtime.tool_parsers import ParsedToolCall, get_parser
 from runtime.tool_stream import ToolCallStreamer
 
 log = logging.getLogger(__name__)
-
-
-# ---- the internal request ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NamedTool:
-    """``tool_choice`` naming one function: exactly one call to it is decoded."""
-
-    name: str
-
-
-@dataclass(frozen=True)
-class OutputFormat:
-    """A structured-output constraint on the reply text (``response_format``, ``text.format``)."""
-
-    kind: Literal["json_object", "json_schema"]
-    schema: dict[str, Any] | None = None
-    name: str | None = None
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedTool | None
-
-
-@dataclass
-class GenRequest:
-    """What every API asks the model for, in one vocabulary.
-
-    ``messages`` are chat-template dicts (``role``, ``content`` text, assistant ``tool_calls`` with
-    arguments as objects, tool ``tool_call_id``); ``tools`` are OpenAI chat-shaped tool dicts
-    (``{"type": "function", "function": {"name", "description", "parameters"}}``). ``prompt_ids`` set
-    means a raw prompt (``/v1/completions``): no chat template, no tools.
-    """
-
-    model: str
-    messages: list[dict[str, Any]]
-    api: str  # which wire format asked (recorded with the turn's sampling parameters)
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    tool_choice: ToolChoice = None
-    parallel_tool_calls: bool = True
-    output_format: OutputFormat | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    max_tokens_param: str = "max_tokens"  # the wire field's name, for error messages
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    logprobs: bool = False
-    logprobs_with_stop: bool = False  # a final stop token keeps its logprob entry (legacy completions' echo, as vLLM's)
-    top_logprobs: int = 0
-    presence_penalty: float = 0.0  # OpenAI's penalties and logit bias (token id -> bias); recorded with the turn
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    user: str | None = None
-    prompt_ids: tuple[int, ...] | None = None
-    prompt_text: str | None = None  # the raw prompt as text, for records (with prompt_ids)
-    prompt_logprobs: int | None = None  # the prompt tokens' logprobs with this many alternatives (raw prompts; runtime/engine.py)
-    prompt_logprobs_param: str = "prompt_logprobs"  # the wire field that asked for them, for error messages
-    messages_param: str = "messages"
-    session_id: str | None = None  # the session to record in (else X-Session-Id, else user); e.g. a chained response's
-    tag: str | None = None  # the client's tag (chat ``metadata.tag``), recorded for learners' traffic filters
-
-    @property
-    def tools_on(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
-    @property
-    def forced_tool(self) -> bool:
-        return self.tools_on and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedTool))
-
-    def tool_names(self) -> set[str]:
-        return {t["function"]["name"] for t in self.tools}
-
-    def forced_names(self) -> set[str] | None:
-        """The names the one forced call may have (the ones its grammar admits); None when no call is forced."""
-        if not self.forced_tool:
-            return None
-        return {self.tool_choice.name} if isinstance(self.tool_choice, NamedTool) else self.tool_names()
 
 
 # ---- what comes back -----------------------------------------------------------------------------
@@ -276,60 +196,14 @@ class Generation:
         owner: str = PUBLIC_OWNER,
     ) -> Prepared:
         """Render, check lengths, build the constraint and one engine request per choice, assign turn ids."""
-        if req.prompt_ids is not None:
-            prompt_ids = req.prompt_ids
-            messages = [{"role": "prompt", "content": req.prompt_text or ""}]
-        else:
-            prompt_ids = self.formatter.render_plain(req.messages, req.tools if req.tools_on else None).token_ids
-            messages = req.messages
-        prompt_len = len(prompt_ids)
-        max_len = self.engine.info.max_model_len
-        if prompt_len >= max_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {max_len} tokens. However, your {req.messages_param} resulted in "
-                f"{prompt_len} tokens. Please reduce the length of the {req.messages_param}.",
-                param=req.messages_param,
-                code="context_length_exceeded",
-            )
-        asked = req.max_tokens
-        if asked is not None and prompt_len + asked > max_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {max_len} tokens. However, you requested {prompt_len + asked} "
-                f"tokens ({prompt_len} in the {req.messages_param}, {asked} in the completion). Please reduce the length of the "
-                f"{req.messages_param} or completion.",
-                param=req.max_tokens_param,
-                code="context_length_exceeded",
-            )
-        max_new = asked if asked is not None else min(self.default_max_tokens, max_len - prompt_len)
-        if req.prompt_logprobs is not None and not self.engine.info.prompt_logprobs:
-            raise InvalidRequest(
-                f"this server's {self.engine.info.backend} engine does not compute prompt logprobs (asked for by '{req.prompt_logprobs_param}')",
-                param=req.prompt_logprobs_param,
-            )
-        grammar = grammar_for(req, self.formatter.parser_name)
-        logit_bias = self._logit_bias(req.logit_bias)
-        temperature = 1.0 if req.temperature is None else req.temperature
-        engine_reqs = []
+        prompt_ids, messages = self._prompt(req)
+        max_new = self._max_new_tokens(req, len(prompt_ids))
         session = None if session_id == ANONYMOUS else session_id  # keeps a conversation on one replica of an external engine
-        for i in range(req.n):
-            sampling = SamplingParams(
-                max_new_tokens=max_new,
-                temperature=temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                seed=None if req.seed is None else req.seed + i,
-                stop=req.stop,
-                stop_token_ids=req.stop_token_ids,
-                ignore_eos=req.ignore_eos,
-                logprobs=req.logprobs or self.recorder is not None,  # recorded turns always keep logprobs
-                top_logprobs=req.top_logprobs,
-                grammar=grammar,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                logit_bias=logit_bias,
-                prompt_logprobs=req.prompt_logprobs if i == 0 else None,
-            )
-            engine_reqs.append(GenerateRequest(f"{request_id}-{i}", prompt_ids, sampling, adapter=adapter, session=session, owner=owner))
-        self.metrics.prompt_tokens.inc(prompt_len * req.n)
+        engine_reqs = [
+            GenerateRequest(f"{request_id}-{i}", prompt_ids, sampling, adapter=adapter, session=session, owner=owner)
+            for i, sampling in enumerate(self._sampling(req, max_new))
+        ]
+        self.metrics.prompt_tokens.inc(len(prompt_ids) * req.n)
         return Prepared(
             id=f"{id_prefix}{uuid.uuid4().hex[:24]}",
             created=int(time.time()),
@@ -347,6 +221,65 @@ class Generation:
             tag=req.tag,
             owner=owner,
         )
+
+    def _prompt(self, req: GenRequest) -> tuple[tuple[int, ...], list[dict[str, Any]]]:
+        """The prompt's token ids and the messages a turn records: a raw prompt as one ``prompt`` message, else the rendered chat."""
+        if req.prompt_ids is not None:
+            return req.prompt_ids, [{"role": "prompt", "content": req.prompt_text or ""}]
+        return self.formatter.render_plain(req.messages, req.tools if req.tools_on else None).token_ids, req.messages
+
+    def _max_new_tokens(self, req: GenRequest, prompt_len: int) -> int:
+        """The completion's token limit: ``max_tokens``, or the default within the context left; a 400 when the prompt, or the
+        prompt with the asked completion, does not fit the model's context."""
+        max_len = self.engine.info.max_model_len
+        if prompt_len >= max_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_len} tokens. However, your {req.messages_param} resulted in "
+                f"{prompt_len} tokens. Please reduce the length of the {req.messages_param}.",
+                param=req.messages_param,
+                code="context_length_exceeded",
+            )
+        asked = req.max_tokens
+        if asked is not None and prompt_len + asked > max_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_len} tokens. However, you requested {prompt_len + asked} "
+                f"tokens ({prompt_len} in the {req.messages_param}, {asked} in the completion). Please reduce the length of the "
+                f"{req.messages_param} or completion.",
+                param=req.max_tokens_param,
+                code="context_length_exceeded",
+            )
+        return asked if asked is not None else min(self.default_max_tokens, max_len - prompt_len)
+
+    def _sampling(self, req: GenRequest, max_new: int) -> list[SamplingParams]:
+        """Each choice's sampling parameters (choice i seeded ``seed + i``; prompt logprobs asked for choice 0 only), after the
+        checks that make a request invalid here: prompt logprobs the engine cannot compute, the constraint, the logit bias."""
+        if req.prompt_logprobs is not None and not self.engine.info.prompt_logprobs:
+            raise InvalidRequest(
+                f"this server's {self.engine.info.backend} engine does not compute prompt logprobs (asked for by '{req.prompt_logprobs_param}')",
+                param=req.prompt_logprobs_param,
+            )
+        grammar = grammar_for(req, self.formatter.parser_name)
+        logit_bias = self._logit_bias(req.logit_bias)
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return [
+            SamplingParams(
+                max_new_tokens=max_new,
+                temperature=temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=None if req.seed is None else req.seed + i,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                logprobs=req.logprobs or self.recorder is not None,  # recorded turns always keep logprobs
+                top_logprobs=req.top_logprobs,
+                grammar=grammar,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                logit_bias=logit_bias,
+                prompt_logprobs=req.prompt_logprobs if i == 0 else None,
+            )
+            for i in range(req.n)
+        ]
 
     def _logit_bias(self, bias: dict[int, float]) -> tuple[tuple[int, float], ...]:
         """The request's logit bias as the engine takes it, sorted; a token id outside the vocabulary is a 400 on ``logit_bias``."""

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.engine import EngineError, Grammar
 from runtime.errors import APIError, from_engine, from_validation
-from runtime.generation import GenRequest
+from runtime.gen_request import GenRequest
 from runtime.http_body import read_json
 from runtime.identity import ADMIN_OWNER, set_owner
 from runtime.openai_schemas import ChatCompletionRequest

@@ -1,6 +1,7 @@
 """Stored Responses (``store: true``): the response object and the items it was answered from, per owner.
 
-A SQLite file (``<data-dir>/responses.db``, WAL) keyed by response id. Each row keeps the owner (the
+A SQLite file (``<data-dir>/responses.db``, WAL) keyed by response id, its schema versioned (``PRAGMA user_version``:
+``RESPONSES``, migrated when the file opens by ``learner/records/migrations.py``'s runner). Each row keeps the owner (the
 API key's identity, ``runtime/identity.py``), the session the response was served in, the response
 object as returned, and its context items (every input item the model saw, the ``previous_response_id``
 chain's included, each with an id). ``previous_response_id`` reads the context and output back to
@@ -31,18 +32,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS responses (
-    id TEXT PRIMARY KEY,
-    owner TEXT NOT NULL,
-    session_id TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    response TEXT NOT NULL,
-    context TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner, created_at);
-CREATE INDEX IF NOT EXISTS responses_session ON responses (owner, session_id);
-"""
+from learner.records.migrations import Schema, migrate_sqlite
+
+
+def responses_table(real: str) -> tuple[str, ...]:
+    """The ``responses`` table and its indexes on both backends (``real``: SQLite's REAL, PostgreSQL's DOUBLE PRECISION).
+    ``IF NOT EXISTS``: an SQLite file written before its schema had a version (0) has them already."""
+    return (
+        f"""CREATE TABLE IF NOT EXISTS responses (
+            id TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            session_id TEXT NOT NULL,
+            created_at {real} NOT NULL,
+            response TEXT NOT NULL,
+            context TEXT NOT NULL
+        )""",
+        "CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner, created_at)",
+        "CREATE INDEX IF NOT EXISTS responses_session ON responses (owner, session_id)",
+    )
+
+
+def _v1_responses(conn: sqlite3.Connection) -> None:
+    for sql in responses_table("REAL"):
+        conn.execute(sql)
+
+
+# the file's migrations (learner/records/migrations.py runs them); the same name as the table's on PostgreSQL
+RESPONSES: Schema[sqlite3.Connection] = Schema("loopwise_responses_schema", ((1, _v1_responses),))
 
 # store or replace a response; a row of another owner under the same id is left as it is (both backends)
 UPSERT = """INSERT INTO responses (id, owner, session_id, created_at, response, context) VALUES (?, ?, ?, ?, ?, ?)
@@ -125,7 +141,11 @@ class ResponseStore:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA secure_delete=ON")  # a deleted response's bytes are overwritten, not left in free pages
-            db.executescript(_SCHEMA)
+            try:
+                migrate_sqlite(db, RESPONSES)
+            except BaseException:
+                db.close()
+                raise
             self._db = db
         return self._db
 

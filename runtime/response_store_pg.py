@@ -7,8 +7,8 @@ session's responses; ``forbid`` drops the responses of turns whose session was d
 runtime on the database sees every response, so ``previous_response_id`` continues a conversation on any of them.
 
 ``db`` is the interaction store (``learner.records.store_pg.PostgresStore``), used for its pooled transactions and
-its migration runner: the table's schema is its own ``PgSchema`` (version in ``loopwise_responses_schema``),
-migrated when the store opens. The pool belongs to ``db``: ``close`` leaves it open.
+its migrations (``learner/records/migrations.py``'s runner): the table's schema is its own ``RESPONSES`` (version in
+``loopwise_responses_schema``), migrated when the store opens. The pool belongs to ``db``: ``close`` leaves it open.
 
 What it does not: erase securely (PostgreSQL keeps deleted rows' bytes until vacuum and in its WAL, as for turns), or
 forbid across runtimes: ``forbid`` reaches this process's requests only (as the recorder's tombstones do).
@@ -20,26 +20,17 @@ from collections.abc import Iterable
 
 import psycopg
 
-from learner.records.store_pg import PgSchema, PostgresStore
-from runtime.response_store import SELECT, UPSERT, ForbiddenTurns, StoredResponse
+from learner.records.migrations import Schema
+from learner.records.store_pg import PostgresStore
+from runtime.response_store import SELECT, UPSERT, ForbiddenTurns, StoredResponse, responses_table
 
 
 def _v1_responses(conn: psycopg.Connection) -> None:
-    conn.execute(
-        """CREATE TABLE responses (
-            id TEXT PRIMARY KEY,
-            owner TEXT NOT NULL,
-            session_id TEXT NOT NULL,
-            created_at DOUBLE PRECISION NOT NULL,
-            response TEXT NOT NULL,
-            context TEXT NOT NULL
-        )"""
-    )
-    conn.execute("CREATE INDEX responses_owner ON responses (owner, created_at)")
-    conn.execute("CREATE INDEX responses_session ON responses (owner, session_id)")
+    for sql in responses_table("DOUBLE PRECISION"):
+        conn.execute(sql)
 
 
-RESPONSES = PgSchema("loopwise_responses_schema", {0: _v1_responses}, 1)
+RESPONSES: Schema[psycopg.Connection] = Schema("loopwise_responses_schema", ((1, _v1_responses),))
 
 
 def _pg(sql: str) -> str:

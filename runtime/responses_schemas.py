@@ -20,7 +20,7 @@ from typing import Any, Literal, cast
 from pydantic import Field, ValidationError, model_validator
 
 from runtime.engine import InvalidRequest
-from runtime.generation import NamedTool, OutputFormat, ToolChoice
+from runtime.gen_request import NamedTool, OutputFormat, ToolChoice
 from runtime.json_text import loads_json_text
 from runtime.openai_schemas import FieldError, FunctionDef, _In, check_json_schema
 

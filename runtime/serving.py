@@ -1,6 +1,6 @@
 """The request path every generating API shares, between its wire translation and the engine.
 
-:meth:`Gateway.run` takes an internal :class:`~runtime.generation.GenRequest` and the HTTP request,
+:meth:`Gateway.run` takes an internal :class:`~runtime.gen_request.GenRequest` and the HTTP request,
 and does what must not differ between Chat Completions, Responses, Messages and Completions: the
 session key (``X-Session-Id``, else ``user``), served agents (a ``model`` naming an agent runs the
 agent), adapter routing (base, ``family@N``, alias, A/B arm, the session's pinned version) with a
@@ -33,18 +33,8 @@ from runtime.admission import Admission
 from runtime.agent_api import AgentHost, UnknownModel
 from runtime.engine import EngineError, TokenLogprob
 from runtime.errors import APIError, from_engine
-from runtime.generation import (
-    ChoiceDone,
-    ChoiceOut,
-    Generation,
-    GenRequest,
-    NamedTool,
-    StreamEvent,
-    StreamFailed,
-    TextDelta,
-    ToolArgsDelta,
-    ToolCallStart,
-)
+from runtime.gen_request import GenRequest, NamedTool
+from runtime.generation import ChoiceDone, ChoiceOut, Generation, StreamEvent, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
 from runtime.identity import ADMIN_OWNER, PUBLIC_OWNER, bind_caller, owner_of
 from runtime.metrics import Metrics
 from runtime.settings import AdmissionSettings

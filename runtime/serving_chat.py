@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions``: OpenAI's Chat Completions wire format ↔ the one internal request.
 
 :func:`to_internal` turns a validated :class:`ChatCompletionRequest` into a
-:class:`~runtime.generation.GenRequest` (legacy ``functions``/``function_call`` become ``tools``/
+:class:`~runtime.gen_request.GenRequest` (legacy ``functions``/``function_call`` become ``tools``/
 ``tool_choice``; ``role: "function"`` messages become tool results); the shared path
 (``runtime/serving.py``) serves it; :func:`completion_body` and :func:`completion_stream` write the
 answer back in OpenAI's shapes.
@@ -28,7 +28,8 @@ from starlette.background import BackgroundTask
 
 from runtime.chat_format import to_plain
 from runtime.errors import from_validation
-from runtime.generation import ChoiceDone, GenRequest, NamedTool, OutputFormat, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
+from runtime.gen_request import GenRequest, NamedTool, OutputFormat
+from runtime.generation import ChoiceDone, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
 from runtime.http_body import read_json
 from runtime.openai_schemas import ChatCompletionRequest, NamedToolChoice
 from runtime.serving import Gateway, Outcome

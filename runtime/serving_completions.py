@@ -41,7 +41,8 @@ from starlette.background import BackgroundTask
 from runtime.completions_logprobs import TokenText, legacy_logprobs, prompt_entries, text_end, token_texts, vllm_prompt_logprobs
 from runtime.engine import InvalidRequest, TokenLogprob
 from runtime.errors import from_validation
-from runtime.generation import ChoiceDone, ChoiceOut, GenRequest, StreamFailed, TextDelta
+from runtime.gen_request import GenRequest
+from runtime.generation import ChoiceDone, ChoiceOut, StreamFailed, TextDelta
 from runtime.http_body import read_json
 from runtime.openai_schemas import FieldError, LogitBias, Penalty, StreamOptions, _In
 from runtime.serving import Gateway, Outcome

@@ -51,17 +51,8 @@ from starlette.background import BackgroundTask
 from runtime.chat_format import is_prefill
 from runtime.engine import InvalidRequest
 from runtime.errors import APIError, from_validation
-from runtime.generation import (
-    ChoiceDone,
-    ChoiceOut,
-    GenRequest,
-    NamedTool,
-    OutputFormat,
-    StreamFailed,
-    TextDelta,
-    ToolArgsDelta,
-    ToolCallStart,
-)
+from runtime.gen_request import GenRequest, NamedTool, OutputFormat
+from runtime.generation import ChoiceDone, ChoiceOut, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
 from runtime.http_body import read_json
 from runtime.json_text import MAX_DEPTH, loads_json_text
 from runtime.openai_schemas import FieldError, FunctionDef, _In, check_json_schema

@@ -41,7 +41,8 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from runtime.errors import APIError, from_validation
-from runtime.generation import ChoiceDone, ChoiceOut, GenRequest, NamedTool, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
+from runtime.gen_request import GenRequest, NamedTool
+from runtime.generation import ChoiceDone, ChoiceOut, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
 from runtime.http_body import read_json
 from runtime.identity import owner_of
 from runtime.response_store import ResponseBackend, StoredResponse
@@ -155,86 +156,125 @@ class ResponsesAPI:
         self, request: Request, req: ResponsesRequest, ireq: GenRequest, out: Outcome, context: list[dict[str, Any]], session: str
     ) -> AsyncIterator[str]:
         assert out.events is not None
-        seq = 0
-
-        def event(kind: str, **data: Any) -> str:
-            nonlocal seq
-            body = {"type": kind, "sequence_number": seq, **data}
-            seq += 1
-            return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-        output: list[dict[str, Any]] = []
-        current: dict[str, Any] | None = None
-        yield event("response.created", response=self.response(req, ireq, out, [], "in_progress"))
-        yield event("response.in_progress", response=self.response(req, ireq, out, [], "in_progress"))
-
-        def close(status: str = "completed") -> list[str]:
-            nonlocal current
-            if current is None:
-                return []
-            item, i, events = current, len(output) - 1, []
-            current = None
-            if item["type"] == "message":
-                part = item["content"][0]
-                events.append(event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0, text=part["text"], logprobs=[]))
-                events.append(event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0, part=part))
-            else:
-                events.append(
-                    event("response.function_call_arguments.done", item_id=item["id"], output_index=i, name=item["name"], arguments=item["arguments"])
-                )
-            item["status"] = status
-            events.append(event("response.output_item.done", output_index=i, item=item))
-            return events
-
+        items = _StreamedItems()
+        yield items.event("response.created", response=self.response(req, ireq, out, [], "in_progress"))
+        yield items.event("response.in_progress", response=self.response(req, ireq, out, [], "in_progress"))
         async for ev in out.events:
-            if isinstance(ev, TextDelta):
-                if not ev.text:
-                    continue
-                if current is None or current["type"] != "message":
-                    for e in close():
-                        yield e
-                    current = {"type": "message", "id": _id("msg_"), "status": "in_progress", "role": "assistant", "content": []}
-                    output.append(current)
-                    yield event("response.output_item.added", output_index=len(output) - 1, item=current)
-                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                    yield event("response.content_part.added", item_id=current["id"], output_index=len(output) - 1, content_index=0, part=part)
-                    current["content"] = [dict(part)]
-                current["content"][0]["text"] += ev.text
-                if ev.logprobs:
-                    current["content"][0]["logprobs"] += ev.logprobs
-                yield event(
-                    "response.output_text.delta",
-                    item_id=current["id"],
-                    output_index=len(output) - 1,
-                    content_index=0,
-                    delta=ev.text,
-                    logprobs=ev.logprobs or [],
-                )
-            elif isinstance(ev, ToolCallStart):
-                for e in close():
-                    yield e
-                current = {"type": "function_call", "id": _id("fc_"), "call_id": ev.id, "name": ev.name, "arguments": "", "status": "in_progress"}
-                output.append(current)
-                yield event("response.output_item.added", output_index=len(output) - 1, item=dict(current))
-            elif isinstance(ev, ToolArgsDelta):
-                if current is not None and current["type"] == "function_call":
-                    current["arguments"] += ev.delta
-                    yield event("response.function_call_arguments.delta", item_id=current["id"], output_index=len(output) - 1, delta=ev.delta)
-            elif isinstance(ev, ChoiceDone):
+            if isinstance(ev, ChoiceDone):
                 status = "incomplete" if ev.choice.finish_reason == "length" else "completed"
-                for e in close(status):
+                for e in items.close(status):
                     yield e
-                for item in output:
+                for item in items.output:
                     if item["type"] == "message" and not req.logprobs:
                         item["content"][0].pop("logprobs", None)
-                body = self.response(req, ireq, out, output, status)
+                body = self.response(req, ireq, out, items.output, status)
                 await self.save(request, req, body, context, session)
-                yield event(f"response.{status}", response=body)
+                yield items.event(f"response.{status}", response=body)
             elif isinstance(ev, StreamFailed):
-                for e in close():
+                for e in items.close():
                     yield e
-                body = self.response(req, ireq, out, output, "failed", error={"code": "server_error", "message": ev.message})
-                yield event("response.failed", response=body)
+                body = self.response(req, ireq, out, items.output, "failed", error={"code": "server_error", "message": ev.message})
+                yield items.event("response.failed", response=body)
+            else:
+                for e in items.feed(ev):
+                    yield e
+
+
+class _StreamedItems:
+    """A streamed response's output items as the choice's events build them, and its server-sent events, numbered in
+    order (``sequence_number``). One item is open at a time: a message taking text, or a call taking its arguments."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.current: dict[str, Any] | None = None  # the open item (the last of ``output``)
+
+    def event(self, kind: str, **data: Any) -> str:
+        body = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def feed(self, ev: TextDelta | ToolCallStart | ToolArgsDelta) -> list[str]:
+        """The events of a piece of the choice: text, a call's start, or a piece of its arguments."""
+        if isinstance(ev, TextDelta):
+            return self._text(ev)
+        if isinstance(ev, ToolCallStart):
+            return self._call(ev)
+        if isinstance(ev, ToolArgsDelta):
+            return self._arguments(ev)
+        return []
+
+    def _text(self, ev: TextDelta) -> list[str]:
+        """A text delta: a message item (with its text part) opened first unless one is open, then the delta."""
+        if not ev.text:
+            return []
+        events: list[str] = []
+        item = self.current
+        if item is None or item["type"] != "message":
+            events = self.close()
+            item = self._open({"type": "message", "id": _id("msg_"), "status": "in_progress", "role": "assistant", "content": []})
+            events.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=item))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append(
+                self.event("response.content_part.added", item_id=item["id"], output_index=len(self.output) - 1, content_index=0, part=part)
+            )
+            item["content"] = [dict(part)]
+        item["content"][0]["text"] += ev.text
+        if ev.logprobs:
+            item["content"][0]["logprobs"] += ev.logprobs
+        events.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=len(self.output) - 1,
+                content_index=0,
+                delta=ev.text,
+                logprobs=ev.logprobs or [],
+            )
+        )
+        return events
+
+    def _call(self, ev: ToolCallStart) -> list[str]:
+        """A call's start: the open item closed, a ``function_call`` item opened."""
+        events = self.close()
+        item = self._open({"type": "function_call", "id": _id("fc_"), "call_id": ev.id, "name": ev.name, "arguments": "", "status": "in_progress"})
+        events.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item)))
+        return events
+
+    def _arguments(self, ev: ToolArgsDelta) -> list[str]:
+        """A piece of the open call's arguments (none without an open call)."""
+        item = self.current
+        if item is None or item["type"] != "function_call":
+            return []
+        item["arguments"] += ev.delta
+        return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=len(self.output) - 1, delta=ev.delta)]
+
+    def _open(self, item: dict[str, Any]) -> dict[str, Any]:
+        self.current = item
+        self.output.append(item)
+        return item
+
+    def close(self, status: str = "completed") -> list[str]:
+        """The open item's closing events, its status set; none when no item is open."""
+        if self.current is None:
+            return []
+        item, i, events = self.current, len(self.output) - 1, []
+        self.current = None
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(
+                self.event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0, text=part["text"], logprobs=[])
+            )
+            events.append(self.event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0, part=part))
+        else:
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done", item_id=item["id"], output_index=i, name=item["name"], arguments=item["arguments"]
+                )
+            )
+        item["status"] = status
+        events.append(self.event("response.output_item.done", output_index=i, item=item))
+        return events
 
 
 def output_items(choice: ChoiceOut, logprobs: bool) -> list[dict[str, Any]]:

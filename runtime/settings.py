@@ -1,35 +1,22 @@
-"""loopwise's one settings object: frozen pydantic-settings, built once at the edge (``serve.py``).
+"""The runtime's settings: one frozen pydantic sub-model per part of the server, each handed only to what uses it.
 
-Sources, highest priority first: ``serve.py`` flags, ``LOOPWISE_…`` environment variables (nested
-with ``__``, e.g. ``LOOPWISE_ENGINE__MAX_BATCH_SIZE=16``; the server fields also answer to their
-short names, e.g. ``LOOPWISE_PORT``), an optional TOML/JSON config file (``LOOPWISE_CONFIG`` or
-``--config``), then the defaults below. Each component receives only its own sub-model.
+``ServerSettings`` (``[server]``: model, address, keys, logging), ``EngineSettings`` (``[engine]``), ``RecorderSettings``
+(``[recorder]``: the interaction store), ``FeedbackSettings``, ``AdmissionSettings``, ``AdapterSettings``, and the external
+engines' ``SGLangSettings`` and ``VLLMSettings``; :func:`check_backend` is the rule across them (which backend takes which
+engine flags, SGLang's LoRA slots). Every field has a description and a default, and ``json_schema_extra={"flag": ...}``
+renames its flag (e.g. ``--sglang-url``): ``serve.py`` generates its flags from these fields.
 
-``serve.py``'s flags are generated from the fields of every sub-model (name, help text, default;
-``json_schema_extra={"flag": ...}`` renames one, e.g. ``--sglang-url``), so there is no second list to keep in sync.
-The learner's schedule (when it updates, its gate and A/B bounds) is declared once, in ``learner.config.ScheduleConfig``:
-``[learner]`` and ``[[learner.jobs]]`` take those fields (default, bounds, help) and the A/B bounds' rule
-(``check_ab_bounds``) from it. The served agents' settings (``[agents]``) and the memory store's (``[memory]``)
-are declared in their packages, ``agents.settings`` and ``memory.settings`` (pydantic only, like
-``learner.config``), and embedded here as they are.
-
-Not here: validation that needs the model loaded (context length, vocabulary) — the engine does that.
+Not here: the root settings model that embeds these with the learner's, the agents' and the memory store's, and its
+sources (flags, ``LOOPWISE_…`` environment variables, the config file): ``loopwise_settings.py``, beside ``serve.py``.
+Nor validation that needs the model loaded (context length, vocabulary): the engine does that.
 """
 
 from __future__ import annotations
 
-import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
-
-from agents.settings import AgentSettings
-from learner.config import ScheduleConfig, check_ab_bounds
-from memory.settings import MemorySettings
 
 
 class _Frozen(BaseModel):
@@ -120,6 +107,13 @@ class EngineSettings(_Frozen):
         "auto", description="embedded engine forward: auto = the lean Llama-family runner when the model fits it, else the transformers forward"
     )
     default_max_tokens: int = Field(1024, ge=1, description="completion length when a request gives no max_tokens")
+    row_share: bool = Field(
+        True,
+        description=(
+            "embedded engine: while several API keys have work, each holds at most its equal share of the batch's rows "
+            "(ceil(max_batch_size / active keys)); on a CPU every row slows every step, so one key's n=16 request runs in waves"
+        ),
+    )
     urls: tuple[str, ...] = Field(
         (),
         description=(
@@ -347,161 +341,23 @@ class VLLMSettings(_Frozen):
         return self.python or default_vllm_venv() / "bin" / "python"
 
 
-def _schedule(name: str, flag: str | None = None) -> Any:
-    """A learner field as ``learner.config.ScheduleConfig`` declares it (default, bounds, help), under ``flag`` here."""
-    return FieldInfo.merge_field_infos(ScheduleConfig.model_fields[name], json_schema_extra={"flag": flag} if flag else None)
+def check_backend(server: ServerSettings, engine: EngineSettings, adapters: AdapterSettings, sglang: SGLangSettings, vllm: VLLMSettings) -> None:
+    """The rule across the runtime's sections: the engine flags the chosen backend takes, and SGLang's per-batch LoRA slots.
 
-
-class LearnerJob(_Frozen):
-    """One learner process: one adapter family, trained on the traffic its settings' ``[traffic]`` table selects."""
-
-    family: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="the adapter family it publishes (family@N)")
-    agent: str = Field("", description="train on this agent's runs and gate with it ('' = the [traffic] filter, no gate)")
-    min_new_trajectories: int = _schedule("min_new_trajectories")
-    gate_n: int = _schedule("gate_n")
-    ab_min_samples: int = _schedule("ab_min_samples")
-    ab_max_samples: int = _schedule("ab_max_samples")
-    config: Path | None = Field(None, description="a learner config file; the tables in settings override its tables")
-    settings: dict[str, Any] = Field(default_factory=dict, description="learner config tables ([traffic], [singletons], [trainer], ...)")
-
-    @model_validator(mode="after")
-    def _ab_bounds(self) -> LearnerJob:
-        check_ab_bounds(self)  # pydantic locates it: learner.jobs.N
-        return self
-
-
-class LearnerProcessSettings(_Frozen):
-    """The learner process ``serve.py`` starts (``python -m learner run``); see ``learner/service.py``."""
-
-    enabled: bool = Field(True, description="start the learner process next to the server", json_schema_extra={"flag": "--learner"})
-    agent: str = _schedule("agent", "--learner-agent")
-    family: str = Field("calc-lora", description="the adapter family the learner publishes", json_schema_extra={"flag": "--learner-family"})
-    min_new_trajectories: int = _schedule("min_new_trajectories", "--learner-min-trajectories")
-    gate_n: int = _schedule("gate_n", "--learner-gate-n")
-    ab_min_samples: int = _schedule("ab_min_samples", "--learner-ab-min-samples")
-    ab_max_samples: int = _schedule("ab_max_samples", "--learner-ab-max-samples")
-    config: Path | None = Field(
-        None, description="learner config ([lora], [trainer], [samples], [rerollouts] tables)", json_schema_extra={"flag": "--learner-config"}
-    )
-    chat: bool = Field(
-        True,
-        description=(
-            "also start a learner for plain chat traffic (family chat_family, one-off prompts against a running baseline) next to the "
-            "agent's; off, or when the learner agent is not served, the one learner trains on all traffic"
-        ),
-        json_schema_extra={"flag": "--chat-learner"},
-    )
-    chat_family: str = Field(
-        "chat-lora",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
-        description="the chat learner's adapter family",
-        json_schema_extra={"flag": "--chat-family"},
-    )
-    jobs: tuple[LearnerJob, ...] = Field(
-        (),
-        description=(
-            "several learners, one per adapter family, each with its own traffic filter: [[learner.jobs]] tables (family, agent, "
-            "min_new_trajectories, gate_n, ab_min_samples, ab_max_samples, config, and [learner.jobs.settings] with the learner's "
-            "tables: [traffic], [singletons], [trainer], ...); given, they replace the one-family flags and the chat learner"
-        ),
-        json_schema_extra={"flag": "--learner-job"},
-    )
-
-    @field_validator("jobs", mode="before")
-    @classmethod
-    def _json_jobs(cls, v: Any) -> Any:
-        if isinstance(v, str | dict):
-            v = [v]
-        return [json.loads(x) if isinstance(x, str) else x for x in v] if isinstance(v, list | tuple) else v
-
-    @model_validator(mode="after")
-    def _ab_bounds(self) -> LearnerProcessSettings:
-        check_ab_bounds(self)  # names the --learner-ab-* flags; pydantic locates it: learner
-        return self
-
-    @model_validator(mode="after")
-    def _distinct_families(self) -> LearnerProcessSettings:
-        families = [j.family for j in self.jobs]
-        if len(set(families)) != len(families):
-            raise ValueError(f"[[learner.jobs]] need distinct families (one learner per adapter family), got {families}")
-        return self
-
-
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LOOPWISE_", env_nested_delimiter="__", frozen=True, extra="forbid")
-
-    config: Path | None = Field(None, description="optional TOML or JSON config file")
-    server: ServerSettings = Field(default_factory=ServerSettings)
-    engine: EngineSettings = Field(default_factory=EngineSettings)
-    recorder: RecorderSettings = Field(default_factory=RecorderSettings)
-    feedback: FeedbackSettings = Field(default_factory=FeedbackSettings)
-    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
-    adapters: AdapterSettings = Field(default_factory=AdapterSettings)
-    sglang: SGLangSettings = Field(default_factory=SGLangSettings)
-    vllm: VLLMSettings = Field(default_factory=VLLMSettings)
-    agents: AgentSettings = Field(default_factory=AgentSettings)
-    learner: LearnerProcessSettings = Field(default_factory=LearnerProcessSettings)
-    memory: MemorySettings = Field(default_factory=MemorySettings)
-
-    @model_validator(mode="after")
-    def _check_backend(self) -> Settings:
-        backend = self.server.backend
-        if backend == "embedded" and self.engine.urls:
-            raise ValueError("--engine-url needs --backend sglang or --backend vllm (the embedded engine runs in this process)")
-        if backend == "vllm" and self.vllm.launch and self.engine.urls and self.vllm.replicas not in (1, len(self.engine.urls)):
-            raise ValueError(f"--vllm-launch with --engine-url starts one server per URL: give {self.vllm.replicas} URLs or drop --vllm-replicas")
-        if backend != "sglang":
-            return self
-        slots = self.sglang.slots(self.adapters.max_loaded_adapters)
-        if self.adapters.max_loaded_adapters > slots - 1:
-            raise ValueError(
-                f"--max-loaded-adapters {self.adapters.max_loaded_adapters} needs --max-loras-per-batch of at least "
-                f"{self.adapters.max_loaded_adapters + 1}: base-model requests take one of SGLang's per-batch LoRA slots (SGLang #23141); "
-                f"raise --max-loras-per-batch or lower --max-loaded-adapters to {slots - 1}"
-            )
-        if self.sglang.max_loaded_loras is not None and self.sglang.max_loaded_loras < slots:
-            raise ValueError(f"--max-loaded-loras ({self.sglang.max_loaded_loras}) must be at least --max-loras-per-batch ({slots}) (SGLang's rule)")
-        return self
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _ConfigFileSource(settings_cls))
-
-
-class _ConfigFileSource(PydanticBaseSettingsSource):
-    """Reads ``LOOPWISE_CONFIG`` (TOML or JSON) if set. ``serve.py`` passes ``--config`` the same way."""
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        import os
-
-        path = os.environ.get("LOOPWISE_CONFIG")
-        return load_config_file(Path(path)) if path else {}
-
-
-def load_config_file(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"cannot read config file {path}: {exc}") from exc
-    data: dict[str, Any] = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    return data
-
-
-def short_env_overrides(environ: dict[str, str]) -> dict[str, Any]:
-    """``LOOPWISE_PORT`` etc.: the server fields also answer to their short names."""
-    out: dict[str, Any] = {}
-    for name in ServerSettings.model_fields:
-        key = f"LOOPWISE_{name.upper()}"
-        if key in environ:
-            out[name] = environ[key]
-    return out
+    ValueError names the flags to change."""
+    backend = server.backend
+    if backend == "embedded" and engine.urls:
+        raise ValueError("--engine-url needs --backend sglang or --backend vllm (the embedded engine runs in this process)")
+    if backend == "vllm" and vllm.launch and engine.urls and vllm.replicas not in (1, len(engine.urls)):
+        raise ValueError(f"--vllm-launch with --engine-url starts one server per URL: give {vllm.replicas} URLs or drop --vllm-replicas")
+    if backend != "sglang":
+        return
+    slots = sglang.slots(adapters.max_loaded_adapters)
+    if adapters.max_loaded_adapters > slots - 1:
+        raise ValueError(
+            f"--max-loaded-adapters {adapters.max_loaded_adapters} needs --max-loras-per-batch of at least "
+            f"{adapters.max_loaded_adapters + 1}: base-model requests take one of SGLang's per-batch LoRA slots (SGLang #23141); "
+            f"raise --max-loras-per-batch or lower --max-loaded-adapters to {slots - 1}"
+        )
+    if sglang.max_loaded_loras is not None and sglang.max_loaded_loras < slots:
+        raise ValueError(f"--max-loaded-loras ({sglang.max_loaded_loras}) must be at least --max-loras-per-batch ({slots}) (SGLang's rule)")

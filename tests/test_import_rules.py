@@ -4,16 +4,16 @@ What each library package may import from the project:
 
 - ``learner.records`` (the neutral floor: the record types, the adapter manifest, the interaction store on SQLite and
   PostgreSQL, the experiments and adapter-registry tables) → nothing else of the project, and no torch
-- ``runtime`` → ``learner.records``; ``learner.config``, ``agents.settings``, ``memory.settings`` (the packages'
-  settings, which the runtime's settings embed; these settings modules import nothing from the project, pydantic and
-  the standard library only)
+- ``runtime`` → ``learner.records``
 - ``tools`` → nothing
 - ``memory`` → the runtime's client protocol, ``learner.records``
 - ``agents`` → the runtime's client protocol, ``tools``, ``memory``, ``learner.records``
 - ``learner`` → ``tools`` (it reaches the runtime only over its admin API, agents' tasks over the runs endpoint)
 
-``serve.py`` (the composition root), ``experiments/`` and ``bench/`` may import anything; no library package
-imports them. Imports inside functions count the same as those at the top.
+``serve.py`` (the composition root) with ``loopwise_settings.py`` (its root settings model), ``experiments/`` and
+``bench/`` may import anything; no library package imports them. Imports inside functions count the same as those at
+the top. The packages' settings modules that the root settings embed (``learner.config``, ``agents.settings``,
+``memory.settings``) import nothing from the project, pydantic and the standard library only.
 """
 
 from __future__ import annotations
@@ -26,17 +26,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("runtime", "tools", "memory", "agents", "learner")
-DRIVERS = ("serve", "experiments", "bench", "tests")  # may import anything; nothing in LIBRARY imports them
+DRIVERS = ("serve", "loopwise_settings", "experiments", "bench", "tests")  # may import anything; nothing in LIBRARY imports them
 PROJECT = {*LIBRARY, *DRIVERS}
 RUNTIME_CLIENT = ("runtime.agent_api", "runtime.engine", "runtime.identity")  # what agents and memory call the runtime through
 RECORDS = ("learner.records",)  # the floor both sides share: records, the adapter manifest, the stores, their tables
-LEARNER_SETTINGS = ("learner.config",)  # the runtime's [learner] settings embed the learner's own (pydantic only)
-AGENTS_SETTINGS = ("agents.settings",)  # the runtime's [agents] settings are the agents package's own (pydantic only)
-MEMORY_SETTINGS = ("memory.settings",)  # the runtime's [memory] settings are the memory package's own (pydantic only)
-SETTINGS_MODULES = (*LEARNER_SETTINGS, *AGENTS_SETTINGS, *MEMORY_SETTINGS)
+SETTINGS_MODULES = ("learner.config", "agents.settings", "memory.settings")  # what the root settings embed (pydantic only)
 
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
-    "runtime": (*RECORDS, *SETTINGS_MODULES),
+    "runtime": RECORDS,
     "tools": (),
     "memory": (*RUNTIME_CLIENT, *RECORDS),
     "agents": (*RUNTIME_CLIENT, *RECORDS, "tools", "memory"),
@@ -108,11 +105,13 @@ def test_the_scanner_resolves_from_imports_and_sees_nested_ones(tmp_path: Path) 
         ("runtime", "learner.samples", False),
         ("runtime", "learner.publish", False),
         ("runtime", "agents.loop", False),
-        ("runtime", "agents.settings", True),
+        ("runtime", "agents.settings", False),
         ("runtime", "agents.config", False),
-        ("runtime", "memory.settings", True),
+        ("runtime", "memory.settings", False),
         ("runtime", "memory.config", False),
-        ("runtime", "learner.config", True),
+        ("runtime", "learner.config", False),
+        ("runtime", "loopwise_settings", False),
+        ("runtime", "serve", False),
         ("tools", "runtime.engine", False),
         ("memory", "runtime.agent_api", True),
         ("memory", "runtime.app", False),
@@ -182,9 +181,9 @@ def foreign_imports(module: str, root: Path = ROOT) -> set[str]:
 
 
 @pytest.mark.parametrize("module", SETTINGS_MODULES)
-def test_the_settings_modules_the_runtime_embeds_are_pydantic_only(module: str) -> None:
-    """The runtime may import these because they pull in nothing else: a settings module that imported its package's
-    code (or another package) would bring that into the runtime through its settings."""
+def test_the_settings_modules_the_root_settings_embed_are_pydantic_only(module: str) -> None:
+    """``serve.py`` imports these (through the root settings) to parse its flags before any heavy import: a settings
+    module that imported its package's code (or another package) would bring that into every start, ``--help`` included."""
     assert foreign_imports(module) == set()
 
 

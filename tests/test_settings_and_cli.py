@@ -1,4 +1,4 @@
-"""serve.py's flags and runtime/settings.py: one frozen Settings from flags > env > config file > defaults."""
+"""serve.py's flags and loopwise_settings.py: one frozen Settings from flags > env > config file > defaults."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from pydantic import ValidationError
 
 import serve
-from runtime.settings import EngineSettings, ServerSettings, Settings
+from loopwise_settings import Settings
+from runtime.settings import EngineSettings, ServerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -288,12 +289,12 @@ def test_learner_jobs_from_flags_and_tables(tmp_path):
 
 
 def test_the_learner_schedule_is_declared_once_in_learner_config(capsys) -> None:
-    """``python -m learner run``'s flags and the runtime's [learner] / [[learner.jobs]] fields come from ScheduleConfig."""
+    """``python -m learner run``'s flags and the root settings' [learner] / [[learner.jobs]] fields come from ScheduleConfig."""
     import pydantic
 
     from learner.__main__ import build_parser, main
     from learner.config import ScheduleConfig
-    from runtime.settings import LearnerJob, LearnerProcessSettings
+    from loopwise_settings import LearnerJob, LearnerProcessSettings
 
     args = build_parser().parse_args(["run", "--base-model", "m", "--gate-n", "3", "--poll-s", "0.5", "--agent", ""])
     assert (args.gate_n, args.poll_s, args.agent, args.min_new_trajectories, args.ab_max_samples, args.task) == (3, 0.5, "", 32, 256, None)
@@ -345,10 +346,10 @@ def test_agents_and_memory_settings_are_their_packages_own(tmp_path: Path) -> No
 
 def test_an_ab_cap_below_the_ab_minimum_fails_at_startup_naming_both(capsys) -> None:
     """``ab_max_samples`` is 0 (no cap) or at least ``ab_min_samples``: one rule (``learner.config.check_ab_bounds``) for the
-    learner's schedule, the runtime's [learner] settings and each [[learner.jobs]] table, checked before anything starts."""
+    learner's schedule, the root settings' [learner] and each [[learner.jobs]] table, checked before anything starts."""
     from learner.__main__ import main as learner_main
     from learner.config import ScheduleConfig
-    from runtime.settings import LearnerJob, LearnerProcessSettings
+    from loopwise_settings import LearnerJob, LearnerProcessSettings
 
     both = r"ab_max_samples .*= 10 must be at least ab_min_samples .*= 64"
     for build in (ScheduleConfig, LearnerProcessSettings, lambda **kw: LearnerJob(family="f", **kw)):

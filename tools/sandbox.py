@@ -622,120 +622,149 @@ def _supervise(
 
     With ``ready_fd`` the wall clock starts when the confinement says the program starts (its setup gets
     ``SETUP_LIMIT_S``); without, at ``started``."""
-    assert proc.stdout is not None and proc.stderr is not None
-    streams = {proc.stdout.fileno(): _Stream(lim.output_bytes), proc.stderr.fileno(): _Stream(lim.output_bytes)}
-    out, err = streams[proc.stdout.fileno()], streams[proc.stderr.fileno()]
-    sel = selectors.DefaultSelector()
-    for fd in streams:
-        sel.register(fd, selectors.EVENT_READ)
-    pipes_open = set(streams)
-    # A pidfd becomes readable when the process exits, so its exit wakes the select (no polling).
-    pidfd = _pidfd_open(proc.pid)
-    if pidfd is not None:
-        sel.register(pidfd, selectors.EVENT_READ)
-    if ready_fd is not None:
-        sel.register(ready_fd, selectors.EVENT_READ)
-    deadline = started + (SETUP_LIMIT_S if ready_fd is not None else lim.wall_s)
-    flood_limit = max(lim.output_bytes, _FLOOD_ALLOWANCE)
-    timed_out = flooded = cancelled = False
-    status: int | None = None
-    rusage = None
-    exited_at = 0.0
-    poll_s = 0.001
+    run = _Supervision(proc, lim, started, ready_fd)
     try:
+        run.watch(cancel)
+    finally:
+        run.reap()
+    return run.result()
+
+
+class _Supervision:
+    """One sandboxed process under ``_supervise``: its two output streams, a selector over its pipes, its pidfd (readable
+    once it exits) and the confinement's ready pipe, the wall deadline, and how the watch ended."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], lim: SandboxLimits, started: float, ready_fd: int | None) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self.proc, self.lim, self.started = proc, lim, started
+        self.stdout, self.stderr = proc.stdout, proc.stderr
+        self.streams = {proc.stdout.fileno(): _Stream(lim.output_bytes), proc.stderr.fileno(): _Stream(lim.output_bytes)}
+        self.out, self.err = self.streams[proc.stdout.fileno()], self.streams[proc.stderr.fileno()]
+        self.sel = selectors.DefaultSelector()
+        for fd in self.streams:
+            self.sel.register(fd, selectors.EVENT_READ)
+        self.pipes_open = set(self.streams)
+        # A pidfd becomes readable when the process exits, so its exit wakes the select (no polling).
+        self.pidfd = _pidfd_open(proc.pid)
+        if self.pidfd is not None:
+            self.sel.register(self.pidfd, selectors.EVENT_READ)
+        self.ready_fd = ready_fd
+        if ready_fd is not None:
+            self.sel.register(ready_fd, selectors.EVENT_READ)
+        self.deadline = started + (SETUP_LIMIT_S if ready_fd is not None else lim.wall_s)
+        self.timed_out = self.flooded = self.cancelled = False
+        self.status: int | None = None  # the wait status, once reaped
+        self.cpu_used = 0.0  # user + system seconds, from the rusage once reaped
+        self.exited_at = 0.0
+        self.poll_s = 0.001
+
+    def watch(self, cancel: threading.Event | None) -> None:
+        """Read the pipes until the process has exited and they are closed (or descendants kept them open for
+        ``_EXIT_GRACE_S`` after its exit), or until the deadline passes, ``cancel`` is set or the output floods."""
+        flood_limit = max(self.lim.output_bytes, _FLOOD_ALLOWANCE)
         while True:
             now = time.monotonic()
-            if now >= deadline:
-                timed_out = True
-                break
+            if now >= self.deadline:
+                self.timed_out = True
+                return
             if cancel is not None and cancel.is_set():
-                cancelled = True
-                break
-            timeout = min(deadline - now, 0.05)
-            if pidfd is None and status is None and not pipes_open:
-                timeout, poll_s = min(timeout, poll_s), min(poll_s * 2, 0.02)  # no pidfd: poll for the exit
-            if sel.get_map():
-                for key, _ in sel.select(timeout=timeout):
-                    if key.fd == pidfd:
-                        sel.unregister(pidfd)
-                        continue
-                    if key.fd == ready_fd:  # confined: the program starts now (or setup failed: the exit status says)
-                        os.read(ready_fd, 16)
-                        sel.unregister(ready_fd)
-                        os.close(ready_fd)
-                        ready_fd = None
-                        deadline = time.monotonic() + lim.wall_s
-                        continue
-                    data = os.read(key.fd, _READ_CHUNK)
-                    if data:
-                        streams[key.fd].feed(data)
-                    else:
-                        sel.unregister(key.fd)
-                        pipes_open.discard(key.fd)
-            else:
-                time.sleep(timeout)
-            if out.dropped + err.dropped > flood_limit:
-                flooded = True
-                break
-            if status is None:
-                pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
+                self.cancelled = True
+                return
+            self._wait(min(self.deadline - now, 0.05))
+            if self.out.dropped + self.err.dropped > flood_limit:
+                self.flooded = True
+                return
+            if self.status is None:
+                pid, st, ru = os.wait4(self.proc.pid, os.WNOHANG)
                 if pid:
-                    status, rusage, exited_at = st, ru, time.monotonic()
-            if status is not None and (not pipes_open or time.monotonic() - exited_at > _EXIT_GRACE_S):
-                break  # done, or descendants hold the pipes open after the main process exited
-    finally:
-        _kill_group(proc.pid)
-        if status is None:
-            _, status, rusage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        sel.close()
-        if pidfd is not None:
-            os.close(pidfd)
-        if ready_fd is not None:
-            os.close(ready_fd)
-        proc.stdout.close()
-        proc.stderr.close()
-    wall = time.monotonic() - started
-    exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-    if exit_code == 1 and err.tail.endswith(_UNSHARE_SIGKILL_QUIRK):
-        # unshare re-raises its child's fatal signal on itself, which cannot work for SIGKILL: it
-        # exits 1 with this message instead. Report what really happened to the program.
-        exit_code, sig = None, int(signal_module.SIGKILL)
-        err.strip_suffix(_UNSHARE_SIGKILL_QUIRK)
-    cpu_used = (rusage.ru_utime + rusage.ru_stime) if rusage is not None else 0.0
-    cpu_limit = max(1, math.ceil(lim.cpu_s))
-    # rusage under-reports against the kernel's RLIMIT_CPU clock (0.7 s seen for a 1 s kill), hence the margin.
-    cpu_exceeded = sig in (signal_module.SIGXCPU, signal_module.SIGKILL) and not (timed_out or flooded or cancelled) and cpu_used >= cpu_limit * 0.5
-    tail = (err.tail + bytes(err.head[-_TAIL_BYTES:])).decode("utf-8", errors="replace")
-    memory_exceeded = (exit_code not in (0, None) and any(m in tail for m in _MEMORY_MARKERS)) or (
-        sig == signal_module.SIGKILL and not (timed_out or flooded or cancelled or cpu_exceeded)
-    )
-    result = SandboxResult(
-        stdout=out.text(),
-        stderr=err.text(),
-        exit_code=exit_code,
-        signal=sig,
-        timed_out=timed_out,
-        memory_exceeded=memory_exceeded,
-        cpu_exceeded=cpu_exceeded,
-        output_truncated=bool(out.dropped or err.dropped),
-        wall_s=wall,
-    )
-    if not result.ok:
-        log.info(
-            "sandbox_run_failed",
+                    self.status, self.cpu_used, self.exited_at = st, ru.ru_utime + ru.ru_stime, time.monotonic()
+            if self.status is not None and (not self.pipes_open or time.monotonic() - self.exited_at > _EXIT_GRACE_S):
+                return  # done, or descendants hold the pipes open after the main process exited
+
+    def _wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for output, the exit or the ready pipe, and take what came."""
+        if self.pidfd is None and self.status is None and not self.pipes_open:
+            timeout, self.poll_s = min(timeout, self.poll_s), min(self.poll_s * 2, 0.02)  # no pidfd: poll for the exit
+        if not self.sel.get_map():
+            time.sleep(timeout)
+            return
+        for key, _ in self.sel.select(timeout=timeout):
+            if key.fd == self.pidfd:
+                self.sel.unregister(self.pidfd)
+            elif key.fd == self.ready_fd:  # confined: the program starts now (or setup failed: the exit status says)
+                os.read(self.ready_fd, 16)
+                self.sel.unregister(self.ready_fd)
+                os.close(self.ready_fd)
+                self.ready_fd = None
+                self.deadline = time.monotonic() + self.lim.wall_s
+            elif data := os.read(key.fd, _READ_CHUNK):
+                self.streams[key.fd].feed(data)
+            else:
+                self.sel.unregister(key.fd)
+                self.pipes_open.discard(key.fd)
+
+    def reap(self) -> None:
+        """Kill the process group, reap the process (waiting for it if it still runs), close every descriptor."""
+        _kill_group(self.proc.pid)
+        if self.status is None:
+            _, self.status, rusage = os.wait4(self.proc.pid, 0)
+            self.cpu_used = rusage.ru_utime + rusage.ru_stime
+        self.proc.returncode = os.waitstatus_to_exitcode(self.status)
+        self.sel.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+        if self.ready_fd is not None:
+            os.close(self.ready_fd)
+        self.stdout.close()
+        self.stderr.close()
+
+    def result(self) -> SandboxResult:
+        """The reaped run's result: its output, exit, and which limit (if any) ended it; a failed run is logged."""
+        assert self.status is not None  # reap() has run
+        out, err, lim = self.out, self.err, self.lim
+        timed_out, flooded, cancelled, cpu_used = self.timed_out, self.flooded, self.cancelled, self.cpu_used
+        wall = time.monotonic() - self.started
+        exit_code = os.WEXITSTATUS(self.status) if os.WIFEXITED(self.status) else None
+        sig = os.WTERMSIG(self.status) if os.WIFSIGNALED(self.status) else None
+        if exit_code == 1 and err.tail.endswith(_UNSHARE_SIGKILL_QUIRK):
+            # unshare re-raises its child's fatal signal on itself, which cannot work for SIGKILL: it
+            # exits 1 with this message instead. Report what really happened to the program.
+            exit_code, sig = None, int(signal_module.SIGKILL)
+            err.strip_suffix(_UNSHARE_SIGKILL_QUIRK)
+        cpu_limit = max(1, math.ceil(lim.cpu_s))
+        # rusage under-reports against the kernel's RLIMIT_CPU clock (0.7 s seen for a 1 s kill), hence the margin.
+        cpu_exceeded = (
+            sig in (signal_module.SIGXCPU, signal_module.SIGKILL) and not (timed_out or flooded or cancelled) and cpu_used >= cpu_limit * 0.5
+        )
+        tail = (err.tail + bytes(err.head[-_TAIL_BYTES:])).decode("utf-8", errors="replace")
+        memory_exceeded = (exit_code not in (0, None) and any(m in tail for m in _MEMORY_MARKERS)) or (
+            sig == signal_module.SIGKILL and not (timed_out or flooded or cancelled or cpu_exceeded)
+        )
+        result = SandboxResult(
+            stdout=out.text(),
+            stderr=err.text(),
             exit_code=exit_code,
             signal=sig,
             timed_out=timed_out,
             memory_exceeded=memory_exceeded,
             cpu_exceeded=cpu_exceeded,
-            output_truncated=result.output_truncated,
-            cancelled=cancelled,
-            wall_s=round(wall, 3),
-            cpu_s=round(cpu_used, 3),
+            output_truncated=bool(out.dropped or err.dropped),
+            wall_s=wall,
         )
-    return result
+        if not result.ok:
+            log.info(
+                "sandbox_run_failed",
+                exit_code=exit_code,
+                signal=sig,
+                timed_out=timed_out,
+                memory_exceeded=memory_exceeded,
+                cpu_exceeded=cpu_exceeded,
+                output_truncated=result.output_truncated,
+                cancelled=cancelled,
+                wall_s=round(wall, 3),
+                cpu_s=round(cpu_used, 3),
+            )
+        return result
 
 
 def _remove_tree(path: Path) -> None:

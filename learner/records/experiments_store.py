@@ -3,13 +3,13 @@
 What it does: ``ExperimentStore(db)`` saves (``save``: create or update) and reads back (``load``) each
 experiment's config and running state (status, champion, stopped arms, decisions, p-value history) as JSON,
 in the ``experiments`` table of the interaction store's database, so experiments survive restarts and, on a
-PostgreSQL store shared by several runtimes, every runtime sees the same ones. It creates the table when
-it is missing (``CREATE TABLE IF NOT EXISTS``: a database made before this module existed already has it,
-with these columns; on PostgreSQL under an advisory lock, so runtimes starting together do not race).
+PostgreSQL store shared by several runtimes, every runtime sees the same ones. ``experiments_table`` is the table;
+the interaction store's migrations create it (version 9 on both backends, ``learner/records/store.py`` and
+``learner/records/store_pg.py``), as every table of that database, so it is there whenever the store is open.
 
 ``db`` is the interaction store (``learner.records.store.SqliteStore`` or ``learner.records.store_pg.PostgresStore``), used
-only through ``ExperimentDatabase``: one connection per transaction, its placeholder and its dialect. The
-connections, their settings and the file belong to it; the table and its queries belong here.
+only through ``ExperimentDatabase``: one connection per transaction and its placeholder. The connections, their
+settings, the file and the migrations belong to it; the table's definition and its queries belong here.
 
 What it does not: decide anything (``runtime/experiments.py``), or read the arms' rewards: those are turn data,
 answered by the interaction store's ``arm_observations``.
@@ -20,28 +20,26 @@ from __future__ import annotations
 import json
 import time
 from contextlib import AbstractContextManager
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-__all__ = ["ExperimentDatabase", "ExperimentStore", "StoredExperiment"]
+__all__ = ["ExperimentDatabase", "ExperimentStore", "StoredExperiment", "experiments_table"]
 
 StoredExperiment = tuple[str, dict[str, Any], dict[str, Any]]  # (name, config, state)
-
-_MIGRATION_LOCK = 0x6C6F6578  # "loex": the advisory lock key serializing the table's creation across runtimes
 
 
 class ExperimentDatabase(Protocol):
     """What the experiments need from the database that holds them."""
 
     placeholder: str  # "?" (SQLite) or "%s" (psycopg)
-    dialect: Literal["sqlite", "postgresql"]
 
     def transaction(self, *, write: bool = False) -> AbstractContextManager[Any]:
         """One connection in one transaction, committed when the block ends without an error."""
         ...
 
 
-def _table(dialect: str) -> str:
-    real = "DOUBLE PRECISION" if dialect == "postgresql" else "REAL"
+def experiments_table(real: str) -> str:
+    """The ``experiments`` table of both backends (``real``: SQLite's REAL, PostgreSQL's DOUBLE PRECISION). ``IF NOT
+    EXISTS``: a database migrated before the table was a migration of its own has it already, with these columns."""
     return f"""CREATE TABLE IF NOT EXISTS experiments (
             name TEXT PRIMARY KEY,
             config TEXT NOT NULL,
@@ -59,10 +57,6 @@ class ExperimentStore:
 
     def __init__(self, db: ExperimentDatabase) -> None:
         self.db = db
-        with db.transaction(write=True) as conn:
-            if db.dialect == "postgresql":
-                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-            conn.execute(_table(db.dialect))
 
     def save(self, name: str, config: dict[str, Any], state: dict[str, Any]) -> None:
         """Create or update an experiment's config and state (experiments are not turn data: they change)."""

@@ -11,16 +11,16 @@ What it does:
   wins), so a recorder may safely retry a batch whose commit outcome it did not see.
 - The queries are said once for this store and the PostgreSQL one: ``learner/records/store_sql.py`` (``StoreQueries``
   with the ``SQLITE`` dialect); this module adds the file, its connections and transactions, the batch append,
-  the WAL truncation after deletions and the schema migrations. Rows ↔ records: ``learner/records/store_rows.py``.
+  the WAL truncation after deletions and the schema's migrations. Rows ↔ records: ``learner/records/store_rows.py``.
 - Token data is stored compactly as packed little-endian arrays, not JSON: ``context_ids`` and
   ``output_ids`` as int32 (``array('i')``), ``loss_mask`` as int8 (``array('b')``) and ``logprobs``
   as float32 (``array('f')``). Engines produce float32 logprobs, so those round-trip exactly;
   an arbitrary Python float comes back rounded to float32 (relative error ≤ 6e-8).
   Messages, sampling, tool calls and timings are JSON text (for people and admin tools).
-- Schema-versioned: ``PRAGMA user_version`` is the number of ``MIGRATIONS`` applied. Opening the
-  store applies the missing ones in order, each in its own transaction together with the version
-  bump (``BEGIN IMMEDIATE``, so concurrent openers do not migrate twice). Migrations must use
-  ``conn.execute`` only (``executescript`` would commit mid-migration).
+- Schema-versioned: ``INTERACTIONS`` numbers the file's migrations and ``PRAGMA user_version`` is the last one
+  applied. Opening the store applies the missing ones in order through ``learner/records/migrations.py``'s runner
+  (``migrate_sqlite``: each in one ``BEGIN IMMEDIATE`` transaction with its version bump, so concurrent openers do
+  not migrate twice; a file of a newer loopwise is refused with ``SchemaTooNew``).
 - Thread-safety: one sqlite connection per thread (``threading.local``); the recorder's writer
   thread and the event-loop thread each get their own, and WAL lets readers run during a write.
 - Owners (version 5): every session, trajectory, turn and reward carries the identity of the API key
@@ -32,16 +32,15 @@ What it does:
 - Continuation claims (version 8): ``turn_claims`` holds the ids of turns a runtime has continued
   (``claim_continuation``: the primary key lets one claim win), so two runtimes on one PostgreSQL store never
   extend one trajectory from the same turn; a single runtime's own index makes them unneeded on SQLite.
+- Experiments (version 9): the A/B experiments' table, created by the migrations as every table of this file;
+  ``transaction(write=...)`` and ``placeholder`` let the module that owns its queries
+  (``learner/records/experiments_store.py``) use the store's connections.
 - Deletion (``delete_session``, ``delete_trajectories``, ``prune``) is complete and secure: rows are removed from every
   table, ``secure_delete`` overwrites the freed content, and ``delete_session`` truncates the WAL
   (``wal_checkpoint(TRUNCATE)``) so no copy of the deleted pages is left in the ``-wal`` file.
 
-- ``transaction(write=...)``, ``placeholder`` and ``dialect`` let a module that owns a table of its own in this
-  file use the store's connections: the A/B experiments' table (``learner/records/experiments_store.py``).
-
-- ``open_store(spec)``: the store a ``--store`` value names: a ``postgresql://`` URL opens
-  ``learner.records.store_pg.PostgresStore`` (same public methods, same tables and columns, BYTEA for the packed
-  arrays), anything else is an SQLite file path.
+- The store a ``--store`` value names (this one, or ``learner.records.store_pg.PostgresStore`` for a ``postgresql://``
+  URL) is opened by ``learner/records/store_open.py``'s ``open_store``.
 
 What it doesn't do: build training batches: ``iter_samples`` yields plain per-turn dicts (also what
 ``python -m learner export`` writes).
@@ -53,12 +52,13 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from learner.records import Turn, UnknownTarget
+from learner.records.experiments_store import experiments_table
+from learner.records.migrations import Schema, migrate_sqlite
 from learner.records.store_rows import REWARD_COLUMNS, TURN_COLUMNS, turn_row
 from learner.records.store_sql import INSERT_SESSION, INSERT_TRAJECTORY, INSERT_TURN, SQLITE, StoreQueries, first_seen
 
@@ -74,34 +74,14 @@ def db_path(data_dir: Path) -> Path:
 
 
 __all__ = [
+    "INTERACTIONS",
     "REWARD_COLUMNS",
     "TURN_COLUMNS",
-    "SchemaTooNew",
     "SqliteStore",
     "UnknownTarget",
     "db_path",
-    "is_postgres_url",
-    "migrate",
-    "open_store",
     "turn_row",
 ]
-
-
-def is_postgres_url(spec: object) -> bool:
-    return isinstance(spec, str) and spec.startswith(("postgresql://", "postgres://"))
-
-
-def open_store(spec: str | Path, *, synchronous_full: bool = False) -> Any:
-    """The interaction store ``spec`` names: a ``postgresql://`` (or ``postgres://``) URL, else an SQLite file path."""
-    if is_postgres_url(spec):
-        from learner.records.store_pg import PostgresStore  # psycopg is imported only for a PostgreSQL store
-
-        return PostgresStore(str(spec), synchronous_full=synchronous_full)
-    return SqliteStore(Path(spec), synchronous_full=synchronous_full)
-
-
-class SchemaTooNew(RuntimeError):
-    """The database was written by a newer loopwise (its schema version is past this code's)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,9 +151,8 @@ def _v2_unique_idempotency_key(conn: sqlite3.Connection) -> None:
 
 
 def _v3_experiments(conn: sqlite3.Connection) -> None:
-    # Turns get an (adapter, created_at) index for the A/B experiments' per-arm statistics. Version 3 also
-    # created the experiments table itself; it now belongs to learner/records/experiments_store.py, which creates it
-    # when it is missing (a file migrated before then has it already, with the same columns).
+    # Turns get an (adapter, created_at) index for the A/B experiments' per-arm statistics. Version 3 also created the
+    # experiments table itself; version 9 does now (a file migrated in between has it already, with the same columns).
     conn.execute("CREATE INDEX turns_adapter ON turns (adapter, created_at)")
 
 
@@ -228,45 +207,28 @@ def _v8_turn_claims(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX turn_claims_claimed ON turn_claims (claimed_at)")
 
 
-# MIGRATIONS[i] takes a database from version i to version i + 1 (version 0 = an empty file).
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
-    _v1_initial,
-    _v2_unique_idempotency_key,
-    _v3_experiments,
-    _v4_trajectory_meta,
-    _v5_owners,
-    _v6_registry,
-    _v7_turn_checks,
-    _v8_turn_claims,
-]
-SCHEMA_VERSION = len(MIGRATIONS)
+def _v9_experiments(conn: sqlite3.Connection) -> None:
+    # The A/B experiments' config and state (``learner/records/experiments_store.py``). Files migrated between versions
+    # 3 and 8 have the table already, with these columns (version 3 created it; then the experiments' store did when it
+    # opened): ``IF NOT EXISTS`` keeps it and its rows.
+    conn.execute(experiments_table("REAL"))
 
 
-def user_version(conn: sqlite3.Connection) -> int:
-    return int(conn.execute("PRAGMA user_version").fetchone()[0])
-
-
-def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Connection], None]] = MIGRATIONS) -> int:
-    """Apply the missing ``migrations`` in order, one transaction each; returns the final version.
-
-    ``conn`` must be in autocommit mode (``isolation_level=None``).
-    """
-    while True:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            version = user_version(conn)  # re-read under the write lock: another process may have migrated
-            if version > len(migrations):
-                raise SchemaTooNew(f"database schema version {version} is newer than this code's {len(migrations)}")
-            if version == len(migrations):
-                conn.execute("COMMIT")
-                return version
-            migrations[version](conn)
-            conn.execute(f"PRAGMA user_version = {version + 1}")
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+# INTERACTIONS' migration N takes the file from version N - 1 to N (version 0 = an empty file).
+INTERACTIONS: Schema[sqlite3.Connection] = Schema(
+    "loopwise_schema",
+    (
+        (1, _v1_initial),
+        (2, _v2_unique_idempotency_key),
+        (3, _v3_experiments),
+        (4, _v4_trajectory_meta),
+        (5, _v5_owners),
+        (6, _v6_registry),
+        (7, _v7_turn_checks),
+        (8, _v8_turn_claims),
+        (9, _v9_experiments),
+    ),
+)
 
 
 class SqliteStore(StoreQueries):
@@ -290,7 +252,7 @@ class SqliteStore(StoreQueries):
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise RuntimeError(f"could not put {self.path} in WAL mode (journal_mode={mode})")
-            self.schema_version = migrate(conn)
+            self.schema_version = migrate_sqlite(conn, INTERACTIONS)
         except BaseException:
             self.close()
             raise
@@ -341,7 +303,6 @@ class SqliteStore(StoreQueries):
             raise
 
     placeholder = "?"
-    dialect = "sqlite"
 
     @contextmanager
     def transaction(self, *, write: bool = False) -> Iterator[sqlite3.Connection]:

@@ -18,15 +18,14 @@ What it does:
   returns), so a committed batch survives the crash of any loopwise process and of the database server;
   ``--durability sync`` (the recorder answers after the commit) therefore loses no answered turn when a
   runtime is killed. Power-loss durability is the server's ``fsync`` setting, not this code's.
-- Migrations: the version is the one row of ``loopwise_schema``; opening the store takes a transaction-scoped
-  advisory lock, re-reads the version and applies what is missing, each migration in the same transaction
-  as its version bump (PostgreSQL's DDL is transactional), so concurrent openers never migrate twice and a
-  failing migration leaves the previous version. An empty database gets the version-5 layout in one step
-  (PostgreSQL support began at version 5), then the later migrations, the same as SQLite's. The runner is
-  one for every set of tables kept in this database (``PgSchema``: a version table and its migrations):
-  the interactions' (``INTERACTIONS``), and through ``PostgresStore.migrate`` the stored responses'
-  (``runtime/response_store_pg.py``) and agent memory's (``memory/store_pg.py``), each with its own version,
-  as each has its own SQLite file.
+- Migrations: ``INTERACTIONS`` numbers them; opening the store runs ``learner/records/migrations.py``'s runner
+  (``migrate_postgres``: under a transaction-scoped advisory lock it re-reads the version, the one row of
+  ``loopwise_schema``, and applies what is missing, each migration in one transaction with its version bump), so
+  concurrent openers never migrate twice and a failing migration leaves the previous version. An empty database
+  gets the version-5 layout in one step (PostgreSQL support began at version 5), then the later migrations, the
+  same as SQLite's. Through ``PostgresStore.migrate`` the same runner keeps the other schemas in this database,
+  each with its own version table: the stored responses' (``runtime/response_store_pg.py``) and agent memory's
+  (``memory/store_pg.py``), as each has its own SQLite file.
 - Fails fast: before the pool opens, one plain connection is tried with ``connect_timeout_s`` (3 s) under a
   hard deadline, so an unreachable server, a wrong port or a refused login is a ``ConnectionError`` within
   seconds, naming the host and the URL without its password, instead of the pool's wait.
@@ -41,27 +40,24 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
-from psycopg import sql as pgsql
 from psycopg.abc import Buffer
 from psycopg.types.string import StrDumperUnknown
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from learner.records import Turn
-from learner.records.store import SchemaTooNew, is_postgres_url
+from learner.records.experiments_store import experiments_table
+from learner.records.migrations import Schema, migrate_postgres
 from learner.records.store_rows import turn_row
-from learner.records.store_sql import INSERT_SESSION, INSERT_TRAJECTORY, INSERT_TURN, POSTGRESQL, StoreQueries, first_seen
+from learner.records.store_sql import INSERT_SESSION, INSERT_TRAJECTORY, INSERT_TURN, POSTGRESQL, StoreQueries, first_seen, is_postgres_url
 
 log = logging.getLogger(__name__)
 
-__all__ = ["INTERACTIONS", "PG_MIGRATIONS", "PgSchema", "PostgresStore", "is_postgres_url", "migrate_pg", "probe", "redact_url"]
-
-_MIGRATION_LOCK = 0x6C6F6F70  # "loop": the advisory lock key serializing migrations across processes
+__all__ = ["INTERACTIONS", "PostgresStore", "probe", "redact_url"]
 
 
 def redact_url(url: str) -> str:
@@ -75,7 +71,7 @@ def redact_url(url: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# schema: PG_MIGRATIONS[v] takes a database from version v to v + 1; version 0 (empty) jumps to 5 at once
+# schema: INTERACTIONS' migration N takes the tables from the previous one's version to N; an empty database jumps to 5
 
 
 def _initial_v5(conn: psycopg.Connection) -> None:
@@ -163,46 +159,14 @@ def _v8_turn_claims(conn: psycopg.Connection) -> None:
     conn.execute("CREATE INDEX turn_claims_claimed ON turn_claims (claimed_at)")
 
 
-PG_MIGRATIONS: dict[int, Callable[[psycopg.Connection], None]] = {0: _initial_v5, 5: _v6_registry, 6: _v7_turn_checks, 7: _v8_turn_claims}
-PG_SCHEMA_VERSION = 8
+def _v9_experiments(conn: psycopg.Connection) -> None:
+    # the A/B experiments' table (learner/records/experiments_store.py); a database its store opened before has it already
+    conn.execute(experiments_table("DOUBLE PRECISION"))
 
 
-@dataclass(frozen=True)
-class PgSchema:
-    """One versioned set of tables in the database: the table that holds its version (one row) and its migrations.
-
-    ``migrations[v]`` takes the tables from version ``v`` to the next key of ``migrations`` (``version`` after the
-    last one), so a migration may skip versions (the interactions' empty database jumps to 5)."""
-
-    version_table: str
-    migrations: Mapping[int, Callable[[psycopg.Connection], None]]
-    version: int
-
-    def next_version(self, version: int) -> int:
-        return min((v for v in self.migrations if v > version), default=self.version)
-
-
-INTERACTIONS = PgSchema("loopwise_schema", PG_MIGRATIONS, PG_SCHEMA_VERSION)
-
-
-def migrate_pg(conn: psycopg.Connection, target: int | None = None, schema: PgSchema = INTERACTIONS) -> int:
-    """Bring ``schema``'s tables (``conn`` in autocommit mode) to ``target`` (default: its newest version), one
-    transaction per migration, each holding the advisory lock every opener takes first; the final version."""
-    target = schema.version if target is None else target
-    table = pgsql.Identifier(schema.version_table)
-    while True:
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-            conn.execute(pgsql.SQL("CREATE TABLE IF NOT EXISTS {} (version INTEGER NOT NULL)").format(table))
-            row = conn.execute(pgsql.SQL("SELECT version FROM {}").format(table)).fetchone()
-            version = 0 if row is None else row[0]
-            if version > schema.version:
-                raise SchemaTooNew(f"database schema version {version} of {schema.version_table} is newer than this code's {schema.version}")
-            if version >= target:
-                return int(version)
-            schema.migrations[version](conn)
-            bump = "INSERT INTO {} (version) VALUES (%s)" if row is None else "UPDATE {} SET version = %s"
-            conn.execute(pgsql.SQL(bump).format(table), (schema.next_version(version),))
+INTERACTIONS: Schema[psycopg.Connection] = Schema(
+    "loopwise_schema", ((5, _initial_v5), (6, _v6_registry), (7, _v7_turn_checks), (8, _v8_turn_claims), (9, _v9_experiments))
+)
 
 
 def _where(url: str) -> str:
@@ -289,13 +253,14 @@ class PostgresStore(StoreQueries):
             self._pool.close()
             raise
 
-    def migrate(self, schema: PgSchema) -> int:
-        """Bring ``schema``'s tables in this database to their newest version (``migrate_pg`` on a pooled connection);
-        the modules that keep tables of their own here call it once when they open (stored responses, agent memory)."""
+    def migrate(self, schema: Schema[psycopg.Connection]) -> int:
+        """Bring ``schema``'s tables in this database to their newest version (``migrate_postgres`` on a pooled
+        connection); the modules that keep tables of their own here call it once when they open (stored responses,
+        agent memory)."""
         with self._pool.connection() as conn:
             conn.autocommit = True
             try:
-                return migrate_pg(conn, schema=schema)
+                return migrate_postgres(conn, schema)
             finally:
                 conn.autocommit = False
 
@@ -328,7 +293,6 @@ class PostgresStore(StoreQueries):
         return self._tx()
 
     placeholder = "%s"
-    dialect = "postgresql"
 
     @contextmanager
     def transaction(self, *, write: bool = False) -> Iterator[psycopg.Connection]:

@@ -6,7 +6,7 @@ What it does:
   doubles a literal ``%``), the insertion-order column (SQLite's ``rowid``, PostgreSQL's ``BIGSERIAL seq``),
   null-safe equality, a blob's byte length, a JSON field of a text column, a row lock, and a list
   parameter (``IN (?, ?, …)`` on SQLite, one array ``= ANY(?)`` on PostgreSQL). ``SQLITE`` and
-  ``POSTGRESQL`` are the two.
+  ``POSTGRESQL`` are the two; ``is_postgres_url`` says which backend a ``--store`` value names.
 - ``StoreQueries`` holds every read and write whose SQL and Python are the same on both backends once the
   dialect has spoken: listing, trajectories, turns, training samples, stitching lookups and continuation claims,
   owners, deletion, pruning, trajectory metadata, rewards, arm statistics, the adapter registry's state. A backend
@@ -33,7 +33,7 @@ from typing import Any, Literal, Self
 from learner.records import ADMIN_OWNER, Reward, Trajectory, Turn, TurnRef, UnknownTarget
 from learner.records.store_rows import N_TURN_COLUMNS, REWARD_COLUMNS, TURN_COLUMNS, encode_json, reward_from_row, reward_row, turn_from_row, unpack
 
-__all__ = ["POSTGRESQL", "SQLITE", "Dialect", "StoreQueries", "first_seen"]
+__all__ = ["POSTGRESQL", "SQLITE", "Dialect", "StoreQueries", "first_seen", "is_postgres_url"]
 
 
 @functools.lru_cache(maxsize=512)
@@ -96,6 +96,11 @@ _REWARDED_TURN = (
     "(t.turn_id IN (SELECT target_id FROM rewards WHERE target = 'turn')"
     " OR t.trajectory_id IN (SELECT target_id FROM rewards WHERE target = 'trajectory'))"
 )
+
+
+def is_postgres_url(spec: object) -> bool:
+    """Whether a ``--store`` value is a PostgreSQL URL (``postgresql://`` or ``postgres://``), not an SQLite file path."""
+    return isinstance(spec, str) and spec.startswith(("postgresql://", "postgres://"))
 
 
 def first_seen(turns: Sequence[Turn]) -> tuple[dict[tuple[str, str], float], dict[str, tuple[str, str, float]]]:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from pokerkit import Automation, Card, Deck, FixedLimitTexasHoldem, Label, StandardHighHand, State
 
-from memory.testbeds import RoundResult
+from memory.testbeds.match import RoundResult
 
 ACTIONS = ("fold", "check", "call", "raise")  # every action a player can take (legal ones depend on the state)
 OPPONENTS = ("station", "maniac", "rock", "folder", "mix")
@@ -163,9 +163,15 @@ class HoldemMatch:
             else:
                 return
 
+    def _facing_bet(self) -> bool:
+        """Whether the player to act faces a bet (pokerkit has no calling amount while nobody is to act)."""
+        to_call = self.state.checking_or_calling_amount
+        assert to_call is not None, "no player is to act"
+        return to_call > 0
+
     def _legal(self) -> list[str]:
         st = self.state
-        facing = st.checking_or_calling_amount > 0
+        facing = self._facing_bet()
         raise_ok = st.can_complete_bet_or_raise_to()
         if facing:
             return ["fold", "call", *(["raise"] if raise_ok else [])]
@@ -192,9 +198,8 @@ class HoldemMatch:
             st.complete_bet_or_raise_to()
 
     def _opponent_action(self) -> str:
-        st = self.state
         good = strong(self._holes[1 - self._seat], self._board())
-        facing = st.checking_or_calling_amount > 0
+        facing = self._facing_bet()
         style = self._style
         if style == "station":
             return "call"

@@ -48,7 +48,8 @@ from typing import Any
 import httpx
 
 from memory.methods import Interaction, MemoryMethod
-from memory.testbeds import RoundResult, make_match
+from memory.testbeds import make_match
+from memory.testbeds.match import RoundResult
 
 MEMORY_HEADER = "Your memory from earlier rounds against this opponent:"
 EPISODE_HEADER = "Rounds played so far:"
@@ -251,7 +252,8 @@ async def _update(
     client: httpx.AsyncClient, method: MemoryMethod, memory: str, interaction: Interaction, game: GameRecord, episode: int, cfg: PlayConfig, user: str
 ) -> str:
     messages = method.prompt(memory, interaction)
-    completion, ids = None, {}
+    completion: str | None = None
+    ids: dict[str, Any] = {}
     if messages is not None:
         model = cfg.copilot_model or cfg.player_model
         completion, ids = await chat(

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from memory.testbeds import RoundResult
+from memory.testbeds.match import RoundResult
 
 MOVES = ("rock", "paper", "scissors")
 BEATS = {"rock": "paper", "paper": "scissors", "scissors": "rock"}  # BEATS[m] beats m

@@ -14,7 +14,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from agents.config import AgentConfig
-from agents.loop import AgentLoop, Branch, BranchMismatch, context_sha256
+from agents.loop import AgentLoop, BranchMismatch, context_sha256
+from agents.run_state import Branch
 from learner.records.store import SqliteStore
 from tests.agents._scripted import ScriptedEngine, make_client
 from tools.builtins import default_registry

@@ -432,7 +432,7 @@ def test_unmeasured_kernels_are_recorded_as_unknown_not_incorrect(tiny_model_pat
     assert result.correct is None and traj.meta["correct"] is None and result.reward == 0.0
     from learner.advantages import compute_advantages
     from learner.config import SampleConfig
-    from learner.samples import SkipCounts, to_turn_samples, trajectory_samples
+    from learner.samples import SkipCounts, trajectory_samples
 
-    ts = to_turn_samples(trajectory_samples(traj, family="f", min_version=0, cfg=SampleConfig(), counts=SkipCounts()))
+    ts = [s.to_turn_sample() for s in trajectory_samples(traj, family="f", min_version=0, cfg=SampleConfig(), counts=SkipCounts())]
     assert ts[0].correct is None and compute_advantages("rank", ts).n_excluded == len(ts)

@@ -16,7 +16,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from agents.config import AgentConfig
-from agents.loop import AgentLoop, ContextTracker
+from agents.loop import AgentLoop
+from agents.run_state import ContextTracker
 from agents.tasks import Problem, TaskBase, get_task
 from tests.agents._scripted import Reply, ScriptedEngine, make_client
 from tools.builtins import default_registry
@@ -172,9 +173,9 @@ def test_environment_state_keys_are_recorded_for_gigpo(tok, tmp_path):
     traj = view.trajectory(result.trajectory_id)
     assert traj.meta["state_keys"] == result.state_keys
     from learner.config import SampleConfig
-    from learner.samples import SkipCounts, to_turn_samples, trajectory_samples
+    from learner.samples import SkipCounts, trajectory_samples
 
-    ts = to_turn_samples(trajectory_samples(traj, family="f", min_version=0, cfg=SampleConfig(), counts=SkipCounts()))
+    ts = [s.to_turn_sample() for s in trajectory_samples(traj, family="f", min_version=0, cfg=SampleConfig(), counts=SkipCounts())]
     assert ts[0].state == ts[1].state and ts[0].anchor != ts[1].anchor  # same state, different exact contexts
 
 

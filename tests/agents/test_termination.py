@@ -14,8 +14,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from agents.config import AgentConfig
-from agents.loop import AgentLoop, ContextTracker, RunResult
-from agents.run_state import Phase, RunState, Stop, ending
+from agents.loop import AgentLoop, RunResult
+from agents.run_state import ContextTracker, Phase, RunState, Stop, ending
 from agents.stop import StopDecision
 from agents.t2po import T2POCounters
 from learner.records.store import SqliteStore

@@ -21,7 +21,7 @@ from experiments.memory_tournament import (
     render,
     summarize,
 )
-from memory.testbeds import RoundResult
+from memory.testbeds.match import RoundResult
 from memory.testbeds.play import GameRecord, Rewrite
 
 

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from experiments import memory_tournament as tournament
 from experiments import memory_train as train
 from experiments.memory_train import CopilotTurn, copilot_turns, turn_advantages
-from memory.testbeds import RoundResult
+from memory.testbeds.match import RoundResult
 from memory.testbeds.play import GameRecord, Rewrite
 
 

@@ -25,12 +25,9 @@ from learner.advantages import (
     compute_advantages,
     rank_wins,
     register_advantage,
-    rtpo_update_order,
     tcpo_counterfactual,
     tcpo_hindsight,
     tcpo_retrospective,
-    tcpo_select_turns,
-    turn_surprisal,
 )
 
 EPS = 1e-6
@@ -597,30 +594,6 @@ def test_rtpo_without_branches_is_trajectory_grpo(seed: int) -> None:
     assert list(compute_advantages("rtpo", single)) == list(compute_advantages("grpo", samples))
 
 
-def test_rtpo_update_order_table() -> None:
-    samples = [S(f"t{i}", t, 1.0) for i, t in enumerate([0, 2, 1, 2, 0, 3])]
-    assert rtpo_update_order(samples) == [[5], [1, 3], [2], [0, 4]]
-    # buckets of two turns from the end: {3, 2} then {1, 0}
-    assert rtpo_update_order(samples, bucket_size=2) == [[1, 3, 5], [0, 2, 4]]
-    assert rtpo_update_order([]) == []
-    with pytest.raises(AdvantageInputError):
-        rtpo_update_order(samples, bucket_size=0)
-
-
-@pytest.mark.parametrize("seed", range(10))
-def test_rtpo_update_order_strictly_decreasing(seed: int) -> None:
-    rng = random.Random(seed)
-    samples = random_samples(rng, turn_rewards=False)
-    for bucket in (1, 2, 3):
-        order = rtpo_update_order(samples, bucket_size=bucket)
-        assert sorted(i for b in order for i in b) == list(range(len(samples)))  # every sample exactly once
-        for prev, nxt in zip(order, order[1:]):
-            assert max(samples[i].turn_index for i in nxt) < min(samples[i].turn_index for i in prev)
-        if bucket == 1:
-            turns = [samples[b[0]].turn_index for b in order]
-            assert turns == sorted(set(turns), reverse=True)
-
-
 # ---------------------------------------------------------------------------------------------------
 # TCPO
 
@@ -661,13 +634,10 @@ def test_tcpo_regressing_scores_get_negative_credit() -> None:
     assert out[0] > 0 > out[1] > out[2]
 
 
-def test_tcpo_counterfactual_and_selection() -> None:
+def test_tcpo_counterfactual() -> None:
     assert tcpo_counterfactual(0.3, [0.1, 0.2]) == pytest.approx(0.15)
     with pytest.raises(AdvantageInputError):
         tcpo_counterfactual(0.3, [])
-    assert turn_surprisal([-1.0, -3.0]) == 2.0
-    assert tcpo_select_turns([0.1, 2.0, 0.5, 3.0, 0.2], top_q=0.4) == [False, True, False, True, False]
-    assert tcpo_select_turns([0.1, 2.0, 0.5, 3.0, 0.2], threshold=0.4) == [False, True, True, True, False]
     # a counterfactual replaces (mu=1) or mixes into (mu=0.5) the turn's credit; two trajectories in one group
     samples = [S("a", 0, 0.0, r=0.3), S("a", 1, 0.0, r=0.3), S("b", 0, 0.0, r=0.0), S("b", 1, 0.0, r=0.6)]
     cf = {("a", 1): [0.1, 0.2]}

@@ -53,31 +53,31 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def fake_release(sources: list[str] | None = None) -> Any:
-    """Just what ``Release._experiment_config`` and the chain read of a learner (a chat learner: no agent task)."""
+def fake_release(sources: list[str] | None = None) -> Release:
+    """A ``Release`` over just what ``Release._experiment_config`` and the chain read of a learner's state (a chat
+    learner: no agent task)."""
     samples: dict[str, Any] = {"settle_s": 0} | ({"reward_sources": sources} if sources else {})
     settings = LearnerSettings.model_validate({"family": "fam", "samples": samples})
-    fake = SimpleNamespace(
+    state = SimpleNamespace(
         cfg=SimpleNamespace(settings=settings, ab_min_samples=200, ab_max_samples=None),
         family="fam",
-        _task=lambda: None,
+        task=lambda: None,
         dir=Path(tempfile.mkdtemp()),
         status=SimpleNamespace(chain={}),
     )
-    fake._chain = lambda champion: Release._chain(fake, champion)  # type: ignore[arg-type]
-    return fake
+    return Release(state)  # type: ignore[arg-type]
 
 
 def learner_experiment(sources: list[str] | None = None) -> dict[str, Any]:
     """The experiment body the chat learner creates (no agent task), through the learner's own code."""
-    return Release._experiment_config(fake_release(sources), "fam-v2", "fam@1", "fam@2")  # type: ignore[arg-type]
+    return fake_release(sources)._experiment_config("fam-v2", "fam@1", "fam@2")
 
 
 def test_the_learner_carries_its_promotions_into_the_next_experiments_test():
     """Each promotion's effect (the runtime's state) is added to the chain the next experiment is judged with; a decision
     that promotes nothing adds nothing, and one experiment is counted once."""
     fake = fake_release()
-    first = Release._experiment_config(fake, "fam-v2", "fam@1", "fam@2")  # type: ignore[arg-type]
+    first = fake._experiment_config("fam-v2", "fam@1", "fam@2")
     assert first["non_inferiority_margin"] == 0.2
     assert first["non_inferiority_chain"] == {"anchor": "fam@1", "steps": 0, "diff_sd": 0.0, "var_sd": 0.0}
     promoted = {
@@ -87,20 +87,20 @@ def test_the_learner_carries_its_promotions_into_the_next_experiments_test():
         "winner": "fam@2",
         "effect": {"arm": "fam@2", "diff_sd": -0.05, "var_sd": 0.01},
     }
-    Release._extend_chain(fake, promoted)  # type: ignore[arg-type]
-    Release._extend_chain(fake, promoted)  # read again (a restarted learner): counted once
-    Release._extend_chain(fake, {"name": "fam-v3", "status": "inconclusive", "champion": "fam@2", "effect": None})  # type: ignore[arg-type]
-    nxt = Release._experiment_config(fake, "fam-v4", "fam@2", "fam@4")  # type: ignore[arg-type]
+    fake._extend_chain(promoted)
+    fake._extend_chain(promoted)  # read again (a restarted learner): counted once
+    fake._extend_chain({"name": "fam-v3", "status": "inconclusive", "champion": "fam@2", "effect": None})
+    nxt = fake._experiment_config("fam-v4", "fam@2", "fam@4")
     assert nxt["non_inferiority_chain"] == {"anchor": "fam@1", "steps": 1, "diff_sd": -0.05, "var_sd": 0.01}
-    Release._extend_chain(
-        fake, {**promoted, "name": "fam-v4", "champion": "fam@2", "winner": "fam@4", "effect": {"arm": "fam@4", "diff_sd": 0.08, "var_sd": 0.02}}
-    )  # type: ignore[arg-type]
-    chain = Release._experiment_config(fake, "fam-v5", "fam@4", "fam@5")["non_inferiority_chain"]  # type: ignore[arg-type]
+    fake._extend_chain(
+        {**promoted, "name": "fam-v4", "champion": "fam@2", "winner": "fam@4", "effect": {"arm": "fam@4", "diff_sd": 0.08, "var_sd": 0.02}}
+    )
+    chain = fake._experiment_config("fam-v5", "fam@4", "fam@5")["non_inferiority_chain"]
     assert chain["steps"] == 2 and chain["diff_sd"] == pytest.approx(0.03) and chain["var_sd"] == pytest.approx(0.03)
     # the runtime accepts it and judges the next step against the whole chain
     from runtime.experiments import ExperimentConfig
 
-    assert ExperimentConfig.model_validate(Release._experiment_config(fake, "fam-v5", "fam@4", "fam@5")).non_inferiority_chain is not None  # type: ignore[arg-type]
+    assert ExperimentConfig.model_validate(fake._experiment_config("fam-v5", "fam@4", "fam@5")).non_inferiority_chain is not None
 
 
 def arms(server: Any) -> dict[str, int]:

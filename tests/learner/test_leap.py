@@ -11,8 +11,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from learner.advantages import compute_advantages
-from learner.leap import KernelEpisode, ProbeSample, classify_probe, explain_probe, kernel_rank_advantages, kernel_rank_samples, load_probe, prune
-from learner.samples import Sample, to_turn_samples
+from learner.leap import KernelEpisode, kernel_rank_advantages, kernel_rank_samples
+from learner.leap_dcp import ProbeSample, classify_probe, explain_probe, load_probe, prune
+from learner.samples import Sample
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -211,7 +212,7 @@ def _live(tid: str, turn: int, meta: dict) -> Sample:
 
 def test_rank_per_turn_ranks_each_turn_by_its_own_result():
     # issue 39: per="turn" used to rank every turn by its trajectory's final outcome (meta correct / score), copied
-    # onto each turn by to_turn_samples. The final outcomes are a (correct, 2.0), b (correct, 1.0), c (incorrect);
+    # onto each turn by Sample.to_turn_sample. The final outcomes are a (correct, 2.0), b (correct, 1.0), c (incorrect);
     # the runs' own per-turn results (meta turn_correct / turn_scores, one entry per turn index) differ from them:
     #   turn 0: a0 incorrect, b0 correct 1.5, c0 correct 3.0   turn 1: a1 correct 2.0, b1 correct 1.0, c1 incorrect
     # round robin on turn 0: c0 beats b0 (faster) and a0 (correct) -> 2, b0 beats a0 -> 1, a0 -> 0; r = wins / 2
@@ -222,7 +223,7 @@ def test_rank_per_turn_ranks_each_turn_by_its_own_result():
         "b": {"correct": True, "score": 1.0, "turn_correct": [True, True], "turn_scores": [1.5, 1.0]},
         "c": {"correct": False, "score": 0.0, "turn_correct": [True, False], "turn_scores": [3.0, None]},
     }
-    ts = to_turn_samples([_live(t, k, meta[t]) for t in "abc" for k in (0, 1)])
+    ts = [_live(t, k, meta[t]).to_turn_sample() for t in "abc" for k in (0, 1)]
     out = compute_advantages("rank", ts, per="turn")
     assert list(out) == pytest.approx([-0.5, 0.5, 0.0, 0.0, 0.5, -0.5])
     assert out.n_excluded == 0
@@ -238,7 +239,7 @@ def test_rank_per_turn_excludes_turns_without_their_own_result():
         "b": {"correct": True, "score": 1.0, "turn_correct": [None, True], "turn_scores": [None, 1.0]},
         "c": {"correct": False, "score": 0.0},
     }
-    ts = to_turn_samples([_live(t, k, meta[t]) for t in "abc" for k in (0, 1)])
+    ts = [_live(t, k, meta[t]).to_turn_sample() for t in "abc" for k in (0, 1)]
     out = compute_advantages("rank", ts, per="turn")
     assert list(out) == [0.0] * 6
     assert out.n_excluded == 5

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from learner.leap import ProbeClass, classify_probe, explain_probe, load_probe
+from learner.leap_dcp import ProbeClass, classify_probe, explain_probe, load_probe
 from learner.leap_expand import ProbeParseError, RunFailed, compile_calls, expand, parse_problems, probe_sample, problem_ref
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,6 @@ import httpx
 import pytest
 import torch
 
-import learner.release as release_mod
 import learner.update as update_mod
 from learner.config import LearnerSettings
 from learner.parity import FORBIDDEN_DIFF, PROBE_FILE, ParityRefused, probe_turns, refusal
@@ -169,11 +168,11 @@ def test_the_probe_refuses_an_engine_that_mishandles_a_constrained_turns_grammar
     from runtime.engine import MIN_TEMPERATURE
 
     svc, _ = chat_learner
-    trainer = svc._get_trainer()
-    champion = svc._champion()
+    trainer = svc.state.get_trainer()
+    champion = svc.state.champion()
     assert champion == "conv@1"
-    svc._restart_from_champion(trainer)  # the trainer holds the served champion's weights (whatever the tests before trained)
-    honest = svc._parity(trainer, champion)
+    svc.release.restart_from_champion(trainer)  # the trainer holds the served champion's weights (whatever the tests before trained)
+    honest = svc.release.parity(trainer, champion)
     assert refusal(honest, THRESHOLD) is None
     unmasked: list[torch.Tensor] = []
     real_apply, real_sample = embedded.xgr.apply_token_bitmask_inplace, embedded.sample_next
@@ -192,7 +191,7 @@ def test_the_probe_refuses_an_engine_that_mishandles_a_constrained_turns_grammar
 
     monkeypatch.setattr(embedded.xgr, "apply_token_bitmask_inplace", apply)
     monkeypatch.setattr(embedded, "sample_next", sample)
-    report = svc._parity(trainer, champion)
+    report = svc.release.parity(trainer, champion)
     assert report is not None
     kinds = report["kinds"]
     assert kinds["greedy"]["mean_abs_logp_diff"] < THRESHOLD and kinds["sampled"]["mean_abs_logp_diff"] < THRESHOLD
@@ -202,7 +201,7 @@ def test_the_probe_refuses_an_engine_that_mishandles_a_constrained_turns_grammar
     # an engine that does not apply the grammar at all: its output breaks the grammar, which the trainer's policy never produces
     monkeypatch.setattr(embedded.xgr, "apply_token_bitmask_inplace", lambda logits, bitmask, indices=None: None)
     monkeypatch.setattr(embedded, "sample_next", real_sample)
-    report = svc._parity(trainer, champion)
+    report = svc.release.parity(trainer, champion)
     assert report is not None
     kinds = report["kinds"]
     assert kinds["constrained"]["grammar_mismatch"] == 1 and kinds["constrained"]["mean_abs_logp_diff"] == FORBIDDEN_DIFF
@@ -225,14 +224,14 @@ def test_an_rtpo_learner_probes_its_intermediate_versions_and_refuses_a_mis_scal
     rerollouts = {"branches": 1, "siblings": 2, "refresh": True}
     svc = service(server, tiny_model_path, "rp", agent=MULTI_AGENT["name"], estimator="rtpo", rerollouts=rerollouts)
     svc.check_setup()  # an RTPO learner with re-rollouts (its agent has a task)
-    trainer = svc._get_trainer()
+    trainer = svc.state.get_trainer()
     batch = collect_samples(svc.store, family="rp", cursor=Cursor(), cfg=svc.cfg.settings.samples, min_version=0, traffic=svc.traffic)
     samples = batch.samples
     assert samples and all(s.turn_index in (0, 1, 2) for s in samples)
 
     # an RTPO step, published as an intermediate for the next step's siblings: probed right after its load
     assert trainer.step(samples, estimate(samples, "rtpo", {})).optimizer_step
-    assert svc._publish_intermediate(trainer, candidates=samples) == "rp@1"
+    assert svc.release.publish_intermediate(trainer, candidates=samples) == "rp@1"
     assert svc.status.last_parity["intermediate"] is True and svc.status.last_parity["model"] == "rp@1"
     assert refusal(svc.status.last_parity, THRESHOLD) is None and svc.status.last_parity["kinds"]["greedy"]["tokens"] > 0
     assert "rp@1" in loaded(server)
@@ -241,17 +240,16 @@ def test_an_rtpo_learner_probes_its_intermediate_versions_and_refuses_a_mis_scal
     assert trainer.step(samples, estimate(samples, "rtpo", {})).optimizer_step
     monkeypatch.setattr(update_mod, "publish_adapter", wrong_scale(update_mod.publish_adapter))
     with pytest.raises(ParityRefused) as refused:
-        svc._publish_intermediate(trainer, candidates=samples)
+        svc.release.publish_intermediate(trainer, candidates=samples)
     assert refused.value.model == "rp@2" and refused.value.reason.startswith("parity:")
     assert refused.value.report["mean_abs_logp_diff"] > THRESHOLD
-    assert "rp@2" not in loaded(server) and "rp@2" in svc._rejected_names
-    assert svc._rollout_model(trainer) != "rp@2"  # re-rollouts never sample from it, even after the sweep
+    assert "rp@2" not in loaded(server) and "rp@2" in svc.state.rejected_names
+    assert svc.steps.rollout_model(trainer) != "rp@2"  # re-rollouts never sample from it, even after the sweep
 
     # the sweep's final version (the update's trained samples are the RTPO learner's candidates too), mis-scaled: refused
-    assert trainer.step(samples, estimate(samples, "rtpo", {})).optimizer_step
-    monkeypatch.setattr(release_mod, "publish_adapter", wrong_scale(release_mod.publish_adapter))
-    svc._trained = samples
-    gate = svc._publish_and_gate(trainer)
+    assert trainer.step(samples, estimate(samples, "rtpo", {})).optimizer_step  # published mis-scaled still (update_mod, above)
+    svc.state.trained = samples
+    gate = svc.release.publish_and_gate(trainer)
     assert gate["decision"] == "refused" and gate["reason"].startswith("parity:") and gate["parity"]["mean_abs_logp_diff"] > THRESHOLD
     assert "rp@3" not in loaded(server)
 

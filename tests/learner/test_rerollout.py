@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from learner.advantages import TurnSample, rtpo_update_order
+from learner.advantages import TurnSample
 from learner.config import SampleConfig
 from learner.records import Reward, Trajectory, Turn, context_sha256
 from learner.rerollout import (
@@ -21,13 +21,17 @@ from learner.rerollout import (
     counterfactual_score,
     counterfactual_scores,
     plan_rtpo,
-    rtpo_buckets,
     rtpo_estimator_input,
     rtpo_segments,
+    rtpo_turn_buckets,
+    rtpo_update_order,
     select_counterfactual_turns,
+    tcpo_select_turns,
+    turn_surprisal,
 )
 from learner.samples import Sample, SkipCounts, trajectory_samples
 from learner.update import estimate
+from tests.learner.test_advantages import S, random_samples
 
 
 def turn(i: int, ctx: list[int], out: list[int]) -> Turn:
@@ -85,17 +89,47 @@ def test_branch_turns_cover_all_later_turns_uniformly():
     assert hits[0] == 0 and all(900 < h < 1100 for h in hits[1:])
 
 
-def test_rtpo_buckets_run_latest_first_and_match_the_sample_order():
-    assert rtpo_buckets([0, 1, 2, 2, 5]) == [[5], [2], [1], [0]]
-    assert rtpo_buckets([0, 1, 2, 3, 4], bucket_size=2) == [[3, 4], [1, 2], [0]]
-    assert rtpo_buckets([]) == []
+def test_rtpo_update_order_table() -> None:
+    samples = [S(f"t{i}", t, 1.0) for i, t in enumerate([0, 2, 1, 2, 0, 3])]
+    assert rtpo_update_order(samples) == [[5], [1, 3], [2], [0, 4]]
+    # buckets of two turns from the end: {3, 2} then {1, 0}
+    assert rtpo_update_order(samples, bucket_size=2) == [[1, 3, 5], [0, 2, 4]]
+    assert rtpo_update_order([]) == []
+    with pytest.raises(ValueError):
+        rtpo_update_order(samples, bucket_size=0)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_rtpo_update_order_strictly_decreasing(seed: int) -> None:
+    rng = random.Random(seed)
+    samples = random_samples(rng, turn_rewards=False)
+    for bucket in (1, 2, 3):
+        order = rtpo_update_order(samples, bucket_size=bucket)
+        assert sorted(i for b in order for i in b) == list(range(len(samples)))  # every sample exactly once
+        for prev, nxt in zip(order, order[1:]):
+            assert max(samples[i].turn_index for i in nxt) < min(samples[i].turn_index for i in prev)
+        if bucket == 1:
+            turns = [samples[b[0]].turn_index for b in order]
+            assert turns == sorted(set(turns), reverse=True)
+
+
+def test_tcpo_selection_by_surprisal() -> None:
+    assert turn_surprisal([-1.0, -3.0]) == 2.0
+    assert tcpo_select_turns([0.1, 2.0, 0.5, 3.0, 0.2], top_q=0.4) == [False, True, False, True, False]
+    assert tcpo_select_turns([0.1, 2.0, 0.5, 3.0, 0.2], threshold=0.4) == [False, True, True, True, False]
+
+
+def test_rtpo_turn_buckets_run_latest_first_and_match_the_sample_order():
+    assert rtpo_turn_buckets([0, 1, 2, 2, 5]) == [[5], [2], [1], [0]]
+    assert rtpo_turn_buckets([0, 1, 2, 3, 4], bucket_size=2) == [[3, 4], [1, 2], [0]]
+    assert rtpo_turn_buckets([]) == []
     turns = [0, 3, 1, 4, 4, 2, 7]
     samples = [TurnSample(trajectory_id="a", group_id="g", turn_index=t, reward=None, trajectory_reward=1.0) for t in turns]
     for size in (1, 2, 3):
         by_samples = [sorted({turns[i] for i in b}) for b in rtpo_update_order(samples, bucket_size=size)]
-        assert rtpo_buckets(turns, size) == by_samples
+        assert rtpo_turn_buckets(turns, size) == by_samples
     with pytest.raises(ValueError):
-        rtpo_buckets([1], bucket_size=0)
+        rtpo_turn_buckets([1], bucket_size=0)
 
 
 def sample(tid: str, t: int, lps: list[float]) -> Sample:

@@ -13,7 +13,7 @@ import pytest
 from learner.config import SampleConfig
 from learner.records import Reward, Trajectory, Turn
 from learner.records.store import SqliteStore
-from learner.samples import Cursor, Sample, collect_samples, group_id_of, make_groups, parse_adapter, to_turn_samples
+from learner.samples import Cursor, Sample, collect_samples, group_id_of, make_groups, parse_adapter
 
 NOW = 10_000.0
 CFG = SampleConfig(max_staleness=2, settle_s=100.0)
@@ -85,7 +85,7 @@ def test_samples_carry_the_exact_recorded_turn(store: SqliteStore) -> None:
         assert s.group_id == "task:calc:arith:7"
         assert s.trajectory_reward == 1.0
     assert [s.reward for s in batch.samples] == [None, 0.25]
-    ts = to_turn_samples(batch.samples)
+    ts = [s.to_turn_sample() for s in batch.samples]
     assert [(x.trajectory_id, x.group_id, x.turn_index, x.reward, x.trajectory_reward, x.n_tokens, x.correct, x.score) for x in ts] == [
         ("tr-a", "task:calc:arith:7", 0, None, 1.0, 3, True, 0.5),
         ("tr-a", "task:calc:arith:7", 1, 0.25, 1.0, 4, True, 0.5),
@@ -312,5 +312,5 @@ def test_grammar_and_state_keys_come_with_the_samples(store: SqliteStore) -> Non
     [s] = batch.samples
     assert s.grammar == {"kind": "json_schema", "spec": spec} and s.state_key == "cell:0,0"
     assert batch.counts.grammar_unrecorded == 1
-    [ts] = to_turn_samples([s])
+    ts = s.to_turn_sample()
     assert ts.state == "state:cell:0,0" and ts.anchor is not None and ts.anchor != ts.state

@@ -97,7 +97,7 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     assert history[-1]["metrics"]["optimizer_step"] is True and history[-1]["gate"]["decision"] == "passed"
     assert (learner_dir(data, "fam") / "reward.png").stat().st_size > 0
     # eval-gate runs are recorded but marked, so they never count as new training data
-    assert svc._count_new() == 0
+    assert svc.scheduler.count_new() == 0
 
     # the agent now serves the champion; its runs train version 2, which goes into an A/B against fam@1
     traffic(server, range(2, 4), 4)
@@ -119,7 +119,7 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     assert history[-1]["version"] == 3 and history[-1]["gate"]["decision"] == "held"
     # the learner's own runs (re-rollouts, siblings, data engines) sample the held weights, never the experiment's arms:
     # an unaliased fam@3, which the release below then uses as it is
-    assert svc._rollout_model(svc._get_trainer()) == "fam@3"
+    assert svc.steps.rollout_model(svc.state.get_trainer()) == "fam@3"
     assert json.loads((data / "adapters" / "fam" / "v3" / "manifest.json").read_text())["held"] is True
     assert admin(server, "GET", "/admin/adapters").json()["aliases"] == {"fam": "fam@1"}
     # once the experiment has decided (here: stopped by hand), the held version is published, gated and put up against the champion
@@ -142,7 +142,7 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     assert admin(server, "POST", "/admin/learner/update", json={"family": "nope"}).status_code == 404
     # a promotion makes the winner the learner's champion (not the experiment's starting champion)
     assert admin(server, "POST", "/admin/experiments/fam-v3/promote", json={"arm": "fam@3"}).status_code == 200
-    assert svc._experiment_running("fam-v3") is False
+    assert svc.release.experiment_running("fam-v3") is False
     assert svc.status.champion == "fam@3" and svc.status.experiment is None
 
 
@@ -162,8 +162,8 @@ def test_zero_variance_data_skips_the_step_and_keeps_the_version(server, tiny_mo
     assert record["gate"]["decision"] == "skipped"
     assert "flat" not in admin(server, "GET", "/admin/adapters").json()["aliases"]
     again = svc.update()  # the cursor moved on (the checkpoint of version 0 was re-saved), the version did not
-    assert again["version"] == 0 and svc._get_trainer().cursor.get("update_versions", []) == []
-    assert svc._staleness_floor(svc._get_trainer()) == 0  # the base model's runs are not stale for nothing
+    assert again["version"] == 0 and svc.state.get_trainer().cursor.get("update_versions", []) == []
+    assert svc.scheduler.staleness_floor(svc.state.get_trainer()) == 0  # the base model's runs are not stale for nothing
 
 
 def test_learner_cli_refuses_without_an_admin_key(tiny_model_path, tmp_path):
@@ -439,14 +439,14 @@ def test_a_learner_that_dies_in_a_later_sweep_step_never_applies_the_earlier_ste
     with pytest.raises(RuntimeError, match="died here"):
         svc.update(publish=False)  # publishes nothing final: the module's server has room for 8 adapters
     assert calls == [("first", [2]), ("first", [0, 1])]
-    one_step = svc._trainer.optimizer_steps  # step 1's optimizer steps (its epochs)
-    assert svc._trainer.version == 1 and one_step > 0
+    one_step = svc.state.trainer.optimizer_steps  # step 1's optimizer steps (its epochs)
+    assert svc.state.trainer.version == 1 and one_step > 0
 
     process[0] = "resumed"
     resumed = rr_service(server, tiny_model_path, "rs", "rtpo", RTPO_RR)  # a new process on the same data folder
     record = resumed.update(publish=False)
     assert calls[2:] == [("resumed", [0, 1])]  # steps 2..2 only
-    trainer = resumed._trainer
+    trainer = resumed.state.trainer
     assert record["version"] == trainer.version == 2 and trainer.optimizer_steps == 2 * one_step
     info = record["rerollouts"]
     where = {"step": 2, "of": 2, "version": 1, "start_version": 0}
@@ -520,12 +520,12 @@ def test_staleness_counts_updates_held_during_an_experiment(tmp_path, tiny_model
     cfg = ServiceConfig(data_dir=tmp_path, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=stale_after(2))
     svc = LearnerService(cfg)
     trainer = SimpleNamespace(version=6, cursor={"since": 1.0, "update_versions": [3, 4, 5, 6]})
-    assert svc._staleness_floor(trainer) == 4
+    assert svc.scheduler.staleness_floor(trainer) == 4
     # an RTPO sweep's intermediate versions are not updates: 10 and 13 ended updates, 11 and 12 were mid-sweep
     trainer = SimpleNamespace(version=13, cursor={"update_versions": [7, 10, 13]})
-    assert svc._staleness_floor(trainer) == 7
+    assert svc.scheduler.staleness_floor(trainer) == 7
     # a checkpoint from before update_versions: one version per update
-    assert svc._staleness_floor(SimpleNamespace(version=6, cursor={"since": 1.0})) == 4
+    assert svc.scheduler.staleness_floor(SimpleNamespace(version=6, cursor={"since": 1.0})) == 4
     svc.store.close()
 
 
@@ -544,28 +544,28 @@ def test_a_restart_from_the_champion_makes_the_traffic_it_serves_fresh_again(tmp
     (folder / "manifest.json").write_text("{}")
     cfg = ServiceConfig(data_dir=tmp_path, admin_url="http://127.0.0.1:9", admin_key="k", base_model=tiny_model_path, settings=stale_after(2))
     svc = LearnerService(cfg)
-    svc._champion = lambda: "fam@8"  # type: ignore[method-assign]
+    svc.state.champion = lambda: "fam@8"  # type: ignore[method-assign]
     loaded: list[object] = []
     trainer = SimpleNamespace(version=11, cursor={"since": 1.0, "update_versions": [9, 10, 11]}, restart_from=loaded.append)
-    assert svc._staleness_floor(trainer) == 9  # fam@8's traffic is stale
+    assert svc.scheduler.staleness_floor(trainer) == 9  # fam@8's traffic is stale
     (svc.dir / "restart.request").touch()
-    svc._restart_from_champion(trainer)
+    svc.release.restart_from_champion(trainer)
     assert len(loaded) == 1 and torch.equal(loaded[0]["w"], torch.zeros(1))  # the champion's weights
     assert trainer.cursor["update_versions"] == [8] and trainer.cursor["since"] == 1.0
-    assert svc._staleness_floor(trainer) == 8  # fresh again
+    assert svc.scheduler.staleness_floor(trainer) == 8  # fresh again
     assert (svc.dir / "restart.request").exists()  # until the next checkpoint: a learner killed now restarts again
     for v, floor in ((12, 8), (13, 8), (14, 12)):  # updates from fam@8's weights: the bound moves as usual
         trainer.cursor["update_versions"] = [*trainer.cursor["update_versions"], v][-3:]
-        assert svc._staleness_floor(trainer) == floor, v
+        assert svc.scheduler.staleness_floor(trainer) == floor, v
     # the champion's earlier updates still in the list stay its line; the rejected ones after it leave
     trainer = SimpleNamespace(version=11, cursor={"update_versions": [5, 8, 11]}, restart_from=loaded.append)
-    svc._restart_from_champion(trainer)
-    assert trainer.cursor["update_versions"] == [5, 8] and svc._staleness_floor(trainer) == 5
+    svc.release.restart_from_champion(trainer)
+    assert trainer.cursor["update_versions"] == [5, 8] and svc.scheduler.staleness_floor(trainer) == 5
     # no champion yet: back to the base model, version 0
-    svc._champion = lambda: None  # type: ignore[method-assign]
+    svc.state.champion = lambda: None  # type: ignore[method-assign]
     trainer = SimpleNamespace(version=4, cursor={"update_versions": [2, 3, 4]}, restart_from=loaded.append)
-    svc._restart_from_champion(trainer)
-    assert loaded[-1] is None and trainer.cursor["update_versions"] == [0] and svc._staleness_floor(trainer) == 0
+    svc.release.restart_from_champion(trainer)
+    assert loaded[-1] is None and trainer.cursor["update_versions"] == [0] and svc.scheduler.staleness_floor(trainer) == 0
     svc.store.close()
 
 
@@ -608,7 +608,7 @@ def test_reroll_estimators_are_refused_where_they_cannot_work(server, tiny_model
         svc = LearnerService(cfg)
         with pytest.raises(LearnerConfigError, match="has no task"):
             svc.update()
-        assert svc._trainer is None  # refused before any model was loaded
+        assert svc.state.trainer is None  # refused before any model was loaded
         # without re-rollouts TCPO trains on whatever rewards exist (outcome fallback): accepted
         s["rerollouts"] = {"enabled": False}
         LearnerService(replace(cfg, settings=LearnerSettings.model_validate(s))).check_setup()
@@ -662,9 +662,9 @@ def test_leap_runs_its_data_engine_before_each_update(tmp_path, tiny_model_path,
     )
     svc = LearnerService(cfg)
     # the probes and episodes sample the learner's current policy, never the agent's alias (an experiment's arms)
-    monkeypatch.setattr(svc, "_rollout_model", lambda trainer: f"kfam@{trainer.version}")
+    monkeypatch.setattr(svc.steps, "rollout_model", lambda trainer: f"kfam@{trainer.version}")
     trainer = SimpleNamespace(version=2, cursor={"leap_next_problem": 6})
-    out = svc._leap_expand(trainer)
+    out = svc.steps.leap_expand(trainer)
     assert calls == [("kernel-agent", [6, 7, 8], 2, 4, 2000, "kfam@2")] and out["pruned"] == {"p0": {"class": "catastrophic"}}
     with pytest.raises(Exception, match="needs the learner's agent"):
         LearnerService(replace(cfg, agent=None)).check_setup()
@@ -705,9 +705,9 @@ def test_svr_learner_makes_fixed_horizon_runs_scores_their_turns_and_gates_the_a
     assert len(fixed) == 4 and all(
         len(t.turns) == 2 and all(u.self_check is not None and u.self_check.correct is False for u in t.turns) for t in fixed
     )
-    assert svc._get_trainer().cursor["svr_next_problem"] == 2  # the next update runs problems 2 and 3
-    base = svc._base_model_name()
-    gate = svc._gate(base, None)  # the adaptive agent's held-out runs (no early stop is forced here: ordinary runs)
+    assert svc.state.get_trainer().cursor["svr_next_problem"] == 2  # the next update runs problems 2 and 3
+    base = svc.state.base_model_name()
+    gate = svc.release.gate(base, None)  # the adaptive agent's held-out runs (no early stop is forced here: ordinary runs)
     assert gate["new_report"]["n"] == 2 and 1 <= gate["new_report"]["mean_turns"] <= 3 and gate["new_report"]["accuracy"] == 0.0
     assert set(gate["new_report"]) >= {"accuracy", "mean_turns", "wrong_stop_rate", "ece", "brier"}
     svc.store.close()
@@ -768,8 +768,8 @@ def test_reves_runs_each_update_from_the_next_items_with_the_current_policy(tmp_
         agent="a",
     )
     svc = LearnerService(cfg)
-    monkeypatch.setattr(svc, "_rollout_model", lambda trainer: "fam@4")
-    out = svc._reves_round(SimpleNamespace(version=4, cursor={"reves_next_item": 6}))
+    monkeypatch.setattr(svc.steps, "rollout_model", lambda trainer: "fam@4")
+    out = svc.steps.reves_round(SimpleNamespace(version=4, cursor={"reves_next_item": 6}))
     assert calls == [("a", 6, 4000, "fam@4", 3)] and out["items"] == [6, 9]
     with pytest.raises(Exception, match=r"\[reves\] enabled needs the learner's agent"):
         LearnerService(replace(cfg, agent=None)).check_setup()
@@ -804,13 +804,13 @@ def test_a_thumbs_up_answer_is_never_trained_down_by_group_completion(server, ti
     )
     svc = LearnerService(cfg)
     steps = []  # what the optimizer step got: (metrics, report, advantages, samples)
-    train = svc._train
+    train = svc.steps.train
 
     def spy(*a, **kw):
         steps.append(train(*a, **kw))
         return steps[-1]
 
-    svc._train = spy
+    svc.steps.train = spy
     record = svc.update()
     gc = record["group_completion"]
     assert (gc["completed_groups"], gc["siblings"], gc["contradicted"], gc["failed"]) == (1, 2, 1, 0)
@@ -853,7 +853,7 @@ def chat_traffic(server, tag: str, n: int = 4) -> None:
 
 
 def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(server, tiny_model_path, monkeypatch):
-    import learner.release as release_mod  # where the service publishes
+    import learner.update as update_mod  # where every trainer publishes
 
     chat_traffic(server, "parity")
     svc = chat_service(server, tiny_model_path, "par", traffic={"chat": True, "agents": [], "tags": ["parity"]}, parity={"threshold": 0.05})
@@ -866,21 +866,21 @@ def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(serve
 
     from tests.learner.test_parity import wrong_scale  # the adapter's config says alpha x 8: the runtime applies 8x the update
 
-    monkeypatch.setattr(release_mod, "publish_adapter", wrong_scale(release_mod.publish_adapter))
+    monkeypatch.setattr(update_mod, "publish_adapter", wrong_scale(update_mod.publish_adapter))
     chat_traffic(server, "parity")
     record = svc.update()
     assert record["gate"]["decision"] == "refused" and record["gate"]["reason"].startswith("parity:")
     assert record["gate"]["parity"]["mean_abs_logp_diff"] > 0.05
     assert "par@2" not in {a["name"] for a in admin(server, "GET", "/admin/adapters").json()["data"]}
-    assert svc._restart is True  # the next update starts from the champion, par@1
-    assert LearnerService(svc.cfg)._restart is True  # also after a learner restart
-    assert svc._rollout_model(svc._get_trainer()) == "par@1"  # re-rollouts are never sampled from the refused version
+    assert svc.state.restart is True  # the next update starts from the champion, par@1
+    assert LearnerService(svc.cfg).state.restart is True  # also after a learner restart
+    assert svc.steps.rollout_model(svc.state.get_trainer()) == "par@1"  # re-rollouts are never sampled from the refused version
 
     # the next update starts from the champion's (par@1's) weights with a fresh optimizer, not from the refused par@2's
     from safetensors.torch import load_file
 
     champion = load_file(str(server.data_dir / "adapters" / "par" / "v1" / "adapter_model.safetensors"))
-    trainer = svc._get_trainer()
+    trainer = svc.state.get_trainer()
     assert any(not torch.equal(trainer.lora_state()[k], champion[k]) for k in champion)  # it had moved on to par@2
     record = svc.update()  # no new traffic: no step, so the weights are exactly where the update started
     assert record["metrics"]["optimizer_step"] is False and svc.status.restarts == 1 and not trainer.optimizer.state
@@ -888,10 +888,10 @@ def test_parity_probe_passes_an_honest_load_and_refuses_a_wrong_lora_scale(serve
     assert all(torch.equal(trainer.lora_state()[k], champion[k]) for k in champion)
 
     # an experiment that rolls its challenger back does the same, and drops the version trained on meanwhile
-    svc.status.experiment, svc.status.challenger, svc._held = "par-v3", "par@3", True
+    svc.status.experiment, svc.status.challenger, svc.state.held = "par-v3", "par@3", True
     monkeypatch.setattr(svc.admin, "experiment_status", lambda name: {"status": "rolled_back", "champion": "par@1"})
-    assert svc._experiment_running("par-v3") is False
-    assert svc._restart is True and svc._held is False and svc.status.champion == "par@1" and "rolled back" in svc.status.detail
+    assert svc.release.experiment_running("par-v3") is False
+    assert svc.state.restart is True and svc.state.held is False and svc.status.champion == "par@1" and "rolled back" in svc.status.detail
 
 
 def test_two_learners_with_disjoint_filters_each_train_only_their_own_traffic(server, tiny_model_path):
@@ -925,21 +925,21 @@ def test_an_update_waits_for_enough_trainable_trajectories_and_keeps_its_cursor(
         gate_n=0,
     )
     svc = LearnerService(cfg)
-    svc._get_trainer().cursor = {"since": time.time()}  # only the runs below
+    svc.state.get_trainer().cursor = {"since": time.time()}  # only the runs below
     traffic(server, range(100, 101), 4)  # one group of 4
     record = svc.update(force=False, publish=False)
     assert record["metrics"] == {} and record["version"] == 0 and "4 trainable trajectories, fewer than 8" in record["gate"]["reason"]
     assert svc.status.state == "waiting" and svc.status.detail.startswith("4 of 8 trainable trajectories")
-    assert svc._short is not None and svc._short[1] == 4  # four short
+    assert svc.scheduler.short is not None and svc.scheduler.short[1] == 4  # four short
     # until four new settled trajectories come, a scheduling round does not re-read the window
     calls: list[dict[str, object]] = []
     real_update = svc.update
     svc.update = lambda **kw: calls.append(kw) or {"metrics": {}}  # type: ignore[method-assign]
-    svc._short = (svc._count_new(), 4)
+    svc.scheduler.short = (svc.scheduler.count_new(), 4)
     assert svc.tick() is False and calls == []
     traffic(server, range(101, 102), 4)
     assert svc.tick() is False and calls == [{"force": False, "publish": True}]  # four new: the round updates
     svc.update = real_update  # type: ignore[method-assign]
     record = svc.update(force=False, publish=False)  # the first four were kept: now eight (held: the module's server holds 8 adapters)
     assert record["metrics"]["optimizer_step"] is True and record["metrics"]["samples"] == 8 and record["version"] == 1
-    assert svc._short is None
+    assert svc.scheduler.short is None

@@ -22,7 +22,8 @@ import pytest
 from learner.records import Reward, ToolCallRecord, Turn, TurnCheck, TurnTimings
 from learner.records import store as store_mod
 from learner.records.experiments_store import ExperimentStore
-from learner.records.store import MIGRATIONS, SCHEMA_VERSION, SqliteStore, UnknownTarget, db_path
+from learner.records.migrations import Schema, SchemaTooNew, migrate_postgres, migrate_sqlite
+from learner.records.store import INTERACTIONS, SqliteStore, UnknownTarget, db_path
 
 ROOT = Path(__file__).resolve().parents[2]
 # the columns before version 7 added self-checks, and before version 5 added owners: what genuine older files hold
@@ -127,7 +128,7 @@ def test_creates_parent_dirs_wal_mode_and_latest_version(tmp_path: Path) -> None
     assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
     assert conn.execute("PRAGMA secure_delete").fetchone()[0] == 1
     assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 4000
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS) == 8
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == INTERACTIONS.version == len(INTERACTIONS.migrations) == 9
     assert s.integrity_check() == "ok"
     s.close()
     full = SqliteStore(path, synchronous_full=True)
@@ -461,7 +462,7 @@ def test_migrates_an_empty_file(tmp_path: Path) -> None:
     path = tmp_path / "empty.db"
     path.write_bytes(b"")  # version 0
     s = SqliteStore(path)
-    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == INTERACTIONS.version
     s.append_turns([make_turn(1)])
     assert s.get_turn("turn-1") == make_turn(1)
     s.close()
@@ -471,7 +472,7 @@ def test_migrates_an_empty_file(tmp_path: Path) -> None:
 def test_migrates_a_genuine_v1_database(tmp_path: Path) -> None:
     path = tmp_path / "v1.db"
     conn = sqlite3.connect(path, isolation_level=None)
-    assert store_mod.migrate(conn, MIGRATIONS[:1]) == 1  # the v1-only code path
+    assert migrate_sqlite(conn, INTERACTIONS, target=1) == 1  # the v1-only code path
     v1_indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert "rewards_idempotency" not in v1_indexes
     turns = [make_turn(i, index=i) for i in range(3)]
@@ -488,7 +489,7 @@ def test_migrates_a_genuine_v1_database(tmp_path: Path) -> None:
 
     s = SqliteStore(path)
     c = s._conn()
-    assert c.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert c.execute("PRAGMA user_version").fetchone()[0] == INTERACTIONS.version
     assert "rewards_idempotency" in {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     for t in turns:
         assert s.get_turn(t.turn_id) == t  # data intact
@@ -506,18 +507,18 @@ def test_a_failing_migration_leaves_the_previous_version(tmp_path: Path, monkeyp
     path = tmp_path / "x.db"
     SqliteStore(path).close()
 
-    def broken_v3(conn: sqlite3.Connection) -> None:
+    def broken(conn: sqlite3.Connection) -> None:
         conn.execute("CREATE TABLE half_done (x)")
         raise RuntimeError("boom")
 
     conn = sqlite3.connect(path, isolation_level=None)
     with pytest.raises(RuntimeError, match="boom"):
-        store_mod.migrate(conn, [*MIGRATIONS, broken_v3])
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        migrate_sqlite(conn, Schema(INTERACTIONS.name, (*INTERACTIONS.migrations, (INTERACTIONS.version + 1, broken))))
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == INTERACTIONS.version
     assert conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name = 'half_done'").fetchone()[0] == 0  # rolled back
-    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")  # as if written by a newer loopwise
+    conn.execute(f"PRAGMA user_version = {INTERACTIONS.version + 1}")  # as if written by a newer loopwise
     conn.close()
-    with pytest.raises(store_mod.SchemaTooNew):
+    with pytest.raises(SchemaTooNew):
         SqliteStore(path)
 
 
@@ -576,12 +577,12 @@ def test_export_cli_errors(tmp_path: Path) -> None:
 def test_migrates_a_genuine_v2_database(tmp_path: Path) -> None:
     path = tmp_path / "v2.db"
     conn = sqlite3.connect(path, isolation_level=None)
-    assert store_mod.migrate(conn, MIGRATIONS[:2]) == 2
+    assert migrate_sqlite(conn, INTERACTIONS, target=2) == 2
     turns = [make_turn(i, index=i) for i in range(4)]
     conn.executemany(f"INSERT INTO turns ({OLD_TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [old_turn_row(t) for t in turns])
     conn.close()
     s = SqliteStore(path)
-    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == INTERACTIONS.version == 9
     assert [s.get_turn(t.turn_id) for t in turns] == turns
     indexes = {r[0] for r in s._conn().execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert "turns_adapter" in indexes  # version 3's index for the A/B experiments' per-arm statistics
@@ -665,7 +666,7 @@ def test_rewards_only_on_the_owners_records_and_idempotency_per_owner(store: Sql
 def test_migrates_a_genuine_v4_database_to_owners(tmp_path: Path) -> None:
     path = tmp_path / "v4.db"
     conn = sqlite3.connect(path, isolation_level=None)
-    assert store_mod.migrate(conn, MIGRATIONS[:4]) == 4
+    assert migrate_sqlite(conn, INTERACTIONS, target=4) == 4
     turns = [make_turn(i, index=i, ckey=f"c{i}") for i in range(2)]
     conn.executemany(f"INSERT INTO turns ({OLD_TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})", [old_turn_row(t) for t in turns])
     conn.execute("INSERT INTO sessions VALUES ('sess-a', 1.0)")
@@ -673,7 +674,7 @@ def test_migrates_a_genuine_v4_database_to_owners(tmp_path: Path) -> None:
     conn.execute(f"INSERT INTO rewards ({OLD_REWARD_COLUMNS}) VALUES ('r1', 'turn', 'turn-0', 1.0, 'feedback', 1.0, NULL, 'k')")
     conn.close()
     s = SqliteStore(path)
-    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert s._conn().execute("PRAGMA user_version").fetchone()[0] == INTERACTIONS.version
     assert [s.get_turn(t.turn_id) for t in turns] == turns  # data intact, owner "public"
     assert s.get_trajectory("traj-a").owner == "public" and s.session_owners("sess-a") == ["public"]
     assert s.find_continuation("sess-a", "c1").turn_id == "turn-1"
@@ -746,11 +747,12 @@ def test_racing_rewards_with_one_idempotency_key_store_one(store) -> None:
 
 
 def test_pg_migrates_an_empty_database_and_reopens_without_migrating(pg_url: str) -> None:
-    from learner.records.store_pg import PG_SCHEMA_VERSION, PostgresStore
+    from learner.records import store_pg
+    from learner.records.store_pg import PostgresStore
 
     s = PostgresStore(pg_url)
-    assert s.schema_version == PG_SCHEMA_VERSION == SCHEMA_VERSION  # the two backends' schemas are one version
-    assert raw(s, "SELECT version FROM loopwise_schema") == [(SCHEMA_VERSION,)]
+    assert s.schema_version == store_pg.INTERACTIONS.version == INTERACTIONS.version  # the two backends' schemas are one version
+    assert raw(s, "SELECT version FROM loopwise_schema") == [(INTERACTIONS.version,)]
     s.append_turns([make_turn(1)])
     s.close()
     again = PostgresStore(pg_url)
@@ -765,7 +767,7 @@ def test_pg_migrates_the_previous_schema(pg_url: str) -> None:
     from learner.records.store_pg import PostgresStore
 
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        assert store_pg.migrate_pg(conn, target=5) == 5  # a database as the previous version left it
+        assert migrate_postgres(conn, store_pg.INTERACTIONS, target=5) == 5  # a database as the previous version left it
         tables = {r[0] for r in conn.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()")}
         assert "registry" not in tables and "turns" in tables
         t = make_turn(1, ckey="c1")
@@ -779,7 +781,7 @@ def test_pg_migrates_the_previous_schema(pg_url: str) -> None:
         )
         conn.execute("INSERT INTO experiments VALUES ('e', '{}', '{\"status\": \"running\"}', 1.0, 1.0)")
     s = PostgresStore(pg_url)
-    assert s.schema_version == 8 and s.get_turn("turn-1") == t and s.find_continuation("sess-a", "c1").turn_id == "turn-1"
+    assert s.schema_version == INTERACTIONS.version and s.get_turn("turn-1") == t and s.find_continuation("sess-a", "c1").turn_id == "turn-1"
     assert ExperimentStore(s).load() == [("e", {}, {"status": "running"})]
     s.save_registry("alias", "f", {"target": "f@1"})
     assert s.load_registry()["alias"] == {"f": {"target": "f@1"}}
@@ -793,13 +795,15 @@ def test_pg_failing_migration_leaves_the_previous_version_and_newer_is_refused(p
     from learner.records.store_pg import PostgresStore
 
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        store_pg.migrate_pg(conn, target=5)
+        migrate_postgres(conn, store_pg.INTERACTIONS, target=5)
 
     def broken(conn) -> None:
         conn.execute("CREATE TABLE half_done (x int)")
         raise RuntimeError("boom")
 
-    monkeypatch.setitem(store_pg.PG_MIGRATIONS, 5, broken)
+    monkeypatch.setattr(
+        store_pg, "INTERACTIONS", Schema("loopwise_schema", tuple((v, broken if v == 6 else step) for v, step in store_pg.INTERACTIONS.migrations))
+    )
     with pytest.raises(RuntimeError, match="boom"):
         PostgresStore(pg_url)
     monkeypatch.undo()
@@ -807,7 +811,7 @@ def test_pg_failing_migration_leaves_the_previous_version_and_newer_is_refused(p
         assert conn.execute("SELECT version FROM loopwise_schema").fetchone()[0] == 5
         assert conn.execute("SELECT to_regclass('half_done')").fetchone()[0] is None  # DDL rolled back with it
         conn.execute("UPDATE loopwise_schema SET version = 99")  # as if written by a newer loopwise
-    with pytest.raises(store_mod.SchemaTooNew):
+    with pytest.raises(SchemaTooNew):
         PostgresStore(pg_url)
 
 
@@ -829,7 +833,7 @@ def test_pg_concurrent_openers_migrate_once(pg_url: str) -> None:
     for th in threads:
         th.join()
     assert not errors and len(stores) == 4
-    assert raw(stores[0], "SELECT version FROM loopwise_schema") == [(SCHEMA_VERSION,)]
+    assert raw(stores[0], "SELECT version FROM loopwise_schema") == [(INTERACTIONS.version,)]
     for s in stores:
         s.close()
 
@@ -885,22 +889,22 @@ def test_learner_export_and_run_fail_fast_on_an_unreachable_store(silent_server:
 def test_sqlite_migrates_the_previous_schema(tmp_path: Path) -> None:
     path = tmp_path / "v5.db"
     conn = sqlite3.connect(path, isolation_level=None)
-    assert store_mod.migrate(conn, MIGRATIONS[:5]) == 5
+    assert migrate_sqlite(conn, INTERACTIONS, target=5) == 5
     conn.close()
     s = SqliteStore(path)
-    assert s.schema_version == 8 and s.load_registry() == {"adapter": {}, "alias": {}}
+    assert s.schema_version == INTERACTIONS.version and s.load_registry() == {"adapter": {}, "alias": {}}
     s.close()
 
 
 def test_sqlite_v6_turns_migrate_without_self_checks(tmp_path: Path) -> None:
     path = tmp_path / "v6.db"
     conn = sqlite3.connect(path, isolation_level=None)
-    assert store_mod.migrate(conn, MIGRATIONS[:6]) == 6
+    assert migrate_sqlite(conn, INTERACTIONS, target=6) == 6
     t = make_turn(1)
     conn.execute(f"INSERT INTO turns ({V6_TURN_COLUMNS}) VALUES ({', '.join('?' * 23)})", v6_turn_row(t))
     conn.close()
     s = SqliteStore(path)
-    assert s.schema_version == 8 and s.get_turn("turn-1") == t and s.get_turn("turn-1").self_check is None
+    assert s.schema_version == INTERACTIONS.version and s.get_turn("turn-1") == t and s.get_turn("turn-1").self_check is None
     checked = make_turn(2).model_copy(update={"self_check": TurnCheck(format="svr", solution="3", format_ok=False, error="missing <verdict>")})
     s.append_turns([checked])
     assert s.get_turn("turn-2") == checked

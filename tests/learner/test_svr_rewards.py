@@ -11,7 +11,7 @@ import pytest
 from learner.advantages import compute_advantages
 from learner.config import LearnerSettings, SVRConfig, SVRR1Config
 from learner.records import TurnCheck
-from learner.samples import Sample, to_turn_samples
+from learner.samples import Sample
 from learner.svr_rewards import apply_self_check_rewards, svr_r1_reward, svr_turn_reward
 
 SVR = SVRConfig(enabled=True, tau=0.7, w_c=1.0, w_v=0.5, w_s=0.25, b=1.0, b_wrong=2.0, format_penalty=0.5)
@@ -133,7 +133,7 @@ def test_svr_rewards_replace_the_outcome_and_advantages_are_per_turn_index() -> 
     assert info["scored"] == 4 and info["adaptive"] == 1 and [s.trajectory_id for s in out] == ["a", "a", "b", "b"]
     assert [s.reward for s in out] == pytest.approx([-0.405, 1.745, 0.495, 1.42])
     assert all(s.trajectory_reward is None and s.reward_source == "svr" for s in out)
-    adv = compute_advantages("turn_grpo", to_turn_samples(out), source="reward", eps=1e-9)
+    adv = compute_advantages("turn_grpo", [s.to_turn_sample() for s in out], source="reward", eps=1e-9)
     # turn 0: values -0.405, 0.495 -> mean 0.045, unbiased std = |0.9|/sqrt(2) = 0.63640 -> -/+0.70711
     # turn 1: values 1.745, 1.42 -> mean 1.5825, std = 0.325/sqrt(2) = 0.22981 -> +/-0.70711
     assert list(adv) == pytest.approx([-0.70711, 0.70711, 0.70711, -0.70711], abs=1e-4)

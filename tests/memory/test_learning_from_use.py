@@ -24,9 +24,9 @@ from transformers import AutoTokenizer
 from agents.host import Host
 from learner.config import LearnerSettings, TrafficFilter
 from learner.samples import Cursor, collect_samples
+from loopwise_settings import LearnerJob
 from memory.store import MemoryStore
 from runtime.memory_credit import MEMORY_REWRITE, MEMORY_SCOPE, MEMORY_VERSION
-from runtime.settings import LearnerJob
 from tests.runtime._inproc import InProc, scripted_app
 from tools.builtins import default_registry
 
@@ -203,7 +203,7 @@ def test_a_learner_job_on_the_copilots_family_trains_its_rated_rewrites(start_se
     record = svc.update(force=True)
     # the samples: the two rewrites the rated runs read, with their derived rewards (the rewrites after those runs were
     # read by no run: no reward, skipped); one-off prompts or one group, at least one has a non-zero advantage
-    samples = {s.trajectory_id: (s.trajectory_reward, s.trajectory_reward_source) for s in svc._trained}
+    samples = {s.trajectory_id: (s.trajectory_reward, s.trajectory_reward_source) for s in svc.state.trained}
     assert samples == {rewrites["u1"]: (1.0, "memory:feedback"), rewrites["u2"]: (0.0, "memory:feedback")}
     assert record["metrics"]["optimizer_step"] is True and record["metrics"]["trained_samples"] >= 1
     assert record["gate"]["decision"] == "passed" and svc.status.champion == "memopilot@1"

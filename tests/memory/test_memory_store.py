@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from memory.store import MemoryQueries, MemoryStore, MemoryTooLarge, Provenance, SchemaTooNew, StaleMemory, scope_name, valid_scope
+from learner.records.migrations import SchemaTooNew
+from memory.store import MemoryQueries, MemoryStore, MemoryTooLarge, Provenance, StaleMemory, scope_name, valid_scope
 
 Open = Callable[..., MemoryQueries]
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from memory.testbeds import RoundResult, make_match, opponents
+from memory.testbeds import make_match, opponents
+from memory.testbeds.match import RoundResult
 from memory.testbeds.rps import BEATS, BIAS_P, CYCLES, MIX_P, MOVES, Opponent, parse_move, payoff
 
 

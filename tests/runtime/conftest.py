@@ -23,6 +23,8 @@ tests are skipped with the reason (not installed, or left to ``make test-engines
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,23 +79,35 @@ def _backend_of(item: pytest.Item) -> str | None:
 @pytest.fixture(scope="session")
 def first_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, str], tuple[Path, dict[str, Any]]]]:
     """``first_start(spec, folder)`` → ``(cache, report)``: the first start of a serving process on an empty model cache
-    (``tests/runtime/_first_start.py``), made once per spec for the session. It builds the model there (SmolLM2: its
+    (``tests/runtime/_first_start.py``), made once per spec for the whole run. It builds the model there (SmolLM2: its
     GGUF converted, ~23 s of CPU and ~540 MB); ``test_first_start.py`` compares a second start with it,
     ``test_model_store.py`` checks the folder it converted and ``test_smollm2_serving.py`` serves it where the model
-    cache has no SmolLM2 of its own, so the suite converts SmolLM2 once."""
+    cache has no SmolLM2 of its own, so the suite converts SmolLM2 once.
+
+    Once for the run, not per pytest-xdist worker: the first worker to ask builds it under a file lock in the run's
+    shared temp folder (the parent of each worker's own) and writes its report beside it; the others read that. The
+    caches stay until pytest's own retention of old runs removes them (another worker may still be reading one)."""
+    from filelock import FileLock
+
     from tests.runtime._first_start import start
 
-    done: dict[str, tuple[Path, dict[str, Any]]] = {}
+    root = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else tmp_path_factory.getbasetemp()
+    made: list[Path] = []
 
     def first(spec: str, folder: str) -> tuple[Path, dict[str, Any]]:
-        if spec not in done:
-            cache = tmp_path_factory.mktemp(f"first-start-{spec}")
-            done[spec] = (cache, start(cache, spec, folder))
-        return done[spec]
+        cache, report = root / f"first-start-{spec}", root / f"first-start-{spec}.json"
+        with FileLock(str(root / f"first-start-{spec}.lock")):
+            if not report.exists():
+                shutil.rmtree(cache, ignore_errors=True)  # a build interrupted in an earlier process of this run
+                cache.mkdir()
+                report.write_text(json.dumps(start(cache, spec, folder)))
+                made.append(cache)
+        return cache, json.loads(report.read_text())
 
     yield first
-    for cache, _ in done.values():
-        shutil.rmtree(cache, ignore_errors=True)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: nobody else reads them
+        for cache in made:
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
