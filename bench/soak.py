@@ -22,7 +22,9 @@ calm ratios (target <= 1.2), honest 5xx count (target 0), answered honest turns 
 shutdown (target 0), the hostile client's status codes (any 5xx is a finding), and the server's RSS per
 round (flat: the last quarter's median within 5% of the median of round 3, after the first calm and hostile rounds
 have grown the KV pools to the batch's size; the first quarter's median is printed too), with ``uptime``'s load at
-the start and end.
+the start and end. The ``overlap`` table: the honest requests of the hostile rounds grouped by the attack (and its
+status) they overlapped in time, with their median and p95 latency, beside those that overlapped none: which attack
+the tail rides with (timeline in ``bench/results/soak_timeline.json``). ``--serve-args`` passes flags to ``serve.py`` (e.g. ``--no-row-share`` for an A/B).
 Not here: timed assertions (this prints figures); GPU runs.
 
 Finding memory growth (opt-in, never in a production path): ``--memprobe DIR`` starts ``serve.py`` through this
@@ -51,6 +53,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import sqlite3
 import statistics
@@ -98,7 +101,7 @@ def start_server(args: argparse.Namespace, data: Path) -> tuple[subprocess.Popen
             str(ROOT / "serve.py"),
         ]
     cmd += ["--no-learner"]
-    cmd += ["--dtype", args.dtype, "--admin-key-file", str(data.parent / "admin.key")]
+    cmd += ["--dtype", args.dtype, "--admin-key-file", str(data.parent / "admin.key"), *shlex.split(args.serve_args)]
     env = {**os.environ, "LOOPWISE_API_KEYS": ",".join([*HONEST_KEYS, HOSTILE_KEY])}
     for kv in args.server_env:
         k, _, v = kv.partition("=")
@@ -282,6 +285,10 @@ class Stats:
         self.status: dict[str, Counter[int]] = {"calm": Counter(), "hostile": Counter()}
         self.turns: list[str] = []
         self.hostile: Counter[str] = Counter()
+        # the timeline (--timeline): honest (start, seconds, side) and hostile (start, seconds, attack, status), for
+        # finding which attack the slow honest requests overlapped
+        self.honest_times: list[tuple[float, float, str]] = []
+        self.hostile_times: list[tuple[float, float, str, int]] = []
 
 
 async def honest(client: httpx.AsyncClient, i: int, stats: Stats, phase: dict[str, Any], stop: asyncio.Event, adapter_ready: asyncio.Event) -> None:
@@ -303,6 +310,7 @@ async def honest(client: httpx.AsyncClient, i: int, stats: Stats, phase: dict[st
             stats.status[side][status] += 1
             if status == 200:
                 stats.latency[side].append(dt)
+                stats.honest_times.append((t0, dt, side))
         if status == 200:
             turn = r.json()["loopwise"]["turn_id"]
             stats.turns.append(turn)
@@ -344,6 +352,7 @@ async def hostile(client: httpx.AsyncClient, w: int, stats: Stats, phase: dict[s
             await asyncio.sleep(0.2)
             continue
         name, path, body = rng.choice([a for a in _attacks(stats) if not phase["attacks"] or a[0] in phase["attacks"]])
+        t0 = time.perf_counter()
         try:
             if isinstance(body, bytes):
                 r = await client.post(path, content=body, headers={**headers, "content-type": "application/json"})
@@ -353,6 +362,7 @@ async def hostile(client: httpx.AsyncClient, w: int, stats: Stats, phase: dict[s
         except httpx.HTTPError:
             status = 599
         stats.hostile[f"{name}:{status}"] += 1
+        stats.hostile_times.append((t0, time.perf_counter() - t0, name, status))
 
 
 async def admin_swaps(
@@ -425,6 +435,30 @@ async def engine_load(client: httpx.AsyncClient) -> tuple[float, float] | None:
     return float(found["queue_depth"]), float(found["running_requests"])
 
 
+def overlap_table(stats: Stats, window_s: float = 2.0) -> dict[str, dict[str, float]]:
+    """For the honest requests of the hostile rounds: by attack kind (and status), those during whose first
+    ``window_s`` seconds such an attack was in flight, with their median and p95 latency, beside those with no attack
+    in flight then. A fixed window, not the whole request: a slow request overlaps more of everything, which would
+    make every attack look guilty (a first run of this table did)."""
+    honest = [(t0, t0 + window_s, dt) for t0, dt, side in stats.honest_times if side == "hostile"]
+    kinds = sorted({(name, status) for _, _, name, status in stats.hostile_times})
+    out: dict[str, dict[str, float]] = {}
+    hit_any = [False] * len(honest)
+    for name, status in kinds:
+        spans = [(t0, t0 + dt) for t0, dt, n, st in stats.hostile_times if n == name and st == status]
+        lat = []
+        for i, (a, b, dt) in enumerate(honest):
+            if any(s < b and a < e for s, e in spans):
+                lat.append(dt)
+                hit_any[i] = True
+        if len(lat) >= 2:
+            out[f"{name}:{status}"] = {"n": len(lat), "p50_s": round(statistics.median(lat), 3), "p95_s": round(pct(lat, 95), 3)}
+    clean = [dt for (_, _, dt), hit in zip(honest, hit_any, strict=True) if not hit]
+    if len(clean) >= 2:
+        out["none"] = {"n": len(clean), "p50_s": round(statistics.median(clean), 3), "p95_s": round(pct(clean, 95), 3)}
+    return out
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[int(q) - 1] if len(xs) >= 2 else float("nan")
 
@@ -449,6 +483,7 @@ def main() -> None:
     ap.add_argument(
         "--server-env", action="append", default=[], metavar="K=V", help="set an environment variable for the server, e.g. MALLOC_ARENA_MAX=2"
     )
+    ap.add_argument("--serve-args", default="", help="extra serve.py flags (one string, split like a shell), e.g. --no-row-share")
     args = ap.parse_args()
     if (args.malloc_trim_s or args.engine_fcfs) and not args.memprobe:
         ap.error("--malloc-trim-s and --engine-fcfs need --memprobe DIR")
@@ -515,9 +550,14 @@ def main() -> None:
         "server_env": args.server_env,
         "malloc_trim_s": args.malloc_trim_s,
         "engine_admission": "fcfs" if args.engine_fcfs else "fair share (VTC)",
+        "row_share": "--no-row-share" not in args.serve_args,
+        "serve_args": args.serve_args,
+        "overlap": overlap_table(stats),
     }
     out = ROOT / "bench" / "results" / "soak.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    timeline = {"honest": [[round(t, 3), round(d, 3), side] for t, d, side in stats.honest_times], "hostile": stats.hostile_times}
+    (out.parent / "soak_timeline.json").write_text(json.dumps(timeline))  # for offline analysis (large: not a result to commit)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     print(
