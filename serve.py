@@ -285,7 +285,7 @@ def open_stores(settings: Settings) -> Stores:
         store = open_store(spec, synchronous_full=settings.recorder.durability == "sync") if settings.recorder.record else None
         return Stores(store, MemoryStore(memory_db_path(server.data_dir), max_chars=mem.max_chars, keep_versions=mem.keep_versions), None)
     from memory.store_pg import PostgresMemoryStore
-    from runtime.response_store_pg import PostgresResponseStore
+    from runtime.api.response_store_pg import PostgresResponseStore
 
     try:
         store = open_store(spec, synchronous_full=settings.recorder.durability == "sync")
@@ -353,7 +353,7 @@ def build(settings: Settings) -> Built:
         )
     if settings.learner.enabled and not server.admin_key:
         # the learner reaches the runtime over the admin API: give it a key that only it holds
-        from runtime.store_routes import InternalKey
+        from runtime.identity import InternalKey
 
         server = server.model_copy(update={"admin_key": InternalKey(secrets.token_urlsafe(24))})  # no validation: stays an InternalKey
         logging.getLogger("serve").info("the learner reaches the admin API with an internal key; pass --admin-key to use the admin API yourself")
@@ -437,7 +437,7 @@ def console_line(url: str, admin_key: str | None, with_key: bool) -> str:
     carries it in its fragment (``#key=...``: never sent to the server; the page keeps it for the tab and clears
     the address bar), as Jupyter prints its token: whoever reads this terminal is the operator. A key you chose
     is never printed, nor the internal one into a pipe or a log file."""
-    from runtime.store_routes import InternalKey
+    from runtime.identity import InternalKey
 
     if not admin_key:
         return f"loopwise console: {url}/console (the admin API is off: start with --admin-key KEY to use it)"
@@ -452,8 +452,8 @@ def build_external_engine(settings: Settings, model_path: Path, model_id: str) -
     """The SGLang or vLLM backend: launch servers if asked, check that at least one answers, and put every URL behind
     one replica set (``runtime/engines/replicas.py``). Exits with a message that says what to do when none answers."""
     from runtime.engines.http_engine import HTTPEngine, HTTPTimeouts
+    from runtime.engines.launcher import LaunchError, ServerLauncher, start_all
     from runtime.engines.replicas import ReplicaSet
-    from runtime.launcher import LaunchError, ServerLauncher, start_all
 
     backend, es, adapters = settings.server.backend, settings.engine, settings.adapters
     launchers: list[ServerLauncher] = []
@@ -467,7 +467,7 @@ def build_external_engine(settings: Settings, model_path: Path, model_id: str) -
     engines: list[HTTPEngine] = []
     if backend == "sglang":
         from runtime.engines.sglang import SGLangEngine, probe_server
-        from runtime.sglang_launcher import SGLangLauncher
+        from runtime.engines.sglang_launcher import SGLangLauncher
 
         urls = list(dict.fromkeys([*([settings.sglang.url] if settings.sglang.url and not settings.sglang.launch else []), *es.urls]))
         if settings.sglang.launch:
@@ -492,7 +492,7 @@ def build_external_engine(settings: Settings, model_path: Path, model_id: str) -
     else:
         from runtime.engines.vllm import VLLMEngine
         from runtime.engines.vllm import probe_server as probe_vllm
-        from runtime.vllm_launcher import vllm_launchers
+        from runtime.engines.vllm_launcher import vllm_launchers
 
         vs = settings.vllm
         urls = list(es.urls)

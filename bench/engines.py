@@ -10,11 +10,11 @@ servers stopped before the next starts (an idle SGLang scheduler polls a core), 
 engines come from different phases; within a phase the sides alternate round by round, so noise hits both:
 
 1. **embedded**: ``serve.py --backend embedded``: p50/p95 latency, completion tok/s;
-2. **vLLM**: two servers (``runtime/vllm_launcher.py``, the flags ``--vllm-launch`` uses, one core each).
+2. **vLLM**: two servers (``runtime/engines/vllm_launcher.py``, the flags ``--vllm-launch`` uses, one core each).
    Overhead: ``serve.py --backend vllm --engine-url V1`` (templating, routing, recording with logprobs) vs
    V1's ``/v1/completions`` with the token ids loopwise would send and the same return options; scaling:
    through loopwise on V1 alone vs V1 + V2 (tok/s ratio); hot swap on the two-replica server;
-3. **SGLang**: one server (``runtime/sglang_launcher.py``, the flags ``--sglang-launch`` uses: its CPU path
+3. **SGLang**: one server (``runtime/engines/sglang_launcher.py``, the flags ``--sglang-launch`` uses: its CPU path
    here). Overhead: ``serve.py --backend sglang`` vs SGLang's ``/generate`` with the token ids loopwise would
    send (``bench/sglang_overhead.py``'s ``compare``); hot swap; logprobs: a turn of 32 tokens per conversation at T = 1 and
    T = 0.7 recorded through loopwise, then, SGLang stopped, their output ids re-scored by the learner's trainer
@@ -229,9 +229,9 @@ def embedded_phase(args: argparse.Namespace, model: Path, work: Path, convs: lis
 
 
 def vllm_phase(args: argparse.Namespace, model: Path, work: Path, convs: list[list[dict]], ids: list[list[int]], adapters: list[Path]) -> dict:
-    from runtime.launcher import start_all
+    from runtime.engines.launcher import start_all
+    from runtime.engines.vllm_launcher import vllm_launchers
     from runtime.settings import VLLMSettings
-    from runtime.vllm_launcher import vllm_launchers
 
     settings = VLLMSettings(kv_cache=args.kv_cache, replicas=2)  # as --vllm-launch --vllm-replicas 2: one core each on 2 cores
     launchers = vllm_launchers(settings, model, served_name="m", max_lora_rank=8, max_loaded_adapters=MAX_ADAPTERS, dtype=args.dtype)
@@ -350,8 +350,8 @@ def rescore(model: Path, dtype: str, recorded: dict[float, list[dict]]) -> dict:
 
 
 def sglang_phase(args: argparse.Namespace, model: Path, work: Path, convs: list[list[dict]], ids: list[list[int]], adapters: list[Path]) -> dict:
+    from runtime.engines.sglang_launcher import SGLangLauncher, resolve_device
     from runtime.settings import SGLangSettings
-    from runtime.sglang_launcher import SGLangLauncher, resolve_device
 
     settings = SGLangSettings(max_total_tokens=args.sglang_kv_tokens)  # the Python of `make sglang`'s virtualenv; its CPU path where no CUDA
     launcher = SGLangLauncher(settings, model, max_lora_rank=8, max_loaded_adapters=MAX_ADAPTERS, dtype=args.dtype)

@@ -594,7 +594,7 @@ class LearnerSettings(BaseModel):
             "by less than this many standard deviations (a one-sided 95% non-inferiority test on the sum of the chain's steps, "
             "looked at once per experiment); None = the champion stays. Chained, not per step: three promotions each tested "
             "alone at 0.2 sd ended 14.5 held-out points below the base model in a measured run, while a chain's losses add up "
-            "against one margin (learner/release.py, runtime/experiment_stats.py)"
+            "against one margin (learner/release.py, runtime/adapters/experiment_stats.py)"
         ),
     )
     restart_from_champion: bool = Field(

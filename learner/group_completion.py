@@ -50,7 +50,7 @@ out and counted (``failed``). The report's ``version_mix`` counts the completed 
 produced their members: the original's recorded adapter (it may be several updates old) against the siblings'
 (the newest policy), ``base`` for the base model.
 
-Not here: the runtime side (``runtime/replay_routes.py``), advantages (the configured estimator), the running
+Not here: the runtime side (``runtime/admin/replay.py``), advantages (the configured estimator), the running
 baseline (``learner/baseline.py``).
 """
 
@@ -99,7 +99,7 @@ class ScorerError(RuntimeError):
 
 
 def source_name(prefix: str, name: str) -> str:
-    """``judge:<name>`` / ``hook:<name>`` with the characters a reward source may hold (``runtime/store_routes.py``)."""
+    """``judge:<name>`` / ``hook:<name>`` with the characters a reward source may hold (``runtime/admin/store.py``)."""
     return f"{prefix}:{re.sub(r'[^A-Za-z0-9_.:-]', '_', name)[:190]}"
 
 

@@ -35,7 +35,7 @@ A turn sampled under presence/frequency penalties or a logit bias is never a pro
 with them is dropped here too (:func:`learner.samples.sampled_with_penalties`).
 
 Not here: what the learner does with a refused version (``learner/release.py``); the endpoint
-(``runtime/replay_routes.py``). Top-p is not probed (the engine's logprobs are before top-p, by convention).
+(``runtime/admin/replay.py``). Top-p is not probed (the engine's logprobs are before top-p, by convention).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ __all__ = ["FORBIDDEN_DIFF", "KINDS", "PROBE_FILE", "ParityRefused", "parity_pro
 PROBE_FILE = "parity_probe.json"
 KINDS = ("greedy", "sampled", "constrained")
 FORBIDDEN_DIFF = 30.0  # nats per token of a served output the recorded grammar forbids (the true difference is infinite; JSON has no inf)
-GRAMMAR_KINDS = ("json_schema", "json_object", "ebnf")  # the grammars the siblings endpoint replays (runtime/replay_routes.py)
+GRAMMAR_KINDS = ("json_schema", "json_object", "ebnf")  # the grammars the siblings endpoint replays (runtime/admin/replay.py)
 SEED = 0  # the sampled and constrained decodes' seed: the same tokens for every version's probe where the weights agree
 
 

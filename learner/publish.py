@@ -20,7 +20,7 @@ manifest last, fsync the files and the folder, re-verify the staged files agains
 makes it fail, so a published version is never overwritten) and fsync the parent. A crash or error at
 any point leaves at most a staging folder, never a partial ``v<version>``; the failing call removes its
 own staging folder, and ``clean_staging`` (run at the start of every publish and by the learner at
-start-up) removes those of dead processes. ``runtime.adapter_validation.validate_adapter`` checks the manifest
+start-up) removes those of dead processes. ``runtime.adapters.validation.validate_adapter`` checks the manifest
 hashes before the runtime loads anything, and the manifest's own sha256 pins the version in
 ``POST /admin/adapters``. The file names, the manifest model and the hash are the publish contract in
 ``learner/records/adapter_manifest.py``, which the runtime's validator reads too.

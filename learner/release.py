@@ -11,7 +11,7 @@ RTPO sweep's step for its next re-rollouts (parity probe, no eval gate, no alias
 raises ``learner.parity.ParityRefused``); ``publish_held`` releases a version trained while an experiment ran.
 
 Not here: the publish protocol and the admin client (``learner/publish.py``), the experiment's statistics
-(the runtime's ``runtime/experiments.py``), when a release happens (``learner/scheduler.py``).
+(the runtime's ``runtime/adapters/experiments.py``), when a release happens (``learner/scheduler.py``).
 """
 
 from __future__ import annotations

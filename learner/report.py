@@ -4,7 +4,7 @@ For sharing a run: one standalone HTML file (no server, nothing fetched; open it
 learner, its state, reward and held-out curves per update, the last update's metrics and why it did or
 did not train, and per A/B experiment the arms' n, mean reward with 95% CI bars, the always-valid
 p-value over time and the decisions. It draws them with the console's own chart code
-(``runtime/console_assets/charts.js`` and ``console.css``, read as package data and inlined), so the
+(``runtime/console/assets/charts.js`` and ``console.css``, read as package data and inlined), so the
 report and the live console show the same pictures.
 
 The data is read from files only, the way the runtime serves it: ``<data-dir>/learner/*/status.json``
@@ -33,7 +33,7 @@ ASSETS = ("charts.js", "console.css")
 
 
 def _asset(name: str) -> str:
-    return (resources.files("runtime") / "console_assets" / name).read_text(encoding="utf-8")
+    return (resources.files("runtime.console") / "assets" / name).read_text(encoding="utf-8")
 
 
 def _num(x: float) -> float | None:

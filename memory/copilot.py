@@ -30,7 +30,7 @@ With ``when: episode`` the transcripts of runs are buffered per document in this
 verifier or environment reward); that run's rewrite sees them all.
 
 Not here: the methods' prompts and parsing (``memory/methods.py``), storage (``memory/store.py``),
-HTTP (``runtime/memory_routes.py``).
+HTTP (``runtime/admin/memory.py``).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from worker threads in async code. The reads are :class:`MemoryQueries`', shared
 PostgreSQL (``memory/store_pg.py``: ``--store postgresql://``, every runtime on the database sees the same
 documents), which keeps these rules across processes.
 
-Not here: who may read what over HTTP (``runtime/memory_routes.py``), writing memory (``memory/copilot.py``).
+Not here: who may read what over HTTP (``runtime/admin/memory.py``), writing memory (``memory/copilot.py``).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from learner.records import Reward, Trajectory, Turn
-from runtime.adapter_names import AdapterNotFound, AdapterRef, parse_model_name
-from runtime.adapter_registry import AdapterRegistry
+from runtime.adapters.names import AdapterNotFound, AdapterRef, parse_model_name
+from runtime.adapters.registry import AdapterRegistry
 from runtime.chat_format import ChatFormatter, RenderedPrompt
 from runtime.engine import Engine, GenerateRequest, GenerateResult, Grammar, SamplingParams, StreamChunk
 from runtime.identity import current_caller

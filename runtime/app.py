@@ -1,19 +1,18 @@
-"""The FastAPI app factory: routes, auth, body limits, request ids, and the one error handler.
+"""The FastAPI app factory: the app's parts, its routers, auth, body limits, request ids, and the one error handler.
 
-``create_app(server_settings, engine_settings, engine, model_id)`` builds everything on ``app.state``
-(no module globals); the lifespan starts and stops the engine. Routes:
+``create_app(server_settings, engine_settings, engine, model_id)`` builds the parts once into one
+``runtime.services.Services`` on ``app.state.services`` (no module globals) and includes the module-level routers; the
+lifespan starts and stops the engine and the background work. The routers, in the order they are matched:
 
-- the generating APIs, each a thin translation over one request path (``serving``, ``generation``):
-  ``POST /v1/chat/completions`` (``serving_chat``), ``/v1/responses`` (``serving_responses``),
-  ``/v1/messages`` (``serving_messages``, Anthropic's format and error envelope), ``/v1/completions``
-  (``serving_completions``); ``POST /v1/embeddings`` (``serving_embeddings``)
-- ``GET /v1/models``, ``GET /v1/models/{id}``
-- ``GET /health`` (a one-token generate), ``GET /ready``, ``GET /metrics`` (Prometheus; the ``endpoint``
-  label is the route's template, so ids in paths never grow the label set)
-- ``GET /admin/traffic`` (``runtime/traffic.py``) and the console page ``GET /console`` (``runtime/console.py``)
-- installed from their own modules: ``POST /v1/feedback`` and the admin store API (``store_routes``), adapters,
-  aliases and A/B experiments (``adapter_routes``), agents and their runs (``agent_routes``), memory
-  (``memory_routes``) and the learner's state (``learner_routes``)
+- ``runtime/admin/``: ``POST /v1/feedback`` and the admin store API (``store``), adapters, aliases and A/B experiments
+  (``adapters``), agents and their runs (``agents``), the learner's state (``learner``), memory (``memory``),
+  ``GET /admin/traffic`` (``traffic``); the console page ``GET /console`` (``runtime/console/``)
+- ``runtime/api/``: the generating APIs, each a thin translation over one request path (``runtime/serving.py``):
+  ``POST /v1/chat/completions`` (``chat``), ``/v1/responses`` (``responses``), ``/v1/messages`` (``messages``,
+  Anthropic's format and error envelope), ``/v1/completions`` (``completions``), ``POST /v1/embeddings``
+  (``embeddings``); the admin's replays (``runtime/admin/replay.py``); ``GET /v1/models`` (``models``)
+- ``GET /health`` (a one-token generate), ``GET /ready``, ``GET /metrics`` (``runtime/health.py``; Prometheus: the
+  ``endpoint`` label is the route's template, so ids in paths never grow the label set)
 
 Every error leaves as OpenAI's envelope (``runtime/errors.py``): validation failures are 400 with
 ``param`` (never FastAPI's 422), a bad or missing key 401, an unknown model 404, an oversized body 413,
@@ -22,65 +21,90 @@ An unknown route is a 404 naming it and the endpoints that exist. ``--cors-origi
 (outermost, so a browser's preflight is answered before the key check). The key is read from
 ``Authorization: Bearer`` or ``X-Api-Key`` (Anthropic's SDK).
 
-Not here: what those routes do (their modules), process startup and the composition (``serve.py``).
+Not here: what those routes do (their modules), which adapter serves a model name (``runtime/adapters/routing.py``),
+process startup and the composition (``serve.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Collection
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from runtime.adapter_names import AdapterNotFound, AdapterRef, parse_model_name
-from runtime.adapter_registry import AdapterRegistry
-from runtime.adapter_routes import adapter_validator, evaluate_forever, install_adapter_routes
-from runtime.adapter_validation import base_shapes_of
-from runtime.admission import Admission
+import runtime.admin.adapters
+import runtime.admin.agents
+import runtime.admin.learner
+import runtime.admin.memory
+import runtime.admin.replay
+import runtime.admin.store
+import runtime.admin.traffic
+import runtime.api.chat
+import runtime.api.completions
+import runtime.api.embeddings
+import runtime.api.messages
+import runtime.api.models
+import runtime.api.responses
+import runtime.console.routes
+import runtime.health
+from runtime.adapters.experiments import Experiments, evaluate_forever
+from runtime.adapters.names import AdapterRef
+from runtime.adapters.registry import AdapterRegistry
+from runtime.adapters.routing import ModelRouter
+from runtime.adapters.sync import RegistrySync, StoreListener
+from runtime.adapters.validation import adapter_validator, base_shapes_of
+from runtime.admin.learner import LearnerCollector
+from runtime.admin.store import prune_forever
+from runtime.admission import Admission, RateLimiter
 from runtime.agent_api import AgentHost, LocalRuntimeClient
-from runtime.agent_routes import install_agent_routes
+from runtime.api.response_store import ResponseBackend, ResponseStore
 from runtime.chat_format import ChatFormatter
-from runtime.console import install_console_routes
 from runtime.engine import Embedder, Engine, EngineError
 from runtime.errors import APIError, from_engine, human_message
-from runtime.experiments import Experiments
 from runtime.generation import Generation
 from runtime.identity import ADMIN_OWNER, PUBLIC_OWNER, KeyRing, bearer_token, owner_of_token, set_owner
-from runtime.learner_routes import LearnerCollector, install_learner_routes
-from runtime.memory_routes import MemoryBackend, install_memory_routes
 from runtime.metrics import Metrics, ReplicaCollector
-from runtime.recorder import ANONYMOUS, Recorder
-from runtime.registry_sync import RegistrySync, StoreListener
-from runtime.replay_routes import install_replay_routes
-from runtime.response_store import ResponseBackend, ResponseStore
+from runtime.recorder import Recorder
+from runtime.services import MemoryBackend, Services
 from runtime.serving import Gateway
-from runtime.serving_chat import install_chat_routes
-from runtime.serving_completions import install_completions_routes
-from runtime.serving_embeddings import install_embeddings_routes
-from runtime.serving_messages import install_messages_routes
-from runtime.serving_responses import install_responses_routes
 from runtime.settings import AdapterSettings, AdmissionSettings, EngineSettings, FeedbackSettings, RecorderSettings, ServerSettings
-from runtime.store_routes import install_store_routes, prune_forever
-from runtime.traffic import TrafficHistory, install_traffic_routes
+from runtime.traffic import TrafficHistory
 
 log = logging.getLogger(__name__)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# in the order they are matched (an unknown route's 404 lists the /v1 endpoints in this order too). Their routes go onto
+# the app's router as they are: FastAPI's include_router keeps an included router as one lazy route, which the
+# unknown-route message and the metrics' route templates (both read app.routes) could not see into
+ROUTERS: tuple[APIRouter, ...] = (
+    runtime.admin.store.router,
+    runtime.admin.adapters.router,
+    runtime.admin.agents.router,
+    runtime.admin.learner.router,
+    runtime.admin.memory.router,
+    runtime.admin.traffic.router,
+    runtime.console.routes.router,
+    runtime.api.chat.router,
+    runtime.api.responses.router,
+    runtime.api.messages.router,
+    runtime.api.completions.router,
+    runtime.api.embeddings.router,
+    runtime.admin.replay.router,
+    runtime.api.models.router,
+    runtime.health.router,
+)
 
 
 def create_app(
@@ -106,6 +130,7 @@ def create_app(
     admission = Admission(admission_settings or AdmissionSettings(), unlimited_owners=(PUBLIC_OWNER, ADMIN_OWNER))
     recorder_settings = recorder_settings or RecorderSettings(record=recorder is not None)
     adapter_settings = adapter_settings or AdapterSettings()
+    feedback_settings = feedback_settings or FeedbackSettings()
     registry = AdapterRegistry(
         max_loaded=adapter_settings.max_loaded_adapters,
         load_fn=lambda ref: engine.load_adapter(ref.name, ref.path),
@@ -113,110 +138,62 @@ def create_app(
     )
     experiments = Experiments(recorder.store, registry) if recorder is not None else None  # type: ignore[arg-type]
     adapter_root = adapter_settings.adapter_root or server.data_dir / "adapters"
-    listener: StoreListener | None = None
-    sync: RegistrySync | None = None
-    if recorder is not None and getattr(recorder.store, "shared", False):  # several runtimes on one store agree through it
-        listener = registry.listener = StoreListener(recorder.store)
-        validated = adapter_validator(lambda: base_shapes_of(engine.model), adapter_root, adapter_settings.max_lora_rank)  # type: ignore[attr-defined]
-        sync = RegistrySync(recorder.store, registry, experiments, validated)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
-        tokenizer = getattr(engine, "tokenizer", None)
-        model_type = getattr(getattr(getattr(engine, "model", None), "config", None), "model_type", None)
-        formatter = ChatFormatter(tokenizer, model_type=model_type, parser=server.tool_call_parser)
-        app.state.generation = Generation(engine, formatter, model_id, engine_settings.default_max_tokens, metrics, recorder=recorder)
-        app.state.generation_unrecorded = Generation(engine, formatter, model_id, engine_settings.default_max_tokens, metrics)
-        if agents is not None:
-            agents.bind(LocalRuntimeClient(engine, formatter, registry, recorder, model_id, route=_route, metrics=metrics))
-        background: list[asyncio.Task[None]] = [asyncio.create_task(traffic.run())]
-        if recorder is not None:
-            recorder.start()
-            if recorder_settings.retention_days:
-                background.append(asyncio.create_task(prune_forever(recorder, recorder_settings.retention_days)))
-        if sync is not None:
-            try:
-                await sync.sync_once()  # serve what the other runtimes serve from the first request on
-            except Exception:
-                log.exception("the first sync with the shared store failed; retrying in the background")
-            background.append(asyncio.create_task(sync.run_forever(recorder_settings.store_sync_s)))
-        if experiments is not None:
-            background.append(asyncio.create_task(evaluate_forever(experiments)))
-        app.state.ready = True
-        log.info(
-            "serving model %s (tool-call parser %s, recording %s)",
-            model_id,
-            formatter.parser_name,
-            recorder_settings.durability if recorder else "off",
-        )
-        try:
-            yield
-        finally:
-            app.state.ready = False
-            for task in background:
-                task.cancel()
-            await engine.close()
-            responses.close()
-            admission.close()
-            if listener is not None:
-                await asyncio.to_thread(listener.close)  # registry changes still on their way to the shared store
-            if recorder is not None:
-                await asyncio.to_thread(recorder.close)  # writes everything still queued
-
+    validated = adapter_validator(lambda: base_shapes_of(engine.model), adapter_root, adapter_settings.max_lora_rank)  # type: ignore[attr-defined]
+    listener, sync = _shared_store_sync(recorder, registry, experiments, validated)
+    lifespan = _lifespan(engine_settings, server, recorder_settings, sync, listener)
     app = FastAPI(title="loopwise", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
-    app.state.metrics = metrics
-    app.state.model_id = model_id
     app.state.ready = False
-    app.state.created = int(time.time())
     _install_error_handlers(app)
-    # by default a file of this runtime's, opened on the first stored response; deletes reach it too
-    responses: ResponseBackend = response_store if response_store is not None else ResponseStore(server.data_dir / "responses.db")
-    install_store_routes(app, recorder, server.admin_key, feedback_settings, responses=responses)
-    install_adapter_routes(
-        app,
-        registry=registry,
-        experiments=experiments,
-        admin_key=server.admin_key,
-        base_shapes=lambda: base_shapes_of(engine.model),  # type: ignore[attr-defined]
-        adapter_root=adapter_root,
-        max_rank=adapter_settings.max_lora_rank,
-    )
-    app.state.registry = registry
-    app.state.experiments = experiments
-    app.state.agents = agents
-
-    def _name_taken(name: str) -> bool:
-        return name == model_id or name in registry.aliases() or any(a["name"] == name for a in registry.list())
-
-    install_agent_routes(app, agents, server.admin_key, server.max_body_bytes, _name_taken, admission)
-    install_learner_routes(app, server.data_dir, server.admin_key, learner_enabled)
     metrics.registry.register(LearnerCollector(server.data_dir / "learner"))
     if callable(replica_status := getattr(engine, "status", None)):  # replicas of an external engine
         metrics.registry.register(ReplicaCollector(replica_status))
-    install_memory_routes(app, memory, server.admin_key, recorder)
-    traffic = TrafficHistory(metrics)
-    app.state.traffic = traffic
-    install_traffic_routes(app, traffic, server.admin_key)
-    install_console_routes(app)
-    gateway = Gateway(
-        lambda: app.state.generation, lambda model, session, user: _route(model, session, user), registry, metrics, agents, admission=admission
+    route = ModelRouter(registry, experiments, model_id, learner_families)
+    app.state.services = Services(
+        model_id=model_id,
+        created=int(time.time()),
+        admin_key=server.admin_key,
+        max_body=server.max_body_bytes,
+        engine=engine,
+        metrics=metrics,
+        admission=admission,
+        registry=registry,
+        experiments=experiments,
+        router=route,
+        validated=validated,
+        gateway=Gateway(lambda: app.state.generation, route, registry, metrics, agents, admission=admission),
+        unrecorded=Gateway(lambda: app.state.generation_unrecorded, route, registry, metrics, None, admission=admission),
+        recorder=recorder,
+        # by default a file of this runtime's, opened on the first stored response; deletes reach it too
+        responses=response_store if response_store is not None else ResponseStore(server.data_dir / "responses.db"),
+        feedback=feedback_settings,
+        feedback_limiter=RateLimiter(feedback_settings.per_minute),
+        agents=agents,
+        memory=memory,
+        traffic=TrafficHistory(metrics),
+        learner_root=server.data_dir / "learner",
+        learner_enabled=learner_enabled,
+        learner_families=learner_families,
+        embedder=embedder,
     )
-    app.state.gateway = gateway
-    install_chat_routes(app, gateway, server.max_body_bytes)
-    install_responses_routes(app, gateway, responses, server.max_body_bytes)
-    install_messages_routes(app, gateway, server.max_body_bytes)
-    install_completions_routes(app, gateway, server.max_body_bytes)
-    install_embeddings_routes(app, gateway, model_id, server.max_body_bytes, fallback=embedder)
+    for router in ROUTERS:  # the routes themselves, not include_router's one lazy route per router (see ROUTERS)
+        app.router.routes.extend(router.routes)
+    _add_middleware(app, server, metrics)
+    return app
 
-    def unrecorded_generation() -> Generation:
-        return app.state.generation_unrecorded  # type: ignore[no-any-return]
 
-    route = lambda model, session, user: _route(model, session, user)  # noqa: E731
-    unrecorded = Gateway(unrecorded_generation, route, registry, metrics, None, admission=admission)
-    install_replay_routes(app, gateway, unrecorded, recorder, server.admin_key, server.max_body_bytes)
+def _shared_store_sync(
+    recorder: Recorder | None, registry: AdapterRegistry, experiments: Experiments | None, validated: Callable[[AdapterRef], Awaitable[AdapterRef]]
+) -> tuple[StoreListener | None, RegistrySync | None]:
+    """On a store several runtimes share, they agree through it: the registry's changes go to the store (the listener)
+    and the others' come back (the sync); (None, None) on a store of this runtime's own."""
+    if recorder is None or not getattr(recorder.store, "shared", False):
+        return None, None
+    listener = registry.listener = StoreListener(recorder.store)
+    return listener, RegistrySync(recorder.store, registry, experiments, validated)
 
+
+def _add_middleware(app: FastAPI, server: ServerSettings, metrics: Metrics) -> None:
     # /v1 takes API keys only: the admin key opens /admin and is not an API key (runtime/identity.py)
     app.add_middleware(_RequestContext, keys=KeyRing(server.api_keys, server.admin_key), metrics=metrics, routes=app.router.routes)
     if server.cors_origins:  # outermost: a browser's preflight is answered before authentication
@@ -229,77 +206,64 @@ def create_app(
             max_age=600,
         )
 
-    pins: OrderedDict[tuple[str, str], str] = OrderedDict()  # (session, family) -> version it started on
 
-    def _route(model: str, session: str, user: str | None = None) -> AdapterRef | None:
-        """Routing shared by chat requests and agent runs: base, a version, an A/B arm, or the session's pinned version."""
-        kind, target = parse_model_name(model, model_id)
-        if kind == "base":
-            return None
-        assert target is not None
-        if kind == "version":
-            return registry.acquire(target)
-        if target in learner_families and target not in registry.aliases():
-            return None  # a family a learner trains, before its first champion: the base model serves it
-        # a request without a session (no X-Session-Id, no `user`) is its own unit of randomisation: hashing the one
-        # anonymous key would send every such request to the same arm, and the experiment could never compare its arms
-        arm_key = session if session != ANONYMOUS else uuid.uuid4().hex
-        arm = experiments.route(target, arm_key, user) if experiments is not None else None
-        if arm is not None:
-            with contextlib.suppress(AdapterNotFound):  # an arm unloaded mid-experiment: serve the champion
-                return registry.acquire(arm)
-        # no experiment: a session stays on the version it started on while that version is loaded
-        pin = (session, target)
-        if session != ANONYMOUS and (pinned := pins.get(pin)) is not None:
-            with contextlib.suppress(AdapterNotFound):
-                return registry.acquire(pinned)
-        ref = registry.acquire(target)
-        if session != ANONYMOUS:
-            pins[pin] = ref.name
-            while len(pins) > 100_000:
-                pins.popitem(last=False)
-        return ref
+def _lifespan(
+    engine_settings: EngineSettings,
+    server: ServerSettings,
+    recorder_settings: RecorderSettings,
+    sync: RegistrySync | None,
+    listener: StoreListener | None,
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Startup (the engine, the generation path, the agents' client, the background work) and shutdown, in reverse."""
 
-    def _model_ids() -> list[tuple[str, str]]:
-        ids = [(model_id, "loopwise")]
-        ids += [(a["name"], model_id) for a in registry.list() if a.get("state", "ready") == "ready"]
-        ids += [(family, model_id) for family in dict.fromkeys([*registry.aliases(), *learner_families])]
-        ids += [(name, "loopwise-agent") for name in (agents.names() if agents is not None else [])]
-        return ids
-
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(i, app.state.created, owner) for i, owner in _model_ids()]}
-
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str) -> dict[str, Any]:
-        for i, owner in _model_ids():
-            if i == model:
-                return _model_card(i, app.state.created, owner)
-        raise APIError(404, f"The model `{model}` does not exist or you do not have access to it.", param="model", code="model_not_found")
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        s: Services = app.state.services
+        engine, recorder = s.engine, s.recorder
+        await engine.start()
+        tokenizer = getattr(engine, "tokenizer", None)
+        model_type = getattr(getattr(getattr(engine, "model", None), "config", None), "model_type", None)
+        formatter = ChatFormatter(tokenizer, model_type=model_type, parser=server.tool_call_parser)
+        max_tokens = engine_settings.default_max_tokens
+        app.state.generation = Generation(engine, formatter, s.model_id, max_tokens, s.metrics, recorder=recorder)
+        app.state.generation_unrecorded = Generation(engine, formatter, s.model_id, max_tokens, s.metrics)
+        if s.agents is not None:
+            s.agents.bind(LocalRuntimeClient(engine, formatter, s.registry, recorder, s.model_id, route=s.router, metrics=s.metrics))
+        background: list[asyncio.Task[None]] = [asyncio.create_task(s.traffic.run())]
+        if recorder is not None:
+            recorder.start()
+            if recorder_settings.retention_days:
+                background.append(asyncio.create_task(prune_forever(recorder, recorder_settings.retention_days)))
+        if sync is not None:
+            try:
+                await sync.sync_once()  # serve what the other runtimes serve from the first request on
+            except Exception:
+                log.exception("the first sync with the shared store failed; retrying in the background")
+            background.append(asyncio.create_task(sync.run_forever(recorder_settings.store_sync_s)))
+        if s.experiments is not None:
+            background.append(asyncio.create_task(evaluate_forever(s.experiments)))
+        app.state.ready = True
+        log.info(
+            "serving model %s (tool-call parser %s, recording %s)",
+            s.model_id,
+            formatter.parser_name,
+            recorder_settings.durability if recorder else "off",
+        )
         try:
-            await asyncio.wait_for(engine.health(), timeout=30)
-        except Exception as exc:  # any failure to generate means unhealthy; the cause goes to the log
-            log.exception("health check failed")
-            raise APIError(503, "engine health check failed", type="server_error", code="unhealthy") from exc
-        return {"status": "ok"}
+            yield
+        finally:
+            app.state.ready = False
+            for task in background:
+                task.cancel()
+            await engine.close()
+            s.responses.close()
+            s.admission.close()
+            if listener is not None:
+                await asyncio.to_thread(listener.close)  # registry changes still on their way to the shared store
+            if recorder is not None:
+                await asyncio.to_thread(recorder.close)  # writes everything still queued
 
-    @app.get("/ready")
-    async def ready() -> dict[str, Any]:
-        if not app.state.ready:
-            raise APIError(503, "not ready", type="server_error", code="not_ready")
-        if recorder is not None and not recorder.healthy:  # answered turns go to the journal until the store takes writes
-            raise APIError(503, "the interaction store is not taking writes", type="server_error", code="recorder_unavailable")
-        return {"status": "ready", "model": model_id}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    return app
+    return lifespan
 
 
 class _RequestContext:
@@ -370,10 +334,6 @@ def _route_template(routes: list[BaseRoute], scope: Scope) -> str:
         if route.matches(scope)[0] != Match.NONE and isinstance(path := getattr(route, "path", None), str):
             return path
     return "unmatched"
-
-
-def _model_card(model_id: str, created: int, owned_by: str = "loopwise") -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by}
 
 
 def _check_auth(request: Request, keys: KeyRing) -> str:

@@ -11,7 +11,7 @@ A final assistant message marked ``"prefix": True`` (Mistral's spelling; Anthrop
 continued, not answered: the prompt ends with its text, without the end-of-turn token after it
 (``continue_final_message``), and the reply is the continuation only.
 
-Not here: validation of request fields (``openai_schemas``) or parsing of output (``tool_parsers``).
+Not here: validation of request fields (``runtime/api/openai_schemas.py``) or parsing of output (``tool_parsers``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine import InvalidRequest
-from runtime.json_text import loads_json_text
-from runtime.openai_schemas import (
+from runtime.api.openai_schemas import (
     AssistantMessage,
     FunctionMessage,
     Message,
@@ -34,6 +32,8 @@ from runtime.openai_schemas import (
     ToolMessage,
     UnsupportedPart,
 )
+from runtime.engine import InvalidRequest
+from runtime.json_text import loads_json_text
 from runtime.tool_parsers import parser_for_model
 
 TOOLS_PREAMBLE = (

@@ -3,8 +3,12 @@
 One function for every route: a body over ``limit`` is a 413 (checked while reading, so chunked
 bodies are bounded too); an empty body, invalid JSON, a non-object, JSON nested deeper than
 ``MAX_DEPTH`` (deep nesting makes recursive validators raise ``RecursionError``), or JSON carrying
-unpaired surrogate escapes is a 400 ``invalid_json``. Not here: validating the object's fields (pydantic), or
-JSON sent as text inside the body (``runtime/json_text.py``, under the same depth limit).
+unpaired surrogate escapes is a 400 ``invalid_json``.
+
+:func:`json_body` is the one request-validation dependency of the wire APIs (``runtime/api/``): the body read
+within the app's ``max_body`` and validated against the route's schema, a bad field a 400 naming it
+(``runtime.errors.from_validation``). Not here: the schemas' own rules (pydantic), or JSON sent as text inside the
+body (``runtime/json_text.py``, under the same depth limit).
 """
 
 from __future__ import annotations
@@ -12,18 +16,21 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
-from runtime.errors import APIError
+from runtime.errors import APIError, from_validation
 from runtime.json_text import MAX_DEPTH, too_deep
 
 DEFAULT_LIMIT = 4 * 1024 * 1024
 OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are parsed on a worker thread
 _SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F][0-9a-fA-F]{2}")  # a \uD800-\uDFFF escape: the costly check runs only then
 _parser_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loopwise-parse")
+M = TypeVar("M", bound=BaseModel)
 
 
 async def read_json(request: Request, limit: int = DEFAULT_LIMIT) -> Any:
@@ -43,6 +50,20 @@ async def read_json(request: Request, limit: int = DEFAULT_LIMIT) -> Any:
         return _parse(raw)
     # a large body is parsed and checked off the event loop: a client sending 4 MB bodies in a loop stalls only itself
     return await asyncio.get_running_loop().run_in_executor(_parser_pool, _parse, raw)
+
+
+def json_body(schema: type[M], defaults: Mapping[str, Any] | None = None) -> Callable[[Request], Awaitable[M]]:
+    """A FastAPI dependency: the request's JSON object (at most the app's ``services.max_body`` bytes), with ``defaults``
+    under it, validated as ``schema``; use it as ``req: Annotated[Schema, Depends(json_body(Schema))]``."""
+
+    async def validated(request: Request) -> M:
+        body = await read_json(request, request.app.state.services.max_body)
+        try:
+            return schema.model_validate({**defaults, **body} if defaults else body)
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+
+    return validated
 
 
 def _parse(raw: bytes) -> Any:

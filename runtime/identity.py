@@ -13,7 +13,10 @@ The runtime has no user accounts. A caller is identified by its Bearer token:
   owner on the request (:func:`set_owner`) after checking the key; routes read it with :func:`owner_of`.
   Work done through the admin API (e.g. the learner's runs) is owned by :data:`ADMIN_OWNER`.
 - Within an owner, the request's ``user`` field names the end user; it is the client's word, trusted
-  only inside its own key.
+  only inside its own key. The *session* of a request (:func:`session_of`) is its ``X-Session-Id`` header,
+  else that ``user`` field.
+- The admin API checks the admin key with :func:`check_admin_key` (403 while it is disabled, 401 for a wrong
+  key); an :class:`InternalKey` opens it for loopwise's own processes only.
 
 Agent routes bind the :class:`Caller` of a run (owner + user) in a context variable for the run's
 duration (:func:`bind_caller`), so served agents (e.g. the memory copilot) and the records they write
@@ -34,8 +37,26 @@ from typing import Any
 from fastapi import Request
 
 from learner.records import ADMIN_OWNER, PUBLIC_OWNER
+from runtime.errors import APIError
+from runtime.recorder import ANONYMOUS
 
-__all__ = ["ADMIN_OWNER", "PUBLIC_OWNER", "Caller", "KeyRing", "bearer_token", "bind_caller", "current_caller", "owner_of", "owner_of_token"]
+__all__ = [
+    "ADMIN_OWNER",
+    "MAX_NAME",
+    "PUBLIC_OWNER",
+    "Caller",
+    "InternalKey",
+    "KeyRing",
+    "bearer_token",
+    "bind_caller",
+    "check_admin_key",
+    "current_caller",
+    "owner_of",
+    "owner_of_token",
+    "session_of",
+]
+
+MAX_NAME = 256  # longest session name (``X-Session-Id``) or ``user`` field
 
 
 @dataclass(frozen=True)
@@ -81,6 +102,37 @@ def bearer_token(request: Request) -> str:
     if header.lower().startswith("bearer "):
         return header[7:].strip()
     return request.headers.get("x-api-key", "").strip()
+
+
+class InternalKey(str):
+    """An admin key only loopwise's own processes hold (the learner, when no ``--admin-key`` was given):
+    it opens the admin API for them, while to everyone else the admin API still answers as disabled."""
+
+
+def check_admin_key(request: Request, admin_key: str | None) -> None:
+    disabled = APIError(403, "the admin API is disabled; start the server with --admin-key", type="permission_error", code="admin_disabled")
+    if not admin_key:
+        raise disabled
+    ok = KeyRing((), admin_key).is_admin_key(bearer_token(request))  # constant time, whatever the token's length
+    if not ok and isinstance(admin_key, InternalKey):
+        raise disabled
+    if not ok:
+        raise APIError(
+            401, "a valid admin key is required (Authorization: Bearer <admin key>)", type="authentication_error", code="invalid_admin_key"
+        )
+
+
+def session_of(request: Request, user: Any) -> str:
+    """The session key: ``X-Session-Id`` header, else the ``user`` field, else ``ANONYMOUS`` (no session: an A/B
+    experiment then assigns each such request an arm on its own, see ``runtime/adapters/routing.py``).
+
+    Both are the client's names, bounded to ``MAX_NAME`` characters (400 beyond: they are stored with every turn)."""
+    header = request.headers.get("x-session-id")
+    if header is not None and len(header) > MAX_NAME:
+        raise APIError(400, f"the X-Session-Id header is longer than {MAX_NAME} characters", code="invalid_value")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_NAME):
+        raise APIError(400, f"user must be a string of at most {MAX_NAME} characters", param="user", code="invalid_value")
+    return header or user or ANONYMOUS
 
 
 def owner_of_token(token: str) -> str:

@@ -26,7 +26,7 @@ traffic: through the store, with the ordinary sample path, and without knowing a
   another owner's trajectory): one key's outcomes never reach another key's copilot.
 
 **Where it runs.** After the runtime stores a reward (``POST /v1/feedback`` and ``/admin/feedback`` in
-``runtime/store_routes.py``; an agent's own verifier and environment rewards through
+``runtime/admin/store.py``; an agent's own verifier and environment rewards through
 ``runtime.agent_api.LocalRuntimeClient.reward``) and after a run is tagged with its memory
 (``LocalRuntimeClient.annotate``): the tag comes after the run, so a verifier's reward stored during the run is
 credited then. Both orders end with the same reward. Failures are logged and never fail the reward or the run.

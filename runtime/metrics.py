@@ -13,7 +13,7 @@ counters into rates over the last hour.
 ``loopwise_engine_replica_up``, ``_in_flight``, ``_adapters`` and ``_requests_total`` per replica
 (labels ``replica``, ``url``), read at scrape time.
 
-Not here: per-experiment statistics (``runtime/experiments.py``).
+Not here: per-experiment statistics (``runtime/adapters/experiments.py``).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ trajectory and the other opens a branch, as a regenerate does (a new trajectory 
 ``parent_turn_id``); the answer is never refused. A claim whose request then fails leaves the turn continued for
 good (later continuations of it branch), as in one process.
 
-**Deletion reaches the queue.** Deleting a session (``runtime/store_routes.py``) first calls
+**Deletion reaches the queue.** Deleting a session (``runtime/admin/store.py``) first calls
 :meth:`Recorder.tombstone`: from then on the writer drops every turn of that owner's session that was handed to
 :meth:`Recorder.record` before the tombstone (queued, or still waiting for room in a full queue), and ``record``
 drops the turns of slots :meth:`Recorder.assign` gave out before it (requests still generating). The route then

@@ -27,18 +27,17 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from runtime.adapter_names import AdapterNotFound, AdapterRef
-from runtime.adapter_registry import AdapterRegistry
+from runtime.adapters.names import AdapterNotFound, AdapterRef
+from runtime.adapters.registry import AdapterRegistry
 from runtime.admission import Admission
 from runtime.agent_api import AgentHost, UnknownModel
 from runtime.engine import EngineError, TokenLogprob
 from runtime.errors import APIError, from_engine
 from runtime.gen_request import GenRequest, NamedTool
 from runtime.generation import ChoiceDone, ChoiceOut, Generation, StreamEvent, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
-from runtime.identity import ADMIN_OWNER, PUBLIC_OWNER, bind_caller, owner_of
+from runtime.identity import ADMIN_OWNER, PUBLIC_OWNER, bind_caller, owner_of, session_of
 from runtime.metrics import Metrics
 from runtime.settings import AdmissionSettings
-from runtime.store_routes import session_of
 from runtime.tool_parsers import ParsedToolCall
 
 log = logging.getLogger(__name__)

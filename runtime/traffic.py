@@ -1,4 +1,4 @@
-"""Traffic over the last hour, from the server's own Prometheus counters: ``GET /admin/traffic``.
+"""Traffic over the last hour, from the server's own Prometheus counters (what ``GET /admin/traffic`` answers).
 
 Prometheus counters only grow, so a scrape alone cannot say what happened ten minutes ago.
 :class:`TrafficHistory` keeps a snapshot of the serving counters every ``interval_s`` (10 s) for
@@ -10,7 +10,7 @@ the client left). Model requests are chat completions and agent model calls (``l
 console's own admin polling is not traffic and is not counted there, but its errors are (a wrong
 admin key shows as 401s).
 
-``GET /admin/traffic?minutes=60`` (admin key)::
+:meth:`TrafficHistory.series` (served by ``GET /admin/traffic?minutes=60``, ``runtime/admin/traffic.py``)::
 
     {"interval_s": 10, "points": [{"t": end (unix s), "dt": seconds, "requests_per_s", "tokens_per_s",
       "latency_p50_s", "latency_p95_s", "errors": {"429": 3}, "by_adapter": {"base": {...same four, "errors": {"503": 1}}}}],
@@ -21,7 +21,8 @@ The last point is partial (``"partial": true``): from the newest snapshot to now
 shows traffic seconds after a start. Memory is bounded: ``window_s / interval_s`` snapshots of
 a few hundred numbers each.
 
-Not here: the counters themselves (``runtime/metrics.py``), per-experiment statistics (``experiments``).
+Not here: the counters themselves (``runtime/metrics.py``), the route (``runtime/admin/traffic.py``), per-experiment statistics
+(``runtime/adapters/experiments.py``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
-
-from runtime.errors import APIError
 from runtime.metrics import Metrics
-from runtime.store_routes import check_admin_key
 
 Key = tuple[str, tuple[tuple[str, str], ...]]  # (sample name, sorted labels)
 
@@ -223,13 +220,4 @@ def _totals(a: Snapshot, b: Snapshot) -> dict[str, Any]:
     }
 
 
-def install_traffic_routes(app: FastAPI, traffic: TrafficHistory, admin_key: str | None) -> None:
-    @app.get("/admin/traffic")
-    async def admin_traffic(request: Request, minutes: float = 60.0) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        if not (math.isfinite(minutes) and 0 < minutes <= traffic.window_s / 60):
-            raise APIError(400, f"minutes must be in (0, {traffic.window_s / 60:g}]", param="minutes", code="invalid_value")
-        return traffic.series(minutes)
-
-
-__all__ = ["TrafficHistory", "histogram_quantile", "install_traffic_routes"]
+__all__ = ["TrafficHistory", "histogram_quantile"]

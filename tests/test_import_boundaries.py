@@ -27,7 +27,7 @@ def heavy_modules_after(imports: list[str]) -> dict[str, bool]:
 
 
 def test_light_runtime_modules_do_not_import_torch() -> None:
-    loaded = heavy_modules_after(["runtime.tool_parsers", "runtime.openai_schemas", "runtime.settings", "runtime.errors", "runtime.engine"])
+    loaded = heavy_modules_after(["runtime.tool_parsers", "runtime.api.openai_schemas", "runtime.settings", "runtime.errors", "runtime.engine"])
     assert loaded == {"torch": False, "transformers": False, "xgrammar": False}
 
 

@@ -6,7 +6,7 @@ and ``adapter_model.safetensors`` (plus whatever else peft writes) and ``manifes
     {"format": 1, "family": "tools-agent", "version": 4, "created_at": 1764806400.0,
      "files": {"adapter_config.json": "<sha256>", "adapter_model.safetensors": "<sha256>", ...}, ...}
 
-``learner/publish.py`` writes it (``AdapterManifest.dump``); ``runtime/adapter_validation.py`` reads it before
+``learner/publish.py`` writes it (``AdapterManifest.dump``); ``runtime/adapters/validation.py`` reads it before
 loading anything (``AdapterManifest.read``, then ``mismatched``); the manifest file's own sha256
 (``manifest_sha256``) pins exactly those files when the learner asks the runtime to load the version.
 Only ``files`` is required: a manifest written by another tool may omit the rest, list ``files`` as
@@ -14,7 +14,7 @@ Only ``files`` is required: a manifest written by another tool may omit the rest
 kept. ``sha256_file`` is the one file hash of the project (also the model store's and the checkpoints').
 
 Not here: writing or renaming folders (``learner/publish.py``), LoRA shape and path checks
-(``runtime/adapter_validation.py``). Imports nothing else of the project and never torch, so the runtime may import it.
+(``runtime/adapters/validation.py``). Imports nothing else of the project and never torch, so the runtime may import it.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class AdapterManifest(BaseModel):
     def mismatched(self, folder: Path) -> list[str]:
         """The listed files under ``folder`` that are missing or whose sha256 differs (empty when all match).
 
-        Callers that must refuse paths escaping ``folder`` check the entries first (``runtime/adapter_validation.py`` does).
+        Callers that must refuse paths escaping ``folder`` check the entries first (``runtime/adapters/validation.py`` does).
         """
         bad = []
         for rel, digest in self.files.items():

@@ -11,7 +11,7 @@ the interaction store's migrations create it (version 9 on both backends, ``lear
 only through ``ExperimentDatabase``: one connection per transaction and its placeholder. The connections, their
 settings, the file and the migrations belong to it; the table's definition and its queries belong here.
 
-What it does not: decide anything (``runtime/experiments.py``), or read the arms' rewards: those are turn data,
+What it does not: decide anything (``runtime/adapters/experiments.py``), or read the arms' rewards: those are turn data,
 answered by the interaction store's ``arm_observations``.
 """
 

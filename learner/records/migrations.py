@@ -7,7 +7,7 @@ What it does:
   skip versions (PostgreSQL's interaction tables begin at 5). Each store keeps its own schema beside its queries:
   the interactions' (``learner/records/store.py``, ``learner/records/store_pg.py``: turns, rewards, the adapter
   registry, the A/B experiments), agent memory's (``memory/store.py``, ``memory/store_pg.py``) and the stored
-  responses' (``runtime/response_store.py``, ``runtime/response_store_pg.py``).
+  responses' (``runtime/api/response_store.py``, ``runtime/api/response_store_pg.py``).
 - ``migrate_sqlite(conn, schema)``: one SQLite file holds one schema, its version in ``PRAGMA user_version``. Each
   step runs with its version bump in one ``BEGIN IMMEDIATE`` transaction (the file's write lock, taken before the
   version is read: two processes opening one file never migrate twice). Steps must use ``conn.execute`` only

@@ -185,7 +185,7 @@ def _v5_owners(conn: sqlite3.Connection) -> None:
 
 
 def _v6_registry(conn: sqlite3.Connection) -> None:
-    # The adapter registry's shared state (runtime/registry_sync.py): the adapter versions every runtime on this
+    # The adapter registry's shared state (runtime/adapters/sync.py): the adapter versions every runtime on this
     # store loads, and the family aliases, so several runtimes agree on what a family name serves.
     conn.execute(
         """CREATE TABLE registry (kind TEXT NOT NULL CHECK (kind IN ('adapter', 'alias')), name TEXT NOT NULL,

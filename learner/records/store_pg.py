@@ -24,7 +24,7 @@ What it does:
   concurrent openers never migrate twice and a failing migration leaves the previous version. An empty database
   gets the version-5 layout in one step (PostgreSQL support began at version 5), then the later migrations, the
   same as SQLite's. Through ``PostgresStore.migrate`` the same runner keeps the other schemas in this database,
-  each with its own version table: the stored responses' (``runtime/response_store_pg.py``) and agent memory's
+  each with its own version table: the stored responses' (``runtime/api/response_store_pg.py``) and agent memory's
   (``memory/store_pg.py``), as each has its own SQLite file.
 - Fails fast: before the pool opens, one plain connection is tried with ``connect_timeout_s`` (3 s) under a
   hard deadline, so an unreachable server, a wrong port or a refused login is a ``ConnectionError`` within

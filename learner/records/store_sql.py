@@ -515,7 +515,7 @@ class StoreQueries:
         ``until`` (an experiment's end) leaves out rewards given, and turns made, after it: a decided experiment's figures stay.
 
         ``evidence`` has one row per reward, in the same order: ``(value, source, target, target_id, owner)``, for
-        the experiments' source and owner rules (``runtime/experiments.py``)."""
+        the experiments' source and owner rules (``runtime/adapters/experiments.py``)."""
         d = self._d
         if source is not None:
             where_source, source_args = " AND r.source = ?", [source]

@@ -16,7 +16,7 @@ What it does:
   chain), it bounds the whole chain's drift from where it started, not just this step's.
 - ``standardized_effect``: one experiment's difference and its variance in pooled sds (a chain's step).
 
-What it does not do: route traffic (``runtime.routing``), store rewards, correct for several challengers
+What it does not do: route traffic (``runtime.adapters.routing``), store rewards, correct for several challengers
 tested at once (split alpha across them, e.g. Bonferroni, if you run more than one), or handle rewards whose
 distribution drifts over time (the tests assume i.i.d. rewards per arm, and traffic split independently of
 the rewards). The plug-in variance makes the mSPRT guarantee asymptotic rather than exact; the tests measure

@@ -34,14 +34,18 @@ Each change of a challenger's p-value is kept in ``p_history`` (time, p, both ar
 ``P_HISTORY_MAX`` points, thinned evenly), so the p-value can be drawn over time.
 Config, state and every decision are saved in the store (``learner/records/experiments_store.py``), so experiments
 survive restarts; on a store shared by several runtimes each of them re-reads them every sync
-(``runtime/registry_sync.py``), so they route a family alike, and a decision taken on one (the later write
+(``runtime/adapters/sync.py``), so they route a family alike, and a decision taken on one (the later write
 wins) is followed by all.
 
-Not here: HTTP (``store_routes``/``app``), loading adapters (``adapters.AdapterRegistry``).
+:func:`evaluate_forever` applies the automatic decisions every few seconds (the app runs it in the background).
+
+Not here: HTTP (``runtime/admin/adapters.py``), loading adapters (``runtime/adapters/registry.py``), the routing
+decision (``runtime/adapters/routing.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import statistics
@@ -52,8 +56,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.records import owner_quota, source_rank
 from learner.records.experiments_store import ExperimentDatabase, ExperimentStore
-from runtime.experiment_stats import decide, non_inferiority, standardized_effect, summarize, welch_t_test
-from runtime.routing import Arm, assign_arm
+from runtime.adapters.experiment_stats import decide, non_inferiority, standardized_effect, summarize, welch_t_test
+from runtime.adapters.routing import Arm, assign_arm
 
 log = logging.getLogger(__name__)
 
@@ -442,3 +446,16 @@ def _evidence_note(cfg: ExperimentConfig, state: dict[str, Any], arms: list[dict
 
 def _num(x: float) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
+
+
+async def evaluate_forever(experiments: Experiments, every_s: float = 10.0) -> None:
+    """Apply automatic promote/rollback decisions to running experiments."""
+    while True:
+        await asyncio.sleep(every_s)
+        for name, state in list(experiments.states.items()):
+            if state["status"] != "running":
+                continue
+            try:
+                experiments.evaluate(name)  # on the loop: alias flips must not race the registry
+            except Exception:  # one experiment's failure must not stop the others; retried next round
+                log.exception("evaluating experiment %s failed", name)

@@ -17,8 +17,8 @@ What it does:
 
   They are separate from ``runtime.engine.AdapterError`` (an engine failure); the HTTP layer maps both.
 
-What it does not: look at files (``runtime/adapter_validation.py``) or know what is loaded
-(``runtime/adapter_registry.py``). Standard library only.
+What it does not: look at files (``runtime/adapters/validation.py``) or know what is loaded
+(``runtime/adapters/registry.py``). Standard library only.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 What it does: ``AdapterRegistry`` routes for one event loop. Registration only after a successful load,
 versions never reused for other weights, atomic alias flips, ``acquire``/``release`` around every
 request, unload only after in-flight requests drain, LRU eviction that skips pinned/in-flight/alias
-targets. A ``RegistryListener`` is told of each change (``runtime/registry_sync.py`` writes them to a
+targets. A ``RegistryListener`` is told of each change (``runtime/adapters/sync.py`` writes them to a
 shared store).
 
 What it does not: load weights (the engine does, through ``load_fn``/``unload_fn``), check adapter folders
-(``runtime/adapter_validation.py``), speak HTTP (``runtime/adapter_routes.py``), or pick A/B arms
-(``runtime/experiments.py``).
+(``runtime/adapters/validation.py``), speak HTTP (``runtime/admin/adapters.py``), or pick A/B arms
+(``runtime/adapters/experiments.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from runtime.adapter_names import AdapterCapacity, AdapterError, AdapterExists, AdapterInUse, AdapterInvalid, AdapterNotFound, AdapterRef
+from runtime.adapters.names import AdapterCapacity, AdapterError, AdapterExists, AdapterInUse, AdapterInvalid, AdapterNotFound, AdapterRef
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class AdapterRegistry:
         self._aliases: dict[str, str] = {}  # family -> name
         self._tick = 0
         self._lock = asyncio.Lock()
-        # told of every change made with notify=True (runtime/registry_sync.py writes them to a shared store)
+        # told of every change made with notify=True (runtime/adapters/sync.py writes them to a shared store)
         self.listener: RegistryListener | None = None
 
     def next_version(self, family: str) -> int:

@@ -1,4 +1,16 @@
-"""Sticky A/B routing: a pure function from a request key to an adapter name.
+"""Routing a request's model name to what serves it: the base, an adapter version, an alias, an A/B arm, or the
+version a session started on; and the sticky A/B hash under it.
+
+:class:`ModelRouter` is the one decision, shared by every generating API and by agent runs (``router(model,
+session, user)``; the version it returns is acquired, and the caller releases it when the request ends):
+
+- the base model's name: the base (``None``); ``family@N``: that version;
+- a family a learner trains, before its first champion (no alias yet): the base model serves it;
+- an alias with a running A/B experiment: the request's arm (sticky by session or user, see below); a request
+  without a session (``ANONYMOUS``) is its own unit of randomisation, so it draws a fresh key; an arm unloaded
+  mid-experiment falls back to the champion;
+- otherwise the alias's current version, except that a session stays on the version it started on while that
+  version is loaded (at most 100,000 sessions are remembered, the oldest forgotten first).
 
 ``assign_arm(key, arms, salt=experiment_id)`` hashes ``f"{salt}:{key}"`` with SHA-256, maps the digest to a
 point ``u`` in ``[0, 1)``, and picks the arm whose slice of the cumulative normalized weights contains ``u``.
@@ -18,19 +30,75 @@ Properties the tests pin down:
   1% to 10% keeps every key that was already on the challenger there). Keep the order of ``arms`` fixed for
   the life of an experiment: reordering reshuffles keys.
 
-Not here: which experiments exist, whether an adapter is loaded (the registry decides that), recording
-which arm served a request, or deciding an experiment (see ``runtime.experiment_stats``).
+Not here: which experiments exist and which arm a key gets (``runtime.adapters.experiments``), loading and
+acquiring versions (``runtime.adapters.registry``), deciding an experiment (``runtime.adapters.experiment_stats``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import uuid
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["Arm", "assign_arm", "unit_interval"]
+from runtime.adapters.names import AdapterNotFound, AdapterRef, parse_model_name
+from runtime.adapters.registry import AdapterRegistry
+from runtime.recorder import ANONYMOUS
+
+__all__ = ["Arm", "ModelRouter", "assign_arm", "unit_interval"]
+
+MAX_PINS = 100_000  # sessions whose starting version is remembered
+
+
+class ArmChooser(Protocol):
+    """What routing asks of the A/B experiments (``runtime.adapters.experiments.Experiments``)."""
+
+    def route(self, family: str, session_key: str, user_key: str | None) -> str | None: ...
+
+
+class ModelRouter:
+    """The routing decision of the module docstring, with the sessions' pinned versions."""
+
+    def __init__(self, registry: AdapterRegistry, experiments: ArmChooser | None, model_id: str, learner_families: Collection[str] = ()) -> None:
+        self.registry = registry
+        self.experiments = experiments
+        self.model_id = model_id
+        self.learner_families = learner_families
+        self._pins: OrderedDict[tuple[str, str], str] = OrderedDict()  # (session, family) -> version it started on
+
+    def __call__(self, model: str, session: str, user: str | None = None) -> AdapterRef | None:
+        """The version serving ``model`` for ``session`` (acquired), or None for the base; ``AdapterNotFound`` when none."""
+        kind, target = parse_model_name(model, self.model_id)
+        if kind == "base":
+            return None
+        assert target is not None
+        if kind == "version":
+            return self.registry.acquire(target)
+        if target in self.learner_families and target not in self.registry.aliases():
+            return None  # a family a learner trains, before its first champion: the base model serves it
+        # a request without a session (no X-Session-Id, no `user`) is its own unit of randomisation: hashing the one
+        # anonymous key would send every such request to the same arm, and the experiment could never compare its arms
+        arm_key = session if session != ANONYMOUS else uuid.uuid4().hex
+        arm = self.experiments.route(target, arm_key, user) if self.experiments is not None else None
+        if arm is not None:
+            with contextlib.suppress(AdapterNotFound):  # an arm unloaded mid-experiment: serve the champion
+                return self.registry.acquire(arm)
+        # no experiment: a session stays on the version it started on while that version is loaded
+        pin = (session, target)
+        if session != ANONYMOUS and (pinned := self._pins.get(pin)) is not None:
+            with contextlib.suppress(AdapterNotFound):
+                return self.registry.acquire(pinned)
+        ref = self.registry.acquire(target)
+        if session != ANONYMOUS:
+            self._pins[pin] = ref.name
+            while len(self._pins) > MAX_PINS:
+                self._pins.popitem(last=False)
+        return ref
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ source of truth:
   experiments' configs and states. Changes applied from the store are not written back.
 
 Sticky routing needs nothing shared: an experiment's arm is a pure hash of the sticky key
-(``runtime/routing.py``), the same on every runtime once they hold the same experiment config.
+(``runtime/adapters/routing.py``), the same on every runtime once they hold the same experiment config.
 
 What it does not do: coordinate two runtimes that change the same thing at the same instant (the later
 write wins; the others follow it on their next sync), or evict adapters in step (each runtime's LRU
@@ -29,8 +29,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from runtime.adapter_names import AdapterError, AdapterRef
-from runtime.adapter_registry import AdapterRegistry
+from runtime.adapters.names import AdapterError, AdapterRef
+from runtime.adapters.registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
 

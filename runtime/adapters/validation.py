@@ -6,26 +6,29 @@ modules that exist in the base model), the tensor shapes in ``adapter_model.safe
 model's linear layers (``base_shapes_of``), that every floating-point tensor holds only finite values (one NaN
 weight makes the outputs of every request on the adapter NaN), the hashes in the
 publisher's ``manifest.json`` (or of the weights file alone), and that no path escapes the adapter root.
-``resolve_adapter_path`` and ``unsupported_lora_features`` are the pieces other modules reuse.
+``resolve_adapter_path`` and ``unsupported_lora_features`` are the pieces other modules reuse. ``adapter_validator``
+is the check the admin API's loads and the shared store's sync both run (off the event loop) before a load.
 
-What it does not: load or route anything (``runtime/adapter_registry.py``), or parse model names
-(``runtime/adapter_names.py``). Importing it does not import torch or safetensors; ``validate_adapter``
+What it does not: load or route anything (``runtime/adapters/registry.py``), or parse model names
+(``runtime/adapters/names.py``). Importing it does not import torch or safetensors; ``validate_adapter``
 imports safetensors and numpy when it reads a weights file. It reads every weight once: call it off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 import math
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from learner.records.adapter_manifest import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, AdapterManifest, ManifestError, sha256_file
-from runtime.adapter_names import AdapterInvalid
+from runtime.adapters.names import AdapterInvalid, AdapterRef
 from runtime.json_text import read_json_file
 
 logger = logging.getLogger(__name__)
@@ -168,6 +171,24 @@ def validate_adapter(
     _check_tensors(weights, base_shapes)
     _check_hashes(root, weights, adapter_root, expected_sha256)
     return config
+
+
+def adapter_validator(
+    base_shapes: Callable[[], dict[str, tuple[int, int]]], adapter_root: Path | None, max_rank: int
+) -> Callable[[AdapterRef], Awaitable[AdapterRef]]:
+    """``await validated(ref)``: ``ref`` with its path resolved (inside ``adapter_root``) once the folder passed
+    ``validate_adapter`` (off the event loop); ``AdapterInvalid`` otherwise. The admin API's loads and the shared
+    store's sync (``runtime/adapters/sync.py``) both go through it."""
+
+    async def validated(ref: AdapterRef) -> AdapterRef:
+        resolved = resolve_adapter_path(Path(ref.path), adapter_root)
+        await asyncio.to_thread(
+            validate_adapter, resolved, base_shapes=base_shapes(), max_rank=max_rank, adapter_root=adapter_root, expected_sha256=ref.sha256
+        )
+        # the engine loads the folder that was validated, never the path as given (a swapped symlink would choose)
+        return dataclasses.replace(ref, path=str(resolved))
+
+    return validated
 
 
 def _check_pattern(pattern: str, what: str) -> None:

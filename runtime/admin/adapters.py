@@ -9,36 +9,33 @@ All routes need the admin key (``Authorization: Bearer <admin key>``):
 Experiment calls run on the event loop (their store reads are small aggregates), because promotion
 flips a registry alias and the registry is single-loop by design.
 
-- ``POST /admin/experiments`` (see ``runtime/experiments.py`` for the fields), ``GET /admin/experiments``,
+- ``POST /admin/experiments`` (see ``runtime/adapters/experiments.py`` for the fields), ``GET /admin/experiments``,
   ``GET /admin/experiments/{name}`` (recomputes the statistics and applies automatic decisions),
   ``POST /admin/experiments/{name}/stop``, ``POST /admin/experiments/{name}/promote`` ``{"arm"}``.
 
-Not here: choosing an adapter for a chat request (``app``), the statistics (``experiment_stats``).
+Not here: choosing an adapter for a request (``runtime/adapters/routing.py``), the folder checks
+(``runtime/adapters/validation.py``), the experiments' statistics and decisions (``runtime/adapters/``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from runtime.adapter_names import AdapterCapacity, AdapterError, AdapterExists, AdapterInUse, AdapterInvalid, AdapterNotFound, AdapterRef
-from runtime.adapter_registry import AdapterRegistry
-from runtime.adapter_validation import resolve_adapter_path, validate_adapter
+from runtime.adapters.experiments import ExperimentConfig, ExperimentError, Experiments
+from runtime.adapters.names import AdapterCapacity, AdapterError, AdapterExists, AdapterInUse, AdapterInvalid, AdapterNotFound, AdapterRef
 from runtime.engine import AdapterError as EngineAdapterError
 from runtime.engine import EngineError
 from runtime.errors import APIError, from_engine, from_validation
-from runtime.experiments import ExperimentConfig, ExperimentError, Experiments
 from runtime.http_body import read_json
-from runtime.store_routes import check_admin_key
+from runtime.identity import check_admin_key
+from runtime.services import services
 
 log = logging.getLogger(__name__)
+router = APIRouter()
 
 
 class LoadAdapter(BaseModel):
@@ -78,143 +75,113 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         raise from_validation(exc) from None
 
 
-def adapter_validator(
-    base_shapes: Callable[[], dict[str, tuple[int, int]]], adapter_root: Path | None, max_rank: int
-) -> Callable[[AdapterRef], Awaitable[AdapterRef]]:
-    """``await validated(ref)``: ``ref`` with its path resolved (inside ``adapter_root``) once the folder passed
-    ``validate_adapter`` (off the event loop); ``AdapterInvalid`` otherwise. The admin API's loads and the shared
-    store's sync (``runtime/registry_sync.py``) both go through it."""
-
-    async def validated(ref: AdapterRef) -> AdapterRef:
-        resolved = resolve_adapter_path(Path(ref.path), adapter_root)
-        await asyncio.to_thread(
-            validate_adapter, resolved, base_shapes=base_shapes(), max_rank=max_rank, adapter_root=adapter_root, expected_sha256=ref.sha256
-        )
-        # the engine loads the folder that was validated, never the path as given (a swapped symlink would choose)
-        return dataclasses.replace(ref, path=str(resolved))
-
-    return validated
+def _known_experiment(request: Request, name: str) -> Experiments:
+    exps = _need_experiments(request)
+    if name not in exps.configs:
+        raise APIError(404, f"unknown experiment {name!r}", param="name", code="not_found")
+    return exps
 
 
-async def evaluate_forever(experiments: Experiments, every_s: float = 10.0) -> None:
-    """Apply automatic promote/rollback decisions to running experiments."""
-    while True:
-        await asyncio.sleep(every_s)
-        for name, state in list(experiments.states.items()):
-            if state["status"] != "running":
-                continue
-            try:
-                experiments.evaluate(name)  # on the loop: alias flips must not race the registry
-            except Exception:  # one experiment's failure must not stop the others; retried next round
-                log.exception("evaluating experiment %s failed", name)
+def _need_experiments(request: Request) -> Experiments:
+    experiments = services(request).experiments
+    if experiments is None:
+        raise APIError(409, "experiments need the interaction store (recording is off)", code="recording_disabled")
+    return experiments
 
 
-def install_adapter_routes(
-    app: FastAPI,
-    *,
-    registry: AdapterRegistry,
-    experiments: Experiments | None,
-    admin_key: str | None,
-    base_shapes: Callable[[], dict[str, tuple[int, int]]],
-    adapter_root: Path | None,
-    max_rank: int,
-) -> None:
-    validated = adapter_validator(base_shapes, adapter_root, max_rank)
+@router.get("/admin/adapters")
+async def list_adapters(request: Request) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    registry = services(request).registry
+    return {"object": "list", "data": registry.list(), "aliases": registry.aliases()}
 
-    def known_experiment(name: str) -> Experiments:
-        exps = need_experiments()
-        if name not in exps.configs:
-            raise APIError(404, f"unknown experiment {name!r}", param="name", code="not_found")
-        return exps
 
-    def need_experiments() -> Experiments:
-        if experiments is None:
-            raise APIError(409, "experiments need the interaction store (recording is off)", code="recording_disabled")
-        return experiments
+@router.post("/admin/adapters")
+async def load_adapter(request: Request) -> dict[str, Any]:
+    s = services(request)
+    check_admin_key(request, s.admin_key)
+    body: LoadAdapter = _parse(LoadAdapter, await read_json(request))
+    try:
+        version = body.version or s.registry.next_version(body.family)
+        ref = AdapterRef(family=body.family, version=version, path=body.path, pinned=body.pinned, sha256=body.sha256)
+        ref = await s.registry.register(await s.validated(ref), make_alias=body.alias)
+    except AdapterError as exc:
+        raise adapter_api_error(exc) from exc
+    except EngineAdapterError as exc:  # the engine (e.g. SGLang) refused it; the registry is unchanged
+        log.warning("engine refused adapter %s@%s from %s: %s", body.family, body.version or "next", body.path, exc)
+        raise APIError(400, str(exc), param="path", code="adapter_load_failed") from exc
+    except EngineError as exc:
+        raise from_engine(exc) from exc
+    log.info("loaded adapter %s from %s", ref.name, ref.path)
+    return {"object": "adapter", "name": ref.name, "family": ref.family, "version": ref.version, "aliases": s.registry.aliases()}
 
-    @app.get("/admin/adapters")
-    async def list_adapters(request: Request) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        return {"object": "list", "data": registry.list(), "aliases": registry.aliases()}
 
-    @app.post("/admin/adapters")
-    async def load_adapter(request: Request) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        body: LoadAdapter = _parse(LoadAdapter, await read_json(request))
-        try:
-            version = body.version or registry.next_version(body.family)
-            ref = AdapterRef(family=body.family, version=version, path=body.path, pinned=body.pinned, sha256=body.sha256)
-            ref = await registry.register(await validated(ref), make_alias=body.alias)
-        except AdapterError as exc:
-            raise adapter_api_error(exc) from exc
-        except EngineAdapterError as exc:  # the engine (e.g. SGLang) refused it; the registry is unchanged
-            log.warning("engine refused adapter %s@%s from %s: %s", body.family, body.version or "next", body.path, exc)
-            raise APIError(400, str(exc), param="path", code="adapter_load_failed") from exc
-        except EngineError as exc:
-            raise from_engine(exc) from exc
-        log.info("loaded adapter %s from %s", ref.name, ref.path)
-        return {"object": "adapter", "name": ref.name, "family": ref.family, "version": ref.version, "aliases": registry.aliases()}
+@router.delete("/admin/adapters/{name}")
+async def unload_adapter(request: Request, name: str) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    try:
+        await services(request).registry.unregister(name)
+    except AdapterError as exc:
+        raise adapter_api_error(exc) from exc
+    except EngineError as exc:  # it left routing; the engine failed to free it (logged for the operator)
+        log.error("engine failed to unload adapter %s: %s", name, exc)
+        raise APIError(
+            502, f"adapter {name} is no longer routed, but the engine failed to unload it", type="server_error", code="adapter_unload_failed"
+        ) from exc
+    return {"object": "adapter.deleted", "name": name}
 
-    @app.delete("/admin/adapters/{name}")
-    async def unload_adapter(request: Request, name: str) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        try:
-            await registry.unregister(name)
-        except AdapterError as exc:
-            raise adapter_api_error(exc) from exc
-        except EngineError as exc:  # it left routing; the engine failed to free it (logged for the operator)
-            log.error("engine failed to unload adapter %s: %s", name, exc)
-            raise APIError(
-                502, f"adapter {name} is no longer routed, but the engine failed to unload it", type="server_error", code="adapter_unload_failed"
-            ) from exc
-        return {"object": "adapter.deleted", "name": name}
 
-    @app.put("/admin/aliases/{family}")
-    async def set_alias(request: Request, family: str) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        body: SetAlias = _parse(SetAlias, await read_json(request))
-        try:
-            registry.set_alias(family, body.target)
-        except AdapterError as exc:
-            raise adapter_api_error(exc) from exc
-        return {"object": "alias", "family": family, "target": body.target}
+@router.put("/admin/aliases/{family}")
+async def set_alias(request: Request, family: str) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    body: SetAlias = _parse(SetAlias, await read_json(request))
+    try:
+        services(request).registry.set_alias(family, body.target)
+    except AdapterError as exc:
+        raise adapter_api_error(exc) from exc
+    return {"object": "alias", "family": family, "target": body.target}
 
-    @app.post("/admin/experiments")
-    async def create_experiment(request: Request) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        exps = need_experiments()
-        cfg: ExperimentConfig = _parse(ExperimentConfig, await read_json(request))
-        try:
-            return exps.create(cfg, {a["name"] for a in registry.list() if a.get("state", "ready") == "ready"})
-        except ExperimentError as exc:
-            raise APIError(409, str(exc), code="experiment_conflict") from exc
 
-    @app.get("/admin/experiments")
-    async def list_experiments(request: Request) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        exps = need_experiments()
-        keys = ("status", "champion", "winner", "started_at")
-        rows = [{"name": n, "family": c.family, **{k: exps.states[n].get(k) for k in keys}} for n, c in exps.configs.items()]
-        return {"object": "list", "data": rows}
+@router.post("/admin/experiments")
+async def create_experiment(request: Request) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    exps = _need_experiments(request)
+    cfg: ExperimentConfig = _parse(ExperimentConfig, await read_json(request))
+    try:
+        return exps.create(cfg, {a["name"] for a in services(request).registry.list() if a.get("state", "ready") == "ready"})
+    except ExperimentError as exc:
+        raise APIError(409, str(exc), code="experiment_conflict") from exc
 
-    @app.get("/admin/experiments/{name}")
-    async def experiment_status(request: Request, name: str) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        exps = known_experiment(name)
-        return exps.evaluate(name)
 
-    @app.post("/admin/experiments/{name}/stop")
-    async def stop_experiment(request: Request, name: str) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        exps = known_experiment(name)
-        return exps.stop(name)
+@router.get("/admin/experiments")
+async def list_experiments(request: Request) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    exps = _need_experiments(request)
+    keys = ("status", "champion", "winner", "started_at")
+    rows = [{"name": n, "family": c.family, **{k: exps.states[n].get(k) for k in keys}} for n, c in exps.configs.items()]
+    return {"object": "list", "data": rows}
 
-    @app.post("/admin/experiments/{name}/promote")
-    async def promote_experiment(request: Request, name: str) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        exps = known_experiment(name)
-        body: PromoteArm = _parse(PromoteArm, await read_json(request))
-        try:
-            return exps.promote(name, body.arm)
-        except (ExperimentError, AdapterError) as exc:
-            raise APIError(400, str(exc), param="arm", code="invalid_value") from exc
+
+@router.get("/admin/experiments/{name}")
+async def experiment_status(request: Request, name: str) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    exps = _known_experiment(request, name)
+    return exps.evaluate(name)
+
+
+@router.post("/admin/experiments/{name}/stop")
+async def stop_experiment(request: Request, name: str) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    exps = _known_experiment(request, name)
+    return exps.stop(name)
+
+
+@router.post("/admin/experiments/{name}/promote")
+async def promote_experiment(request: Request, name: str) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    exps = _known_experiment(request, name)
+    body: PromoteArm = _parse(PromoteArm, await read_json(request))
+    try:
+        return exps.promote(name, body.arm)
+    except (ExperimentError, AdapterError) as exc:
+        raise APIError(400, str(exc), param="arm", code="invalid_value") from exc

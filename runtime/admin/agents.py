@@ -16,106 +16,120 @@ Not here: the agent loop (``agents/``), which the runtime never imports.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 
-from runtime.admission import Admission
-from runtime.agent_api import AgentHost, RunConflict, RunNotFound, ServedAgent, UnknownModel
+from runtime.agent_api import RunConflict, RunNotFound, ServedAgent, UnknownModel
 from runtime.engine import EngineError
 from runtime.errors import APIError, from_engine
 from runtime.http_body import read_json
-from runtime.identity import ADMIN_OWNER, bind_caller, owner_of
-from runtime.store_routes import check_admin_key, session_of
+from runtime.identity import ADMIN_OWNER, bind_caller, check_admin_key, owner_of, session_of
+from runtime.services import Services, services
+
+router = APIRouter()
 
 
-def install_agent_routes(
-    app: FastAPI, host: AgentHost | None, admin_key: str | None, max_body: int, reserved: Callable[[str], bool], admission: Admission | None = None
-) -> None:
-    def agent_or_404(name: str) -> ServedAgent:
-        agent = host.get(name) if host is not None else None
-        if agent is None:
-            raise APIError(404, f"no agent named {name!r}", param="name", code="agent_not_found")
-        return agent
+def _agent_or_404(request: Request, name: str) -> ServedAgent:
+    host = services(request).agents
+    agent = host.get(name) if host is not None else None
+    if agent is None:
+        raise APIError(404, f"no agent named {name!r}", param="name", code="agent_not_found")
+    return agent
 
-    async def run(name: str, request: Request, *, admin: bool) -> dict[str, Any]:
-        agent = agent_or_404(name)
-        body = await read_json(request, max_body)
-        if not admin and (body.get("branch") is not None or body.get("segment") is not None):
-            what = "branch" if body.get("branch") is not None else "segment"
-            raise APIError(
-                403,
-                f"{what} runs replay or grow recorded trajectories and are for the learner and admins: "
-                "POST /admin/agents/{name}/runs with the admin key",
-                param=what,
-                type="permission_error",
-                code="permission_denied",
-            )
-        session = session_of(request, body.get("user"))
-        owner = ADMIN_OWNER if admin else owner_of(request)
-        leave = await admission.enter(owner) if admission is not None else (lambda: None)  # one run, one slot
-        try:
-            with bind_caller(request, body.get("user"), owner=owner):
-                return await agent.run(body, session_id=session, request_id=request.state.request_id, admin=admin)
-        except UnknownModel as exc:
-            raise APIError(404, str(exc), param="model", code="model_not_found") from exc
-        except RunNotFound as exc:
-            raise APIError(404, str(exc), param=exc.param, code=exc.code) from exc
-        except PermissionError as exc:
-            raise APIError(403, str(exc), type="permission_error", code="permission_denied") from exc
-        except RunConflict as exc:
-            raise APIError(409, str(exc), param=exc.param, code=exc.code) from exc
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from exc
-        except EngineError as exc:
-            raise from_engine(exc) from exc
-        finally:
-            leave()
 
-    @app.post("/v1/agents/{name}/runs")
-    async def run_agent(name: str, request: Request) -> dict[str, Any]:
-        return await run(name, request, admin=False)
+def _name_taken(s: Services, name: str) -> bool:
+    """``name`` is already the base model's, an alias's or an adapter version's (an agent must not shadow it)."""
+    return name == s.model_id or name in s.registry.aliases() or any(a["name"] == name for a in s.registry.list())
 
-    @app.post("/admin/agents/{name}/runs")
-    async def admin_run_agent(name: str, request: Request) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        return await run(name, request, admin=True)
 
-    @app.post("/admin/agents/{name}/variants")
-    async def agent_variants(name: str, request: Request) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        agent = agent_or_404(name)
-        body = await read_json(request, max_body)
-        try:
-            return await agent.variants(body)
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from exc
+async def _run(name: str, request: Request, *, admin: bool) -> dict[str, Any]:
+    agent = _agent_or_404(request, name)
+    s = services(request)
+    body = await read_json(request, s.max_body)
+    if not admin and (body.get("branch") is not None or body.get("segment") is not None):
+        what = "branch" if body.get("branch") is not None else "segment"
+        raise APIError(
+            403,
+            f"{what} runs replay or grow recorded trajectories and are for the learner and admins: "
+            "POST /admin/agents/{name}/runs with the admin key",
+            param=what,
+            type="permission_error",
+            code="permission_denied",
+        )
+    session = session_of(request, body.get("user"))
+    owner = ADMIN_OWNER if admin else owner_of(request)
+    leave = await s.admission.enter(owner)  # one run, one slot
+    try:
+        with bind_caller(request, body.get("user"), owner=owner):
+            return await agent.run(body, session_id=session, request_id=request.state.request_id, admin=admin)
+    except UnknownModel as exc:
+        raise APIError(404, str(exc), param="model", code="model_not_found") from exc
+    except RunNotFound as exc:
+        raise APIError(404, str(exc), param=exc.param, code=exc.code) from exc
+    except PermissionError as exc:
+        raise APIError(403, str(exc), type="permission_error", code="permission_denied") from exc
+    except RunConflict as exc:
+        raise APIError(409, str(exc), param=exc.param, code=exc.code) from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+    except EngineError as exc:
+        raise from_engine(exc) from exc
+    finally:
+        leave()
 
-    @app.get("/admin/agents")
-    async def list_agents(request: Request) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        return {"object": "list", "data": host.describe() if host is not None else []}
 
-    @app.post("/admin/agents", status_code=201)
-    async def create_agent(request: Request) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        if host is None:
-            raise APIError(400, "this server was started without agent support", code="agents_disabled")
-        body = await read_json(request, max_body)
-        name = body.get("name")
-        if isinstance(name, str) and reserved(name):
-            raise APIError(409, f"{name!r} is already a model or adapter name", param="name", code="name_taken")
-        try:
-            return host.create(body)
-        except FileExistsError as exc:
-            raise APIError(409, str(exc), param="name", code="name_taken") from exc
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from exc
+@router.post("/v1/agents/{name}/runs")
+async def run_agent(name: str, request: Request) -> dict[str, Any]:
+    return await _run(name, request, admin=False)
 
-    @app.delete("/admin/agents/{name}")
-    async def delete_agent(name: str, request: Request) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        if host is None or not host.delete(name):
-            raise APIError(404, f"no agent named {name!r}", param="name", code="agent_not_found")
-        return {"deleted": name}
+
+@router.post("/admin/agents/{name}/runs")
+async def admin_run_agent(name: str, request: Request) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    return await _run(name, request, admin=True)
+
+
+@router.post("/admin/agents/{name}/variants")
+async def agent_variants(name: str, request: Request) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    agent = _agent_or_404(request, name)
+    body = await read_json(request, services(request).max_body)
+    try:
+        return await agent.variants(body)
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+@router.get("/admin/agents")
+async def list_agents(request: Request) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    host = services(request).agents
+    return {"object": "list", "data": host.describe() if host is not None else []}
+
+
+@router.post("/admin/agents", status_code=201)
+async def create_agent(request: Request) -> dict[str, Any]:
+    s = services(request)
+    check_admin_key(request, s.admin_key)
+    if s.agents is None:
+        raise APIError(400, "this server was started without agent support", code="agents_disabled")
+    body = await read_json(request, s.max_body)
+    name = body.get("name")
+    if isinstance(name, str) and _name_taken(s, name):
+        raise APIError(409, f"{name!r} is already a model or adapter name", param="name", code="name_taken")
+    try:
+        return s.agents.create(body)
+    except FileExistsError as exc:
+        raise APIError(409, str(exc), param="name", code="name_taken") from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+@router.delete("/admin/agents/{name}")
+async def delete_agent(name: str, request: Request) -> dict[str, Any]:
+    check_admin_key(request, services(request).admin_key)
+    host = services(request).agents
+    if host is None or not host.delete(name):
+        raise APIError(404, f"no agent named {name!r}", param="name", code="agent_not_found")
+    return {"deleted": name}

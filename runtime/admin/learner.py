@@ -30,17 +30,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from runtime.errors import APIError
 from runtime.http_body import read_json
-from runtime.store_routes import check_admin_key
+from runtime.identity import check_admin_key
+from runtime.services import services
 
 MAX_HISTORY = 1000  # updates per learner one GET /admin/learner returns at most
 STALE_S = 120.0  # a status not refreshed for this long belongs to a learner that is not running
 SUPERVISOR_FILE = "supervisor.json"  # written by serve.py's supervisor (learner/supervisor.py)
 SUPERVISED_DOWN = ("backoff", "stopped", "failed")  # supervisor states in which no learner process runs
+router = APIRouter()
 
 
 def _statuses(root: Path, history: int = 20) -> list[dict[str, Any]]:
@@ -205,30 +207,30 @@ class LearnerCollector:
         yield parity
 
 
-def install_learner_routes(app: FastAPI, data_dir: Path, admin_key: str | None, learner_enabled: bool) -> None:
-    root = Path(data_dir) / "learner"
+@router.get("/admin/learner")
+async def learner_status(request: Request, history: int = 20) -> dict[str, Any]:
+    s = services(request)
+    check_admin_key(request, s.admin_key)
+    if not 0 <= history <= MAX_HISTORY:
+        raise APIError(400, f"history must be between 0 and {MAX_HISTORY}", param="history", code="invalid_value")
+    return {"object": "list", "enabled": s.learner_enabled, "data": await asyncio.to_thread(_statuses, s.learner_root, history)}
 
-    @app.get("/admin/learner")
-    async def learner_status(request: Request, history: int = 20) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        if not 0 <= history <= MAX_HISTORY:
-            raise APIError(400, f"history must be between 0 and {MAX_HISTORY}", param="history", code="invalid_value")
-        return {"object": "list", "enabled": learner_enabled, "data": await asyncio.to_thread(_statuses, root, history)}
 
-    @app.post("/admin/learner/update", status_code=202)
-    async def learner_update(request: Request) -> dict[str, Any]:
-        check_admin_key(request, admin_key)
-        body = await read_json(request) if int(request.headers.get("content-length") or 0) else {}
-        family = body.get("family")
-        families = [f.name for f in _learner_folders(root)]  # one not reported yet takes the request when it starts
-        if family is not None:
-            if family not in families:
-                raise APIError(404, f"no learner for family {family!r} (known: {', '.join(families) or 'none'})", param="family", code="not_found")
-            families = [family]
-        if not families:
-            raise APIError(409, "no learner is running: start serve.py without --no-learner, or run python -m learner run", code="no_learner")
-        for f in families:
-            tmp = root / f / "update.request.tmp"
-            tmp.write_text(json.dumps({"requested_at": time.time()}))
-            os.replace(tmp, root / f / "update.request")
-        return {"requested": families}
+@router.post("/admin/learner/update", status_code=202)
+async def learner_update(request: Request) -> dict[str, Any]:
+    root = services(request).learner_root
+    check_admin_key(request, services(request).admin_key)
+    body = await read_json(request) if int(request.headers.get("content-length") or 0) else {}
+    family = body.get("family")
+    families = [f.name for f in _learner_folders(root)]  # one not reported yet takes the request when it starts
+    if family is not None:
+        if family not in families:
+            raise APIError(404, f"no learner for family {family!r} (known: {', '.join(families) or 'none'})", param="family", code="not_found")
+        families = [family]
+    if not families:
+        raise APIError(409, "no learner is running: start serve.py without --no-learner, or run python -m learner run", code="no_learner")
+    for f in families:
+        tmp = root / f / "update.request.tmp"
+        tmp.write_text(json.dumps({"requested_at": time.time()}))
+        os.replace(tmp, root / f / "update.request")
+    return {"requested": families}

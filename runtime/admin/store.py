@@ -26,7 +26,8 @@
   owner's session; 409 ``ambiguous_owner`` when several owners have that session name and none is named).
 
 Store calls run in worker threads (SQLite is blocking). Ids that are still in the recorder's queue are
-flushed first, so feedback sent right after a response never sees a spurious 404.
+flushed first, so feedback sent right after a response never sees a spurious 404. :func:`prune_forever` is the
+retention loop (``--retention-days``) the app runs in the background.
 
 Not here: how turns are written (``runtime/recorder.py``).
 """
@@ -40,37 +41,20 @@ import re
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from learner.records import PUBLIC_OWNER, RESERVED_SOURCES, Reward, UnknownTarget
-from runtime.admission import RateLimiter
+from runtime.api.openai_schemas import FeedbackRequest
 from runtime.errors import APIError, from_validation
 from runtime.http_body import read_json
-from runtime.identity import KeyRing, bearer_token, owner_of
+from runtime.identity import check_admin_key, owner_of
 from runtime.memory_credit import CREDIT_PREFIX, after_rewards
-from runtime.openai_schemas import FeedbackRequest
-from runtime.recorder import ANONYMOUS, Recorder
-from runtime.response_store import ResponseBackend
-from runtime.settings import FeedbackSettings
+from runtime.recorder import Recorder
+from runtime.services import services
 
 log = logging.getLogger(__name__)
-
-
-MAX_NAME = 256  # longest session name (``X-Session-Id``) or ``user`` field
-
-
-def session_of(request: Request, user: Any) -> str:
-    """The session key: ``X-Session-Id`` header, else the ``user`` field, else ``ANONYMOUS`` (no session: an A/B
-    experiment then assigns each such request an arm on its own, see ``runtime/app.py``'s routing).
-
-    Both are the client's names, bounded to ``MAX_NAME`` characters (400 beyond: they are stored with every turn)."""
-    header = request.headers.get("x-session-id")
-    if header is not None and len(header) > MAX_NAME:
-        raise APIError(400, f"the X-Session-Id header is longer than {MAX_NAME} characters", code="invalid_value")
-    if user is not None and (not isinstance(user, str) or len(user) > MAX_NAME):
-        raise APIError(400, f"user must be a string of at most {MAX_NAME} characters", param="user", code="invalid_value")
-    return header or user or ANONYMOUS
+router = APIRouter()
 
 
 async def prune_forever(recorder: Recorder, days: float, every_s: float = 3600) -> None:
@@ -82,24 +66,6 @@ async def prune_forever(recorder: Recorder, days: float, every_s: float = 3600) 
         except Exception:  # a failed prune is retried next round; serving goes on
             log.exception("retention prune failed")
         await asyncio.sleep(every_s)
-
-
-class InternalKey(str):
-    """An admin key only loopwise's own processes hold (the learner, when no ``--admin-key`` was given):
-    it opens the admin API for them, while to everyone else the admin API still answers as disabled."""
-
-
-def check_admin_key(request: Request, admin_key: str | None) -> None:
-    disabled = APIError(403, "the admin API is disabled; start the server with --admin-key", type="permission_error", code="admin_disabled")
-    if not admin_key:
-        raise disabled
-    ok = KeyRing((), admin_key).is_admin_key(bearer_token(request))  # constant time, whatever the token's length
-    if not ok and isinstance(admin_key, InternalKey):
-        raise disabled
-    if not ok:
-        raise APIError(
-            401, "a valid admin key is required (Authorization: Bearer <admin key>)", type="authentication_error", code="invalid_admin_key"
-        )
 
 
 SOURCE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
@@ -130,180 +96,189 @@ def check_rewards(fb: FeedbackRequest, max_abs: float) -> None:
             )
 
 
-def install_store_routes(
-    app: FastAPI,
-    recorder: Recorder | None,
-    admin_key: str | None,
-    settings: FeedbackSettings | None = None,
-    responses: ResponseBackend | None = None,
-) -> None:
-    """The routes of the module docstring; ``responses``: the stored ``/v1/responses`` a session's deletion removes too."""
-    settings = settings or FeedbackSettings()
-    limiter = RateLimiter(settings.per_minute)
+def _need_recorder(request: Request) -> Recorder:
+    recorder = services(request).recorder
+    if recorder is None:
+        raise APIError(409, "recording is off on this server (started with --no-record)", code="recording_disabled")
+    return recorder
 
-    def need_recorder() -> Recorder:
-        if recorder is None:
-            raise APIError(409, "recording is off on this server (started with --no-record)", code="recording_disabled")
-        return recorder
 
-    def check_admin(request: Request) -> Recorder:
-        check_admin_key(request, admin_key)
-        return need_recorder()
+def _check_admin(request: Request) -> Recorder:
+    check_admin_key(request, services(request).admin_key)
+    return _need_recorder(request)
 
-    async def exists(rec: Recorder, kind: str, some_id: str, owner: str | None) -> bool:
-        if rec.is_pending(some_id):
-            await rec.flush()
-        if kind == "turn":
-            return await rec.call(rec.store.turn_exists, some_id, owner)
-        return await rec.call(rec.store.trajectory_exists, some_id, owner)
 
-    @app.post("/v1/feedback")
-    async def feedback(request: Request) -> dict[str, Any]:
-        return await _feedback(request, admin=False)
+async def _exists(rec: Recorder, kind: str, some_id: str, owner: str | None) -> bool:
+    if rec.is_pending(some_id):
+        await rec.flush()
+    if kind == "turn":
+        return await rec.call(rec.store.turn_exists, some_id, owner)
+    return await rec.call(rec.store.trajectory_exists, some_id, owner)
 
-    @app.post("/admin/feedback")
-    async def admin_feedback(request: Request) -> dict[str, Any]:
-        """The admin's feedback (the console's): any owner's turns and trajectories, any plain source, no rate limit;
-        each reward belongs to the owner of what it rewards."""
-        check_admin_key(request, admin_key)
-        return await _feedback(request, admin=True)
 
-    async def _feedback(request: Request, *, admin: bool) -> dict[str, Any]:
-        rec = need_recorder()
-        owner: str | None = None if admin else owner_of(request)  # None: any owner's records (the admin)
-        wait = limiter.take(owner) if owner is not None else None
-        if wait is not None:
-            raise APIError(
-                429,
-                f"too much feedback from this key: at most {settings.per_minute} requests a minute",
-                type="rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(max(1, math.ceil(wait)))},
-            )
-        body = await read_json(request)
+@router.post("/v1/feedback")
+async def feedback(request: Request) -> dict[str, Any]:
+    return await _feedback(request, admin=False)
+
+
+@router.post("/admin/feedback")
+async def admin_feedback(request: Request) -> dict[str, Any]:
+    """The admin's feedback (the console's): any owner's turns and trajectories, any plain source, no rate limit;
+    each reward belongs to the owner of what it rewards."""
+    check_admin_key(request, services(request).admin_key)
+    return await _feedback(request, admin=True)
+
+
+async def _feedback(request: Request, *, admin: bool) -> dict[str, Any]:
+    rec = _need_recorder(request)
+    settings = services(request).feedback
+    owner: str | None = None if admin else owner_of(request)  # None: any owner's records (the admin)
+    wait = services(request).feedback_limiter.take(owner) if owner is not None else None
+    if wait is not None:
+        raise APIError(
+            429,
+            f"too much feedback from this key: at most {settings.per_minute} requests a minute",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(max(1, math.ceil(wait)))},
+        )
+    body = await read_json(request)
+    try:
+        fb = FeedbackRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+    check_source(fb.source, reserved_ok=admin)
+    check_rewards(fb, settings.max_abs_reward)
+    targets = await _targets(rec, fb, owner)
+    stored, duplicate = [], False
+    fresh: list[Reward] = []
+    for kind, target_id, value, key in targets:
+        by = owner if owner is not None else await rec.call(rec.store.record_owner, kind, target_id)
+        reward = Reward(
+            target=kind,
+            target_id=target_id,
+            value=value,
+            source=fb.source,
+            comment=fb.comment,
+            idempotency_key=key,
+            owner=by or PUBLIC_OWNER,
+        )
         try:
-            fb = FeedbackRequest.model_validate(body)
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        check_source(fb.source, reserved_ok=admin)
-        check_rewards(fb, settings.max_abs_reward)
-        targets: list[tuple[str, str, float, str | None]] = []  # (kind, id, value, idempotency key)
-        # another owner's id answers exactly like an unknown one: existence never leaks across keys
-        if fb.trajectory_id is not None:
-            if not await exists(rec, "trajectory", fb.trajectory_id, owner):
-                raise APIError(404, f"unknown trajectory_id {fb.trajectory_id!r}", param="trajectory_id", code="not_found")
-            targets.append(("trajectory", fb.trajectory_id, fb.reward, fb.idempotency_key))  # type: ignore[arg-type]
-        elif fb.turn_id is not None:
-            if not await exists(rec, "turn", fb.turn_id, owner):
-                raise APIError(404, f"unknown turn_id {fb.turn_id!r}", param="turn_id", code="not_found")
-            targets.append(("turn", fb.turn_id, fb.reward, fb.idempotency_key))  # type: ignore[arg-type]
-        elif fb.completion_id is not None:
-            if rec.is_pending(fb.completion_id):
-                await rec.flush()
-            turn_ids = await rec.call(rec.store.turns_for_completion, fb.completion_id, owner, fb.choice_index)
-            if not turn_ids and fb.choice_index is not None:
-                others: list[str] = await rec.call(rec.store.turns_for_completion, fb.completion_id, owner)
-                if others:
-                    raise APIError(404, f"completion {fb.completion_id!r} has no choice {fb.choice_index}", param="choice_index", code="not_found")
-            if not turn_ids:
-                raise APIError(404, f"unknown completion_id {fb.completion_id!r}", param="completion_id", code="not_found")
-            for tid in turn_ids:
-                key = f"{fb.idempotency_key}:{tid}" if fb.idempotency_key and len(turn_ids) > 1 else fb.idempotency_key
-                targets.append(("turn", tid, fb.reward, key))  # type: ignore[arg-type]
-        for tid, value in (fb.turn_rewards or {}).items():
-            if not await exists(rec, "turn", tid, owner):
-                raise APIError(404, f"unknown turn_id {tid!r} in turn_rewards", param="turn_rewards", code="not_found")
-            targets.append(("turn", tid, value, f"{fb.idempotency_key}:turn:{tid}" if fb.idempotency_key else None))
-        stored, duplicate = [], False
-        fresh: list[Reward] = []
-        for kind, target_id, value, key in targets:
-            by = owner if owner is not None else await rec.call(rec.store.record_owner, kind, target_id)
-            reward = Reward(
-                target=kind,
-                target_id=target_id,
-                value=value,
-                source=fb.source,
-                comment=fb.comment,
-                idempotency_key=key,
-                owner=by or PUBLIC_OWNER,
+            saved, created = await rec.call(rec.store.add_reward, reward)
+        except UnknownTarget as exc:  # deleted meanwhile
+            raise APIError(404, f"unknown {kind} id {target_id!r}", code="not_found") from exc
+        duplicate = duplicate or not created
+        if created:
+            fresh.append(saved)
+        stored.append({"reward_id": saved.reward_id, "target": saved.target, "target_id": saved.target_id, "value": saved.value})
+    await after_rewards(rec, fresh)  # a run that read a copilot's memory credits the rewrite that wrote it
+    return {"object": "feedback", "rewards": stored, "duplicate": duplicate}
+
+
+async def _targets(rec: Recorder, fb: FeedbackRequest, owner: str | None) -> list[tuple[str, str, float, str | None]]:
+    """What ``fb`` rewards: (kind, id, value, idempotency key) each; a 404 for an id ``owner`` cannot reach."""
+    targets: list[tuple[str, str, float, str | None]] = []
+    # another owner's id answers exactly like an unknown one: existence never leaks across keys
+    if fb.trajectory_id is not None:
+        if not await _exists(rec, "trajectory", fb.trajectory_id, owner):
+            raise APIError(404, f"unknown trajectory_id {fb.trajectory_id!r}", param="trajectory_id", code="not_found")
+        targets.append(("trajectory", fb.trajectory_id, fb.reward, fb.idempotency_key))  # type: ignore[arg-type]
+    elif fb.turn_id is not None:
+        if not await _exists(rec, "turn", fb.turn_id, owner):
+            raise APIError(404, f"unknown turn_id {fb.turn_id!r}", param="turn_id", code="not_found")
+        targets.append(("turn", fb.turn_id, fb.reward, fb.idempotency_key))  # type: ignore[arg-type]
+    elif fb.completion_id is not None:
+        if rec.is_pending(fb.completion_id):
+            await rec.flush()
+        turn_ids = await rec.call(rec.store.turns_for_completion, fb.completion_id, owner, fb.choice_index)
+        if not turn_ids and fb.choice_index is not None:
+            others: list[str] = await rec.call(rec.store.turns_for_completion, fb.completion_id, owner)
+            if others:
+                raise APIError(404, f"completion {fb.completion_id!r} has no choice {fb.choice_index}", param="choice_index", code="not_found")
+        if not turn_ids:
+            raise APIError(404, f"unknown completion_id {fb.completion_id!r}", param="completion_id", code="not_found")
+        for tid in turn_ids:
+            key = f"{fb.idempotency_key}:{tid}" if fb.idempotency_key and len(turn_ids) > 1 else fb.idempotency_key
+            targets.append(("turn", tid, fb.reward, key))  # type: ignore[arg-type]
+    for tid, value in (fb.turn_rewards or {}).items():
+        if not await _exists(rec, "turn", tid, owner):
+            raise APIError(404, f"unknown turn_id {tid!r} in turn_rewards", param="turn_rewards", code="not_found")
+        targets.append(("turn", tid, value, f"{fb.idempotency_key}:turn:{tid}" if fb.idempotency_key else None))
+    return targets
+
+
+@router.delete("/v1/sessions/{key}")
+async def delete_own_session(request: Request, key: str) -> dict[str, Any]:
+    """The caller deletes one of its own sessions completely (another key's session of that name is not reachable)."""
+    rec = _need_recorder(request)
+    owner = owner_of(request)
+    deleted, responses_deleted = await _delete_session(request, rec, owner, key)
+    if deleted == 0 and responses_deleted == 0:
+        raise APIError(404, f"no session {key!r}", param="key", code="not_found")
+    return {"object": "session.deleted", "session": key, "deleted_turns": deleted, "deleted_responses": responses_deleted}
+
+
+async def _delete_session(request: Request, rec: Recorder, owner: str, key: str) -> tuple[int, int]:
+    """Delete ``owner``'s session ``key`` everywhere it is held; (turns, stored responses) deleted.
+
+    The order matters (see ``runtime/recorder.py``): the tombstone first, so that no turn of the session taken
+    before it is written from now on (nor a stored response of its turns); then the flush, after which the writer
+    holds none it took before; then the journal, the store and the stored responses."""
+    responses = services(request).responses
+    tomb = rec.tombstone(owner, key)
+    # a response still on its way (its request generating, or just recorded) is not stored
+    await rec.call(responses.forbid, tomb.in_flight | tomb.recent)
+    await rec.flush()
+    purged = await rec.call(rec.purge_journal, owner, key)
+    stored = await rec.call(rec.store.delete_session, owner, key)
+    gone = await rec.call(responses.delete_session, owner, key)
+    return stored + purged + tomb.dropped, gone
+
+
+@router.get("/admin/stats")
+async def admin_stats(request: Request) -> dict[str, Any]:
+    rec = _check_admin(request)
+    counts = await rec.call(rec.store.stats)
+    return {**counts, "queued": rec.queued(), "durability": rec.durability}
+
+
+@router.get("/admin/trajectories")
+async def admin_trajectories(
+    request: Request, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None
+) -> dict[str, Any]:
+    rec = _check_admin(request)
+    if not 1 <= limit <= 1000:
+        raise APIError(400, "limit must be between 1 and 1000", param="limit", code="invalid_value")
+    await rec.flush()
+    rows = await rec.call(rec.store.list_trajectories, limit, since, rewarded, owner)
+    return {"object": "list", "data": rows}
+
+
+@router.get("/admin/trajectories/{trajectory_id}")
+async def admin_trajectory(request: Request, trajectory_id: str) -> dict[str, Any]:
+    rec = _check_admin(request)
+    if rec.is_pending(trajectory_id):
+        await rec.flush()
+    traj = await rec.call(rec.store.get_trajectory, trajectory_id)
+    if traj is None:
+        raise APIError(404, f"unknown trajectory_id {trajectory_id!r}", param="trajectory_id", code="not_found")
+    return traj.model_dump()
+
+
+@router.delete("/admin/sessions/{key}")
+async def admin_delete_session(request: Request, key: str, owner: str | None = None) -> dict[str, Any]:
+    """Delete one owner's session ``key``; ``?owner=`` names the owner, needed when several owners have a session of that name."""
+    rec = _check_admin(request)
+    if owner is None:
+        await rec.flush()
+        owners = await rec.call(rec.store.session_owners, key)
+        if len(owners) > 1:
+            raise APIError(
+                409,
+                f"{len(owners)} owners have a session named {key!r} ({', '.join(owners)}); name one with ?owner=",
+                param="owner",
+                code="ambiguous_owner",
             )
-            try:
-                saved, created = await rec.call(rec.store.add_reward, reward)
-            except UnknownTarget as exc:  # deleted meanwhile
-                raise APIError(404, f"unknown {kind} id {target_id!r}", code="not_found") from exc
-            duplicate = duplicate or not created
-            if created:
-                fresh.append(saved)
-            stored.append({"reward_id": saved.reward_id, "target": saved.target, "target_id": saved.target_id, "value": saved.value})
-        await after_rewards(rec, fresh)  # a run that read a copilot's memory credits the rewrite that wrote it
-        return {"object": "feedback", "rewards": stored, "duplicate": duplicate}
-
-    @app.delete("/v1/sessions/{key}")
-    async def delete_own_session(request: Request, key: str) -> dict[str, Any]:
-        """The caller deletes one of its own sessions completely (another key's session of that name is not reachable)."""
-        rec = need_recorder()
-        owner = owner_of(request)
-        deleted, responses_deleted = await _delete_session(rec, owner, key)
-        if deleted == 0 and responses_deleted == 0:
-            raise APIError(404, f"no session {key!r}", param="key", code="not_found")
-        return {"object": "session.deleted", "session": key, "deleted_turns": deleted, "deleted_responses": responses_deleted}
-
-    async def _delete_session(rec: Recorder, owner: str, key: str) -> tuple[int, int]:
-        """Delete ``owner``'s session ``key`` everywhere it is held; (turns, stored responses) deleted.
-
-        The order matters (see ``runtime/recorder.py``): the tombstone first, so that no turn of the session taken
-        before it is written from now on (nor a stored response of its turns); then the flush, after which the writer
-        holds none it took before; then the journal, the store and the stored responses."""
-        tomb = rec.tombstone(owner, key)
-        if responses is not None:  # a response still on its way (its request generating, or just recorded) is not stored
-            await rec.call(responses.forbid, tomb.in_flight | tomb.recent)
-        await rec.flush()
-        purged = await rec.call(rec.purge_journal, owner, key)
-        stored = await rec.call(rec.store.delete_session, owner, key)
-        gone = await rec.call(responses.delete_session, owner, key) if responses is not None else 0
-        return stored + purged + tomb.dropped, gone
-
-    @app.get("/admin/stats")
-    async def admin_stats(request: Request) -> dict[str, Any]:
-        rec = check_admin(request)
-        counts = await rec.call(rec.store.stats)
-        return {**counts, "queued": rec.queued(), "durability": rec.durability}
-
-    @app.get("/admin/trajectories")
-    async def admin_trajectories(
-        request: Request, limit: int = 50, since: float | None = None, rewarded: bool | None = None, owner: str | None = None
-    ) -> dict[str, Any]:
-        rec = check_admin(request)
-        if not 1 <= limit <= 1000:
-            raise APIError(400, "limit must be between 1 and 1000", param="limit", code="invalid_value")
-        await rec.flush()
-        rows = await rec.call(rec.store.list_trajectories, limit, since, rewarded, owner)
-        return {"object": "list", "data": rows}
-
-    @app.get("/admin/trajectories/{trajectory_id}")
-    async def admin_trajectory(request: Request, trajectory_id: str) -> dict[str, Any]:
-        rec = check_admin(request)
-        if rec.is_pending(trajectory_id):
-            await rec.flush()
-        traj = await rec.call(rec.store.get_trajectory, trajectory_id)
-        if traj is None:
-            raise APIError(404, f"unknown trajectory_id {trajectory_id!r}", param="trajectory_id", code="not_found")
-        return traj.model_dump()
-
-    @app.delete("/admin/sessions/{key}")
-    async def admin_delete_session(request: Request, key: str, owner: str | None = None) -> dict[str, Any]:
-        """Delete one owner's session ``key``; ``?owner=`` names the owner, needed when several owners have a session of that name."""
-        rec = check_admin(request)
-        if owner is None:
-            await rec.flush()
-            owners = await rec.call(rec.store.session_owners, key)
-            if len(owners) > 1:
-                raise APIError(
-                    409,
-                    f"{len(owners)} owners have a session named {key!r} ({', '.join(owners)}); name one with ?owner=",
-                    param="owner",
-                    code="ambiguous_owner",
-                )
-            owner = owners[0] if owners else PUBLIC_OWNER
-        deleted, responses_deleted = await _delete_session(rec, owner, key)
-        return {"object": "session.deleted", "session": key, "owner": owner, "deleted_turns": deleted, "deleted_responses": responses_deleted}
+        owner = owners[0] if owners else PUBLIC_OWNER
+    deleted, responses_deleted = await _delete_session(request, rec, owner, key)
+    return {"object": "session.deleted", "session": key, "owner": owner, "deleted_turns": deleted, "deleted_responses": responses_deleted}

@@ -12,27 +12,29 @@ they decode), a chunk with ``finish_reason`` and an empty delta (carrying ``loop
 chunk when ``stream_options.include_usage``, then ``data: [DONE]``. An engine failure after the stream
 has started is sent as one ``{"error": …}`` event.
 
-Not here: generation, recording, adapter routing (``generation``, ``serving``), error envelopes (``app``).
+Not here: generation, recording, adapter routing (``runtime/generation.py``, ``runtime/serving.py``), error
+envelopes (``runtime/app.py``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from runtime.api.openai_schemas import ChatCompletionRequest, NamedToolChoice
 from runtime.chat_format import to_plain
-from runtime.errors import from_validation
 from runtime.gen_request import GenRequest, NamedTool, OutputFormat
 from runtime.generation import ChoiceDone, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
-from runtime.http_body import read_json
-from runtime.openai_schemas import ChatCompletionRequest, NamedToolChoice
-from runtime.serving import Gateway, Outcome
+from runtime.http_body import json_body
+from runtime.services import services
+from runtime.serving import Outcome
+
+router = APIRouter()
 
 
 def to_internal(req: ChatCompletionRequest) -> GenRequest:
@@ -140,27 +142,21 @@ async def completion_stream(out: Outcome, n: int, include_usage: bool, legacy_fu
     yield "data: [DONE]\n\n"
 
 
-def install_chat_routes(app: FastAPI, gateway: Gateway, max_body: int) -> None:
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await read_json(request, max_body)
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        legacy = bool(req.functions)  # answered in the legacy form (function_call) too
-        out = await gateway.run(request, to_internal(req), stream=req.stream, id_prefix="chatcmpl-")
-        if out is None:
-            return Response(status_code=499)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                completion_stream(out, req.n, include_usage, legacy),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", **out.headers},
-                background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
-            )
-        return JSONResponse(completion_body(out, legacy), headers=out.headers)
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, req: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]) -> Response:
+    legacy = bool(req.functions)  # answered in the legacy form (function_call) too
+    out = await services(request).gateway.run(request, to_internal(req), stream=req.stream, id_prefix="chatcmpl-")
+    if out is None:
+        return Response(status_code=499)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            completion_stream(out, req.n, include_usage, legacy),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **out.headers},
+            background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
+        )
+    return JSONResponse(completion_body(out, legacy), headers=out.headers)
 
 
 def _sse(body: dict[str, Any]) -> str:

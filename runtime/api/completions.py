@@ -10,10 +10,10 @@ the completion; with ``logprobs``, the prompt's tokens and their logprobs before
 the first prompt token's ``null``, and a final stop token's entry kept, as vLLM does: harnesses
 slice the generated part by count), ``stream`` (+ ``stream_options.include_usage``; one prompt per
 streamed request), ``presence_penalty`` / ``frequency_penalty`` / ``logit_bias`` (as chat's:
-``runtime/openai_schemas.py``), ``user``, and vLLM's ``prompt_logprobs`` (0–20: each choice gets
+``runtime/api/openai_schemas.py``), ``user``, and vLLM's ``prompt_logprobs`` (0–20: each choice gets
 vLLM's ``prompt_logprobs`` list; not with ``stream``). ``max_tokens`` 0 with ``echo`` (or
 ``prompt_logprobs``) scores the prompt without generating: what evaluation harnesses send. Formats:
-``runtime/completions_logprobs.py``. Every choice is recorded as a turn (its messages are one
+``runtime/api/completions_logprobs.py``. Every choice is recorded as a turn (its messages are one
 ``prompt`` entry with the text; a scoring-only turn has no output token, so it never trains).
 
 Prompt logprobs are the engine's (``runtime/engine.py``); an engine that does not compute them answers
@@ -31,21 +31,23 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from starlette.background import BackgroundTask
 
-from runtime.completions_logprobs import TokenText, legacy_logprobs, prompt_entries, text_end, token_texts, vllm_prompt_logprobs
+from runtime.api.completions_logprobs import TokenText, legacy_logprobs, prompt_entries, text_end, token_texts, vllm_prompt_logprobs
+from runtime.api.openai_schemas import FieldError, LogitBias, Penalty, StreamOptions, _In
 from runtime.engine import InvalidRequest, TokenLogprob
-from runtime.errors import from_validation
 from runtime.gen_request import GenRequest
 from runtime.generation import ChoiceDone, ChoiceOut, StreamFailed, TextDelta
-from runtime.http_body import read_json
-from runtime.openai_schemas import FieldError, LogitBias, Penalty, StreamOptions, _In
-from runtime.serving import Gateway, Outcome
+from runtime.http_body import json_body
+from runtime.services import services
+from runtime.serving import Outcome
+
+router = APIRouter()
 
 MAX_PROMPTS = 64
 MAX_LOGPROBS = 20  # alternatives per token, for generated and prompt tokens alike (vLLM's default --max-logprobs)
@@ -186,62 +188,57 @@ def _check_scores(req: CompletionRequest, ireqs: list[GenRequest]) -> None:
         )
 
 
-def install_completions_routes(app: FastAPI, gateway: Gateway, max_body: int) -> None:
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = await read_json(request, max_body)
-        try:
-            req = CompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        prompts = req.prompts()
-        if len(prompts) > MAX_PROMPTS:
-            raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
-        if req.stream and len(prompts) > 1:
-            raise InvalidRequest("a streamed completion takes one prompt; send one request per prompt", param="prompt")
-        tokenizer, vocab = gateway.tokenizer(), gateway.vocab_size()
-        single = len(prompts) == 1
-        ireqs = [to_internal(req, p, tokenizer, vocab, "prompt" if single else f"prompt[{i}]") for i, p in enumerate(prompts)]
-        _check_scores(req, ireqs)
-        text = token_texts(tokenizer)
-        if req.stream:
-            out = await gateway.run(request, ireqs[0], stream=True, id_prefix="cmpl-")
-            assert out is not None
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                _stream(out, req, _prompt_part(req, ireqs[0], out.prompt_logprobs, text), include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", **out.headers},
-                background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
-            )
-        outs = await asyncio.gather(*(gateway.run(request, r, stream=False, id_prefix="cmpl-") for r in ireqs))
-        if any(o is None for o in outs):
-            return Response(status_code=499)
-        choices = []
-        prompt_tokens = completion_tokens = 0
-        loopwise = []
-        for i, (o, r) in enumerate(zip(outs, ireqs, strict=True)):
-            assert o is not None and o.choices is not None
-            prompt_tokens += o.prompt_tokens
-            completion_tokens += o.completion_tokens
-            prompt = _prompt_part(req, r, o.prompt_logprobs, text)
-            choices += [_choice(c, i * req.n + c.index, req, prompt) for c in o.choices]
-            if o.loopwise is not None:
-                loopwise.append(o.loopwise)
-        first = outs[0]
-        assert first is not None
-        result: dict[str, Any] = {
-            "id": first.id,
-            "object": "text_completion",
-            "created": first.created,
-            "model": req.model,
-            "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
-        }
-        if loopwise:
-            result["loopwise"] = loopwise[0] if single else {"prompts": loopwise}
-        headers = first.headers if single else {}
-        return JSONResponse(result, headers=headers)
+@router.post("/v1/completions")
+async def completions(request: Request, req: Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]) -> Response:
+    prompts = req.prompts()
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    if req.stream and len(prompts) > 1:
+        raise InvalidRequest("a streamed completion takes one prompt; send one request per prompt", param="prompt")
+    gateway = services(request).gateway
+    tokenizer, vocab = gateway.tokenizer(), gateway.vocab_size()
+    single = len(prompts) == 1
+    ireqs = [to_internal(req, p, tokenizer, vocab, "prompt" if single else f"prompt[{i}]") for i, p in enumerate(prompts)]
+    _check_scores(req, ireqs)
+    text = token_texts(tokenizer)
+    if req.stream:
+        out = await gateway.run(request, ireqs[0], stream=True, id_prefix="cmpl-")
+        assert out is not None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(out, req, _prompt_part(req, ireqs[0], out.prompt_logprobs, text), include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **out.headers},
+            background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
+        )
+    outs = await asyncio.gather(*(gateway.run(request, r, stream=False, id_prefix="cmpl-") for r in ireqs))
+    if any(o is None for o in outs):
+        return Response(status_code=499)
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    loopwise = []
+    for i, (o, r) in enumerate(zip(outs, ireqs, strict=True)):
+        assert o is not None and o.choices is not None
+        prompt_tokens += o.prompt_tokens
+        completion_tokens += o.completion_tokens
+        prompt = _prompt_part(req, r, o.prompt_logprobs, text)
+        choices += [_choice(c, i * req.n + c.index, req, prompt) for c in o.choices]
+        if o.loopwise is not None:
+            loopwise.append(o.loopwise)
+    first = outs[0]
+    assert first is not None
+    result: dict[str, Any] = {
+        "id": first.id,
+        "object": "text_completion",
+        "created": first.created,
+        "model": req.model,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+    }
+    if loopwise:
+        result["loopwise"] = loopwise[0] if single else {"prompts": loopwise}
+    headers = first.headers if single else {}
+    return JSONResponse(result, headers=headers)
 
 
 async def _stream(out: Outcome, req: CompletionRequest, prompt: _Prompt, include_usage: bool) -> AsyncIterator[str]:

@@ -15,7 +15,7 @@ entry per prompt token: ``null`` for the first, else ``{"<token id>": {"logprob"
 Logprobs below -9999 (a masked token's -inf) are written as -9999.0, as vLLM does: JSON has no infinity.
 
 Not here: computing the values (the engines; ``runtime/engine.py`` says which distribution), the request's
-fields and limits (``runtime/serving_completions.py``).
+fields and limits (``runtime/api/completions.py``).
 """
 
 from __future__ import annotations

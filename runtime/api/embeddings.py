@@ -34,16 +34,18 @@ from __future__ import annotations
 import base64
 import math
 import struct
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
-from pydantic import Field, ValidationError, model_validator
+from fastapi import APIRouter, Depends, Request
+from pydantic import Field, model_validator
 
+from runtime.api.openai_schemas import FieldError, _In
 from runtime.engine import Embedder, EngineError, NotSupported, PoolingEngine
-from runtime.errors import APIError, from_engine, from_validation
-from runtime.http_body import read_json
-from runtime.openai_schemas import FieldError, _In
-from runtime.serving import Gateway
+from runtime.errors import APIError, from_engine
+from runtime.http_body import json_body
+from runtime.services import services
+
+router = APIRouter()
 
 MAX_INPUTS = 2048
 MAX_TOTAL_TOKENS = 65_536  # per request: bounds how long one request holds the engine
@@ -72,78 +74,73 @@ class EmbeddingRequest(_In):
         return list(x)  # type: ignore[arg-type]
 
 
-def install_embeddings_routes(app: FastAPI, gateway: Gateway, model_id: str, max_body: int, fallback: Embedder | None = None) -> None:
-    """The route; ``fallback`` embeds for an engine that cannot (``runtime/engines/local_embedder.py``)."""
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> dict[str, Any]:
-        body = await read_json(request, max_body)
-        try:
-            req = EmbeddingRequest.model_validate(body)
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        if req.model != model_id:
-            raise APIError(
-                400,
-                f"Embeddings come from the served model; set model to `{model_id}` (adapters and agents have no embeddings here).",
-                param="model",
-                code="model_not_supported",
-            )
-        served = gateway.engine()
-        pooled = served.pooling_model if isinstance(served, PoolingEngine) else None
-        engine: Embedder | PoolingEngine | None = served if pooled is not None or isinstance(served, Embedder) else fallback
-        if engine is None:
-            raise from_engine(NotSupported(f"embeddings are not supported by the {served.info.backend} backend"))
-        source = "engine" if pooled is not None else "embedded" if engine is served else "local"
-        if pooled is not None and req.pooling is not None:
-            raise APIError(
-                400,
-                f"the {pooled.backend} engine serves a pooling model, which pools as it was built to ({pooled.pooling}); leave pooling out",
-                param="pooling",
-            )
-        inputs = req.inputs()
-        if len(inputs) > MAX_INPUTS:
-            raise APIError(400, f"at most {MAX_INPUTS} inputs per request", param="input")
-        tokenizer, vocab, max_len = gateway.tokenizer(), gateway.vocab_size(), served.info.max_model_len
-        ids: list[tuple[int, ...]] = []
-        for i, x in enumerate(inputs):
-            param = "input" if len(inputs) == 1 else f"input[{i}]"
-            seq = tuple(tokenizer(x)["input_ids"]) if isinstance(x, str) else tuple(x)
-            if isinstance(x, list) and (bad := next((t for t in x if not 0 <= t < vocab), None)) is not None:
-                raise APIError(400, f"token id {bad} is outside this model's vocabulary (0 to {vocab - 1})", param=param)
-            if len(seq) > max_len:
-                raise APIError(400, f"input has {len(seq)} tokens; this model's maximum context length is {max_len}", param=param)
-            ids.append(seq)
-        total = sum(len(s) for s in ids)
-        if total > MAX_TOTAL_TOKENS:
-            raise APIError(400, f"the inputs hold {total} tokens; at most {MAX_TOTAL_TOKENS} per request", param="input")
-        pooling = req.pooling or "mean"
-        try:
-            if pooled is not None:
-                assert isinstance(engine, PoolingEngine)
-                vectors = await engine.pool(ids, req.dimensions)
-            else:
-                assert isinstance(engine, Embedder)
-                vectors = await engine.embed(ids, pooling)
-                if req.dimensions is not None and vectors and req.dimensions != len(vectors[0]):
-                    raise APIError(400, f"dimensions must be {len(vectors[0])} (this model's hidden size) or left out", param="dimensions")
-                vectors = [_unit(v) for v in vectors]
-        except EngineError as exc:
-            raise from_engine(exc) from exc
-        data = []
-        for i, v in enumerate(vectors):
-            value: Any = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if req.encoding_format == "base64" else v
-            data.append({"object": "embedding", "index": i, "embedding": value})
-        origin: dict[str, Any] = {"source": source, "backend": served.info.backend, "pooling": pooled.pooling if pooled is not None else pooling}
+@router.post("/v1/embeddings")
+async def embeddings(request: Request, req: Annotated[EmbeddingRequest, Depends(json_body(EmbeddingRequest))]) -> dict[str, Any]:
+    """``services.embedder`` embeds for an engine that cannot (``runtime/engines/local_embedder.py``)."""
+    s = services(request)
+    model_id, gateway, fallback = s.model_id, s.gateway, s.embedder
+    if req.model != model_id:
+        raise APIError(
+            400,
+            f"Embeddings come from the served model; set model to `{model_id}` (adapters and agents have no embeddings here).",
+            param="model",
+            code="model_not_supported",
+        )
+    served = gateway.engine()
+    pooled = served.pooling_model if isinstance(served, PoolingEngine) else None
+    engine: Embedder | PoolingEngine | None = served if pooled is not None or isinstance(served, Embedder) else fallback
+    if engine is None:
+        raise from_engine(NotSupported(f"embeddings are not supported by the {served.info.backend} backend"))
+    source = "engine" if pooled is not None else "embedded" if engine is served else "local"
+    if pooled is not None and req.pooling is not None:
+        raise APIError(
+            400,
+            f"the {pooled.backend} engine serves a pooling model, which pools as it was built to ({pooled.pooling}); leave pooling out",
+            param="pooling",
+        )
+    inputs = req.inputs()
+    if len(inputs) > MAX_INPUTS:
+        raise APIError(400, f"at most {MAX_INPUTS} inputs per request", param="input")
+    tokenizer, vocab, max_len = gateway.tokenizer(), gateway.vocab_size(), served.info.max_model_len
+    ids: list[tuple[int, ...]] = []
+    for i, x in enumerate(inputs):
+        param = "input" if len(inputs) == 1 else f"input[{i}]"
+        seq = tuple(tokenizer(x)["input_ids"]) if isinstance(x, str) else tuple(x)
+        if isinstance(x, list) and (bad := next((t for t in x if not 0 <= t < vocab), None)) is not None:
+            raise APIError(400, f"token id {bad} is outside this model's vocabulary (0 to {vocab - 1})", param=param)
+        if len(seq) > max_len:
+            raise APIError(400, f"input has {len(seq)} tokens; this model's maximum context length is {max_len}", param=param)
+        ids.append(seq)
+    total = sum(len(s) for s in ids)
+    if total > MAX_TOTAL_TOKENS:
+        raise APIError(400, f"the inputs hold {total} tokens; at most {MAX_TOTAL_TOKENS} per request", param="input")
+    pooling = req.pooling or "mean"
+    try:
         if pooled is not None:
-            origin["normalized"] = pooled.normalized
-        return {
-            "object": "list",
-            "model": req.model,
-            "data": data,
-            "usage": {"prompt_tokens": total, "total_tokens": total},
-            "loopwise": origin,
-        }
+            assert isinstance(engine, PoolingEngine)
+            vectors = await engine.pool(ids, req.dimensions)
+        else:
+            assert isinstance(engine, Embedder)
+            vectors = await engine.embed(ids, pooling)
+            if req.dimensions is not None and vectors and req.dimensions != len(vectors[0]):
+                raise APIError(400, f"dimensions must be {len(vectors[0])} (this model's hidden size) or left out", param="dimensions")
+            vectors = [_unit(v) for v in vectors]
+    except EngineError as exc:
+        raise from_engine(exc) from exc
+    data = []
+    for i, v in enumerate(vectors):
+        value: Any = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if req.encoding_format == "base64" else v
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    origin: dict[str, Any] = {"source": source, "backend": served.info.backend, "pooling": pooled.pooling if pooled is not None else pooling}
+    if pooled is not None:
+        origin["normalized"] = pooled.normalized
+    return {
+        "object": "list",
+        "model": req.model,
+        "data": data,
+        "usage": {"prompt_tokens": total, "total_tokens": total},
+        "loopwise": origin,
+    }
 
 
 def _unit(v: list[float]) -> list[float]:

@@ -41,22 +41,25 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
 
+from runtime.api.openai_schemas import FieldError, FunctionDef, _In, check_json_schema
 from runtime.chat_format import is_prefill
 from runtime.engine import InvalidRequest
-from runtime.errors import APIError, from_validation
+from runtime.errors import APIError
 from runtime.gen_request import GenRequest, NamedTool, OutputFormat
 from runtime.generation import ChoiceDone, ChoiceOut, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
-from runtime.http_body import read_json
+from runtime.http_body import json_body
 from runtime.json_text import MAX_DEPTH, loads_json_text
-from runtime.openai_schemas import FieldError, FunctionDef, _In, check_json_schema
-from runtime.serving import Gateway, Outcome
+from runtime.services import services
+from runtime.serving import Outcome
+
+router = APIRouter()
 
 
 class AnthropicTool(_In):
@@ -487,40 +490,31 @@ def _in_anthropic_terms(exc: APIError, field: str) -> APIError:
     return APIError(exc.status, message, type=exc.type, param=field, code=exc.code, headers=exc.headers)
 
 
-def install_messages_routes(app: FastAPI, gateway: Gateway, max_body: int) -> None:
-    @app.post("/v1/messages")
-    async def create_message(request: Request) -> Response:
-        body = await read_json(request, max_body)
-        try:
-            req = MessagesRequest.model_validate(body)
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        ireq = to_internal(req)
-        if is_prefill(ireq.messages) and gateway.agents is not None and gateway.agents.get(req.model) is not None:
-            raise InvalidRequest(
-                f"{req.model!r} is an agent, which runs its own turns; a final assistant message (prefill) is not supported for it",
-                param=f"messages[{len(req.messages) - 1}]",
-            )
-        try:
-            out = await gateway.run(request, ireq, stream=req.stream, id_prefix="msg_")
-        except APIError as exc:
-            raise _in_anthropic_terms(exc, req.structured()[1] if ireq.output_format is not None else "tool_choice") from exc
-        if out is None:
-            return Response(status_code=499)
-        if req.stream:
-            return StreamingResponse(
-                message_stream(out),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", **out.headers},
-                background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
-            )
-        return JSONResponse(message_body(out), headers=out.headers)
+@router.post("/v1/messages")
+async def create_message(request: Request, req: Annotated[MessagesRequest, Depends(json_body(MessagesRequest))]) -> Response:
+    gateway = services(request).gateway
+    ireq = to_internal(req)
+    if is_prefill(ireq.messages) and gateway.agents is not None and gateway.agents.get(req.model) is not None:
+        raise InvalidRequest(
+            f"{req.model!r} is an agent, which runs its own turns; a final assistant message (prefill) is not supported for it",
+            param=f"messages[{len(req.messages) - 1}]",
+        )
+    try:
+        out = await gateway.run(request, ireq, stream=req.stream, id_prefix="msg_")
+    except APIError as exc:
+        raise _in_anthropic_terms(exc, req.structured()[1] if ireq.output_format is not None else "tool_choice") from exc
+    if out is None:
+        return Response(status_code=499)
+    if req.stream:
+        return StreamingResponse(
+            message_stream(out),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **out.headers},
+            background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
+        )
+    return JSONResponse(message_body(out), headers=out.headers)
 
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> dict[str, Any]:
-        body = await read_json(request, max_body)
-        try:
-            req = MessagesRequest.model_validate({"max_tokens": 1, **body})
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        return {"input_tokens": gateway.count_prompt_tokens(to_internal(req))}
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request, req: Annotated[MessagesRequest, Depends(json_body(MessagesRequest, {"max_tokens": 1}))]) -> dict[str, Any]:
+    return {"input_tokens": services(request).gateway.count_prompt_tokens(to_internal(req))}

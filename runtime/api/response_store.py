@@ -7,16 +7,16 @@ object as returned, and its context items (every input item the model saw, the `
 chain's included, each with an id). ``previous_response_id`` reads the context and output back to
 continue the conversation; ``GET``, ``DELETE`` and ``input_items`` read or remove one row. Another
 owner's response is reported as not found, and is never replaced by a ``put`` of the same id. ``delete_session``
-removes every response an owner's session holds (the deletion of a session, ``runtime/store_routes.py``), with
+removes every response an owner's session holds (the deletion of a session, ``runtime/admin/store.py``), with
 ``secure_delete`` on and the WAL truncated after it, so no copy of the deleted rows stays in the file; ``forbid``
 names the turns of requests that were still generating when their session was deleted, and their responses are
 then not stored (``put`` drops a response whose ``loopwise.turn_id`` is one of them). Calls are blocking: callers
 run them in a worker thread.
 
-``ResponseBackend`` is what the routes need; ``runtime/response_store_pg.py`` keeps the same rows in the PostgreSQL
+``ResponseBackend`` is what the routes need; ``runtime/api/response_store_pg.py`` keeps the same rows in the PostgreSQL
 interaction store's database (``--store postgresql://``), where every runtime on it sees them.
 
-Not here: building responses (``runtime/serving_responses.py``).
+Not here: building responses (``runtime/api/responses.py``).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class StoredResponse:
 
 
 class ResponseBackend(Protocol):
-    """What the routes need from a response store (this module's SQLite file, or ``runtime/response_store_pg.py``)."""
+    """What the routes need from a response store (this module's SQLite file, or ``runtime/api/response_store_pg.py``)."""
 
     def forbid(self, turn_ids: Iterable[str]) -> None: ...
     def put(self, stored: StoredResponse) -> None: ...

@@ -1,6 +1,6 @@
 """Stored Responses on PostgreSQL (``--store postgresql://``): the ``responses`` table in the interaction store's database.
 
-What it does: ``PostgresResponseStore(db)`` keeps the same rows as ``runtime/response_store.py``'s SQLite file (id,
+What it does: ``PostgresResponseStore(db)`` keeps the same rows as ``runtime/api/response_store.py``'s SQLite file (id,
 owner, session, the response object, its context items) with the same rules: every read and delete selects by
 (id, owner), so another owner's response is not found and never replaced; ``delete_session`` removes an owner's
 session's responses; ``forbid`` drops the responses of turns whose session was deleted while they generated. Every
@@ -22,7 +22,7 @@ import psycopg
 
 from learner.records.migrations import Schema
 from learner.records.store_pg import PostgresStore
-from runtime.response_store import SELECT, UPSERT, ForbiddenTurns, StoredResponse, responses_table
+from runtime.api.response_store import SELECT, UPSERT, ForbiddenTurns, StoredResponse, responses_table
 
 
 def _v1_responses(conn: psycopg.Connection) -> None:

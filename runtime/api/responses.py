@@ -24,7 +24,7 @@
   ``arguments`` are what was generated (a forced call cut by the limit is still a call, never text).
 
 Not here: the generation path (``runtime/serving.py``, ``runtime/generation.py``), item parsing
-(``runtime/responses_schemas.py``), storage (``runtime/response_store.py``).
+(``runtime/api/responses_schemas.py``), storage (``runtime/api/response_store.py``).
 """
 
 from __future__ import annotations
@@ -33,21 +33,23 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
-from runtime.errors import APIError, from_validation
+from runtime.api.response_store import ResponseBackend, StoredResponse
+from runtime.api.responses_schemas import ResponsesRequest, function_tools, items_to_messages, normalize_items, tool_choice_of
+from runtime.errors import APIError
 from runtime.gen_request import GenRequest, NamedTool
 from runtime.generation import ChoiceDone, ChoiceOut, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
-from runtime.http_body import read_json
+from runtime.http_body import json_body
 from runtime.identity import owner_of
-from runtime.response_store import ResponseBackend, StoredResponse
-from runtime.responses_schemas import ResponsesRequest, function_tools, items_to_messages, normalize_items, tool_choice_of
+from runtime.services import services
 from runtime.serving import Gateway, Outcome
+
+router = APIRouter()
 
 
 def _id(prefix: str) -> str:
@@ -295,71 +297,73 @@ def output_items(choice: ChoiceOut, logprobs: bool) -> list[dict[str, Any]]:
     return items
 
 
-def install_responses_routes(app: FastAPI, gateway: Gateway, store: ResponseBackend | None, max_body: int) -> None:
-    api = ResponsesAPI(gateway, store)
+def _api(request: Request) -> ResponsesAPI:
+    s = services(request)
+    return ResponsesAPI(s.gateway, s.responses)
 
-    @app.post("/v1/responses")
-    async def create_response(request: Request) -> Response:
-        body = await read_json(request, max_body)
-        try:
-            req = ResponsesRequest.model_validate(body)
-        except ValidationError as exc:
-            raise from_validation(exc) from None
-        ireq, context, session = await api.build(request, req)
-        out = await gateway.run(request, ireq, stream=req.stream, id_prefix="resp_")
-        if out is None:
-            return Response(status_code=499)
-        session = out.session_id
-        if req.stream:
-            return StreamingResponse(
-                api.stream(request, req, ireq, out, context, session),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", **out.headers},
-                background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
-            )
-        assert out.choices is not None
-        choice = out.choices[0]
-        status = "incomplete" if choice.finish_reason == "length" else "completed"
-        resp = api.response(req, ireq, out, output_items(choice, req.logprobs), status)
-        await api.save(request, req, resp, context, session)
-        return JSONResponse(resp, headers=out.headers)
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-        return (await api._get(request, response_id)).response
+@router.post("/v1/responses")
+async def create_response(request: Request, req: Annotated[ResponsesRequest, Depends(json_body(ResponsesRequest))]) -> Response:
+    api = _api(request)
+    ireq, context, session = await api.build(request, req)
+    out = await api.gateway.run(request, ireq, stream=req.stream, id_prefix="resp_")
+    if out is None:
+        return Response(status_code=499)
+    session = out.session_id
+    if req.stream:
+        return StreamingResponse(
+            api.stream(request, req, ireq, out, context, session),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **out.headers},
+            background=BackgroundTask(out.close),  # releases the lease and the key's slots however the stream ended
+        )
+    assert out.choices is not None
+    choice = out.choices[0]
+    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    resp = api.response(req, ireq, out, output_items(choice, req.logprobs), status)
+    await api.save(request, req, resp, context, session)
+    return JSONResponse(resp, headers=out.headers)
 
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-        await api._get(request, response_id)
-        assert store is not None
-        await asyncio.to_thread(store.delete, response_id, owner_of(request))
-        return {"id": response_id, "object": "response", "deleted": True}
 
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def input_items(response_id: str, request: Request) -> dict[str, Any]:
-        stored = await api._get(request, response_id)
-        q = request.query_params
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise APIError(400, "order must be asc or desc", param="order")
-        try:
-            limit = int(q.get("limit", "20"))
-        except ValueError:
-            limit = -1
-        if not 1 <= limit <= 100:
-            raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
-        items = stored.context if order == "asc" else stored.context[::-1]
-        after = q.get("after")
-        if after is not None:
-            ids = [it.get("id") for it in items]
-            if after not in ids:
-                raise APIError(400, f"no input item with id {after!r} in this response", param="after")
-            items = items[ids.index(after) + 1 :]
-        page = items[:limit]
-        return {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > limit,
-        }
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    return (await _api(request)._get(request, response_id)).response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    api = _api(request)
+    await api._get(request, response_id)
+    assert api.store is not None
+    await asyncio.to_thread(api.store.delete, response_id, owner_of(request))
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def input_items(response_id: str, request: Request) -> dict[str, Any]:
+    stored = await _api(request)._get(request, response_id)
+    q = request.query_params
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, "order must be asc or desc", param="order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = -1
+    if not 1 <= limit <= 100:
+        raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
+    items = stored.context if order == "asc" else stored.context[::-1]
+    after = q.get("after")
+    if after is not None:
+        ids = [it.get("id") for it in items]
+        if after not in ids:
+            raise APIError(400, f"no input item with id {after!r} in this response", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }

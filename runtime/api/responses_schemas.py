@@ -8,7 +8,7 @@ message), ``function_call`` items (joined to the assistant message before them, 
 reason in a separate channel). :func:`function_tools` reads the flat function tools. Anything this
 server cannot serve (images, files, hosted tools, ``item_reference``) is a 400 naming the item.
 
-Not here: chaining and storing (``runtime/serving_responses.py``, ``runtime/response_store.py``).
+Not here: chaining and storing (``runtime/api/responses.py``, ``runtime/api/response_store.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any, Literal, cast
 
 from pydantic import Field, ValidationError, model_validator
 
+from runtime.api.openai_schemas import FieldError, FunctionDef, _In, check_json_schema
 from runtime.engine import InvalidRequest
 from runtime.gen_request import NamedTool, OutputFormat, ToolChoice
 from runtime.json_text import loads_json_text
-from runtime.openai_schemas import FieldError, FunctionDef, _In, check_json_schema
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 

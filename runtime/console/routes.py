@@ -1,6 +1,6 @@
 """``GET /console``: the operator's web page of the loop, served from files shipped in the package.
 
-The page (``runtime/console_assets/``: ``index.html``, ``console.css``, ``charts.js``, ``console.js``;
+The page (``runtime/console/assets/``: ``index.html``, ``console.css``, ``charts.js``, ``console.js``;
 plain JS and CSS, no build step, nothing fetched from elsewhere) asks for the admin key, keeps it in
 the browser's ``sessionStorage`` and reads the admin API's own JSON (``/admin/adapters``,
 ``/admin/experiments``, ``/admin/learner``, ``/admin/traffic``, ``/admin/trajectories``, ...): the
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from importlib import resources
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import RedirectResponse, Response
 
 from runtime.errors import APIError
 
-ASSETS = resources.files("runtime") / "console_assets"
+ASSETS = resources.files("runtime.console") / "assets"
 _TYPES = {"index.html": "text/html; charset=utf-8", "console.css": "text/css; charset=utf-8"}
 _TYPES |= {"charts.js": "text/javascript; charset=utf-8", "console.js": "text/javascript; charset=utf-8"}
 HEADERS = {
@@ -40,17 +40,21 @@ def asset(name: str) -> bytes:
     return (ASSETS / name).read_bytes()
 
 
-def install_console_routes(app: FastAPI) -> None:
-    @app.get("/console", include_in_schema=False)
-    async def console() -> Response:
-        return Response(asset("index.html"), media_type=_TYPES["index.html"], headers=HEADERS)
+router = APIRouter()
 
-    @app.get("/console/", include_in_schema=False)
-    async def console_slash() -> Response:
-        return RedirectResponse("/console")
 
-    @app.get("/console/{name}", include_in_schema=False)
-    async def console_asset(name: str) -> Response:
-        if name not in _TYPES or name == "index.html":  # a fixed list: no path from the request reaches the file system
-            raise APIError(404, f"no console file {name!r}", code="not_found")
-        return Response(asset(name), media_type=_TYPES[name], headers=HEADERS)
+@router.get("/console", include_in_schema=False)
+async def console() -> Response:
+    return Response(asset("index.html"), media_type=_TYPES["index.html"], headers=HEADERS)
+
+
+@router.get("/console/", include_in_schema=False)
+async def console_slash() -> Response:
+    return RedirectResponse("/console")
+
+
+@router.get("/console/{name}", include_in_schema=False)
+async def console_asset(name: str) -> Response:
+    if name not in _TYPES or name == "index.html":  # a fixed list: no path from the request reaches the file system
+        raise APIError(404, f"no console file {name!r}", code="not_found")
+    return Response(asset(name), media_type=_TYPES[name], headers=HEADERS)

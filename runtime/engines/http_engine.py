@@ -36,7 +36,7 @@ Hooks a backend implements: ``_connect`` (read server info → :class:`EngineInf
 whose server cannot stream some request (vLLM: ``prompt_logprobs``) says so in ``_streams``; such a request
 is one non-streamed call, handed out as one chunk.
 
-Not here: launching servers (``runtime/launcher.py``), routing between replicas, chat templating.
+Not here: launching servers (``runtime/engines/launcher.py``), routing between replicas, chat templating.
 """
 
 from __future__ import annotations

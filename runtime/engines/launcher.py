@@ -5,7 +5,7 @@
 subprocesses), forwards each line of its output into our structlog log (logger = the backend's name),
 waits until ``health_path`` answers 200 (or the child exits, or ``launch_timeout_s`` passes) and returns
 the base URL. ``stop()`` sends SIGTERM to the process group, then SIGKILL after a grace period.
-Subclasses (``runtime/sglang_launcher.py``, ``runtime/vllm_launcher.py``) give the command and its
+Subclasses (``runtime/engines/sglang_launcher.py``, ``runtime/engines/vllm_launcher.py``) give the command and its
 environment. ``start_all`` starts several children at once (replicas) and stops them all if one fails.
 
 Not here: talking to a server once it is up (``runtime/engines/``).

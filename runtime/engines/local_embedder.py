@@ -1,7 +1,7 @@
 """Embeddings for engines that serve none: the base model's hidden states from a local CPU copy of its weights.
 
 When the external backends (vLLM, SGLang) serve a generative model, their servers have no pooling endpoint for it (when
-they serve a pooling model, the route takes the engine's own embeddings instead: ``runtime/serving_embeddings.py``); so
+they serve a pooling model, the route takes the engine's own embeddings instead: ``runtime/api/embeddings.py``); so
 that ``POST /v1/embeddings`` answers on every backend, :class:`LocalEmbedder` loads the same base model folder the runtime
 already holds for its tokenizer (``transformers.AutoModel``: the decoder with its final norm, no LM head) on the first
 request, and computes exactly what the embedded engine's ``embed`` does: the final hidden state, mean-pooled over the
@@ -9,7 +9,7 @@ input's tokens or the last token's. bf16 where the CPU has native bf16 (as ``--d
 pass at a time on a worker thread, never on the event loop. A model folder whose weights exceed ``max_bytes`` is not
 loaded (a 501 that says so): an external engine usually serves a model too large for the runtime host's CPU.
 
-Not here: the HTTP route and its limits (``runtime/serving_embeddings.py``), the embedded engine's own ``embed``.
+Not here: the HTTP route and its limits (``runtime/api/embeddings.py``), the embedded engine's own ``embed``.
 """
 
 from __future__ import annotations

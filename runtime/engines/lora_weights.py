@@ -4,7 +4,7 @@
 
 ``read_lora`` is meant to run on a worker thread (``asyncio.to_thread``), never the engine's scheduler
 thread: it reads ``adapter_config.json`` and ``adapter_model.safetensors``, refuses LoRA variants we do
-not serve (DoRA, ``modules_to_save``, LoRA biases, ...; the list is ``runtime.adapter_validation.unsupported_lora_features``),
+not serve (DoRA, ``modules_to_save``, LoRA biases, ...; the list is ``runtime.adapters.validation.unsupported_lora_features``),
 maps every ``lora_A``/``lora_B`` pair to a base ``nn.Linear``, checks the shapes and that the weights are finite
 (before and after the scale is folded in and they are cast to the base's dtype: ``lora_B * scale`` can overflow
 float16), and returns per module
@@ -20,7 +20,7 @@ stored as (r, in)/(out, r) either way, and only ``nn.Linear`` bases are served h
 ``layers_to_transform``/``layers_pattern`` need nothing either: a folder only holds weights for the
 layers it adapts.
 
-Not here: embedding LoRA, quantized bases, the registry's path/hash checks (``runtime.adapter_validation.validate_adapter``).
+Not here: embedding LoRA, quantized bases, the registry's path/hash checks (``runtime.adapters.validation.validate_adapter``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from learner.records.adapter_manifest import CONFIG_FILE, WEIGHTS_FILE
-from runtime.adapter_validation import MAX_CONFIG_BYTES, unsupported_lora_features
+from runtime.adapters.validation import MAX_CONFIG_BYTES, unsupported_lora_features
 from runtime.engine import AdapterError
 from runtime.json_text import read_json_file
 

@@ -10,7 +10,7 @@ Memory is bounded by :data:`SLICE`: the logits of at most that many positions ar
 soft-maxed at a time (64 × a 152k vocabulary is 39 MB of float32), however long the chunk.
 
 Not here: which chunks are scored or when the scores are sent (``runtime/engines/embedded.py``), the
-wire formats (``runtime/completions_logprobs.py``).
+wire formats (``runtime/api/completions_logprobs.py``).
 """
 
 from __future__ import annotations

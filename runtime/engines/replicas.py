@@ -16,7 +16,7 @@ server gets the same failure handling.
 - **Adapters**: loads and unloads go to every replica that is up, concurrently. A replica that refuses a
   load (not a transport failure) rolls it back everywhere and the error propagates, so the registry
   stays unchanged; replicas that are down get the adapter when they return. Aliases are resolved by the
-  registry above (``runtime/adapter_registry.py``) before a request gets here, so a flip reaches every replica.
+  registry above (``runtime/adapters/registry.py``) before a request gets here, so a flip reaches every replica.
 - **Embeddings**: servers of a pooling model (``HTTPEngine.pooling_model``, read at connect) embed on the least
   loaded one that is up (``pool``); one that cannot be reached is skipped, as for generation.
 - **Monitor**: one task per replica probes it every ``health_interval_s`` (``HTTPEngine.probe``: cheap,

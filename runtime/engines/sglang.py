@@ -21,7 +21,7 @@ fresh adapter names, transport failures, engine request ids). This module holds 
   (``/get_server_info`` says which). Either way the engine yields only new tokens. SGLang's ``text``
   field is not used (the core decodes the ids locally);
 - adapters: ``POST /load_lora_adapter`` / ``POST /unload_lora_adapter`` (``LoRAUpdateOutput`` bodies);
-  the registry (``runtime/adapter_registry.py``) drains in-flight requests before unload and caps loaded
+  the registry (``runtime/adapters/registry.py``) drains in-flight requests before unload and caps loaded
   adapters at SGLang's ``--max-loras-per-batch`` − 1 (``serve.py``);
 - health: ``GET /health_generate`` (a one-token generate inside SGLang); info: ``/get_model_info``,
   ``/get_server_info``;
@@ -45,7 +45,7 @@ Logprob convention: SGLang's ``output_token_logprobs`` are passed through as the
 T = 1 and T ≠ 1 by ``tests/runtime/test_sglang_real.py``), as does the fake used in tests; other builds and
 settings may differ. Penalized turns are recorded as such either way and never trained on (``runtime/engine.py``).
 
-Not here: launching SGLang (``runtime/sglang_launcher.py``), chat templating, tool parsing.
+Not here: launching SGLang (``runtime/engines/sglang_launcher.py``), chat templating, tool parsing.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ because SGLang's adapter registry is per worker, SGLang #31084), forwards each l
 into our structlog log (logger ``sglang``), waits until ``/health_generate`` answers 200 (or the child
 exits, or ``launch_timeout_s`` passes), and returns the URL. ``stop()`` sends SIGTERM to the child's
 process group (SGLang runs scheduler and detokenizer subprocesses), then SIGKILL after a grace period
-(the process handling is ``runtime/launcher.py``'s, shared with ``--vllm-launch``).
+(the process handling is ``runtime/engines/launcher.py``'s, shared with ``--vllm-launch``).
 
 The Python is ``--sglang-python``; by default the virtualenv ``make sglang`` builds (``SGLANG_VENV`` in the
 Makefile, ``LOOPWISE_SGLANG_VENV`` at run time, ``~/.cache/loopwise/sglang-cpu`` when unset) where it exists,
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.launcher import LaunchError, ServerLauncher
+from runtime.engines.launcher import LaunchError, ServerLauncher
 from runtime.settings import SGLangSettings
 
 __all__ = ["CPU_KV_TOKENS", "LaunchError", "SGLangLauncher", "resolve_device"]

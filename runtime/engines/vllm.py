@@ -50,7 +50,7 @@ with ``top_p`` < 1 vLLM's values are of the truncated, renormalised distribution
 after vLLM's penalties and logit bias, as the embedded engine's are (its raw ones would be before). A
 masked alternative (vLLM's ``-9999.0``) becomes ``-inf``.
 
-Not here: launching vLLM (``runtime/vllm_launcher.py``), routing between replicas, chat templating.
+Not here: launching vLLM (``runtime/engines/vllm_launcher.py``), routing between replicas, chat templating.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``--vllm-launch``: run ``vllm serve`` as child processes for the vLLM backend, one per replica.
 
-``VLLMLauncher(settings, model_path, ...)`` is one server (the process handling is ``runtime/launcher.py``'s:
+``VLLMLauncher(settings, model_path, ...)`` is one server (the process handling is ``runtime/engines/launcher.py``'s:
 own process group, output forwarded into our log under logger ``vllm``, ``/health`` waited for,
 SIGTERM then SIGKILL on stop). ``vllm_launchers(...)`` builds one per replica; ``start_all`` starts them.
 
@@ -34,7 +34,7 @@ import json
 import os
 from pathlib import Path
 
-from runtime.launcher import LaunchError, ServerLauncher
+from runtime.engines.launcher import LaunchError, ServerLauncher
 from runtime.settings import VLLMSettings
 
 __all__ = ["LaunchError", "VLLMLauncher", "lora_rank", "vllm_launchers"]

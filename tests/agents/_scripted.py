@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from learner.records.store import SqliteStore
-from runtime.adapter_registry import AdapterRegistry
+from runtime.adapters.registry import AdapterRegistry
 from runtime.agent_api import LocalRuntimeClient
 from runtime.chat_format import ChatFormatter
 from runtime.engine import EngineInfo, GenerateRequest, GenerateResult, StreamChunk, Timings, TokenLogprob

@@ -242,7 +242,7 @@ def test_context_tracker_detects_a_broken_prefix():
 
 
 def test_adapter_family_serves_the_base_until_a_champion_exists(tok, tmp_path):
-    from runtime.adapter_names import AdapterRef
+    from runtime.adapters.names import AdapterRef
 
     engine = ScriptedEngine(tok, lambda req: "<answer>1</answer>")
     client, recorder, _ = make_client(tok, engine, tmp_path)

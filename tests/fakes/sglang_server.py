@@ -133,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--incremental-streaming-output", action="store_true")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=32)
-    # accepted for the launcher's CPU flags (runtime/sglang_launcher.py); they change nothing here
+    # accepted for the launcher's CPU flags (runtime/engines/sglang_launcher.py); they change nothing here
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default=None)

@@ -98,7 +98,7 @@ def test_the_learner_carries_its_promotions_into_the_next_experiments_test():
     chain = fake._experiment_config("fam-v5", "fam@4", "fam@5")["non_inferiority_chain"]
     assert chain["steps"] == 2 and chain["diff_sd"] == pytest.approx(0.03) and chain["var_sd"] == pytest.approx(0.03)
     # the runtime accepts it and judges the next step against the whole chain
-    from runtime.experiments import ExperimentConfig
+    from runtime.adapters.experiments import ExperimentConfig
 
     assert ExperimentConfig.model_validate(fake._experiment_config("fam-v5", "fam@4", "fam@5")).non_inferiority_chain is not None
 
@@ -163,7 +163,7 @@ def test_experiment_bodies_are_validated(server):
 
 
 def test_the_chat_learners_experiment_config_is_what_the_runtime_accepts(tmp_path: Path):
-    from runtime.experiments import ExperimentConfig
+    from runtime.adapters.experiments import ExperimentConfig
 
     cfg = ExperimentConfig.model_validate(learner_experiment())
     assert cfg.metric is None and cfg.reward_sources is not None and cfg.max_owner_share == 0.5

@@ -122,7 +122,7 @@ def test_a_live_status_line_is_not_torn_by_log_lines_or_relayed_output():
 
 
 def test_the_console_url_printed_at_startup():
-    from runtime.store_routes import InternalKey
+    from runtime.identity import InternalKey
     from serve import console_line
 
     url = "http://127.0.0.1:8000"

@@ -17,7 +17,7 @@ from learner.records.experiments_store import ExperimentStore
 from learner.records.migrations import Schema, SchemaTooNew, migrate_postgres, migrate_sqlite
 from learner.records.store import INTERACTIONS, SqliteStore
 from memory.store import MEMORY, MemoryStore, Provenance
-from runtime.response_store import RESPONSES, ResponseStore, StoredResponse
+from runtime.api.response_store import RESPONSES, ResponseStore, StoredResponse
 
 OLD = Path(__file__).with_name("old_stores")
 
@@ -187,7 +187,7 @@ def test_pg_tables_of_the_previous_code_upgrade_keeping_every_row(pg_url: str) -
     from learner.records.store_pg import PostgresStore
     from memory.store_pg import MEMORY as PG_MEMORY
     from memory.store_pg import PostgresMemoryStore
-    from runtime.response_store_pg import PostgresResponseStore
+    from runtime.api.response_store_pg import PostgresResponseStore
 
     with psycopg.connect(pg_url, autocommit=True) as conn:
         assert migrate_postgres(conn, store_pg.INTERACTIONS, target=8) == 8  # versions 5-8: the same steps as before
@@ -226,7 +226,7 @@ def test_pg_tables_of_the_previous_code_upgrade_keeping_every_row(pg_url: str) -
 def test_pg_runtimes_starting_at_once_migrate_every_schema_once(pg_url: str) -> None:
     from learner.records.store_pg import PostgresStore
     from memory.store_pg import PostgresMemoryStore
-    from runtime.response_store_pg import PostgresResponseStore
+    from runtime.api.response_store_pg import PostgresResponseStore
 
     opened: list[PostgresStore] = []
     errors: list[BaseException] = []

@@ -28,8 +28,8 @@ from learner.publish import (
     publish_files,
     verify_manifest,
 )
-from runtime.adapter_names import AdapterInvalid
-from runtime.adapter_validation import validate_adapter
+from runtime.adapters.names import AdapterInvalid
+from runtime.adapters.validation import validate_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
 

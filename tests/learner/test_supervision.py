@@ -206,7 +206,7 @@ def test_the_admin_api_merges_the_supervisor_into_the_learners_status(tmp_path):
     from prometheus_client import generate_latest
     from prometheus_client.core import CollectorRegistry
 
-    from runtime.learner_routes import LearnerCollector, _statuses
+    from runtime.admin.learner import LearnerCollector, _statuses
 
     now = time.time()
     a, b, c = (tmp_path / f for f in ("a", "b", "c"))

@@ -366,7 +366,7 @@ def run_until(proc: subprocess.Popen, marker: str, timeout: float = 120) -> list
 
 
 def test_learner_killed_mid_update_resumes_exactly(model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from runtime.adapter_validation import validate_adapter
+    from runtime.adapters.validation import validate_adapter
 
     script = tmp_path / "learn.py"
     script.write_text(SCRIPT.format(root=str(ROOT), tests=str(Path(__file__).parent)))

@@ -33,9 +33,9 @@ from typing import Any, Generic, TypeVar
 import httpx
 import pytest
 
-from runtime.launcher import free_port, live_group_members
-from runtime.sglang_launcher import SGLangLauncher
-from runtime.vllm_launcher import VLLMLauncher
+from runtime.engines.launcher import free_port, live_group_members
+from runtime.engines.sglang_launcher import SGLangLauncher
+from runtime.engines.vllm_launcher import VLLMLauncher
 from tests.runtime._client import chat_body, post_chat, stream_chat
 
 _ASKED = os.environ.get("LOOPWISE_TEST_ENGINES", "").replace(",", " ").split()

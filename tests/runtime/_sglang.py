@@ -1,7 +1,7 @@
 """Real SGLang servers for the tests marked ``engines`` (SGLang's pure-PyTorch CPU path, installed by ``make sglang``).
 
 ``SGLangServer(model_path)`` runs ``sglang.launch_server`` through loopwise's own launcher
-(``runtime/sglang_launcher.py``, so the flags ``--sglang-launch`` uses on CPU are the ones tested) with the
+(``runtime/engines/sglang_launcher.py``, so the flags ``--sglang-launch`` uses on CPU are the ones tested) with the
 virtualenv's Python, on a fixed free port: float32, LoRA up to rank 8 in 9 slots per batch (8 adapters and the
 base model, as loopwise's ``--max-loaded-adapters 8`` asks), a small KV cache (8192 tokens: the machine is
 shared). ``kill()`` SIGKILLs its process group (a crash), ``start()`` brings it back on the same port, with no
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.engines.sglang_launcher import SGLangLauncher
 from runtime.settings import SGLangSettings, default_sglang_venv
-from runtime.sglang_launcher import SGLangLauncher
 from tests.runtime._engines import Engine, EngineServer
 
 SGLANG = Engine("sglang", "SGLang", admin_timeout=300)

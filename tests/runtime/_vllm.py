@@ -1,7 +1,7 @@
 """Real vLLM servers for the tests marked ``engines`` (vLLM's CPU build, installed by ``make vllm``).
 
 ``VLLMServer(model_path)`` runs ``vllm serve`` through loopwise's own launcher
-(``runtime/vllm_launcher.py``, so the flags ``--vllm-launch`` uses are the ones tested) on a fixed free
+(``runtime/engines/vllm_launcher.py``, so the flags ``--vllm-launch`` uses are the ones tested) on a fixed free
 port, with a small KV cache (64 MB: the machine is shared), float32 and LoRA up to rank 8. ``kill()``
 SIGKILLs its process group (a crash), ``start()`` brings it back on the same port.
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from runtime.engines.vllm_launcher import VLLMLauncher
 from runtime.settings import VLLMSettings, default_vllm_venv
-from runtime.vllm_launcher import VLLMLauncher
 from tests.runtime._engines import Engine, EngineServer
 
 VLLM = Engine("vllm", "vLLM", admin_timeout=120)

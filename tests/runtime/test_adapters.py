@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.adapter_names import (
+from runtime.adapters.names import (
     AdapterCapacity,
     AdapterError,
     AdapterExists,
@@ -26,8 +26,8 @@ from runtime.adapter_names import (
     AdapterRef,
     parse_model_name,
 )
-from runtime.adapter_registry import AdapterRegistry
-from runtime.adapter_validation import base_shapes_of, validate_adapter
+from runtime.adapters.registry import AdapterRegistry
+from runtime.adapters.validation import base_shapes_of, validate_adapter
 
 
 # ---------------------------------------------------------------- fixtures
@@ -89,7 +89,7 @@ def test_module_import_does_not_load_torch_or_safetensors() -> None:
     import sys
 
     code = (
-        "import sys, runtime.adapter_names, runtime.adapter_validation, runtime.adapter_registry;"
+        "import sys, runtime.adapters.names, runtime.adapters.validation, runtime.adapters.registry;"
         " print('torch' in sys.modules, 'safetensors' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, check=True)
@@ -97,7 +97,7 @@ def test_module_import_does_not_load_torch_or_safetensors() -> None:
 
 
 def test_base_name_mismatch_only_warns(adapter: Path, base_shapes, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="runtime.adapter_validation"):
+    with caplog.at_level(logging.WARNING, logger="runtime.adapters.validation"):
         check(adapter, base_shapes, base_name_or_path="/elsewhere/tiny")
     assert "/elsewhere/tiny" in caplog.text
 

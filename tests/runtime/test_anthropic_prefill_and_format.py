@@ -299,10 +299,10 @@ def test_a_schema_no_grammar_can_be_built_from_names_the_field_sent(srv, field, 
     ],
 )
 def test_an_engines_refusal_of_the_schema_is_an_anthropic_400_on_the_field_sent(engine, status, body):
+    from runtime.api.messages import _in_anthropic_terms
     from runtime.engine import InvalidRequest
     from runtime.engines import sglang, vllm
     from runtime.errors import from_engine
-    from runtime.serving_messages import _in_anthropic_terms
 
     err = (vllm if engine == "vllm" else sglang).translate_error(status, body)
     assert isinstance(err, InvalidRequest) and err.param == "response_format"  # as the embedded engine names its own
@@ -317,8 +317,8 @@ def test_an_engines_refusal_of_the_schema_is_an_anthropic_400_on_the_field_sent(
 
 
 def test_grammar_timeout_names_the_field_sent():
+    from runtime.api.messages import _in_anthropic_terms
     from runtime.errors import APIError
-    from runtime.serving_messages import _in_anthropic_terms
 
     timeout = APIError(400, "the response_format / tool_choice grammar did not compile within 5 s; simplify it", param="response_format")
     assert _in_anthropic_terms(timeout, "output_config.format").message.startswith("the output_config.format grammar did not compile")

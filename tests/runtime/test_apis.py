@@ -19,7 +19,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from runtime.adapter_names import AdapterRef
+from runtime.adapters.names import AdapterRef
 from tests.runtime._inproc import InProc, scripted_app
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -242,8 +242,8 @@ def test_messages_stream_text(serve):
     ],
 )
 def test_messages_stop_reasons(finish, matched, want):
+    from runtime.api.messages import _stop_reason
     from runtime.generation import ChoiceOut
-    from runtime.serving_messages import _stop_reason
 
     assert _stop_reason(ChoiceOut(0, "x", [], finish, matched_stop=matched)) == want
 
@@ -317,7 +317,7 @@ API_NAMES = {"chat": "chat.completions", "responses": "responses", "messages": "
 @pytest.mark.parametrize("api", list(API_CALLS))
 def test_every_api_records_its_turn_and_honours_adapters(serve, api):
     srv = serve(["hello back", "hello again"])
-    registry = srv.app.state.registry
+    registry = srv.app.state.services.registry
     srv.client.portal.call(functools.partial(registry.register, AdapterRef("tone", 1, "/unused"), make_alias=True))
     base = API_CALLS[api](srv, "tiny")["loopwise"]
     tuned = API_CALLS[api](srv, "tone")["loopwise"]

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from runtime.api.openai_schemas import ChatCompletionRequest
 from runtime.chat_format import ChatFormatter
 from runtime.engine import InvalidRequest
-from runtime.openai_schemas import ChatCompletionRequest
 
 DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 

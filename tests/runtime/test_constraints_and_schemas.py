@@ -1,4 +1,4 @@
-"""runtime/constraints.py (with real xgrammar matching), runtime/openai_schemas.py validation, runtime/errors.py mapping."""
+"""runtime/constraints.py (with real xgrammar matching), runtime/api/openai_schemas.py validation, runtime/errors.py mapping."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import xgrammar as xgr
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from runtime.api.chat import to_internal
+from runtime.api.openai_schemas import ChatCompletionRequest
 from runtime.constraints import grammar_for, tool_call_ebnf
 from runtime.engine import AdapterError, EngineClosed, EngineError, EngineOverloaded, Grammar, InvalidRequest
 from runtime.errors import APIError, from_engine, from_validation, param_of
-from runtime.openai_schemas import ChatCompletionRequest
-from runtime.serving_chat import to_internal
 
 USER = [{"role": "user", "content": "hi"}]
 F_PARAMS = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

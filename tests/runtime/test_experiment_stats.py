@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from runtime.experiment_stats import DEFAULT_TAU_FRACTION, decide, msprt_p_value, summarize, two_proportion_z_test, welch_t_test
+from runtime.adapters.experiment_stats import DEFAULT_TAU_FRACTION, decide, msprt_p_value, summarize, two_proportion_z_test, welch_t_test
 
 ALPHA = 0.05
 MC_SLACK = 0.02  # 200 runs at a true rate of 0.05: one standard error is ~0.015
@@ -254,7 +254,7 @@ def test_aa_msprt_holds_alpha_with_unbalanced_arms_and_unequal_variances() -> No
 
 
 def test_non_inferiority_matches_welchs_one_sided_bound_by_hand():
-    from runtime.experiment_stats import non_inferiority
+    from runtime.adapters.experiment_stats import non_inferiority
 
     # champion 0/1 alternating (n 200, mean 0.5), challenger 0.55 (110 of 200 ones): by hand
     a = [float(i % 2) for i in range(200)]
@@ -271,7 +271,7 @@ def test_non_inferiority_matches_welchs_one_sided_bound_by_hand():
 
 
 def test_non_inferiority_passes_a_challenger_worse_by_the_margin_at_most_alpha_of_the_time():
-    from runtime.experiment_stats import non_inferiority
+    from runtime.adapters.experiment_stats import non_inferiority
 
     rng = np.random.default_rng(7)
     sims, n = 2000, 150

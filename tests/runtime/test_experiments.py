@@ -12,9 +12,9 @@ import pytest
 
 from learner.records import Reward, Turn
 from learner.records.store import SqliteStore
-from runtime.adapter_names import AdapterRef
-from runtime.adapter_registry import AdapterRegistry
-from runtime.experiments import ExperimentConfig, ExperimentError, Experiments
+from runtime.adapters.experiments import ExperimentConfig, ExperimentError, Experiments
+from runtime.adapters.names import AdapterRef
+from runtime.adapters.registry import AdapterRegistry
 
 
 async def _noop_load(ref: AdapterRef) -> None:
@@ -169,7 +169,7 @@ def test_a_rolled_back_arm_of_a_running_experiment_routes_to_the_champion(tmp_pa
 
 
 def test_p_value_history_records_each_change_and_stays_bounded(tmp_path, monkeypatch):
-    import runtime.experiments as experiments_module
+    import runtime.adapters.experiments as experiments_module
 
     store = SqliteStore(tmp_path / "x.db")
     reg = registry_with("f@1", "f@2")
@@ -271,7 +271,7 @@ def test_an_experiment_without_evidence_ends_inconclusive_after_its_time(tmp_pat
     status = exps.evaluate("e")
     assert status["status"] == "running" and "no evidence yet" in status["evidence"] and "ends undecided in" in status["evidence"]
     start = exps.states["e"]["started_at"]
-    monkeypatch.setattr("runtime.experiments.time.time", lambda: start + 601)
+    monkeypatch.setattr("runtime.adapters.experiments.time.time", lambda: start + 601)
     status = exps.evaluate("e")
     assert status["status"] == "inconclusive" and "no decision after 600 s" in status["decisions"][-1]["reason"]
     assert reg.aliases()["f"] == "f@1"
@@ -355,7 +355,7 @@ def test_a_worse_challenger_is_not_promoted_when_undecided_and_time_ends_without
     exps2 = Experiments(store2, reg2)
     exps2.create(config(max_duration_s=600, auto_promote=True, non_inferiority_margin=0.2), {"f@1", "f@2"})
     start = exps2.states["e"]["started_at"]
-    monkeypatch.setattr("runtime.experiments.time.time", lambda: start + 601)
+    monkeypatch.setattr("runtime.adapters.experiments.time.time", lambda: start + 601)
     assert exps2.evaluate("e")["status"] == "inconclusive" and reg2.aliases()["f"] == "f@1"
 
 

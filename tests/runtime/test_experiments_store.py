@@ -10,7 +10,7 @@ import pytest
 
 from learner.records.experiments_store import ExperimentStore
 from learner.records.store import INTERACTIONS, SqliteStore
-from runtime.experiments import Experiments
+from runtime.adapters.experiments import Experiments
 from tests.runtime.test_experiments import registry_with
 
 OLD_FILE = Path(__file__).with_name("interactions_v6.sql")

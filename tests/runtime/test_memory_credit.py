@@ -125,7 +125,7 @@ def test_another_owners_reward_never_reaches_the_rewrite(store):
 def test_a_rewrite_whose_memory_was_deleted_gets_nothing(store):
     r = rewrite(store, "traj-r")
     run(store, "traj-p1", r)
-    # DELETE /v1/memory/{scope} deletes the copilot's trajectories of the document (runtime/memory_routes.py); a run that
+    # DELETE /v1/memory/{scope} deletes the copilot's trajectories of the document (runtime/admin/memory.py); a run that
     # read it and outlived the deletion (its tag landed after) is rated later: no reward, no error, the feedback stands
     store.delete_trajectories([r])
     saved = rate(store, "trajectory", "traj-p1", 1.0)

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from learner.samples import sampled_with_penalties
+from runtime.api.chat import to_internal as chat_internal
+from runtime.api.completions import CompletionRequest
+from runtime.api.openai_schemas import ChatCompletionRequest
 from runtime.engine import GenerateRequest, SamplingParams
 from runtime.engines.http_engine import LocalModel
 from runtime.engines.sampling import Penalties, RowSampling, penalize, sample_next
 from runtime.engines.sglang import SGLangEngine
 from runtime.engines.vllm import VLLMEngine
-from runtime.openai_schemas import ChatCompletionRequest
-from runtime.serving_chat import to_internal as chat_internal
-from runtime.serving_completions import CompletionRequest
 from runtime.settings import SGLangSettings
 from tests.runtime._client import assert_error, client, stream_chat
 

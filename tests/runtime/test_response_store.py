@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from runtime.response_store import ResponseBackend, ResponseStore, StoredResponse
+from runtime.api.response_store import ResponseBackend, ResponseStore, StoredResponse
 
 
 def stored(rid: str, owner: str = "key-a", session: str = "s1", turn: str | None = None, text: str = "hi") -> StoredResponse:
@@ -29,7 +29,7 @@ def responses(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Respon
         store.close()
         return
     from learner.records.store_pg import PostgresStore
-    from runtime.response_store_pg import PostgresResponseStore
+    from runtime.api.response_store_pg import PostgresResponseStore
 
     db = PostgresStore(request.getfixturevalue("pg_url"), max_size=4)
     yield PostgresResponseStore(db)
@@ -86,7 +86,7 @@ def test_forbid_waits_for_a_response_being_written(responses: ResponseBackend) -
 
 def test_two_runtimes_on_one_postgres_share_responses(pg_url: str) -> None:
     from learner.records.store_pg import PostgresStore
-    from runtime.response_store_pg import PostgresResponseStore
+    from runtime.api.response_store_pg import PostgresResponseStore
 
     dbs = [PostgresStore(pg_url, max_size=2) for _ in range(2)]
     try:

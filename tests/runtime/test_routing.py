@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.routing import Arm, assign_arm, unit_interval
+from runtime.adapters.routing import Arm, assign_arm, unit_interval
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = [f"user-{i}" for i in range(10_000)]
@@ -49,7 +49,7 @@ def test_same_key_same_arm_in_a_fresh_process() -> None:
     # a fresh interpreter has a different PYTHONHASHSEED; the assignment must not depend on it
     code = (
         "import json\n"
-        "from runtime.routing import Arm, assign_arm\n"
+        "from runtime.adapters.routing import Arm, assign_arm\n"
         "arms = [Arm('a', 1), Arm('b', 1), Arm('c', 2)]\n"
         "print(json.dumps([assign_arm(f'user-{i}', arms, salt='exp-1') for i in range(1000)]))\n"
     )

@@ -29,10 +29,10 @@ import serve
 from loopwise_settings import Settings
 from runtime.engine import AdapterError, EngineClosed, EngineError, EngineOverloaded, GenerateRequest, InvalidRequest, SamplingParams
 from runtime.engines.http_engine import AdapterGone
+from runtime.engines.launcher import LaunchError
 from runtime.engines.sglang import _Decoder, translate_error
-from runtime.launcher import LaunchError
+from runtime.engines.sglang_launcher import SGLangLauncher
 from runtime.settings import SGLangSettings
-from runtime.sglang_launcher import SGLangLauncher
 from tests.fakes.sglang_process import FakeSGLang
 from tests.runtime._client import assert_error, chat_body, post_chat, stream_chat
 from tests.runtime.test_adapter_serving import make_adapter

@@ -119,7 +119,7 @@ def test_admin_traffic_counts_model_requests_and_keeps_path_ids_out_of_labels(ap
     assert tc.get("/v1/models/no/such:model").status_code == 404
     assert tc.get("/admin/traffic", headers={"authorization": "Bearer wrong"}).status_code == 401
     assert tc.get("/admin/traffic?minutes=0", headers=admin).status_code == 400
-    traffic = tc.app.state.traffic
+    traffic = tc.app.state.services.traffic
     traffic.snapshots[-1] = type(traffic.snapshots[-1])(time.time() - 5, {})  # the window started before the requests
     out = tc.get("/admin/traffic", headers=admin).json()
     assert out["totals"]["requests"] == 3 and out["totals"]["by_adapter"]["base"]["requests"] == 3
@@ -138,7 +138,7 @@ def test_agent_model_calls_count_per_adapter(tiny_model_path, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from runtime.adapter_registry import AdapterRegistry
+    from runtime.adapters.registry import AdapterRegistry
     from runtime.agent_api import LocalRuntimeClient
     from runtime.chat_format import ChatFormatter
     from runtime.engine import SamplingParams
@@ -189,7 +189,7 @@ def test_admin_traffic_counts_failed_model_requests_per_adapter(app_client):
     assert tc.post("/v1/chat/completions", json=body).status_code == 429
     assert tc.post("/v1/chat/completions", json={**body, "stream": True}).status_code == 429
     assert tc.post("/v1/chat/completions", json={**body, "model": "no-such-model"}).status_code == 404  # not an adapter's error
-    traffic = tc.app.state.traffic
+    traffic = tc.app.state.services.traffic
     traffic.snapshots[-1] = type(traffic.snapshots[-1])(time.time() - 5, {})
     out = tc.get("/admin/traffic", headers=admin).json()
     assert out["totals"]["by_adapter"]["base"]["errors"] == {"429": 2.0}

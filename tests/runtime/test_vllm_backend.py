@@ -14,8 +14,8 @@ import pytest
 from runtime.engine import EngineError, EngineOverloaded, GenerateRequest, Grammar, InvalidRequest, SamplingParams
 from runtime.engines.http_engine import AdapterGone, LocalModel
 from runtime.engines.vllm import VLLMEngine, _Decoder, translate_error
+from runtime.engines.vllm_launcher import VLLMLauncher, cpu_share, lora_rank
 from runtime.settings import VLLMSettings
-from runtime.vllm_launcher import VLLMLauncher, cpu_share, lora_rank
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.adapter_names import AdapterInvalid
-from runtime.adapter_validation import base_shapes_of, validate_adapter
+from runtime.adapters.names import AdapterInvalid
+from runtime.adapters.validation import base_shapes_of, validate_adapter
 from tests.security._app import ADMIN, auth, served
 
 

@@ -214,7 +214,7 @@ def test_journaled_turns_of_a_deleted_session_are_not_replayed(server: Any) -> N
 
 
 def test_stored_responses_of_a_deleted_session_are_deleted_too(server: Any) -> None:
-    """Needs ``runtime/app.py`` to hand its ``ResponseStore`` to ``install_store_routes`` (see the report of issue 42/8)."""
+    """Needs ``runtime/app.py`` to hand its ``ResponseStore`` to the store routes (``runtime/admin/store.py``; see the report of issue 42/8)."""
 
     def respond(key: str, text: str) -> str:
         headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "r-doomed"}

@@ -66,7 +66,7 @@ def test_an_experiment_counts_only_trusted_sources_by_default(store: SqliteStore
 
 
 def test_experiment_config_says_which_sources_count() -> None:
-    from runtime.experiments import ExperimentConfig
+    from runtime.adapters.experiments import ExperimentConfig
 
     cfg = ExperimentConfig(name="e", family="fam", arms=[{"adapter": "fam@1"}, {"adapter": "fam@2"}])
     assert cfg.metric is None and cfg.sources == "trusted"

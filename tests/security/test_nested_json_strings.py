@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime.adapter_names import AdapterInvalid, AdapterRef
-from runtime.adapter_routes import adapter_validator
+from runtime.adapters.names import AdapterInvalid, AdapterRef
+from runtime.adapters.validation import adapter_validator
 from runtime.json_text import MAX_DEPTH, JSONLimitExceeded, loads_json_text, read_json_file
 from tests.runtime._client import assert_error
 
@@ -81,10 +81,10 @@ def deep_config(good: Path, out: Path, text: str = DEEP) -> Path:
 
 @pytest.mark.parametrize("text", [DEEP, nested_object(LEVELS)], ids=["array", "object"])
 def test_a_deep_adapter_config_is_invalid_on_every_load_path(good, tmp_path, tiny_model_path, text):
-    """The shared validator (admin API and ``registry_sync``), and the embedded engine's own reader."""
+    """The shared validator (admin API and ``runtime/adapters/sync.py``), and the embedded engine's own reader."""
     from transformers import AutoModelForCausalLM
 
-    from runtime.adapter_validation import base_shapes_of
+    from runtime.adapters.validation import base_shapes_of
     from runtime.engine import AdapterError
     from runtime.engines.lora_weights import read_lora
 

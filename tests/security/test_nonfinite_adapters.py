@@ -15,9 +15,8 @@ import httpx
 import pytest
 import torch
 
-from runtime.adapter_names import AdapterInvalid, AdapterRef
-from runtime.adapter_routes import adapter_validator
-from runtime.adapter_validation import base_shapes_of, validate_adapter
+from runtime.adapters.names import AdapterInvalid, AdapterRef
+from runtime.adapters.validation import adapter_validator, base_shapes_of, validate_adapter
 from tests.runtime._client import assert_error
 
 ADMIN = "nonfinite-admin"
@@ -83,7 +82,7 @@ def test_finite_weights_pass_in_every_float_dtype(good, shapes, tmp_path, dtype)
 
 
 def test_the_shared_validator_refuses_them_off_the_event_loop(good, shapes, tmp_path):
-    """``adapter_validator`` is what both the admin API and ``registry_sync`` (a published adapter) go through."""
+    """``adapter_validator`` is what both the admin API and ``runtime/adapters/sync.py`` (a published adapter) go through."""
     bad = poisoned(good, tmp_path / "root" / "bad")
     validated = adapter_validator(lambda: shapes, tmp_path / "root", 16)
     with pytest.raises(AdapterInvalid, match="non-finite"):
@@ -142,10 +141,10 @@ def test_the_admin_api_answers_400_invalid_adapter(server, root, good, value):
 
 def _forced_past_every_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """What an adapter that slips past validation looks like: its finiteness checks switched off."""
-    import runtime.adapter_validation
+    import runtime.adapters.validation
     import runtime.engines.lora_weights
 
-    monkeypatch.setattr(runtime.adapter_validation, "_check_finite", lambda *a: None)
+    monkeypatch.setattr(runtime.adapters.validation, "_check_finite", lambda *a: None)
     monkeypatch.setattr(runtime.engines.lora_weights, "_check_finite", lambda *a: None)
 
 
