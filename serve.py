@@ -451,7 +451,7 @@ def console_line(url: str, admin_key: str | None, with_key: bool) -> str:
 def build_external_engine(settings: Settings, model_path: Path, model_id: str) -> tuple[Any, AdapterSettings]:
     """The SGLang or vLLM backend: launch servers if asked, check that at least one answers, and put every URL behind
     one replica set (``runtime/engines/replicas.py``). Exits with a message that says what to do when none answers."""
-    from runtime.engines.http_engine import HTTPEngine, HTTPTimeouts
+    from runtime.engines.http_engine import HTTPEngine
     from runtime.engines.launcher import LaunchError, ServerLauncher, start_all
     from runtime.engines.replicas import ReplicaSet
 
@@ -516,8 +516,7 @@ def build_external_engine(settings: Settings, model_path: Path, model_id: str) -
         elif not urls:
             sys.exit("error: --backend vllm needs --engine-url URL (a running vLLM server; repeat it for replicas) or --vllm-launch (start one)")
         _probe_all(urls, lambda url: probe_vllm(url, vs.connect_timeout_s))
-        timeouts = HTTPTimeouts(vs.connect_timeout_s, vs.request_timeout_s, vs.adapter_timeout_s)
-        engines = [VLLMEngine(url, model_path, model_id=model_id, timeouts=timeouts, max_concurrency=max_concurrency) for url in urls]
+        engines = [VLLMEngine(url, model_path, model_id=model_id, settings=vs, max_concurrency=max_concurrency) for url in urls]
     # uvicorn re-raises SIGTERM after its shutdown, so code after serving never runs: stop launched servers in close()
     engine = ReplicaSet(engines, health_interval_s=es.health_interval_s, on_close=stop_launched if launchers else None)
     return engine, adapters

@@ -7,8 +7,9 @@ wire format (request body, answer decoding, error bodies, adapter endpoints, ser
 
 What the core does:
 
-- one ``httpx.AsyncClient`` per server, explicit connect/read/write/pool timeouts, a pool sized to the
-  admission limit; more requests in flight than ``max_concurrency`` → :class:`EngineOverloaded`;
+- one ``httpx.AsyncClient`` per server, explicit connect/read/write/pool timeouts (connect, read and adapter
+  timeouts from the backend's settings section, ``TimeoutSettings``), a pool sized to the admission limit; more
+  requests in flight than ``max_concurrency`` → :class:`EngineOverloaded`;
 - the local model folder (``LocalModel``): the tokenizer (the runtime templates and tokenizes; text is
   decoded here from the token ids the server returns, with ``TextStream``, so stop strings are cut and
   partial UTF-8 is held back exactly as in the embedded engine) and the model's module shapes on the
@@ -31,10 +32,10 @@ Embeddings: a server that serves a pooling (embedding) model instead of a genera
 ``POST /v1/embeddings`` (``pool``), which vLLM and SGLang both serve for such a model; it cannot generate, so a
 generation request is :class:`NotSupported` here rather than the server's 404.
 
-Hooks a backend implements: ``_connect`` (read server info → :class:`EngineInfo`), ``_body``,
-``_decoder``, ``translate_error``, ``_load``/``_unload`` (adapter endpoints), ``health``, ``probe``. A backend
-whose server cannot stream some request (vLLM: ``prompt_logprobs``) says so in ``_streams``; such a request
-is one non-streamed call, handed out as one chunk.
+Hooks a backend implements: ``_init_backend`` (its own attributes, set at the end of the one shared constructor),
+``_connect`` (read server info → :class:`EngineInfo`), ``_body``, ``_decoder``, ``translate_error``, ``_load``/``_unload``
+(adapter endpoints), ``health``, ``probe``. A backend whose server cannot stream some request (vLLM: ``prompt_logprobs``)
+says so in ``_streams``; such a request is one non-streamed call, handed out as one chunk.
 
 Not here: launching servers (``runtime/engines/launcher.py``), routing between replicas, chat templating.
 """
@@ -90,11 +91,24 @@ class AdapterGone(AdapterError):
     """The server does not have that adapter (an unload of a name it forgot, e.g. after a restart)."""
 
 
+class TimeoutSettings(Protocol):
+    """A backend's settings section as far as the core reads it (``SGLangSettings``, ``VLLMSettings``)."""
+
+    @property
+    def connect_timeout_s(self) -> float: ...
+
+    @property
+    def request_timeout_s(self) -> float: ...
+
+    @property
+    def adapter_timeout_s(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class HTTPTimeouts:
-    connect_s: float = 5.0
-    request_s: float = 600.0  # read timeout of one generate call
-    adapter_s: float = 300.0  # one adapter load or unload
+    connect_s: float
+    request_s: float  # read timeout of one generate call
+    adapter_s: float  # one adapter load or unload
 
 
 @dataclass(frozen=True)
@@ -217,7 +231,7 @@ class HTTPEngine:
         model_path: Path,
         *,
         model_id: str,
-        timeouts: HTTPTimeouts | None = None,
+        settings: TimeoutSettings,
         max_concurrency: int = 288,
         on_close: Callable[[], None] | None = None,
         local: LocalModel | None = None,
@@ -225,7 +239,7 @@ class HTTPEngine:
         self.url = url.rstrip("/")
         self._path = Path(model_path)
         self._model_id = model_id
-        self.timeouts = timeouts or HTTPTimeouts()
+        self.timeouts = HTTPTimeouts(settings.connect_timeout_s, settings.request_timeout_s, settings.adapter_timeout_s)
         self._max_concurrency = max_concurrency
         self._on_close = on_close  # e.g. stop a launched server: runs in close(), inside the app's shutdown
         self._client: httpx.AsyncClient | None = None
@@ -235,6 +249,7 @@ class HTTPEngine:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.local = local
         self.pooling_model: PoolingModel | None = None  # set by _connect when the server serves a pooling model
+        self._init_backend()
 
     # ---- lifecycle -------------------------------------------------------------------------
     @property
@@ -290,6 +305,9 @@ class HTTPEngine:
             await asyncio.to_thread(self._on_close)
 
     # ---- hooks -----------------------------------------------------------------------------
+    def _init_backend(self) -> None:
+        """Set the backend's own attributes (the last step of ``__init__``; the constructor is this class's alone)."""
+
     async def _connect(self) -> EngineInfo:
         raise NotImplementedError
 

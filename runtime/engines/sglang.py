@@ -51,7 +51,6 @@ Not here: launching SGLang (``runtime/engines/sglang_launcher.py``), chat templa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +74,6 @@ from runtime.engines.http_engine import (
     AdapterGone,
     ChunkBuilder,
     HTTPEngine,
-    HTTPTimeouts,
-    LocalModel,
     ServerDown,
     error_message,
     grammar_refusal,
@@ -222,19 +219,7 @@ class SGLangEngine(HTTPEngine):
     label = "SGLang"
     generate_path = "/generate"
 
-    def __init__(
-        self,
-        url: str,
-        model_path: Path,
-        *,
-        model_id: str,
-        settings: SGLangSettings,
-        max_concurrency: int = 288,
-        on_close: Callable[[], None] | None = None,
-        local: LocalModel | None = None,
-    ) -> None:
-        timeouts = HTTPTimeouts(settings.connect_timeout_s, settings.request_timeout_s, settings.adapter_timeout_s)
-        super().__init__(url, model_path, model_id=model_id, timeouts=timeouts, max_concurrency=max_concurrency, on_close=on_close, local=local)
+    def _init_backend(self) -> None:
         self._incremental = False
         self.server_info: dict[str, Any] = {}
         self.model_info: dict[str, Any] = {}

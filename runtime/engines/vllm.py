@@ -1,6 +1,6 @@
 """The vLLM engine: token ids in, token ids + logprobs out, through vLLM's OpenAI-compatible HTTP server.
 
-``VLLMEngine(url, model_path, model_id=..., timeouts=...)`` is one ``vllm serve`` server on the shared
+``VLLMEngine(url, model_path, model_id=..., settings=...)`` is one ``vllm serve`` server on the shared
 HTTP engine core (``runtime/engines/http_engine.py``). This module holds vLLM's wire format:
 
 - generation: ``POST /v1/completions`` with ``prompt`` = the token ids (a list of ints is never
@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +79,6 @@ from runtime.engines.http_engine import (
     AdapterGone,
     ChunkBuilder,
     HTTPEngine,
-    HTTPTimeouts,
-    LocalModel,
     ServerDown,
     error_message,
     grammar_refusal,
@@ -232,18 +229,7 @@ class VLLMEngine(HTTPEngine):
     label = "vLLM"
     generate_path = "/v1/completions"
 
-    def __init__(
-        self,
-        url: str,
-        model_path: Path,
-        *,
-        model_id: str,
-        timeouts: HTTPTimeouts | None = None,
-        max_concurrency: int = 288,
-        on_close: Callable[[], None] | None = None,
-        local: LocalModel | None = None,
-    ) -> None:
-        super().__init__(url, model_path, model_id=model_id, timeouts=timeouts, max_concurrency=max_concurrency, on_close=on_close, local=local)
+    def _init_backend(self) -> None:
         self.served = ""  # the base model's name on the server (its /v1/models entry without a parent)
         self.version = ""
         self.runtime_lora = True  # whether the server accepts /v1/load_lora_adapter (checked at connect)

@@ -25,7 +25,7 @@ from runtime.engines.http_engine import LocalModel
 from runtime.engines.sampling import Penalties, RowSampling, penalize, sample_next
 from runtime.engines.sglang import SGLangEngine
 from runtime.engines.vllm import VLLMEngine
-from runtime.settings import SGLangSettings
+from runtime.settings import SGLangSettings, VLLMSettings
 from tests.runtime._client import assert_error, client, stream_chat
 
 ADMIN = "admin-secret"
@@ -148,7 +148,7 @@ PENALIZED = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, logit_
 
 
 def test_vllm_body_carries_the_penalties_and_bias(tiny_model_path, local) -> None:
-    engine = VLLMEngine("http://x", tiny_model_path, model_id="tiny", local=local)
+    engine = VLLMEngine("http://x", tiny_model_path, model_id="tiny", settings=VLLMSettings(), local=local)
     engine.served = "base"
     body = engine._body(GenerateRequest("r", (5,), PENALIZED), "e", stream=False)
     assert (body["presence_penalty"], body["frequency_penalty"], body["logit_bias"]) == (0.5, -0.25, {"7": 100.0, "9": -5.0})

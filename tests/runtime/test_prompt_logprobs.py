@@ -28,7 +28,7 @@ from runtime.engines.sglang import SGLangEngine
 from runtime.engines.sglang import _Decoder as SGLangDecoder
 from runtime.engines.vllm import VLLMEngine
 from runtime.engines.vllm import _Decoder as VLLMDecoder
-from runtime.settings import SGLangSettings
+from runtime.settings import SGLangSettings, VLLMSettings
 from tests.runtime._client import assert_error, client
 from tests.runtime._inproc import InProc, scripted_app
 
@@ -378,7 +378,7 @@ def _vllm_answer(token_ids: list[int], prompt_logprobs: Any) -> dict[str, Any]:
 
 
 def test_vllm_body_and_prompt_logprobs_decoding(tiny_model_path, local) -> None:
-    engine = VLLMEngine("http://x", tiny_model_path, model_id="tiny", local=local)
+    engine = VLLMEngine("http://x", tiny_model_path, model_id="tiny", settings=VLLMSettings(), local=local)
     engine.served = "base"
     body = engine._body(GenerateRequest("r", (5, 6, 9), SamplingParams(max_new_tokens=0, prompt_logprobs=2)), "e", stream=False)
     assert body["prompt_logprobs"] == 2 and body["max_tokens"] == 1  # vLLM generates at least one token: the decoder drops it
@@ -406,7 +406,7 @@ def test_vllm_streamed_prompt_logprobs_are_one_non_streamed_call(tiny_model_path
         return httpx.Response(200, json=_vllm_answer([11, 12], VLLM_PROMPT_LOGPROBS))
 
     async def main() -> list[Any]:
-        engine = VLLMEngine("http://x", tiny_model_path, model_id="tiny", local=local)
+        engine = VLLMEngine("http://x", tiny_model_path, model_id="tiny", settings=VLLMSettings(), local=local)
         engine.served = "base"
         engine._client = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x")
         req = GenerateRequest("r", (5, 6, 9), SamplingParams(max_new_tokens=2, prompt_logprobs=2))

@@ -19,6 +19,7 @@ import pytest
 from runtime.engine import AdapterError, EngineClosed, EngineInfo, GenerateRequest, SamplingParams, StreamChunk, Timings, collect
 from runtime.engines.http_engine import AdapterGone, HTTPEngine, LocalModel, ServerDown, ServerLost
 from runtime.engines.replicas import ReplicaSet
+from runtime.settings import VLLMSettings
 
 
 class Scripted(HTTPEngine):
@@ -26,7 +27,9 @@ class Scripted(HTTPEngine):
     label = "Scripted"
 
     def __init__(self, index: int, *, listing: bool = True) -> None:
-        super().__init__(f"http://replica-{index}", Path("."), model_id="m", local=LocalModel(Path("."), None, None, 64, 10, (0,)))
+        super().__init__(
+            f"http://replica-{index}", Path("."), model_id="m", settings=VLLMSettings(), local=LocalModel(Path("."), None, None, 64, 10, (0,))
+        )
         self.index = index
         self.listing = listing  # whether probe() lists the loaded adapters (vLLM) or not (SGLang)
         self.down = False  # connections refused

@@ -124,7 +124,9 @@ def test_stop_reasons(tok):
 
 
 def test_request_body_is_token_ids_with_every_sampling_knob_explicit(tiny_model_path, tok):
-    engine = VLLMEngine("http://x", tiny_model_path, model_id="tiny", local=LocalModel(tiny_model_path, tok, None, 2048, 2000, (2,)))
+    engine = VLLMEngine(
+        "http://x", tiny_model_path, model_id="tiny", settings=VLLMSettings(), local=LocalModel(tiny_model_path, tok, None, 2048, 2000, (2,))
+    )
     engine.served = "served-base"
     engine._names["fam@3"] = "fam@3-0123456789ab"
     sp = SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, seed=11, stop=("\n\n",), stop_token_ids=(9,), logprobs=True, top_logprobs=3)
@@ -154,7 +156,7 @@ def test_request_body_is_token_ids_with_every_sampling_knob_explicit(tiny_model_
 
 
 def test_the_engine_request_id_is_generated_per_request(tiny_model_path):
-    engine = VLLMEngine("http://x", tiny_model_path, model_id="tiny")
+    engine = VLLMEngine("http://x", tiny_model_path, model_id="tiny", settings=VLLMSettings())
     req = GenerateRequest("same-client-id", (5,), SamplingParams())
     ids = {engine._start_request(req) for _ in range(3)}
     assert len(ids) == 3 and "same-client-id" not in ids
