@@ -5,6 +5,8 @@
   ``Retry-After``. Used for ``POST /v1/feedback``.
 - :class:`KeyQuota`: per-owner concurrency and queue quotas counted in choices (``n``): generation
   requests and agent runs take slots for as long as they run (a stream until it ends).
+- :class:`runtime.throttle.Throttle` (held as ``Admission.throttle``): keys whose requests are mostly refused get
+  one request in flight and ``n`` = 1 for a while.
 - :class:`Offload`: templating, tokenizing (``ChatService.prepare``) and grammar compilation run on small
   dedicated thread pools with a deadline, never on the event loop; so does every other request-dependent
   step that can take long.
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from runtime.errors import APIError
+from runtime.throttle import Throttle
 
 T = TypeVar("T")
 
@@ -200,9 +203,12 @@ class Admission:
     Quotas apply per API key; the open server's ``public`` owner (everyone, no identity) and the admin API's
     own work (``admin``: the learner's runs) are bounded only by the engine's queue (``--max-queue``)."""
 
-    def __init__(self, settings: Any, *, unlimited_owners: tuple[str, ...] = ()) -> None:
+    def __init__(self, settings: Any, *, unlimited_owners: tuple[str, ...] = (), on_throttled: Callable[[], None] | None = None) -> None:
         self.settings = settings
         self.quota = KeyQuota(settings.max_running_per_key, settings.max_queued_per_key)
+        self.throttle = Throttle(
+            settings.throttle_refusals, settings.throttle_window_s, settings.throttle_penalty_s, exempt=unlimited_owners, on_refuse=on_throttled
+        )
         self.offload = Offload()
         self._unlimited = frozenset(unlimited_owners)
         self._penalty: dict[str, float] = {}  # owner -> monotonic time its grammar penalty ends
@@ -211,6 +217,7 @@ class Admission:
         """Take ``n`` of ``owner``'s slots until the returned function is called (429 or 400 when it cannot)."""
         if owner in self._unlimited:
             return lambda: None
+        self.throttle.check_choices(owner, n)
         try:
             return await self.quota.acquire(owner, n)
         except QuotaExceeded as exc:

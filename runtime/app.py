@@ -81,6 +81,7 @@ from runtime.recorder import Recorder
 from runtime.services import MemoryBackend, Services
 from runtime.serving import Gateway
 from runtime.settings import AdapterSettings, AdmissionSettings, EngineSettings, FeedbackSettings, RecorderSettings, ServerSettings
+from runtime.throttle import Throttle
 from runtime.traffic import TrafficHistory
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,10 @@ def create_app(
     response_store: ResponseBackend | None = None,
 ) -> FastAPI:
     metrics = metrics or Metrics(engine.stats)
-    admission = Admission(admission_settings or AdmissionSettings(), unlimited_owners=(PUBLIC_OWNER, ADMIN_OWNER))
+    admission = Admission(
+        admission_settings or AdmissionSettings(), unlimited_owners=(PUBLIC_OWNER, ADMIN_OWNER), on_throttled=metrics.throttled_requests.inc
+    )
+    metrics.throttled_keys.set_function(admission.throttle.throttled_keys)
     recorder_settings = recorder_settings or RecorderSettings(record=recorder is not None)
     adapter_settings = adapter_settings or AdapterSettings()
     feedback_settings = feedback_settings or FeedbackSettings()
@@ -178,7 +182,7 @@ def create_app(
     )
     for router in ROUTERS:  # the routes themselves, not include_router's one lazy route per router (see ROUTERS)
         app.router.routes.extend(router.routes)
-    _add_middleware(app, server, metrics)
+    _add_middleware(app, server, metrics, admission.throttle)
     return app
 
 
@@ -193,9 +197,10 @@ def _shared_store_sync(
     return listener, RegistrySync(recorder.store, registry, experiments, validated)
 
 
-def _add_middleware(app: FastAPI, server: ServerSettings, metrics: Metrics) -> None:
+def _add_middleware(app: FastAPI, server: ServerSettings, metrics: Metrics, throttle: Throttle) -> None:
     # /v1 takes API keys only: the admin key opens /admin and is not an API key (runtime/identity.py)
-    app.add_middleware(_RequestContext, keys=KeyRing(server.api_keys, server.admin_key), metrics=metrics, routes=app.router.routes)
+    keys = KeyRing(server.api_keys, server.admin_key)
+    app.add_middleware(_RequestContext, keys=keys, metrics=metrics, routes=app.router.routes, throttle=throttle)
     if server.cors_origins:  # outermost: a browser's preflight is answered before authentication
         app.add_middleware(
             CORSMiddleware,
@@ -267,14 +272,15 @@ def _lifespan(
 
 
 class _RequestContext:
-    """Request id, API-key check on ``/v1/``, the error envelope for anything unhandled, request metrics.
+    """Request id, API-key check on ``/v1/``, the key's throttle (``runtime/throttle.py``: counted here, where every
+    status is known, and refused here, before the body is read), the error envelope for anything unhandled, request metrics.
 
     A pure ASGI middleware: Starlette's ``@app.middleware("http")`` (BaseHTTPMiddleware) re-wraps every
     request and response body in extra tasks and streams, which cost measurable latency per request.
     """
 
-    def __init__(self, app: ASGIApp, keys: KeyRing, metrics: Metrics, routes: list[BaseRoute]) -> None:
-        self.app, self.keys, self.metrics, self.routes = app, keys, metrics, routes
+    def __init__(self, app: ASGIApp, keys: KeyRing, metrics: Metrics, routes: list[BaseRoute], throttle: Throttle) -> None:
+        self.app, self.keys, self.metrics, self.routes, self.throttle = app, keys, metrics, routes, throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -297,10 +303,14 @@ class _RequestContext:
                 MutableHeaders(scope=message)["x-request-id"] = rid
             await send(message)
 
+        entered: str | None = None  # the owner whose request the throttle let in
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
                 if endpoint.startswith("/v1/"):
-                    set_owner(scope, _check_auth(request, self.keys))
+                    owner = _check_auth(request, self.keys)
+                    set_owner(scope, owner)
+                    self.throttle.enter(owner)
+                    entered = owner
                 await self.app(scope, receive, send_with_id)
             except APIError as exc:
                 if started:
@@ -318,6 +328,9 @@ class _RequestContext:
                     500, f"The server had an error processing your request (request id {rid}).", type="server_error", code="internal_error"
                 )
                 await _error_response(error, endpoint)(scope, receive, send_with_id)
+            finally:
+                if entered is not None:
+                    self.throttle.leave(entered, status)
         # the route's template, not the raw path: ids in paths (and unknown paths) must not grow the label set without bound
         label = _CONVERTER.sub("}", getattr(scope.get("route"), "path", None) or _route_template(self.routes, scope))
         self.metrics.requests.labels(label, str(status)).inc()

@@ -58,6 +58,10 @@ class Metrics:
             ["adapter", "status"],
             registry=r,
         )
+        self.throttled_requests = Counter(
+            "loopwise_throttled_requests", "requests refused (429) because their API key is throttled (runtime/throttle.py)", registry=r
+        )
+        self.throttled_keys = Gauge("loopwise_throttled_keys", "API keys throttled now for sending mostly refused requests", registry=r)
         self.batch_size = Histogram("loopwise_batch_size", "rows per engine forward step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         queue = Gauge("loopwise_queue_depth", "requests waiting for a batch slot", registry=r)
         queue.set_function(lambda: engine_stats().get("waiting", 0.0))

@@ -173,6 +173,17 @@ class AdmissionSettings(_Frozen):
         5.0, gt=0, description="longest a response_format / tool_choice grammar may take to compile (off the event loop)",
         json_schema_extra={"flag": "--grammar-timeout"},
     )  # fmt: skip
+    throttle_refusals: int = Field(
+        20, ge=0, description="refused requests (400, 403, 404, 413, 422) in --throttle-window after which a key, if they were at least "
+        "half of its requests, is throttled: one request in flight, n = 1 (0 = never; runtime/throttle.py)",
+        json_schema_extra={"flag": "--throttle-refusals"},
+    )  # fmt: skip
+    throttle_window_s: float = Field(
+        60.0, gt=0, description="the sliding window the refusals are counted over", json_schema_extra={"flag": "--throttle-window"}
+    )
+    throttle_penalty_s: float = Field(
+        300.0, gt=0, description="how long a key stays throttled after it last crossed the line", json_schema_extra={"flag": "--throttle-penalty"}
+    )
     grammar_penalty_s: float = Field(
         60.0, ge=0, description="after a grammar passed its deadline, its key waits this long before compiling another (429)",
         json_schema_extra={"flag": "--grammar-penalty"},
