@@ -288,7 +288,7 @@ class Stats:
         # the timeline (--timeline): honest (start, seconds, side) and hostile (start, seconds, attack, status), for
         # finding which attack the slow honest requests overlapped
         self.honest_times: list[tuple[float, float, str]] = []
-        self.hostile_times: list[tuple[float, float, str, int]] = []
+        self.hostile_times: list[tuple[float, float, str, int | str]] = []
 
 
 async def honest(client: httpx.AsyncClient, i: int, stats: Stats, phase: dict[str, Any], stop: asyncio.Event, adapter_ready: asyncio.Event) -> None:
@@ -358,9 +358,9 @@ async def hostile(client: httpx.AsyncClient, w: int, stats: Stats, phase: dict[s
                 r = await client.post(path, content=body, headers={**headers, "content-type": "application/json"})
             else:
                 r = await client.post(path, json=body, headers=headers)
-            status = r.status_code
-        except httpx.HTTPError:
-            status = 599
+            status: int | str = r.status_code
+        except httpx.HTTPError:  # e.g. a throttled key's 4 MB body cut off by the server's early 429: not a server error
+            status = "transport"
         stats.hostile[f"{name}:{status}"] += 1
         stats.hostile_times.append((t0, time.perf_counter() - t0, name, status))
 
@@ -441,7 +441,7 @@ def overlap_table(stats: Stats, window_s: float = 2.0) -> dict[str, dict[str, fl
     in flight then. A fixed window, not the whole request: a slow request overlaps more of everything, which would
     make every attack look guilty (a first run of this table did)."""
     honest = [(t0, t0 + window_s, dt) for t0, dt, side in stats.honest_times if side == "hostile"]
-    kinds = sorted({(name, status) for _, _, name, status in stats.hostile_times})
+    kinds = sorted({(name, status) for _, _, name, status in stats.hostile_times}, key=str)
     out: dict[str, dict[str, float]] = {}
     hit_any = [False] * len(honest)
     for name, status in kinds:
@@ -517,7 +517,7 @@ def main() -> None:
     lost = len(answered - stored)
     calm, host = stats.latency["calm"], stats.latency["hostile"]
     honest_5xx = sum(n for side in stats.status.values() for code, n in side.items() if code >= 500)
-    hostile_5xx = {k: v for k, v in stats.hostile.items() if int(k.rsplit(":", 1)[1]) >= 500}
+    hostile_5xx = {k: v for k, v in stats.hostile.items() if k.rsplit(":", 1)[1].isdigit() and int(k.rsplit(":", 1)[1]) >= 500}
     first = statistics.median(v for s, v in rss[: max(1, len(rss) // 4)])
     last = statistics.median(v for s, v in rss[-max(1, len(rss) // 4) :])
     # after warm-up: the third round, once a calm and a hostile round have grown the KV pools to the batch's size
