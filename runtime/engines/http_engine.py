@@ -510,6 +510,14 @@ class HTTPEngine:
                 await asyncio.sleep(delay)
         raise ServerDown(f"cannot reach {self.label} at {self.url}{path} after {attempts} tries: {last!r}") from last
 
+    async def _post_lora(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], timeout: float | None = None) -> httpx.Response:
+        """POST an adapter load or unload (``body`` names ``lora_name``); a transport error is :class:`ServerDown`.
+        Not retried: a load or unload is not idempotent (a retry after a lost answer would be "already exists")."""
+        try:
+            return await client.post(path, json=body, timeout=timeout or self.timeouts.adapter_s)
+        except httpx.TransportError as exc:
+            raise ServerDown(f"{self.label} {path} for {body['lora_name']!r} failed: {type(exc).__name__}: {exc}") from exc
+
     async def _get_json(self, path: str, attempts: int = _GET_ATTEMPTS) -> dict[str, Any]:
         resp = await self._get(self._admit_any(), path, attempts)
         if resp.status_code != 200:

@@ -330,22 +330,19 @@ class SGLangEngine(HTTPEngine):
 
     # ---- adapters --------------------------------------------------------------------------
     async def _load(self, client: httpx.AsyncClient, server_name: str, path: str) -> None:
-        await self._post_lora(client, "/load_lora_adapter", {"lora_name": server_name, "lora_path": path, "pinned": False})
+        await self._post_adapter(client, "/load_lora_adapter", {"lora_name": server_name, "lora_path": path, "pinned": False})
 
     async def _unload(self, client: httpx.AsyncClient, server_name: str, timeout: float | None = None) -> None:
         try:
-            await self._post_lora(client, "/unload_lora_adapter", {"lora_name": server_name}, timeout)
+            await self._post_adapter(client, "/unload_lora_adapter", {"lora_name": server_name}, timeout)
         except AdapterError as exc:
             if "does not exist" in str(exc):
                 raise AdapterGone(str(exc)) from exc
             raise
 
-    async def _post_lora(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], timeout: float | None = None) -> None:
-        # not retried: a load or unload is not idempotent (a retry after a lost answer would be "already exists")
-        try:
-            resp = await client.post(path, json=body, timeout=timeout or self.timeouts.adapter_s)
-        except httpx.TransportError as exc:
-            raise ServerDown(f"SGLang {path} for {body['lora_name']!r} failed: {type(exc).__name__}: {exc}") from exc
+    async def _post_adapter(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], timeout: float | None = None) -> None:
+        """The shared POST, then SGLang's answer: 200 with ``success`` not false, else :class:`AdapterError`."""
+        resp = await self._post_lora(client, path, body, timeout)
         out = json_or_text(resp)
         if resp.status_code == 200 and (not isinstance(out, dict) or out.get("success", True)):
             return

@@ -381,13 +381,6 @@ class VLLMEngine(HTTPEngine):
             raise AdapterGone(f"vLLM: {msg}")
         raise AdapterError(f"vLLM could not unload adapter {server_name!r} (HTTP {resp.status_code}): {msg}")
 
-    async def _post_lora(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], timeout: float | None = None) -> httpx.Response:
-        # not retried: a load is not idempotent (a retry after a lost answer would be "already loaded")
-        try:
-            return await client.post(path, json=body, timeout=timeout or self.timeouts.adapter_s)
-        except httpx.TransportError as exc:
-            raise ServerDown(f"vLLM {path} for {body['lora_name']!r} failed: {type(exc).__name__}: {exc}") from exc
-
 
 async def probe_server(url: str, connect_timeout_s: float) -> dict[str, Any]:
     """Check at startup that a vLLM server answers; returns ``/v1/models``. Raises :class:`EngineClosed` with a message
