@@ -81,7 +81,7 @@ from runtime.recorder import Recorder
 from runtime.services import MemoryBackend, Services
 from runtime.serving import Gateway
 from runtime.settings import AdapterSettings, AdmissionSettings, EngineSettings, FeedbackSettings, RecorderSettings, ServerSettings
-from runtime.throttle import Throttle
+from runtime.throttle import Throttle, Throttled
 from runtime.traffic import TrafficHistory
 
 log = logging.getLogger(__name__)
@@ -309,7 +309,11 @@ class _RequestContext:
                 if endpoint.startswith("/v1/"):
                     owner = _check_auth(request, self.keys)
                     set_owner(scope, owner)
-                    self.throttle.enter(owner)
+                    try:
+                        self.throttle.enter(owner)
+                    except Throttled as exc:
+                        await exc.tarpit()
+                        raise
                     entered = owner
                 await self.app(scope, receive, send_with_id)
             except APIError as exc:

@@ -8,8 +8,10 @@ key's requests and refusals over a sliding window (``window_s``, in twelve bucke
 ``refusals`` were refused there *and* they were at least half of the key's requests, the key is throttled
 for ``penalty_s`` (renewed each time it crosses the line again). A throttled key:
 
-- has at most one request in flight; more are answered 429 at once, before their body is read, so a flood of
-  them costs a dictionary lookup each (``enter``, called by the app's middleware);
+- has at most one request in flight; more are answered 429 before their body is read, after a one-second
+  tarpit (``TARPIT_S``; at most ``MAX_TARPIT`` of a key's requests wait at once, more are answered at once), so a
+  client that retries in a loop sends one request a second per connection instead of thousands: each costs the
+  event loop little, but thousands a second cost everyone (``enter``, called by the app's middleware);
 - may not ask for ``n`` > 1 (:meth:`runtime.admission.Admission.enter` refuses it with 429).
 
 Its valid work still runs, one request at a time; the 429 names why and when it ends (``Retry-After``).
@@ -24,6 +26,7 @@ like any other key (``max_running_per_key``, the embedded engine's row share). E
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -38,6 +41,8 @@ log = logging.getLogger("loopwise.throttle")
 REFUSED = frozenset({400, 403, 404, 413, 422})  # refused for what the request is; see the module docstring
 BUCKETS = 12  # the window's resolution
 MAX_OWNERS = 100_000  # per-owner state kept at most (least recently seen first out: a forgotten key starts afresh)
+TARPIT_S = 1.0  # a throttled key's refused request waits this long before its 429
+MAX_TARPIT = 64  # a key's refused requests waiting at once; more are answered at once
 
 
 @dataclass
@@ -45,6 +50,24 @@ class _Owner:
     buckets: list[tuple[int, int, int]] = field(default_factory=list)  # (bucket index, requests, refusals), oldest first
     until: float = 0.0  # monotonic time the throttle ends (0: not throttled)
     inflight: int = 0
+    tarpitted: int = 0
+
+
+class Throttled(APIError):
+    """The 429 of a throttled key; the middleware awaits :meth:`tarpit` before answering it."""
+
+    def __init__(self, message: str, retry_after: int, owner: _Owner | None) -> None:
+        super().__init__(429, message, type="rate_limit_error", code="key_throttled", headers={"Retry-After": str(retry_after)})
+        self._owner = owner  # set when this refusal holds one of its key's tarpit places
+
+    async def tarpit(self) -> None:
+        if self._owner is None:
+            return
+        try:
+            await asyncio.sleep(TARPIT_S)
+        finally:
+            self._owner.tarpitted -= 1
+            self._owner = None
 
 
 class Throttle:
@@ -68,15 +91,18 @@ class Throttle:
         self._owners: OrderedDict[str, _Owner] = OrderedDict()
 
     def enter(self, owner: str) -> None:
-        """A request of ``owner`` starts; a 429 ``APIError`` when the key is throttled and already has one in flight.
-        Every ``enter`` that returns must be followed by one :meth:`leave`."""
+        """A request of ``owner`` starts; :class:`Throttled` (a 429, to be answered after its :meth:`Throttled.tarpit`)
+        when the key is throttled and already has one in flight. Every ``enter`` that returns must be followed by one
+        :meth:`leave`."""
         if self.refusals <= 0 or owner in self._exempt:
             return
         o = self._owner(owner)
         if o.inflight >= 1 and (left := self._left(o)) > 0:
             if self._on_refuse is not None:
                 self._on_refuse()
-            raise self._error(left, "it may have one request in flight until then")
+            slot = o.tarpitted < MAX_TARPIT
+            o.tarpitted += slot
+            raise self._error(left, "it may have one request in flight until then", o if slot else None)
         o.inflight += 1
 
     def leave(self, owner: str, status: int) -> None:
@@ -117,7 +143,12 @@ class Throttle:
         if n > 1 and o is not None and (left := self._left(o)) > 0:
             if self._on_refuse is not None:
                 self._on_refuse()
-            raise self._error(left, "it may ask for one choice (n = 1) at a time until then")
+            raise self._error(left, "it may ask for one choice (n = 1) at a time until then", None)
+
+    def tarpitted(self, owner: str) -> int:
+        """``owner``'s refused requests waiting out their tarpit now."""
+        o = self._owners.get(owner)
+        return o.tarpitted if o is not None else 0
 
     def throttled_keys(self) -> int:
         return sum(1 for o in self._owners.values() if self._left(o) > 0)
@@ -132,13 +163,11 @@ class Throttle:
             self._owners.popitem(last=False)
         return o
 
-    def _error(self, left: float, what: str) -> APIError:
-        return APIError(
-            429,
+    def _error(self, left: float, what: str, tarpit: _Owner | None) -> Throttled:
+        return Throttled(
             f"This API key is throttled for {math.ceil(left)} more seconds because most of its recent requests were refused "
             f"(at least {self.refusals} in {self.window_s:.0f} s, and at least half of its requests): {what}. "
             "Fix the requests the server refuses (their 4xx errors say why).",
-            type="rate_limit_error",
-            code="key_throttled",
-            headers={"Retry-After": str(math.ceil(left))},
+            math.ceil(left),
+            tarpit,
         )

@@ -9,6 +9,7 @@ half of the key's judged requests), not from the code.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -18,8 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from runtime import throttle
 from runtime.errors import APIError
-from runtime.throttle import Throttle
+from runtime.throttle import Throttle, Throttled
 
 
 class Clock:
@@ -62,6 +64,27 @@ def test_a_key_is_throttled_once_most_of_its_requests_are_refused():
     th.enter("k")
     th.enter("k")
     th.check_choices("k", 16)
+
+
+def test_refused_requests_wait_in_a_bounded_tarpit(monkeypatch):
+    """A throttled key's refused requests each wait out a tarpit before their 429 (a retry loop slows to its pace),
+    at most MAX_TARPIT of them at once; the rest are answered at once."""
+    monkeypatch.setattr(throttle, "TARPIT_S", 0.01)
+    th = Throttle(refusals=1, window_s=60, penalty_s=300, clock=Clock())
+    _finish(th, "k", 400)
+    th.enter("k")  # the one request in flight
+
+    async def main() -> None:
+        refused = []
+        for _ in range(throttle.MAX_TARPIT + 3):
+            with pytest.raises(Throttled) as exc:
+                th.enter("k")
+            refused.append(exc.value)
+        assert th.tarpitted("k") == throttle.MAX_TARPIT  # three more were refused without a place
+        await asyncio.gather(*(r.tarpit() for r in refused))
+        assert th.tarpitted("k") == 0
+
+    asyncio.run(main())
 
 
 def test_mostly_valid_traffic_and_the_servers_own_limits_never_throttle():
