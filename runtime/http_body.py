@@ -7,7 +7,9 @@ unpaired surrogate escapes is a 400 ``invalid_json``.
 
 :func:`json_body` is the one request-validation dependency of the wire APIs (``runtime/api/``): the body read
 within the app's ``max_body`` and validated against the route's schema, a bad field a 400 naming it
-(``runtime.errors.from_validation``). Not here: the schemas' own rules (pydantic), or JSON sent as text inside the
+(``runtime.errors.from_validation``); a body over ``VALIDATE_INLINE_BYTES`` is validated on a worker thread
+within ``VALIDATE_TIMEOUT_S`` (JSON schemas in it are checked against their meta-schema, which is slow).
+Not here: the schemas' own rules (pydantic), or JSON sent as text inside the
 body (``runtime/json_text.py``, under the same depth limit).
 """
 
@@ -28,12 +30,21 @@ from runtime.json_text import MAX_DEPTH, too_deep
 
 DEFAULT_LIMIT = 4 * 1024 * 1024
 OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are parsed on a worker thread
+# bodies larger than this are validated on a worker thread: a JSON schema in them (response_format, tool parameters)
+# is checked against its meta-schema, about half a millisecond per anyOf branch, which must not stall the event loop
+VALIDATE_INLINE_BYTES = 8 * 1024
+VALIDATE_TIMEOUT_S = 10.0
 _SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F][0-9a-fA-F]{2}")  # a \uD800-\uDFFF escape: the costly check runs only then
 _parser_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loopwise-parse")
 M = TypeVar("M", bound=BaseModel)
 
 
 async def read_json(request: Request, limit: int = DEFAULT_LIMIT) -> Any:
+    return (await _read(request, limit))[0]
+
+
+async def _read(request: Request, limit: int) -> tuple[Any, int]:
+    """The parsed body and its size in bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
@@ -47,9 +58,9 @@ async def read_json(request: Request, limit: int = DEFAULT_LIMIT) -> Any:
     if not raw:
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     if len(raw) <= OFFLOAD_BYTES:
-        return _parse(raw)
+        return _parse(raw), len(raw)
     # a large body is parsed and checked off the event loop: a client sending 4 MB bodies in a loop stalls only itself
-    return await asyncio.get_running_loop().run_in_executor(_parser_pool, _parse, raw)
+    return await asyncio.get_running_loop().run_in_executor(_parser_pool, _parse, raw), len(raw)
 
 
 def json_body(schema: type[M], defaults: Mapping[str, Any] | None = None) -> Callable[[Request], Awaitable[M]]:
@@ -57,11 +68,20 @@ def json_body(schema: type[M], defaults: Mapping[str, Any] | None = None) -> Cal
     under it, validated as ``schema``; use it as ``req: Annotated[Schema, Depends(json_body(Schema))]``."""
 
     async def validated(request: Request) -> M:
-        body = await read_json(request, request.app.state.services.max_body)
+        body, size = await _read(request, request.app.state.services.max_body)
+        data = {**defaults, **body} if defaults else body
         try:
-            return schema.model_validate({**defaults, **body} if defaults else body)
+            if size <= VALIDATE_INLINE_BYTES:
+                return schema.model_validate(data)
+            fut = asyncio.get_running_loop().run_in_executor(_parser_pool, schema.model_validate, data)
+            return await asyncio.wait_for(asyncio.shield(fut), VALIDATE_TIMEOUT_S)
         except ValidationError as exc:
             raise from_validation(exc) from None
+        except TimeoutError:
+            raise APIError(
+                503, f"the server could not validate this request within {VALIDATE_TIMEOUT_S:.0f} s; retry later or send smaller JSON schemas",
+                type="server_error", code="validation_timeout", headers={"Retry-After": "1"},
+            ) from None  # fmt: skip
 
     return validated
 
