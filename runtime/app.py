@@ -296,14 +296,17 @@ class _RequestContext:
         status = 500
         started = False
 
+        entered: str | None = None  # the owner whose request the throttle let in
+
         async def send_with_id(message: Message) -> None:
             nonlocal status, started
             if message["type"] == "http.response.start":
                 started, status = True, message["status"]
                 MutableHeaders(scope=message)["x-request-id"] = rid
+                if entered is not None and (wait := self.throttle.delay(entered, status)):
+                    await asyncio.sleep(wait)  # a throttled key's refused request holds its one slot a while
             await send(message)
 
-        entered: str | None = None  # the owner whose request the throttle let in
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
                 if endpoint.startswith("/v1/"):

@@ -12,7 +12,10 @@ for ``penalty_s`` (renewed each time it crosses the line again). A throttled key
   tarpit (``TARPIT_S``; at most ``MAX_TARPIT`` of a key's requests wait at once, more are answered at once), so a
   client that retries in a loop sends one request a second per connection instead of thousands: each costs the
   event loop little, but thousands a second cost everyone (``enter``, called by the app's middleware);
-- may not ask for ``n`` > 1 (:meth:`runtime.admission.Admission.enter` refuses it with 429).
+- may not ask for ``n`` > 1 (:meth:`runtime.admission.Admission.enter` refuses it with 429);
+- waits the same tarpit before each refusal of its one admitted request (:meth:`delay`): cheap refusals, one
+  right after another through that one slot, would otherwise still cost the server a parse and a check each,
+  as fast as it can make them (the soak's throttled key sent 350 a minute, more than when it was not throttled).
 
 Its valid work still runs, one request at a time; the 429 names why and when it ends (``Retry-After``).
 
@@ -132,6 +135,11 @@ class Throttle:
                     owner, self.penalty_s, refusals, requests, self.window_s,
                 )  # fmt: skip
             o.until = now + self.penalty_s
+
+    def delay(self, owner: str, status: int) -> float:
+        """Seconds to hold back the answer ``status`` to ``owner``'s admitted request: the tarpit when the key is
+        throttled and the request was refused, else 0."""
+        return TARPIT_S if status in REFUSED and self.throttled(owner) else 0.0
 
     def throttled(self, owner: str) -> bool:
         o = self._owners.get(owner)

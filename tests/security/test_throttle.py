@@ -44,8 +44,10 @@ def test_a_key_is_throttled_once_most_of_its_requests_are_refused():
         _finish(th, "k", 400)
     _finish(th, "k", 200)
     assert not th.throttled("k")  # 4 refused: fewer than 5
+    assert th.delay("k", 400) == 0  # not throttled yet: refusals are answered at once
     _finish(th, "k", 403)  # 5 of 6 refused
     assert th.throttled("k") and th.throttled_keys() == 1
+    assert th.delay("k", 400) == throttle.TARPIT_S and th.delay("k", 200) == 0 and th.delay("other", 400) == 0
     th.enter("k")  # one request in flight is allowed
     with pytest.raises(APIError) as exc:
         th.enter("k")
