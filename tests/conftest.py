@@ -98,6 +98,7 @@ class ServerProcess:
         self.data_dir = data_dir
         self.log_path = data_dir / f"server-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w+")
+        self._terminated = False
         cmd = [sys.executable, str(ROOT / "serve.py"), "--port", "0", "--data-dir", str(data_dir), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **(env or {})})
         self.base_url = self._wait_for_url(timeout)
@@ -127,9 +128,15 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM, once (``stop`` waits for the exit): the session's servers are all told first, so they shut down side by side."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
             self.proc.terminate()
+
+    def stop(self) -> None:
+        self.terminate()
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout=45)  # serve.py waits up to 20 s for its learners to finish their round
             except subprocess.TimeoutExpired:
@@ -179,9 +186,13 @@ class InProcServer:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._uv.should_exit
 
+    def terminate(self) -> None:
+        """Start uvicorn's graceful shutdown without waiting for it (``stop`` waits)."""
+        self._uv.should_exit = True
+
     def stop(self) -> None:
         """uvicorn's graceful shutdown: in-flight requests finish, then the lifespan closes the engine and the recorder."""
-        self._uv.should_exit = True
+        self.terminate()
         self._thread.join(timeout=30)
 
 
@@ -212,6 +223,8 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
         return server
 
     yield start
+    for s in started:  # all told to stop first: each waits for its learners' round (up to 20 s), side by side, not one after another
+        s.terminate()
     for s in started:
         s.stop()
 
