@@ -29,21 +29,36 @@ import httpx
 
 from experiments.agent_eval import spawned_server
 from learner.config import LearnerSettings
-from learner.publish import publish_adapter
+from learner.release import Release
+from learner.rollout_steps import RolloutSteps
 from learner.runs_client import post_runs
+from learner.scheduler import Scheduler
 from learner.service import LearnerService, ServiceConfig
+from learner.update import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class PromoteService(LearnerService):
-    """The learner with 'always serve the newest version' instead of the eval gate and A/B."""
+class PromoteRelease(Release):
+    """The learner's release job with 'always serve the newest version': published through the learner's one publish
+    path, then the family's alias flips to it (no eval gate, no A/B experiment)."""
 
-    def _publish_and_gate(self, trainer: Any) -> dict[str, Any]:
-        published = publish_adapter(trainer.model, self.adapter_root, self.family, trainer.version)
-        self.admin.load(published.path, self.family, trainer.version, sha256=published.manifest_sha256, alias=True)
-        self.status.champion = published.name
-        return {"decision": "promoted", "new": published.name}
+    def publish_and_gate(self, trainer: Trainer) -> dict[str, Any]:
+        new = self.publish_current(trainer, meta={"metrics": self.state.status.last_metrics})
+        self.state.admin.set_alias(self.state.family, new)
+        self.state.status.champion = new
+        return {"decision": "promoted", "new": new}
+
+
+class PromoteService(LearnerService):
+    """The learner with :class:`PromoteRelease` instead of the eval gate and A/B: every job that releases (the update,
+    the RTPO sweep's steps, the scheduler) gets it."""
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        super().__init__(cfg)
+        self.release = PromoteRelease(self.state)
+        self.steps = RolloutSteps(self.state, self.release)
+        self.scheduler = Scheduler(self.state, self.release)
 
 
 class BenchServer(NamedTuple):

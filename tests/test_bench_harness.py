@@ -1,0 +1,50 @@
+"""The learning benchmarks' harness (``bench/_rl_harness.py``) releases through the learner's own jobs.
+
+Its ``PromoteService`` once overrode a method the service no longer called (the release job had moved to
+``learner/release.py``), so every benchmark update after the first tried to open an A/B experiment and died with a
+409; these tests fail on that shape.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench._rl_harness import PromoteRelease, PromoteService
+from learner.config import LearnerSettings
+from learner.service import ServiceConfig
+
+
+class _Admin:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def set_alias(self, family: str, name: str) -> None:
+        self.calls.append(("alias", (family, name)))
+
+    def create_experiment(self, config: dict[str, Any]) -> None:  # what the product's release does with a champion
+        raise AssertionError("a benchmark's learner opened an A/B experiment")
+
+
+def test_every_job_that_releases_promotes_the_newest_version(tmp_path: Path, monkeypatch) -> None:
+    cfg = ServiceConfig(
+        data_dir=tmp_path,
+        admin_url="http://127.0.0.1:9",
+        admin_key="k",
+        base_model=tmp_path,
+        settings=LearnerSettings.model_validate({"family": "fam"}),
+        agent="a",
+        gate_n=0,
+    )
+    svc = PromoteService(cfg)
+    assert isinstance(svc.release, PromoteRelease)
+    assert svc.steps.release is svc.release and svc.scheduler.release is svc.release
+
+    admin = _Admin()
+    monkeypatch.setattr(svc.state, "admin", admin)
+    for version in (1, 2):  # the second release has a champion: the product would open an experiment here
+        monkeypatch.setattr(svc.release, "publish_current", lambda trainer, meta=None, v=version: f"{svc.state.family}@{v}")
+        gate = svc.release.publish_and_gate(trainer=None)  # type: ignore[arg-type]
+        assert gate == {"decision": "promoted", "new": f"{svc.state.family}@{version}"}
+        assert svc.state.status.champion == f"{svc.state.family}@{version}"
+    assert [c[1][1] for c in admin.calls] == [f"{svc.state.family}@1", f"{svc.state.family}@2"]
