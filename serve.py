@@ -24,10 +24,11 @@ import secrets
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import TYPE_CHECKING, Any, get_args, get_origin
 
 import uvicorn
 
@@ -44,6 +45,9 @@ from runtime.settings import (
     SGLangSettings,
     VLLMSettings,
 )
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
 
 SECTIONS: tuple[tuple[str, type[Any]], ...] = (
     ("server", ServerSettings),
@@ -294,6 +298,27 @@ def open_stores(settings: Settings) -> Stores:
     return Stores(store, PostgresMemoryStore(store, max_chars=mem.max_chars, keep_versions=mem.keep_versions), PostgresResponseStore(store))
 
 
+def build_embedded_engine(settings: Settings, model_path: Path, model_id: str, on_step: Callable[[int], None]) -> Engine:
+    """The in-process engine (the default backend), from ``[engine]`` and the admission's grammar cache."""
+    from runtime.engines.embedded import EmbeddedEngine
+
+    eng = settings.engine
+    return EmbeddedEngine(
+        model_path,
+        model_id=model_id,
+        dtype=eng.dtype,
+        max_batch_size=eng.max_batch_size,
+        max_queue=eng.max_queue,
+        max_model_len=eng.max_model_len,
+        threads=eng.threads,
+        prefill_chunk=eng.prefill_chunk,
+        runner=eng.runner,
+        on_step=on_step,
+        grammar_cache_mb=settings.admission.grammar_cache_mb,
+        row_share=eng.row_share,
+    )
+
+
 def build(settings: Settings) -> Built:
     """The composition: model, engine, recorder, memory, agents and the app, wired from ``settings``.
 
@@ -302,7 +327,6 @@ def build(settings: Settings) -> Built:
     server = settings.server
     stores = open_stores(settings)  # first: a database that cannot be reached fails before the model is loaded
     from runtime.app import create_app
-    from runtime.engine import Engine
     from runtime.engines.local_embedder import LocalEmbedder
     from runtime.metrics import Metrics
     from runtime.model_store import ModelStoreError, resolve_model
@@ -321,22 +345,7 @@ def build(settings: Settings) -> Built:
     if server.backend in ("sglang", "vllm"):
         engine, adapter_settings = build_external_engine(settings, model_path, model_id)
     else:
-        from runtime.engines.embedded import EmbeddedEngine
-
-        engine = EmbeddedEngine(
-            model_path,
-            model_id=model_id,
-            dtype=settings.engine.dtype,
-            max_batch_size=settings.engine.max_batch_size,
-            max_queue=settings.engine.max_queue,
-            max_model_len=settings.engine.max_model_len,
-            threads=settings.engine.threads,
-            prefill_chunk=settings.engine.prefill_chunk,
-            runner=settings.engine.runner,
-            on_step=lambda rows: holder["m"].on_step(rows),
-            grammar_cache_mb=settings.admission.grammar_cache_mb,
-            row_share=settings.engine.row_share,
-        )
+        engine = build_embedded_engine(settings, model_path, model_id, on_step=lambda rows: holder["m"].on_step(rows))
     holder["m"] = Metrics(engine.stats)
     recorder = None
     if settings.recorder.record:
