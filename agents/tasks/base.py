@@ -1,7 +1,8 @@
 """The task interface: problems, verdicts, multi-turn environments, and the ``Task`` protocol.
 
 A ``Task`` hands out seeded problems (``problems(n, seed)`` is deterministic), checks an agent's final
-answer text (``verify`` → ``Verdict``, never raising on garbage), optionally scores single turns
+answer text (``verify`` → ``Verdict``, never raising on garbage; a verdict's ``detail`` may name the gold
+answer, its ``feedback`` is what a solver may be shown and never does), optionally scores single turns
 (``process_score``), names the group a problem belongs to for the learner (``task_key``), and, for
 multi-turn tasks, builds a text ``Env`` (``make_env``).
 
@@ -21,6 +22,7 @@ attach rewards to recorded trajectories (the agent loop does that with source ``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -41,7 +43,14 @@ class Problem:
 class Verdict:
     reward: float  # in [0, 1]
     correct: bool
-    detail: str = ""  # short human-readable reason ("expected 42, got 41", "3/5 tests passed", ...)
+    detail: str = ""  # short human-readable reason for logs and reports ("expected 42, got 41", "3/5 tests passed", ...)
+    # what the solver may be shown (a feedback task's next observation): never the gold answer; "" = the score only.
+    # Not part of equality: two verdicts with one reward, outcome and detail are one judgement.
+    feedback: str = field(default="", compare=False)
+
+    def shown(self) -> Verdict:
+        """This verdict with its ``detail`` as its ``feedback``: for tasks whose details never name the answer."""
+        return dataclasses.replace(self, feedback=self.detail)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.reward, int | float) and math.isfinite(self.reward) and 0.0 <= self.reward <= 1.0):

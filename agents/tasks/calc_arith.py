@@ -170,14 +170,15 @@ class CalcArithTask(TaskBase):
 
     def verify(self, problem: Problem, answer: str) -> Verdict:
         if not isinstance(answer, str) or not answer.strip():
-            return Verdict(0.0, False, "empty answer")
+            return Verdict(0.0, False, "empty answer").shown()
         gold = Fraction(int(problem.answer))
         got = extract_number(answer)
         if got is None:
-            return Verdict(0.0, False, "no numeric answer found")
+            return Verdict(0.0, False, "no numeric answer found").shown()
         if got == gold:
-            return Verdict(1.0, True, f"correct: {canonical_number(gold)}")
-        return Verdict(0.0, False, f"expected {canonical_number(gold)}, got {canonical_number(got)}")
+            return Verdict(1.0, True, f"correct: {canonical_number(gold)}").shown()
+        shown = canonical_number(got)
+        return Verdict(0.0, False, f"expected {canonical_number(gold)}, got {shown}", feedback=f"{shown} is not correct")
 
     def process_score(self, problem: Problem, turn_text: str) -> float | None:
         """1.0 if the turn's calculator expression hits an intermediate result (or its answer is right), else 0.0."""

@@ -4,8 +4,10 @@
     env = task.make_env(task.problems(1)[0])
 
 Each turn's reply is a candidate answer; the inner task's verifier scores it (``v_t``, its reward in [0, 1])
-and the score is shown to the model before the next turn: "The verifier checked your answer: <detail>
-(score 0.00). Try again." The episode ends at the first correct answer (or at the agent's turn cap).
+and the score is shown to the model before the next turn: "The verifier checked your answer: <feedback>
+(score 0.00). Try again." ``<feedback>`` is the verdict's ``feedback`` (what the inner task lets a solver see:
+"7 is not correct", never the gold answer; its ``detail`` may name the gold and stays in the run's info for
+logs). The episode ends at the first correct answer (or at the agent's turn cap).
 What is recorded for the learner:
 
 * every turn's verifier score as its process score (turn reward, ``verifier:feedback:<task>:process``):
@@ -51,9 +53,10 @@ class VerifierFeedbackEnv:
         self.best = max(self.best, verdict.reward)
         self.correct = self.correct or verdict.correct
         info: dict[str, Any] = {"score": self.best, "correct": self.correct, "turn_score": verdict.reward, "detail": verdict.detail}
+        said = f": {verdict.feedback}" if verdict.feedback else ""  # never the detail: it may name the gold answer
         if verdict.correct:
-            return EnvStep(f"The verifier checked your answer: {verdict.detail} (score {verdict.reward:.2f}). Done.", gain, True, info)
-        return EnvStep(f"The verifier checked your answer: {verdict.detail} (score {verdict.reward:.2f}). {_RETRY}", gain, False, info)
+            return EnvStep(f"The verifier checked your answer{said} (score {verdict.reward:.2f}). Done.", gain, True, info)
+        return EnvStep(f"The verifier checked your answer{said} (score {verdict.reward:.2f}). {_RETRY}", gain, False, info)
 
 
 class VerifierFeedbackTask(TaskBase):

@@ -403,7 +403,7 @@ class FrozenLakeTask(TaskBase):
         """Replay the move sequence in ``answer`` on a fresh copy of the problem's environment."""
         moves = parse_moves(answer) if isinstance(answer, str) else None
         if moves is None:
-            return Verdict(0.0, False, "no move sequence found (expected e.g. <answer>RRDD</answer>)")
+            return Verdict(0.0, False, "no move sequence found (expected e.g. <answer>RRDD</answer>)").shown()
         env = FrozenLakeTextEnv(problem)
         try:
             env.reset()
@@ -412,11 +412,11 @@ class FrozenLakeTask(TaskBase):
                     break
                 env.step(f"<action>{ACTIONS[action]}</action>")
                 if env.outcome == "hole":
-                    return Verdict(0.0, False, f"fell into the hole at row {env.row}, column {env.col} on move {k}")
+                    return Verdict(0.0, False, f"fell into the hole at row {env.row}, column {env.col} on move {k}").shown()
                 if env.outcome == "goal":
-                    return Verdict(1.0, True, f"reached the goal in {k} moves")
+                    return Verdict(1.0, True, f"reached the goal in {k} moves").shown()
             if env.outcome == "out_of_moves":
-                return Verdict(0.0, False, f"out of moves after {env.steps} (limit {env.max_steps}) at row {env.row}, column {env.col}")
-            return Verdict(0.0, False, f"stopped at row {env.row}, column {env.col} after {env.steps} moves, not at the goal")
+                return Verdict(0.0, False, f"out of moves after {env.steps} (limit {env.max_steps}) at row {env.row}, column {env.col}").shown()
+            return Verdict(0.0, False, f"stopped at row {env.row}, column {env.col} after {env.steps} moves, not at the goal").shown()
         finally:
             env.close()

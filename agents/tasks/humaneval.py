@@ -136,23 +136,23 @@ class HumanEvalTask(TaskBase):
 
     def verify(self, problem: Problem, answer: str) -> Verdict:
         if not isinstance(answer, str) or not answer.strip():
-            return Verdict(0.0, False, "empty answer")
+            return Verdict(0.0, False, "empty answer").shown()
         if len(answer) > _MAX_ANSWER_CHARS:
-            return Verdict(0.0, False, f"answer longer than {_MAX_ANSWER_CHARS} characters")
+            return Verdict(0.0, False, f"answer longer than {_MAX_ANSWER_CHARS} characters").shown()
         code = extract_code(answer, problem.metadata["entry_point"])
         if code is None or not code.strip():
-            return Verdict(0.0, False, "no code found")
+            return Verdict(0.0, False, "no code found").shown()
         program = build_program(problem, code)
         result = self.sandbox.run_python(program)
         log.debug("tasks.humaneval.run", problem=problem.id, exit_code=result.exit_code, timed_out=result.timed_out, wall_s=result.wall_s)
         if result.ok:
-            return Verdict(1.0, True, "all tests passed")
+            return Verdict(1.0, True, "all tests passed").shown()
         if result.timed_out:
-            return Verdict(0.0, False, f"timeout: no result within {self.limits.wall_s:g} s")
+            return Verdict(0.0, False, f"timeout: no result within {self.limits.wall_s:g} s").shown()
         if result.cpu_exceeded:
-            return Verdict(0.0, False, f"timeout: CPU limit of {self.limits.cpu_s:g} s exceeded")
+            return Verdict(0.0, False, f"timeout: CPU limit of {self.limits.cpu_s:g} s exceeded").shown()
         if result.memory_exceeded:
-            return Verdict(0.0, False, f"memory limit of {self.limits.memory_mb} MB exceeded")
+            return Verdict(0.0, False, f"memory limit of {self.limits.memory_mb} MB exceeded").shown()
         if result.signal:
-            return Verdict(0.0, False, f"killed by signal {result.signal}")
-        return Verdict(0.0, False, _failure_reason(result.stderr))
+            return Verdict(0.0, False, f"killed by signal {result.signal}").shown()
+        return Verdict(0.0, False, _failure_reason(result.stderr)).shown()

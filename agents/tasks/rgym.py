@@ -149,14 +149,15 @@ class ReasoningGymTask(TaskBase):
             return 0.0
         return min(1.0, max(0.0, score)) if score == score else 0.0
 
-    def _verdict(self, score: float, detail: str) -> Verdict:
+    def _verdict(self, score: float, detail: str, feedback: str | None = None) -> Verdict:
+        """``feedback``: what the solver may see when ``detail`` names the gold answer (else ``detail`` is shown)."""
         correct = score >= 1.0
         reward = score if self.partial_credit else (1.0 if correct else 0.0)
-        return Verdict(reward, correct, detail)
+        return Verdict(reward, correct, detail, feedback=detail if feedback is None else feedback)
 
     def verify(self, problem: Problem, answer: str) -> Verdict:
         if not isinstance(answer, str) or not answer.strip():
-            return Verdict(0.0, False, "empty answer")
+            return Verdict(0.0, False, "empty answer").shown()
         if self.answer_kind == "number":
             return self._verify_number(problem, answer)
         if self.answer_kind == "countdown":
@@ -166,24 +167,24 @@ class ReasoningGymTask(TaskBase):
             candidate = answer.strip()
         score = self._score(candidate, problem)
         gold = "" if problem.answer is None else f"expected {str(problem.answer)[:80]!r}, "
-        return self._verdict(score, f"{gold}got {candidate[:80]!r} (score {score:.2f})")
+        return self._verdict(score, f"{gold}got {candidate[:80]!r} (score {score:.2f})", f"got {candidate[:80]!r}")
 
     def _verify_number(self, problem: Problem, answer: str) -> Verdict:
         value = extract_number(answer)
         if value is None:
-            return Verdict(0.0, False, "no numeric answer found")
+            return Verdict(0.0, False, "no numeric answer found").shown()
         candidate = canonical_number(value)
         if value.denominator != 1:  # the scorers read decimals, not "p/q"
             try:
                 candidate = repr(float(value))
             except OverflowError:
-                return Verdict(0.0, False, "answer out of range")
+                return Verdict(0.0, False, "answer out of range").shown()
         score = self._score(candidate, problem)
         gold = parse_number(str(problem.answer)) if problem.answer is not None else None
         shown_gold = canonical_number(gold) if gold is not None else str(problem.answer)
         if score >= 1.0:
             return self._verdict(score, f"correct: {candidate}")
-        return self._verdict(score, f"expected {shown_gold}, got {candidate}")
+        return self._verdict(score, f"expected {shown_gold}, got {candidate}", f"{candidate} is not correct")
 
     def _countdown_expression(self, answer: str) -> str | None:
         candidate = extract_answer(answer)
@@ -202,9 +203,9 @@ class ReasoningGymTask(TaskBase):
     def _verify_countdown(self, problem: Problem, answer: str) -> Verdict:
         expr = self._countdown_expression(answer)
         if expr is None:
-            return Verdict(0.0, False, "no expression found")
+            return Verdict(0.0, False, "no expression found").shown()
         if len(expr) > _COUNTDOWN_MAX_CHARS or not _COUNTDOWN_CHARS_RE.match(expr) or "**" in expr or "//" in expr:
-            return Verdict(0.0, False, f"not a plain + - * / expression: {expr[:60]!r}")
+            return Verdict(0.0, False, f"not a plain + - * / expression: {expr[:60]!r}").shown()
         source = problem.metadata.get("source", {})
         target, numbers = source.get("target"), sorted(source.get("numbers", []))
         used = sorted(int(m) for m in re.findall(r"\d+", expr))

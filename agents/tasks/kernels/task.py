@@ -373,9 +373,9 @@ class KernelTask(TaskBase):
 
     def verify(self, problem: Problem, answer: str) -> Verdict:
         if not isinstance(answer, str) or not answer.strip():
-            return Verdict(0.0, False, "empty answer")
+            return Verdict(0.0, False, "empty answer").shown()
         if len(answer) > _MAX_ANSWER_CHARS:
-            return Verdict(0.0, False, f"answer longer than {_MAX_ANSWER_CHARS} characters")
+            return Verdict(0.0, False, f"answer longer than {_MAX_ANSWER_CHARS} characters").shown()
         spec = get_kernel_task(problem.metadata["spec"])
         outcome = self.evaluate(spec, extract_cuda(answer))
         reward = self.reward_of(outcome)
@@ -390,4 +390,4 @@ class KernelTask(TaskBase):
                 if outcome.benchmarked
                 else "correct"
             )
-        return Verdict(reward, outcome.correct is True, detail)
+        return Verdict(reward, outcome.correct is True, detail).shown()
