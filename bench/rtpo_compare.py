@@ -17,7 +17,7 @@ episode reward (1 at the goal) as the outcome reward; ``--task calc_arith --stop
 scoring the last), for models that never reach a FrozenLake goal (SmolLM2: 0 of 16 held-out, 0 of 8
 training episodes in our run, so no arm ever had a reward to learn from). Each arm (estimator x seed) gets its own adapter family, agent
 and learner on one shared server; the arms run one after the other. One iteration = ``--prompts``
-new training problems x ``--group`` sampled episodes (temperature 1.0) through the agent's runs
+new training problems x ``--group`` sampled episodes (``--temperature``, 1.0 unless given) through the agent's runs
 endpoint, then one ``LearnerService.update`` (the learner's real path; new versions are served at
 once, no gate). RTPO's update re-rolls ``K=--branches`` turns per episode with ``m=--siblings``
 siblings each, from the exact stored contexts, and sweeps the turn buckets latest first
@@ -60,7 +60,7 @@ def agent(name: str, family: str | None, args: argparse.Namespace) -> dict[str, 
     return {
         "name": name,
         "system_prompt": PROMPTS.get(args.task, "You are a careful assistant."),
-        "temperature": 1.0,
+        "temperature": args.temperature,
         "max_turns": args.max_turns,
         "max_tokens_per_turn": args.max_tokens,
         "stop_policy": args.stop_policy,
@@ -159,6 +159,7 @@ def main() -> int:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--temperature", type=float, default=1.0, help="the agents' sampling temperature (training and held-out runs alike)")
     p.add_argument("--branches", type=int, default=1)
     p.add_argument("--siblings", type=int, default=2)
     p.add_argument("--lr", type=float, default=5e-5)
