@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # test workers (pytest-xdist); a file's tests stay on one worker (--dist loadfile), so module fixtures are built once;
+# files go out longest first, by tests/file_durations.json (--no-loadscope-reorder keeps that order; tests/_file_order.py);
 # 3 on 2 cores: the suite waits on servers and subprocesses a third of the time (4:52 vs 5:23 with 2, measured)
 JOBS   ?= 3
 STAMP  := $(VENV)/.installed
@@ -69,7 +70,7 @@ serve-tiny: install
 	$(BIN)/python serve.py --model tiny $(ARGS)
 
 test: install browser     ## the whole CPU test suite, on JOBS pytest-xdist workers (JOBS=0: one process)
-	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 test-engines: install $(ENGINES)  ## real engine servers on CPU (vLLM, SGLang): the backend suite on each, replicas, restarts
 	LOOPWISE_TEST_ENGINES="$(ENGINES)" $(BIN)/python -m pytest -m 'not gpu and not torch_ext' tests/runtime $(ARGS)

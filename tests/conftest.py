@@ -30,6 +30,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import _file_order
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -40,6 +42,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# the order files reach the xdist workers: longest first (tests/_file_order.py)
+def pytest_addoption(parser: pytest.Parser) -> None:
+    _file_order.add_option(parser)
+
+
+@pytest.hookimpl(trylast=True)  # after the deselections of tests/runtime/conftest.py
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _file_order.order_by_recorded_seconds(items)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _file_order.note_report(report)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _file_order.write_record(session)
 
 
 @pytest.fixture(scope="session", autouse=True)
