@@ -46,13 +46,12 @@ def order_by_recorded_seconds(items: list[pytest.Item]) -> None:
     first: dict[str, int] = {}
     for i, item in enumerate(items):
         first.setdefault(_file_of(item.nodeid), i)
-    position = {id(item): i for i, item in enumerate(items)}
 
-    def key(item: pytest.Item) -> tuple[float, int, int]:
+    def key(item: pytest.Item) -> tuple[float, int]:
         f = _file_of(item.nodeid)
-        return (-recorded.get(f, default), first[f], position[id(item)])
+        return (-recorded.get(f, default), first[f])
 
-    items.sort(key=key)
+    items.sort(key=key)  # stable: a file's tests keep their collected order
 
 
 def note_report(report: pytest.TestReport) -> None:
