@@ -251,11 +251,12 @@ class SingletonConfig(BaseModel):
       and the owner once it has ``baseline_owner_min`` rewards):
       ``A = (x - m) / s`` with ``m`` and ``s`` the key's exponentially weighted mean and std of the rewards seen
       *before* this one (``learner/baseline.py`` states the rule, its variance and its bias).
-    - ``complete``: group completion by re-rollout: the learner samples ``group_size - 1`` siblings from the turn's
-      exact recorded context through the runtime and scores the whole group with ``scorer`` (``learner/group_completion.py``);
-      a group whose scorer ranks the original against its user's label (``label_threshold``: a thumbs-up below the
-      group's mean, a thumbs-down above it) is skipped. One-off trajectories it does not complete (multi-turn ones,
-      failed or contradicted ones, beyond ``max_turns_per_update``) get the baseline.
+    - ``complete``: group completion by re-rollout: the learner samples ``group_size - 1`` siblings from the exact
+      recorded context of a one-off conversation's last rated turn through the runtime and scores the whole group with
+      ``scorer`` (``learner/group_completion.py``); a group whose scorer ranks the original against its user's label
+      (``label_threshold``: a thumbs-up below the group's mean, a thumbs-down above it) is skipped. A multi-turn
+      conversation's earlier turns, and the one-off conversations it does not complete (failed or contradicted ones,
+      beyond ``max_turns_per_update``), get the baseline.
     - ``drop``: a singleton gets advantage 0 (the estimators' own rule: a lone reward carries no relative signal).
     """
 
@@ -281,8 +282,8 @@ class SingletonConfig(BaseModel):
     baseline_owner_min: int = Field(
         8, ge=1, le=10_000, description="baseline: an owner's own baseline is used from this many of its rewards on (before: the pooled one)"
     )
-    group_size: int = Field(4, ge=2, le=16, description="complete: G, the group size; G-1 siblings are sampled per rewarded one-off turn")
-    max_turns_per_update: int = Field(16, ge=1, le=1024, description="complete: most one-off turns completed per update (newest first)")
+    group_size: int = Field(4, ge=2, le=16, description="complete: G, the group size; G-1 siblings are sampled per completed turn")
+    max_turns_per_update: int = Field(16, ge=1, le=1024, description="complete: most one-off conversations completed per update (newest first)")
     scorer: Literal["hook", "judge"] = Field("hook", description="complete: who scores the group: the reward hook or an LLM judge")
     hook: str | None = Field(
         None,

@@ -4,11 +4,12 @@
     report = asyncio.run(completer.complete(samples, model="chat-lora@3", seed=7))
     report.samples   # the completed groups' samples (original + G-1 siblings, each with the scorer's reward)
 
-A live one-off prompt is a group of one: nothing to compare it with. For each rewarded one-turn trajectory
-whose group is a singleton (newest first, at most ``max_turns_per_update``), the learner asks the runtime for
-``G - 1`` siblings sampled from the turn's exact recorded context ids with its recorded sampling
-(``POST /admin/turns/{turn_id}/siblings``, admin only; the runtime records them as re-rollouts, outside the
-live sample stream), then scores the whole group of ``G`` answers with one scorer:
+A live one-off conversation is a group of one: nothing to compare it with. For each rewarded trajectory whose
+group is a singleton (newest first, at most ``max_turns_per_update``), the learner completes its **last rated turn**
+(a one-turn chat's only turn; in a multi-turn chat the reply the user rated, or the last one when the rating is on
+the whole conversation): it asks the runtime for ``G - 1`` siblings sampled from that turn's exact recorded
+context ids with its recorded sampling (``POST /admin/turns/{turn_id}/siblings``, admin only; the runtime records
+them as re-rollouts, outside the live sample stream), then scores the whole group of ``G`` answers with one scorer:
 
 - a **reward hook**, the user's own reward code: ``module:function`` (called as ``fn(messages, completions)``,
   sync or async, returning one number per completion) or an ``http(s)`` URL (POSTed
@@ -42,13 +43,20 @@ turn-GRPO, on a group of one-turn trajectories) gives a member the sign of its s
 thumbs-up answer is never trained down by its completed group and a thumbs-down one never up. A turn without a
 user label (rated only by a verifier, or never) is never a contradiction.
 
-The scores of a group that passes are recorded as trajectory rewards under the scorer's source through
-``POST /admin/feedback`` (so the console shows them and they outlive the update), then the group's samples are
-built from the store with that source only, so a user's thumbs on the original and the scorer's numbers are
-never mixed in one group. A group whose scorer fails (an error, a wrong count, a non-finite number) is left
-out and counted (``failed``). The report's ``version_mix`` counts the completed groups by which versions
-produced their members: the original's recorded adapter (it may be several updates old) against the siblings'
-(the newest policy), ``base`` for the base model.
+The scores of a group that passes are recorded under the scorer's source through ``POST /admin/feedback`` (so the
+console shows them and they outlive the update): on each sibling's trajectory, and on the original's trajectory when
+it has one turn, else on its completed turn; then the group's samples are built from the store with that source
+only, so a user's thumbs on the original and the scorer's numbers are never mixed in one group.
+
+**A multi-turn original's earlier turns stay out of the group.** Every member shares them (the siblings branch at the
+completed turn), so the group's scores say nothing about them; they keep the user's rating and the running baseline
+(``[singletons]``), as a one-off conversation that is not completed does (:func:`merge_completed`: they train as a
+group of one whose score is the conversation's reward stream, exactly the score they had before).
+
+A group whose scorer fails (an error, a wrong count, a non-finite number) is left out and counted (``failed``). The
+report's ``version_mix`` counts the completed groups by which versions produced their members: the original's
+recorded adapter (it may be several updates old) against the siblings' (the newest policy), ``base`` for the base
+model.
 
 Not here: the runtime side (``runtime/admin/replay.py``), advantages (the configured estimator), the running
 baseline (``learner/baseline.py``).
@@ -72,9 +80,10 @@ from typing import Any
 import httpx
 import structlog
 
+from learner.baseline import trajectory_score
 from learner.config import SampleConfig, SingletonConfig
 from learner.records import RESERVED_SOURCES, Trajectory, source_rank
-from learner.samples import Sample, SkipCounts, trajectory_samples
+from learner.samples import PART_SEP, Sample, SkipCounts, trajectory_samples
 
 log = structlog.get_logger(__name__)
 
@@ -171,10 +180,11 @@ class Label:
     source: str
 
 
-def user_label(traj: Trajectory, *, patterns: Sequence[str], threshold: float) -> Label | None:
-    """The user's label on a one-turn trajectory's answer (module docstring): the newest reward on its first turn or on
-    the trajectory from the best-ranked trusted source that is not an evaluator's; None without one or at ``threshold``."""
-    first = traj.turns[0].turn_id if traj.turns else None
+def user_label(traj: Trajectory, *, patterns: Sequence[str], threshold: float, turn_id: str | None = None) -> Label | None:
+    """The user's label on the answer being completed (module docstring): the newest reward on that turn (``turn_id``,
+    default the first) or on the trajectory from the best-ranked trusted source that is not an evaluator's; None without
+    one or at ``threshold``."""
+    first = turn_id if turn_id is not None else (traj.turns[0].turn_id if traj.turns else None)
     found: list[tuple[int, float, int, float, str]] = []  # (rank, -time, -stored position, value, source)
     for i, r in enumerate(traj.rewards):
         on_answer = (r.target == "turn" and r.target_id == first) or (r.target == "trajectory" and r.target_id == traj.trajectory_id)
@@ -250,13 +260,15 @@ class GroupCompleter:
 
     @staticmethod
     def candidates(samples: Sequence[Sample]) -> list[Sample]:
-        """The samples group completion applies to: one-turn trajectories alone in their group (oldest first)."""
+        """The turns group completion applies to: the last trained turn (the last rated one: the sample builder leaves out
+        the turns after it) of each trajectory alone in its group, in the samples' order."""
         per_group: dict[str, set[str]] = {}
-        turns: dict[str, int] = {}
+        last: dict[str, Sample] = {}
         for s in samples:
             per_group.setdefault(s.group_id, set()).add(s.trajectory_id)
-            turns[s.trajectory_id] = turns.get(s.trajectory_id, 0) + 1
-        return [s for s in samples if len(per_group[s.group_id]) == 1 and turns[s.trajectory_id] == 1 and s.turn_index == 0]
+            if s.trajectory_id not in last or s.turn_index > last[s.trajectory_id].turn_index:
+                last[s.trajectory_id] = s
+        return [s for s in samples if len(per_group[s.group_id]) == 1 and last[s.trajectory_id] is s]
 
     async def complete(self, candidates: Sequence[Sample], *, model: str, seed: int) -> CompletionReport:
         report = CompletionReport()
@@ -290,24 +302,27 @@ class GroupCompleter:
         if orig is None or not orig.turns or any(t is None or not t.turns for t in sibs):
             raise ScorerError("the original or a sibling is not in the store")
         group: list[Trajectory] = [orig, *[t for t in sibs if t is not None]]
-        messages = orig.turns[0].messages
-        texts = [t.turns[0].output_text or "" for t in group]
+        turn = next((t for t in orig.turns if t.turn_id == original.turn_id), None)
+        if turn is None:
+            raise ScorerError(f"turn {original.turn_id} is not in its trajectory")
+        messages = turn.messages
+        texts = [turn.output_text or "", *[t.turns[0].output_text or "" for t in group[1:]]]
         # the judge sees the group shuffled (position bias); a hook, the user's own code, gets it in order
         order = judge_order(len(texts), f"{seed}:{original.turn_id}") if self.cfg.scorer == "judge" else list(range(len(texts)))
         shown = await self.score(messages, [texts[j] for j in order])
         scores = [0.0] * len(texts)
         for k, j in enumerate(order):
             scores[j] = shown[k]
-        versions = f"original {orig.turns[0].adapter or 'base'}, siblings " + "+".join(sorted({t.turns[0].adapter or "base" for t in group[1:]}))
-        label = user_label(orig, patterns=self.samples_cfg.reward_sources, threshold=self.cfg.label_threshold)
+        versions = f"original {turn.adapter or 'base'}, siblings " + "+".join(sorted({t.turns[0].adapter or "base" for t in group[1:]}))
+        label = user_label(orig, patterns=self.samples_cfg.reward_sources, threshold=self.cfg.label_threshold, turn_id=turn.turn_id)
         if label is not None and contradicts(label, scores):
             thumbs = "thumbs-up" if label.sign > 0 else "thumbs-down"
             why = f"{thumbs} {label.value:g} ({label.source}) scored {scores[0]:g} by {self.source}, group mean {sum(scores) / len(scores):g}"
             return _Outcome([], versions, contradiction=why)
         for traj, score in zip(group, scores, strict=True):
-            fb = await self.client.post(
-                "/admin/feedback", json={"trajectory_id": traj.trajectory_id, "reward": score, "source": self.source}, timeout=self.cfg.timeout_s
-            )
+            # a multi-turn original is scored on its completed turn: a trajectory reward would rate the turns before it too
+            target = {"turn_id": turn.turn_id} if traj is orig and len(orig.turns) > 1 else {"trajectory_id": traj.trajectory_id}
+            fb = await self.client.post("/admin/feedback", json={**target, "reward": score, "source": self.source}, timeout=self.cfg.timeout_s)
             if fb.is_error:
                 raise ScorerError(f"recording the score: HTTP {fb.status_code} {fb.text[:200]}")
         only = self.samples_cfg.model_copy(update={"reward_sources": [self.source]})
@@ -316,7 +331,8 @@ class GroupCompleter:
             traj = await asyncio.to_thread(self.store.get_trajectory, tid)
             assert traj is not None
             # siblings are fresh by construction; the original passed the live stream's staleness check already
-            out += trajectory_samples(traj, family=self.family, min_version=0, cfg=only, counts=SkipCounts())
+            built = trajectory_samples(traj, family=self.family, min_version=0, cfg=only, counts=SkipCounts())
+            out += [x for x in built if tid != orig.trajectory_id or x.turn_id == turn.turn_id]  # the original's completed turn only
         gid = original.group_id
         return _Outcome([s if s.group_id == gid else dataclasses.replace(s, group_id=gid) for s in out], versions)
 
@@ -348,3 +364,32 @@ class GroupCompleter:
         else:
             values = await asyncio.wait_for(asyncio.to_thread(self._hook, list(messages), list(completions)), self.cfg.timeout_s)
         return _scores(values, n, f"hook {self.cfg.hook}")
+
+
+def merge_completed(samples: Sequence[Sample], report: CompletionReport) -> list[Sample]:
+    """The update's samples with each completed original replaced by its group (``report.samples``).
+
+    A multi-turn original's earlier turns (module docstring) stay, each such prefix a one-trajectory group of its own
+    (trajectory ``<id>#before``, :func:`learner.samples.stored_trajectory_id`; group ``<group id>#before``) whose score
+    is the conversation's reward stream as the live batch had it (its user's ratings, summed by
+    :func:`learner.baseline.trajectory_score`), carried as the prefix's outcome under its source, so the running
+    baseline treats it exactly as it treated the whole conversation (an estimator takes a trajectory in one group)."""
+    done = set(report.completed)
+    completed_turns = {s.turn_id for s in report.samples}
+    by_traj: dict[str, list[Sample]] = {}
+    for s in samples:
+        if s.trajectory_id in done:
+            by_traj.setdefault(s.trajectory_id, []).append(s)
+    out = [s for s in samples if s.trajectory_id not in done]
+    for members in by_traj.values():
+        before = [s for s in members if s.turn_id not in completed_turns]
+        if not before:
+            continue
+        first = members[0]
+        part: dict[str, Any] = {"trajectory_id": f"{first.trajectory_id}{PART_SEP}before", "group_id": f"{first.group_id}{PART_SEP}before"}
+        score = trajectory_score(members)
+        if score is not None:  # the conversation's score, now the prefix's outcome
+            source = first.trajectory_reward_source or next((s.reward_source for s in members if s.reward_source), None)
+            part |= {"reward": None, "reward_source": None, "trajectory_reward": score, "trajectory_reward_source": source}
+        out += [dataclasses.replace(s, **part) for s in before]
+    return out + list(report.samples)

@@ -105,15 +105,15 @@ class RolloutSteps:
         return trainer.step(samples, advantages, skipped=skipped), info, list(advantages), samples
 
     def _complete_groups(self, trainer: Trainer, samples: list[Sample]) -> tuple[list[Sample], dict[str, Any]]:
-        """Group completion (``learner/group_completion.py``): the one-off one-turn trajectories' samples are replaced by
-        their completed groups (the original and ``group_size - 1`` siblings sampled by the newest policy, all scored by
-        the configured hook or judge)."""
-        from learner.group_completion import GroupCompleter
+        """Group completion (``learner/group_completion.py``): each one-off conversation's last rated turn is replaced by
+        its completed group (the original and ``group_size - 1`` siblings sampled by the newest policy, all scored by the
+        configured hook or judge); a multi-turn one's earlier turns keep the running baseline (``merge_completed``)."""
+        from learner.group_completion import GroupCompleter, merge_completed
 
         sc = self.state.cfg.settings.singletons
         candidates = GroupCompleter.candidates(samples)
         if not candidates:
-            return samples, {"group_completion": "no one-off turns"}
+            return samples, {"group_completion": "no one-off conversations"}
         self.state.set_status(
             "completing", f"group completion: {min(len(candidates), sc.max_turns_per_update)} one-off turns x {sc.group_size - 1} siblings"
         )
@@ -126,10 +126,9 @@ class RolloutSteps:
                 return await completer.complete(candidates, model=model, seed=trainer.version + 1)
 
         report = asyncio.run(run())
-        done = set(report.completed)
         info = {"model": model, **report.as_dict()}
         log.info("group completion", **info)
-        return [s for s in samples if s.trajectory_id not in done] + report.samples, info
+        return merge_completed(samples, report), info
 
     def _rtpo_sweep(
         self, trainer: Trainer, runner: BranchRunner, samples: list[Sample], skipped: dict[str, int]

@@ -261,6 +261,16 @@ def parse_adapter(adapter: str | None) -> tuple[str | None, int]:
     return adapter, -1
 
 
+PART_SEP = "#"  # a sample's trajectory id "<stored id>#<part>" names a part of a stored trajectory trained as its own one
+
+
+def stored_trajectory_id(trajectory_id: str) -> str:
+    """The stored trajectory a sample's ``trajectory_id`` belongs to: itself, or for a part of one (group completion
+    trains a multi-turn conversation's earlier turns apart from its completed turn, ``learner.group_completion``) the
+    id before :data:`PART_SEP` (the runtime's ids never hold it)."""
+    return trajectory_id.partition(PART_SEP)[0]
+
+
 def group_id_of(trajectory: Trajectory) -> str:
     """The group id of a trajectory (see the module docstring for the rule and its fallbacks)."""
     task_key = trajectory.meta.get("task_key")

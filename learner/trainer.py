@@ -90,7 +90,7 @@ from learner.config import LoRAConfig, TrainerConfig
 from learner.grammar_mask import GrammarMasks, GrammarReplayError, unpack_bitmask
 from learner.losses import LossConfig, policy_loss
 from learner.records.adapter_manifest import sha256_file
-from learner.samples import Sample, make_groups
+from learner.samples import Sample, make_groups, stored_trajectory_id
 
 log = structlog.get_logger(__name__)
 
@@ -104,11 +104,11 @@ class CheckpointError(RuntimeError):
 
 class SampleError(ValueError):
     """Samples this model cannot be trained on (token ids outside its vocabulary, as a store shared across a model switch
-    holds); ``trajectory_ids`` names their trajectories, so the learner quarantines those (``learner/quarantine.py``)."""
+    holds); ``trajectory_ids`` names their stored trajectories, so the learner quarantines those (``learner/quarantine.py``)."""
 
     def __init__(self, message: str, trajectory_ids: Sequence[str]) -> None:
         super().__init__(message)
-        self.trajectory_ids = list(dict.fromkeys(trajectory_ids))
+        self.trajectory_ids = list(dict.fromkeys(stored_trajectory_id(t) for t in trajectory_ids))
 
 
 @dataclass

@@ -9,8 +9,10 @@ hook and the judge returned, exactly; the expected advantage signs follow from t
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import re
+import statistics
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from learner.advantages import TurnSample, compute_advantages
-from learner.baseline import GROUP_ESTIMATORS
+from learner.baseline import GROUP_ESTIMATORS, trajectory_score
 from learner.config import SampleConfig, SingletonConfig
 from learner.group_completion import (
     GroupCompleter,
@@ -32,10 +34,11 @@ from learner.group_completion import (
     judge_messages,
     judge_order,
     judge_schema,
+    merge_completed,
     parse_judge,
     user_label,
 )
-from learner.samples import Cursor, collect_samples
+from learner.samples import Cursor, collect_samples, stored_trajectory_id
 from learner.update import estimate
 from tests.runtime._inproc import InProc, scripted_app
 
@@ -334,3 +337,80 @@ def test_a_hook_over_http_and_a_wrong_hook():
 def rank_by_position(messages: list[dict[str, Any]], completions: list[str]) -> list[float]:
     """A hook with a known spread: member i scores i (the original 0, its siblings 1, 2, ...)."""
     return [float(i) for i in range(len(completions))]
+
+
+SEEN_BY_HOOK: list[list[dict[str, Any]]] = []
+
+
+def top_and_remember(messages: list[dict[str, Any]], completions: list[str]) -> list[float]:
+    """``top_by_position`` that also keeps the conversation it was shown."""
+    SEEN_BY_HOOK.append(messages)
+    return top_by_position(messages, completions)
+
+
+def conversation(srv: InProc, turns: int) -> list[dict[str, Any]]:
+    """A chat of ``turns`` user turns, each request resending the whole conversation (stitched into one trajectory);
+    the ``loopwise`` ids of each reply, in order."""
+    messages: list[dict[str, Any]] = []
+    ids = []
+    for k in range(turns):
+        messages.append({"role": "user", "content": "say something" if k == 0 else f"and now follow-up {k}"})
+        r = srv.client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 5}).json()
+        messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+        ids.append(r["loopwise"])
+    assert len({i["trajectory_id"] for i in ids}) == 1  # stitched by its messages
+    return ids
+
+
+@pytest.mark.parametrize(
+    ("turns", "rated"),
+    [(2, 1), (2, 0), (3, 1), (3, 2), (3, "trajectory"), (1, "trajectory")],
+    ids=["2-turns-rated-last", "2-turns-rated-first", "3-turns-rated-middle", "3-turns-rated-last", "3-turns-rated-whole", "1-turn-rated-whole"],
+)
+def test_a_multi_turn_chat_is_completed_at_its_last_rated_turn(srv, turns, rated):
+    """The usual chat (a question, the reply, a follow-up, the reply, a thumbs on the last one) is completed at the rated
+    reply: siblings from that turn's exact context, scored with the conversation up to it; the turns after it are not
+    trained, the turns before it keep the user's rating as a group of their own (the running baseline's input)."""
+    ids = conversation(srv, turns)
+    target = {"trajectory_id": ids[0]["trajectory_id"]} if rated == "trajectory" else {"turn_id": ids[rated]["turn_id"]}
+    assert srv.client.post("/v1/feedback", json={**target, "reward": 1.0}).status_code == 200
+    k = turns - 1 if rated == "trajectory" else rated  # the last rated turn
+    seen = importlib.import_module(HOOKS[:-1]).SEEN_BY_HOOK  # the hook's module as the learner imports it
+    seen.clear()
+    cfg = SingletonConfig(mode="complete", scorer="hook", hook=HOOKS + "top_and_remember", group_size=4)
+    live = collect_samples(srv.store, family="chat-lora", cursor=Cursor(), cfg=SampleConfig(settle_s=0), current_version=0).samples
+    assert sorted(s.turn_index for s in live) == list(range(k + 1))  # turns after the rated one are left out
+    original, completer, report = complete(srv, cfg)
+    assert (original.turn_id, original.turn_index) == (ids[k]["turn_id"], k)
+    assert report.failed == report.contradicted == 0 and report.siblings == 3
+    stored = srv.store.get_turn(ids[k]["turn_id"])
+    sib_calls = [c for c in srv.engine.calls if c.sampling.max_new_tokens == 5][turns:]  # after the user's own turns
+    assert len(sib_calls) == 3 and all(list(c.input_ids) == stored.context_ids for c in sib_calls)
+    [shown] = seen  # the scorer saw the conversation up to the completed reply
+    assert [m["role"] for m in shown] == ["user", "assistant"] * k + ["user"] and shown[-1]["content"] == stored.messages[-1]["content"]
+    # the group: the original's completed turn and three one-turn siblings, the hook's 3, 2, 1, 0, under its source only
+    assert sorted((s.turn_index if s.trajectory_id == original.trajectory_id else -1) for s in report.samples) == [-1, -1, -1, k]
+    assert sorted(trajectory_score([s]) for s in report.samples) == [0.0, 1.0, 2.0, 3.0]
+    assert {s.trajectory_reward_source or s.reward_source for s in report.samples} == {completer.source}
+    adv = dict(zip([s.turn_id for s in report.samples], estimate(report.samples, "grpo"), strict=True))
+    assert adv[original.turn_id] == pytest.approx(1.5 / statistics.stdev([3, 2, 1, 0]))  # GRPO: (3 - mean) / std
+    if turns > 1:  # a multi-turn original is scored on its turn, never on the whole conversation
+        scored = [r for r in srv.store.get_trajectory(original.trajectory_id).rewards if r.source == completer.source]
+        assert [(r.target, r.target_id, r.value) for r in scored] == [("turn", original.turn_id, 3.0)]
+    merged = merge_completed(live, report)
+    before = [s for s in merged if stored_trajectory_id(s.trajectory_id) == original.trajectory_id and s.turn_id != original.turn_id]
+    assert sorted(s.turn_index for s in before) == list(range(k))  # the earlier turns stay, out of the group, a trajectory of their own
+    assert all((s.trajectory_id, s.group_id) == (f"{original.trajectory_id}#before", f"{original.group_id}#before") for s in before)
+    assert not {s.trajectory_id for s in before} & {s.trajectory_id for s in report.samples}
+    if before:  # their score is the user's rating, as the whole conversation's was, under the user's source
+        assert trajectory_score(before) == trajectory_score([s for s in live if s.trajectory_id == original.trajectory_id]) == 1.0
+        assert {s.trajectory_reward_source for s in before} == {"feedback"}
+    assert len(merged) == len(report.samples) + k
+
+
+def test_a_part_of_a_trajectory_is_quarantined_as_the_stored_trajectory():
+    """A bad sample of a conversation's earlier turns (trained as ``<id>#before``) quarantines the stored conversation."""
+    from learner.trainer import SampleError
+
+    assert SampleError("bad ids", ["traj-a#before", "traj-a", "traj-b"]).trajectory_ids == ["traj-a", "traj-b"]
+    assert stored_trajectory_id("traj-c") == "traj-c"

@@ -68,7 +68,10 @@ def stale_after(updates: int) -> LearnerSettings:
 
 @pytest.fixture(scope="module")
 def server(start_server, tmp_path_factory):
-    return start_server("--admin-key", ADMIN, "--agent", json.dumps(AGENT), data_dir=tmp_path_factory.mktemp("learner-data"))
+    # every test publishes its own family, and an alias target is never evicted: room for all of them
+    return start_server(
+        "--admin-key", ADMIN, "--agent", json.dumps(AGENT), "--max-loaded-adapters", "16", data_dir=tmp_path_factory.mktemp("learner-data")
+    )  # fmt: skip
 
 
 def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_model_path):
@@ -943,3 +946,56 @@ def test_an_update_waits_for_enough_trainable_trajectories_and_keeps_its_cursor(
     record = svc.update(force=False, publish=False)  # the first four were kept: now eight (held: the module's server holds 8 adapters)
     assert record["metrics"]["optimizer_step"] is True and record["metrics"]["samples"] == 8 and record["version"] == 1
     assert svc.scheduler.short is None
+
+
+def test_group_completion_completes_a_two_turn_chat_at_its_rated_reply(server, tiny_model_path):
+    """The usual chat: a question, the reply, "final answer only", the reply, a thumbs-down (0) on the last reply. Group
+    completion samples 2 siblings of that reply from its exact context; the hook scores the original lowest (0, the
+    siblings 1 and 2): GRPO on [0, 1, 2] (mean 1, std 1) gives the rated reply -1 and the siblings 0 and +1. The first
+    reply is shared by every member, so it is no part of the group: it keeps the user's 0 under the running baseline,
+    whose first reward for its key only seeds it (advantage 0)."""
+    messages = [{"role": "user", "content": "what is 2+3?"}]
+    ids = []
+    for follow_up in (None, "the final answer only"):
+        if follow_up:
+            messages = [*messages, {"role": "user", "content": follow_up}]
+        body = {"model": "tiny", "messages": messages, "max_tokens": 4, "metadata": {"tag": "two-turn"}}
+        r = httpx.post(server.url + "/chat/completions", json=body, timeout=60).json()
+        messages = [*messages, {"role": "assistant", "content": r["choices"][0]["message"]["content"]}]
+        ids.append(r["loopwise"])
+    assert ids[0]["trajectory_id"] == ids[1]["trajectory_id"]
+    fb = httpx.post(server.url + "/feedback", json={"turn_id": ids[1]["turn_id"], "reward": 0.0}, timeout=60)
+    assert fb.status_code == 200, fb.text
+    s = settings().model_dump()
+    s.update(family="gc2", traffic={"chat": True, "agents": [], "tags": ["two-turn"]})  # this test's chat only (the server is the module's)
+    s["samples"]["reward_sources"] = ["hook:*", "feedback"]
+    s["singletons"] = {"mode": "complete", "scorer": "hook", "hook": "tests.learner.test_group_completion:rank_by_position", "group_size": 3}
+    cfg = ServiceConfig(
+        data_dir=server.data_dir,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        settings=LearnerSettings.model_validate(s),
+        gate_n=0,
+    )
+    svc = LearnerService(cfg)
+    steps = []
+    train = svc.steps.train
+
+    def spy(*a, **kw):
+        steps.append(train(*a, **kw))
+        return steps[-1]
+
+    svc.steps.train = spy
+    record = svc.update()
+    gc = record["group_completion"]
+    assert (gc["completed_groups"], gc["siblings"], gc["contradicted"], gc["failed"]) == (1, 2, 0, 0)
+    [(_, _, advantages, samples)] = steps
+    adv = {x.turn_id: a for x, a in zip(samples, advantages, strict=True)}
+    first, rated = ids[0]["turn_id"], ids[1]["turn_id"]
+    assert adv[rated] == pytest.approx(-1.0, abs=1e-5) and adv[first] == 0.0
+    [prefix] = [x for x in samples if x.turn_id == first]
+    assert prefix.group_id.endswith("#before") and (prefix.trajectory_reward, prefix.trajectory_reward_source) == (0.0, "feedback")
+    assert sorted(a for t, a in adv.items() if t not in (first, rated)) == [pytest.approx(0.0, abs=1e-9), pytest.approx(1.0, abs=1e-5)]
+    assert record["metrics"]["optimizer_step"] is True and record["unused"]["counts"]["baseline_warmup"] == 1
+    assert admin(server, "GET", "/admin/adapters").json()["aliases"]["gc2"] == "gc2@1"
