@@ -289,7 +289,7 @@ class SingletonConfig(BaseModel):
         None,
         description=(
             "complete with scorer 'hook': an http(s) URL (POSTed {messages, completions}, answers {scores}) or 'module:function' "
-            "(called with messages, completions; returns one float per completion); rewards are recorded as source hook:<name>"
+            "(called with messages, completions; returns one float per completion); rewards are recorded as source learner:hook:<name>"
         ),
     )
     judge_model: str | None = Field(

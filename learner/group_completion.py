@@ -15,12 +15,12 @@ them as re-rollouts, outside the live sample stream), then scores the whole grou
   sync or async, returning one number per completion) or an ``http(s)`` URL (POSTed
   ``{"messages": [...], "completions": ["...", ...]}``, answering ``{"scores": [...]}``). It gets the group in
   order, the original first, and scores the original too, so the group is scored by one function and one
-  source (``hook:<name>``);
+  source (``learner:hook:<name>``);
 - an **LLM judge**: any model or adapter the runtime serves (``POST /admin/chat/completions``, not recorded),
   given the conversation once and all ``G`` answers, and asked for a score of each in one call (an integer
   0-10 per candidate under a JSON-schema grammar, so even a small judge answers in form; reward = score / 10),
   as ART's RULER does (relative scoring is easier than absolute, and GRPO only needs the order and
-  spacing within a group; Corbitt 2025, "RULER: Easy Mode for RL Rewards"); source ``judge:<model>``. LLM
+  spacing within a group; Corbitt 2025, "RULER: Easy Mode for RL Rewards"); source ``learner:judge:<model>``. LLM
   judges favour candidates by position (Zheng et al. 2023, "Judging LLM-as-a-Judge with MT-Bench and Chatbot
   Arena"; Wang et al. 2023, "Large Language Models are not Fair Evaluators"), so the judge sees the group in a
   shuffled order (:func:`judge_order`, seeded by the update's seed and the turn id: the same update shows the
@@ -46,7 +46,10 @@ user label (rated only by a verifier, or never) is never a contradiction.
 The scores of a group that passes are recorded under the scorer's source through ``POST /admin/feedback`` (so the
 console shows them and they outlive the update): on each sibling's trajectory, and on the original's trajectory when
 it has one turn, else on its completed turn; then the group's samples are built from the store with that source
-only, so a user's thumbs on the original and the scorer's numbers are never mixed in one group.
+only, so a user's thumbs on the original and the scorer's numbers are never mixed in one group. The original's
+score lies on a user's turn and belongs to that user; its ``learner:`` prefix keeps it out of every A/B
+experiment's evidence (before it had one, the scores outranked the users' own ratings there and starved the
+experiments of evidence).
 
 **A multi-turn original's earlier turns stay out of the group.** Every member shares them (the siblings branch at the
 completed turn), so the group's scores say nothing about them; they keep the user's rating and the running baseline
@@ -82,7 +85,7 @@ import structlog
 
 from learner.baseline import trajectory_score
 from learner.config import SampleConfig, SingletonConfig
-from learner.records import RESERVED_SOURCES, Trajectory, source_rank
+from learner.records import LEARNER_SOURCE_PREFIX, RESERVED_SOURCES, Trajectory, source_rank
 from learner.samples import PART_SEP, Sample, SkipCounts, trajectory_samples
 
 log = structlog.get_logger(__name__)
@@ -108,8 +111,10 @@ class ScorerError(RuntimeError):
 
 
 def source_name(prefix: str, name: str) -> str:
-    """``judge:<name>`` / ``hook:<name>`` with the characters a reward source may hold (``runtime/admin/store.py``)."""
-    return f"{prefix}:{re.sub(r'[^A-Za-z0-9_.:-]', '_', name)[:190]}"
+    """``learner:judge:<name>`` / ``learner:hook:<name>`` with the characters a reward source may hold
+    (``runtime/admin/store.py``). ``learner:`` (:data:`learner.records.LEARNER_SOURCE_PREFIX`): the learner's scores
+    of its own groups, recorded on users' turns too (the originals), are never A/B evidence."""
+    return f"{LEARNER_SOURCE_PREFIX}{prefix}:{re.sub(r'[^A-Za-z0-9_.:-]', '_', name)[:180]}"
 
 
 def load_hook(spec: str) -> Callable[..., Any]:

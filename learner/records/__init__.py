@@ -60,12 +60,14 @@ def context_sha256(ids: Sequence[int]) -> str:
     return hashlib.sha256(a.tobytes()).hexdigest()
 
 
+LEARNER_SOURCE_PREFIX = "learner:"  # the learner's scores of its own groups (group completion): training data, never A/B evidence
 RESERVED_SOURCES = (
     "verifier:",
     "judge:",
     "hook:",
     "memory:",
-)  # the runtime's evaluators, the learner's judges and reward hooks, memory credit; never a client's word
+    LEARNER_SOURCE_PREFIX,
+)  # the runtime's evaluators, judges and reward hooks, memory credit, the learner's own scores; never a client's word
 PROCESS_SUFFIX = ":process"  # an agent task's per-turn process scores: ``<outcome source>:process`` (agents/loop.py)
 
 

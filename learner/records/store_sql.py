@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
-from learner.records import ADMIN_OWNER, Reward, Trajectory, Turn, TurnRef, UnknownTarget
+from learner.records import ADMIN_OWNER, LEARNER_SOURCE_PREFIX, Reward, Trajectory, Turn, TurnRef, UnknownTarget
 from learner.records.store_rows import N_TURN_COLUMNS, REWARD_COLUMNS, TURN_COLUMNS, encode_json, reward_from_row, reward_row, turn_from_row, unpack
 
 __all__ = ["POSTGRESQL", "SQLITE", "Dialect", "StoreQueries", "first_seen", "is_postgres_url"]
@@ -511,7 +511,8 @@ class StoreQueries:
         sources (the runtime's own ``verifier:*`` and ``judge:*``; every source with ``trusted_only=False``), in
         the order they came (ties: in the order they were stored); and per turn, oldest first, its total latency
         and output tokens/s. Work done through the admin API (owner ``admin``: the learner's own runs, re-rollouts,
-        siblings, gate and evaluation runs) is never an observation: an A/B experiment judges by users' evidence.
+        siblings, gate and evaluation runs) is never an observation, nor is a score the learner gave a user's turn for
+        training (source ``learner:*``, group completion's): an A/B experiment judges by users' evidence.
         ``until`` (an experiment's end) leaves out rewards given, and turns made, after it: a decided experiment's figures stay.
 
         ``evidence`` has one row per reward, in the same order: ``(value, source, target, target_id, owner)``, for
@@ -524,6 +525,7 @@ class StoreQueries:
         else:
             where_source, source_args = "", []
         end = float("inf") if until is None else until
+        where_source += f" AND r.source NOT LIKE '{LEARNER_SOURCE_PREFIX}%'"
         cols = f"r.value, r.created_at, r.{d.order}, r.source, r.target, r.target_id, r.owner"
         query = f"""SELECT {cols} FROM rewards r JOIN turns t ON r.target = 'turn' AND r.target_id = t.turn_id
                     WHERE t.adapter {d.same} ? AND t.created_at >= ? AND r.owner <> ? AND r.created_at <= ?{where_source}

@@ -108,6 +108,11 @@ def arms(server: Any) -> dict[str, int]:
     return {a["adapter"]: a["n"] for a in exp["arms"]}
 
 
+def arm_means(server: Any) -> dict[str, float | None]:
+    exp = httpx.get(server.base_url + "/admin/experiments/fam-v2", headers=auth(ADMIN), timeout=30).json()
+    return {a["adapter"]: a["mean_reward"] for a in exp["arms"]}
+
+
 def test_users_named_feedback_decides_and_the_learners_runs_never_count(server):
     body = learner_experiment()
     assert body["reward_sources"] == ["verifier:*", "judge:*", "hook:*", "*"] and body["max_owner_share"] == 0.5
@@ -126,7 +131,7 @@ def test_users_named_feedback_decides_and_the_learners_runs_never_count(server):
         fb = {"turn_id": lw["turn_id"], "reward": float(i % 3 == 0), "source": "user"}
         assert httpx.post(server.base_url + "/v1/feedback", json=fb, headers=auth(key), timeout=30).status_code == 200
     assert turns["fam@1"] and turns["fam@2"]  # the sessions were split over both arms
-    before = arms(server)
+    before, means = arms(server), arm_means(server)
     assert before == {a: len(t) for a, t in turns.items()}  # the users' "user" feedback is the evidence
 
     # the learner's work during the experiment, on both arms: siblings of users' turns, agent runs, its scores on them
@@ -134,12 +139,15 @@ def test_users_named_feedback_decides_and_the_learners_runs_never_count(server):
         r = httpx.post(server.base_url + f"/admin/turns/{ids[0]}/siblings", json={"n": 3, "model": arm}, headers=auth(ADMIN), timeout=60)
         assert r.status_code == 200, r.text
         for sib in r.json()["data"]:
-            fb = {"trajectory_id": sib["trajectory_id"], "reward": 1.0, "source": "judge:fam"}
+            fb = {"trajectory_id": sib["trajectory_id"], "reward": 1.0, "source": "learner:judge:fam"}
             assert httpx.post(server.base_url + "/admin/feedback", json=fb, headers=auth(ADMIN), timeout=30).status_code == 200
+        # and its score of the user's own turn (group completion scores the original too): the user's, yet no evidence
+        fb = {"turn_id": ids[0], "reward": 1.0, "source": "learner:judge:fam"}
+        assert httpx.post(server.base_url + "/admin/feedback", json=fb, headers=auth(ADMIN), timeout=30).status_code == 200
         run = {"problem_index": 3, "seed": 0, "model": arm}
         r = httpx.post(server.base_url + "/admin/agents/ev-agent/runs", json=run, headers=auth(ADMIN), timeout=120)
         assert r.status_code == 200, r.text  # its verifier's outcome is recorded on the run
-    assert arms(server) == before
+    assert arms(server) == before and arm_means(server) == means
 
 
 def test_a_learner_that_trains_on_feedback_only_is_judged_on_it(server):

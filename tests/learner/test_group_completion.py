@@ -101,7 +101,7 @@ def test_a_reward_hook_scores_the_group_with_exactly_its_numbers(srv):
     turn = one_off(srv)
     cfg = SingletonConfig(mode="complete", scorer="hook", hook="tests.learner.test_group_completion:length_reward", group_size=4)
     original, completer, report = complete(srv, cfg)
-    assert report.failed == 0 and report.siblings == 3 and completer.source == "hook:tests.learner.test_group_completion:length_reward"
+    assert report.failed == 0 and report.siblings == 3 and completer.source == "learner:hook:tests.learner.test_group_completion:length_reward"
     texts = {s.trajectory_id: srv.store.get_trajectory(s.trajectory_id).turns[0].output_text for s in report.samples}
     assert sorted(texts.values()) == sorted(["hi", "hello there", "hey", "good day to you"])
     for s in report.samples:  # each member (the original too) carries exactly the hook's number for its text, under the hook's source
@@ -120,6 +120,9 @@ def test_a_reward_hook_scores_the_group_with_exactly_its_numbers(srv):
     assert [s.trajectory_id for s in live.samples] == [original.trajectory_id] and live.counts.rerollout == 3
     # the original (1/3) is above the group's mean, as its thumbs-up says; all four answers came from the base model
     assert report.contradicted == 0 and report.as_dict()["version_mix"] == {"original base, siblings base": 1}
+    # the hook's score on the user's own turn is training data, not A/B evidence: the base arm's evidence is the user's 1.0
+    assert any(r.source == completer.source for r in srv.store.get_trajectory(original.trajectory_id).rewards)
+    assert srv.store.arm_observations(None, 0.0, trusted_only=False)["rewards"] == [1.0]
 
 
 def test_an_llm_judge_scores_the_whole_group_in_one_call_shuffled(srv):
@@ -127,7 +130,7 @@ def test_an_llm_judge_scores_the_whole_group_in_one_call_shuffled(srv):
     turns_before = srv.store.stats()["turns"]
     cfg = SingletonConfig(mode="complete", scorer="judge", judge_model="tiny", group_size=4)
     original, completer, report = complete(srv, cfg)
-    assert completer.source == "judge:tiny" and report.failed == 0 and report.contradicted == 0
+    assert completer.source == "learner:judge:tiny" and report.failed == 0 and report.contradicted == 0
     judge_calls = [c for c in srv.engine.calls if "<candidate" in srv.engine.tok.decode(c.input_ids)]
     assert len(judge_calls) == 1  # one call for the whole group
     prompt = srv.engine.tok.decode(judge_calls[0].input_ids)
@@ -137,7 +140,7 @@ def test_an_llm_judge_scores_the_whole_group_in_one_call_shuffled(srv):
     for s in report.samples:
         text = srv.store.get_trajectory(s.trajectory_id).turns[0].output_text
         [pos] = [i for i, t in shown.items() if t == text]
-        assert s.trajectory_reward == JUDGE[f"candidate_{pos}"] / 10 and s.trajectory_reward_source == "judge:tiny"
+        assert s.trajectory_reward == JUDGE[f"candidate_{pos}"] / 10 and s.trajectory_reward_source == "learner:judge:tiny"
     assert sorted(s.trajectory_reward for s in report.samples) == [0.1, 0.2, 0.5, 0.9]
     # the order shown is judge_order's for this update's seed (complete: seed 3, first group) and this turn
     order = judge_order(4, f"3000:{original.turn_id}")
@@ -196,7 +199,7 @@ def test_a_thumbs_up_original_is_never_trained_down_by_group_completion(srv, rew
         assert (report.contradicted, report.completed, report.samples, report.siblings) == (1, [], [], 0)
         [why] = report.as_dict()["contradictions"]
         assert why.startswith(original.turn_id) and ("thumbs-up" if reward > 0.5 else "thumbs-down") in why
-        assert not any(r.source.startswith("hook:") for r in stored.rewards)  # a skipped group's scores are not recorded
+        assert not any(r.source.startswith("learner:") for r in stored.rewards)  # a skipped group's scores are not recorded
         return
     assert report.contradicted == 0 and report.completed == [original.trajectory_id] and report.siblings == 3
     assert {s.trajectory_reward_source for s in report.samples} == {completer.source}  # the scorer's numbers alone
@@ -327,7 +330,7 @@ def test_a_hook_over_http_and_a_wrong_hook():
         completer = GroupCompleter(None, None, cfg=cfg, family="f", samples_cfg=SampleConfig())  # type: ignore[arg-type]
         assert asyncio.run(completer.score([{"role": "user", "content": "q"}], ["ab", "abcd"])) == [2.0, 4.0]
         assert seen == [{"messages": [{"role": "user", "content": "q"}], "completions": ["ab", "abcd"]}]
-        assert completer.source == f"hook:127.0.0.1:{server.server_address[1]}_score"
+        assert completer.source == f"learner:hook:127.0.0.1:{server.server_address[1]}_score"
         with pytest.raises(ScorerError, match="need a list of 3 numbers"):
             asyncio.run(completer.score([{"role": "user", "content": "q"}], ["a", "b", "c"]))
     finally:

@@ -610,6 +610,11 @@ def test_arm_observations_by_adapter_and_source(store) -> None:
     assert s.arm_observations(None, since=0.0, source="verifier:outcome")["rewards"] == [9.0]
     assert sorted(s.arm_observations("lora-v3", since=0.0, trusted_only=False)["rewards"]) == [0.0, 2.0, 4.0, 7.0, 100.0]
     assert s.arm_observations("lora-v3", since=2_003.0, source="verifier:outcome")["rewards"] == []  # traj-2 is older
+    # the learner's score of a user's turn (group completion) is never evidence, whatever the query
+    s.add_reward(Reward(target="turn", target_id="turn-2", value=50.0, source="learner:judge:m"))
+    s.add_reward(Reward(target="trajectory", target_id="traj-4", value=60.0, source="learner:hook:h"))
+    assert s.arm_observations("lora-v3", since=0.0, source="learner:judge:m")["rewards"] == []
+    assert sorted(s.arm_observations("lora-v3", since=0.0, trusted_only=False)["rewards"]) == [0.0, 2.0, 4.0, 7.0, 100.0]
 
 
 def test_trajectory_meta_merges_and_reaches_samples(store: SqliteStore) -> None:

@@ -35,7 +35,7 @@ def _rewards(app) -> int:
 
 
 @pytest.mark.parametrize(
-    "source", ["verifier:calc_arith", "judge:helpful", "hook:my_reward", "memory:feedback", "VERIFIER:calc_arith", " verifier:x"]
+    "source", ["verifier:calc_arith", "judge:helpful", "hook:my_reward", "memory:feedback", "learner:hook:x", "VERIFIER:calc_arith", " verifier:x"]
 )
 def test_reserved_sources_are_refused(app, source):
     r = app.post("/v1/feedback", json={"turn_id": _turn(app), "reward": 1.0, "source": source}, headers=auth(KEY1))
