@@ -77,16 +77,18 @@ def served_model(url: str) -> str:
 
 
 @contextmanager
-def bench_server(model: str, out: Path, max_adapters: int = 12, resume: bool = False) -> Iterator[BenchServer]:
+def bench_server(
+    model: str, out: Path, max_adapters: int = 12, resume: bool = False, flags: list[str] | None = None, key: str | None = None
+) -> Iterator[BenchServer]:
     """Empties ``out`` (what a previous run left there is removed; with ``resume``, kept: the server reopens its store,
-    registry and adapters), then spawns ``serve.py`` for ``model`` with its data folder ``out/server``, a fresh admin
-    key and room for ``max_adapters`` loaded adapter versions; stopped on exit."""
+    registry and adapters), then spawns ``serve.py`` for ``model`` with its data folder ``out/server``, the admin
+    ``key`` (default a fresh one), room for ``max_adapters`` loaded adapter versions and ``flags``; stopped on exit."""
     if not resume:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_hex(8)
+    key = key or secrets.token_hex(8)
     data = out / "server"
-    with spawned_server(model, key, ["--max-loaded-adapters", str(max_adapters)], data_dir=data) as url:
+    with spawned_server(model, key, ["--max-loaded-adapters", str(max_adapters), *(flags or [])], data_dir=data) as url:
         model_path = data / "models" / ("SmolLM2-135M-Instruct" if model == "default" else model)
         yield BenchServer(url, key, data, model_path, served_model(url))
 

@@ -24,7 +24,13 @@ pass@1 and sequential-revision success (solved within ``--sr-rounds`` repair rou
 feedback; REVES's own repair prompt), Wilson 95% CIs, and the paired difference (REVES − GRPO) with a bootstrap CI.
 
 Arms run one after the other on one server; other load on the machine hits them alike only roughly, which is
-why the tables carry CIs. Results go to ``bench/results/svr_reves.json``. Not a test.
+why the tables carry CIs. Results go to ``<--out>/svr_reves.json``. Not a test.
+
+**Resumable** (a full SVR run takes hours): ``svr_reves.json`` holds the design, and the SVR part's before-training
+evaluation, updates and curve, written after each update (whose learner checkpoint is written before it).
+``--resume`` restarts the server on the same data folder (``<--out>/server``), keeps the finished evaluations and
+continues the updates from the learner's checkpoint, recording where it resumed (``resumed``); a finished part is
+skipped. The REVES part is not resumable: it reruns whole.
 """
 
 from __future__ import annotations
@@ -36,14 +42,14 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import add_agent, bootstrap_ci, rollouts, served_model, service, write_json  # noqa: E402
-from experiments.agent_eval import spawned_server  # noqa: E402
+from bench._rl_harness import BenchServer, add_agent, bench_server, bootstrap_ci, rollouts, service, write_json  # noqa: E402
 from learner.reves import run_attempts  # noqa: E402
 from learner.runs_client import post_runs  # noqa: E402
 from learner.svr_rollouts import adaptive_report, calibration_error  # noqa: E402
@@ -85,7 +91,10 @@ def report_with_ci(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return r
 
 
-def svr_part(url: str, args: argparse.Namespace, data: Path, deadline: float) -> dict[str, Any]:
+def svr_part(srv: BenchServer, args: argparse.Namespace, deadline: float, state: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
+    """The SVR part; ``state`` is its record so far (empty for a new run), updated in place and saved (``save``) after
+    the before-training evaluation and after every update, so a cut run continues where it stopped."""
+    url = srv.url
     family = "svr-bench"
     common = {
         "system_prompt": "You are a careful problem solver.",
@@ -99,7 +108,7 @@ def svr_part(url: str, args: argparse.Namespace, data: Path, deadline: float) ->
     }
     add_agent(url, ADMIN, {**common, "name": "bench-svr", "stop_policy": "svr", "stop_params": {"tau": args.tau}})
     add_agent(url, ADMIN, {**common, "name": "bench-svr-fixed", "stop_policy": "fixed", "stop_params": {"fmt": "svr", "tau": args.tau}})
-    base = served_model(url)
+    base = srv.base
 
     def evaluate(model: str) -> dict[str, Any]:
         return {
@@ -108,8 +117,10 @@ def svr_part(url: str, args: argparse.Namespace, data: Path, deadline: float) ->
         }
 
     t0 = time.monotonic()
-    before = evaluate(base)
-    print(f"svr: before training ({time.monotonic() - t0:.0f} s): {json.dumps(before, default=str)}", flush=True)
+    if "before" not in state:
+        state.update(before=evaluate(base), updates=0, sampled_tokens=0, curve=[], wall_s=0.0, resumed=[])
+        save()
+        print(f"svr: before training ({time.monotonic() - t0:.0f} s): {json.dumps(state['before'], default=str)}", flush=True)
     settings = {
         "family": family,
         "lora": LORA,
@@ -117,21 +128,29 @@ def svr_part(url: str, args: argparse.Namespace, data: Path, deadline: float) ->
         "samples": {"settle_s": 0, "max_staleness": 64},
         "svr": {"enabled": True, "tau": args.tau, "problems_per_update": args.prompts, "group": args.group, "horizon": args.horizon},
     }
-    svc = service(url, ADMIN, data, args.model_path, "bench-svr", settings)  # the server's data folder: its store
-    tokens, updates, curve = 0, 0, []
-    while tokens < args.budget and time.monotonic() < deadline:
+    svc = service(url, ADMIN, srv.data, srv.model_path, "bench-svr", settings)  # the server's data folder: its store
+    if state["updates"]:
+        state["resumed"].append({"update": state["updates"], "tokens": state["sampled_tokens"], "learner_version": svc.status.champion})
+        print(f"svr: resumed after update {state['updates']} ({state['sampled_tokens']} tokens), learner at {svc.status.champion}", flush=True)
+    t1 = time.monotonic() - state["wall_s"]
+    while state["sampled_tokens"] < args.budget and time.monotonic() < deadline:
         rec = svc.update(force=True)
-        tokens += int(rec.get("svr_runs", {}).get("sampled_tokens", 0))
-        updates += 1
-        curve.append({"update": updates, "tokens": tokens, "reward_mean": rec.get("self_check_rewards", {}).get("reward_mean"),
-                      "train_correct": rec.get("svr_runs", {}).get("correct"), "optimizer_step": rec["metrics"].get("optimizer_step")})  # fmt: skip
-        print(f"svr: update {updates}: {curve[-1]}", flush=True)
-    model = svc.status.champion or base
-    after = evaluate(model)
+        state["sampled_tokens"] += int(rec.get("svr_runs", {}).get("sampled_tokens", 0))
+        state["updates"] += 1
+        state["curve"].append({"update": state["updates"], "tokens": state["sampled_tokens"], "reward_mean": rec.get("self_check_rewards", {}).get("reward_mean"),
+                               "train_correct": rec.get("svr_runs", {}).get("correct"), "optimizer_step": rec["metrics"].get("optimizer_step")})  # fmt: skip
+        state.update(wall_s=time.monotonic() - t1, model=svc.status.champion)
+        save()
+        print(f"svr: update {state['updates']}: {state['curve'][-1]}", flush=True)
+    if state["sampled_tokens"] < args.budget:
+        print(f"svr: out of time at {state['sampled_tokens']} of {args.budget} tokens: evaluating now (--resume continues training)", flush=True)
+    model = svc.status.champion or state.get("model") or base
     svc.store.close()
     svc.state.trainer = None  # one model in memory at a time
     gc.collect()
-    return {"before": before, "after": after, "model": model, "updates": updates, "sampled_tokens": tokens, "curve": curve}
+    state.update(after=evaluate(model), model=model, finished=state["sampled_tokens"] >= args.budget)
+    save()
+    return state
 
 
 async def _sr(url: str, agent: str, model: str, n: int, rounds: int, concurrency: int) -> list[tuple[bool, bool]]:
@@ -157,8 +176,8 @@ async def _sr(url: str, agent: str, model: str, n: int, rounds: int, concurrency
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-def reves_part(url: str, args: argparse.Namespace, data: Path, deadline: float) -> dict[str, Any]:
-    base = served_model(url)
+def reves_part(srv: BenchServer, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    url, data, base = srv.url, srv.data, srv.base
     arms: dict[str, dict[str, Any]] = {}
     per_arm_deadline = (deadline - time.monotonic()) / 2
     for arm in ("grpo", "reves"):
@@ -175,7 +194,7 @@ def reves_part(url: str, args: argparse.Namespace, data: Path, deadline: float) 
         if arm == "reves":
             settings["reves"] = {"enabled": True, "items_per_round": args.prompts, "max_retries": args.max_retries,
                                  "prompts_per_round": args.prompts, "augmented_share": args.augmented_share, "group": args.group}  # fmt: skip
-        svc = service(url, ADMIN, data, args.model_path, agent, settings)
+        svc = service(url, ADMIN, data, srv.model_path, agent, settings)
         end = time.monotonic() + per_arm_deadline
         tokens, updates, next_problem, curve = 0, 0, 0, []
         while tokens < args.budget and time.monotonic() < end:
@@ -236,25 +255,35 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="the server's CPU threads (1 on a shared 2-core machine: docs/engines.md, Speed on CPU)")
+    ap.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "svr_reves", help="the run's folder: svr_reves.json and the server's data"
+    )
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out (same design): see the module docstring")
     args = ap.parse_args()
-    models = ROOT / ".data" / "models"
-    cache = Path(__import__("os").environ.get("LOOPWISE_TEST_CACHE", str(models)))
-    args.model_path = cache / ("tiny" if args.model == "tiny" else "SmolLM2-135M-Instruct")
     t0 = time.monotonic()
     deadline = t0 + args.minutes * 60
-    out: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-    import tempfile
-
-    with (
-        tempfile.TemporaryDirectory(prefix="svr-reves-") as tmp,
-        spawned_server(args.model, ADMIN, ["--threads", str(args.threads)], data_dir=Path(tmp)) as url,
-    ):
+    design = {k: str(v) for k, v in vars(args).items() if k not in ("resume", "minutes")}
+    results = args.out / "svr_reves.json"
+    done: dict[str, Any] = json.loads(results.read_text()) if args.resume and results.exists() else {}
+    if done and done.get("design") != design:
+        changed = sorted(k for k in design if done.get("design", {}).get(k) != design[k])
+        raise SystemExit(f"--resume: {results} was run with another design (differs in {', '.join(changed)}); fix the design or start anew")
+    out: dict[str, Any] = {**done, "design": design}
+    with bench_server(args.model, args.out, resume=args.resume, flags=["--threads", str(args.threads)], key=ADMIN) as srv:
         parts = ["svr", "reves"] if args.part == "both" else [args.part]
         for k, part in enumerate(parts):
             share = deadline if k == len(parts) - 1 else t0 + (deadline - t0) / len(parts)
-            out[part] = (svr_part if part == "svr" else reves_part)(url, args, Path(tmp), share)
+            if part == "svr":
+                if out.get("svr", {}).get("finished"):
+                    print("svr: finished in the resumed run", flush=True)
+                    continue
+                out["svr"] = out.get("svr") or {}
+                svr_part(srv, args, share, out["svr"], lambda: write_json(results, out))
+            else:
+                out["reves"] = reves_part(srv, args, share)
+            write_json(results, out)
     out["elapsed_s"] = time.monotonic() - t0
-    write_json(ROOT / "bench" / "results" / "svr_reves.json", out)
+    write_json(results, out)
     if "svr" in out:
         s = out["svr"]
         print(f"\nSVR ({s['updates']} updates, {s['sampled_tokens']} sampled training tokens; held-out n={args.n_eval})")
