@@ -199,6 +199,16 @@ class HeldoutBootstrap:
         return self.ci(lambda ss, ps: a(ss, ps) - b(ss, ps))
 
 
+def resumed_run(results: Path, design: dict[str, str], resume: bool) -> dict[str, Any]:
+    """What a ``--resume`` run continues: ``results`` as written so far (``{}`` without ``resume`` or the file); exits
+    naming the settings that differ when it was run with another ``design``."""
+    done: dict[str, Any] = json.loads(results.read_text()) if resume and results.exists() else {}
+    if done and done.get("design") != design:
+        changed = sorted(k for k in design if done.get("design", {}).get(k) != design[k])
+        raise SystemExit(f"--resume: {results} was run with another design (differs in {', '.join(changed)}); fix the design or start anew")
+    return done
+
+
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2, default=str))

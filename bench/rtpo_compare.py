@@ -48,7 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import HeldoutBootstrap, add_agent, base_heldout, bench_server, final_heldout, rollouts, service, write_json  # noqa: E402
+from bench._rl_harness import HeldoutBootstrap, add_agent, base_heldout, bench_server, final_heldout, resumed_run, rollouts, service, write_json  # noqa: E402
 
 PROMPTS = {
     "frozenlake": "You are an agent walking on a frozen lake. Reach the goal without falling into a hole.",
@@ -175,10 +175,7 @@ def main() -> int:
 
     design = {k: str(v) for k, v in vars(args).items() if k not in ("resume", "seeds")}
     results = args.out / "rtpo_compare.json"
-    done: dict[str, Any] = json.loads(results.read_text()) if args.resume and results.exists() else {}
-    if done and done.get("design") != design:
-        changed = sorted(k for k in design if done.get("design", {}).get(k) != design[k])
-        raise SystemExit(f"--resume: {results} was run with another design (differs in {', '.join(changed)}); fix the design or start anew")
+    done = resumed_run(results, design, args.resume)
     arms: list[dict[str, Any]] = list(done.get("arms", []))
     with bench_server(args.model, args.out, resume=args.resume) as srv:
         add_agent(srv.url, srv.key, agent("fl-eval", None, args))

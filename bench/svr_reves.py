@@ -49,7 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._rl_harness import BenchServer, add_agent, bench_server, bootstrap_ci, rollouts, service, write_json  # noqa: E402
+from bench._rl_harness import BenchServer, add_agent, bench_server, bootstrap_ci, resumed_run, rollouts, service, write_json  # noqa: E402
 from learner.reves import run_attempts  # noqa: E402
 from learner.runs_client import post_runs  # noqa: E402
 from learner.svr_rollouts import adaptive_report, calibration_error  # noqa: E402
@@ -264,10 +264,7 @@ def main() -> None:
     deadline = t0 + args.minutes * 60
     design = {k: str(v) for k, v in vars(args).items() if k not in ("resume", "minutes")}
     results = args.out / "svr_reves.json"
-    done: dict[str, Any] = json.loads(results.read_text()) if args.resume and results.exists() else {}
-    if done and done.get("design") != design:
-        changed = sorted(k for k in design if done.get("design", {}).get(k) != design[k])
-        raise SystemExit(f"--resume: {results} was run with another design (differs in {', '.join(changed)}); fix the design or start anew")
+    done = resumed_run(results, design, args.resume)
     out: dict[str, Any] = {**done, "design": design}
     with bench_server(args.model, args.out, resume=args.resume, flags=["--threads", str(args.threads)], key=ADMIN) as srv:
         parts = ["svr", "reves"] if args.part == "both" else [args.part]

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -779,6 +780,33 @@ def test_reves_runs_each_update_from_the_next_items_with_the_current_policy(tmp_
     svc.store.close()
 
 
+def completed_update(server: Any, tiny_model_path: Path, family: str, traffic: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """One learner update of ``family`` with group completion by the ``rank_by_position`` hook (G = 3): its record, and
+    what each optimizer step got (metrics, report, advantages, samples)."""
+    s = settings().model_dump()
+    s.update(family=family, traffic=traffic)
+    s["samples"]["reward_sources"] = ["hook:*", "feedback"]
+    s["singletons"] = {"mode": "complete", "scorer": "hook", "hook": "tests.learner.test_group_completion:rank_by_position", "group_size": 3}
+    cfg = ServiceConfig(
+        data_dir=server.data_dir,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        settings=LearnerSettings.model_validate(s),
+        gate_n=0,
+    )
+    svc = LearnerService(cfg)
+    steps: list[Any] = []
+    train = svc.steps.train
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        steps.append(train(*a, **kw))
+        return steps[-1]
+
+    svc.steps.train = spy  # type: ignore[method-assign]
+    return svc.update(), steps
+
+
 def test_a_thumbs_up_answer_is_never_trained_down_by_group_completion(server, tiny_model_path):
     """Two one-off chat prompts, a thumbs-down (0) and a thumbs-up (1), and a hook that scores each original lowest of
     its group (0, its 2 siblings 1 and 2). The thumbs-down group agrees with its label and trains: GRPO on [0, 1, 2]
@@ -793,28 +821,7 @@ def test_a_thumbs_up_answer_is_never_trained_down_by_group_completion(server, ti
         ids[reward] = r.json()["loopwise"]["trajectory_id"]
         fb = httpx.post(server.url + "/feedback", json={"turn_id": r.json()["loopwise"]["turn_id"], "reward": reward}, timeout=60)
         assert fb.status_code == 200, fb.text
-    s = settings().model_dump()
-    s.update(family="gc", traffic={"chat": True, "agents": []})
-    s["samples"]["reward_sources"] = ["hook:*", "feedback"]
-    s["singletons"] = {"mode": "complete", "scorer": "hook", "hook": "tests.learner.test_group_completion:rank_by_position", "group_size": 3}
-    cfg = ServiceConfig(
-        data_dir=server.data_dir,
-        admin_url=server.base_url,
-        admin_key=ADMIN,
-        base_model=tiny_model_path,
-        settings=LearnerSettings.model_validate(s),
-        gate_n=0,
-    )
-    svc = LearnerService(cfg)
-    steps = []  # what the optimizer step got: (metrics, report, advantages, samples)
-    train = svc.steps.train
-
-    def spy(*a, **kw):
-        steps.append(train(*a, **kw))
-        return steps[-1]
-
-    svc.steps.train = spy
-    record = svc.update()
+    record, steps = completed_update(server, tiny_model_path, "gc", {"chat": True, "agents": []})
     gc = record["group_completion"]
     assert (gc["completed_groups"], gc["siblings"], gc["contradicted"], gc["failed"]) == (1, 2, 1, 0)
     assert gc["version_mix"] == {"original base, siblings base": 1}  # no version published yet: the base model made all of them
@@ -966,28 +973,8 @@ def test_group_completion_completes_a_two_turn_chat_at_its_rated_reply(server, t
     assert ids[0]["trajectory_id"] == ids[1]["trajectory_id"]
     fb = httpx.post(server.url + "/feedback", json={"turn_id": ids[1]["turn_id"], "reward": 0.0}, timeout=60)
     assert fb.status_code == 200, fb.text
-    s = settings().model_dump()
-    s.update(family="gc2", traffic={"chat": True, "agents": [], "tags": ["two-turn"]})  # this test's chat only (the server is the module's)
-    s["samples"]["reward_sources"] = ["hook:*", "feedback"]
-    s["singletons"] = {"mode": "complete", "scorer": "hook", "hook": "tests.learner.test_group_completion:rank_by_position", "group_size": 3}
-    cfg = ServiceConfig(
-        data_dir=server.data_dir,
-        admin_url=server.base_url,
-        admin_key=ADMIN,
-        base_model=tiny_model_path,
-        settings=LearnerSettings.model_validate(s),
-        gate_n=0,
-    )
-    svc = LearnerService(cfg)
-    steps = []
-    train = svc.steps.train
-
-    def spy(*a, **kw):
-        steps.append(train(*a, **kw))
-        return steps[-1]
-
-    svc.steps.train = spy
-    record = svc.update()
+    traffic = {"chat": True, "agents": [], "tags": ["two-turn"]}  # this test's chat only (the server is the module's)
+    record, steps = completed_update(server, tiny_model_path, "gc2", traffic)
     gc = record["group_completion"]
     assert (gc["completed_groups"], gc["siblings"], gc["contradicted"], gc["failed"]) == (1, 2, 0, 0)
     [(_, _, advantages, samples)] = steps
