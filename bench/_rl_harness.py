@@ -60,6 +60,19 @@ class PromoteService(LearnerService):
         self.steps = RolloutSteps(self.state, self.release)
         self.scheduler = Scheduler(self.state, self.release)
 
+    def serve_newest(self) -> str | None:
+        """On a resumed run: the family's newest published version loaded and its alias on it (what the run served before
+        the cut; a server from before its store kept the registry restarted without it, and the runs sampled the base,
+        which the learner then skipped as stale); its name, None before the first version."""
+        version = self.state.published_version()
+        if version == 0:
+            return None
+        name = self.state.ensure_loaded(version)
+        if self.state.champion() != name:
+            self.state.admin.set_alias(self.state.family, name)
+        self.state.status.champion = name
+        return name
+
 
 class BenchServer(NamedTuple):
     """A spawned ``serve.py``, as a learning benchmark uses it."""

@@ -85,6 +85,7 @@ def run_arm(url: str, key: str, data: Path, model_path: Path, est: str, seed: in
     state: dict[str, Any] = {"spent": 0, "it": 0, "curve": [], "wall_s": 0.0, "final": None, "resumed": []}
     if progress.exists():
         state = json.loads(progress.read_text())
+        svc.serve_newest()
         state["resumed"].append({"iteration": state["it"], "tokens": state["spent"], "learner_version": svc.status.champion})
         print(
             f"  {family}: resumed at iteration {state['it']} ({state['spent']} tokens), learner at {svc.status.champion or 'the base (no version yet)'}",

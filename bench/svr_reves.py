@@ -130,6 +130,7 @@ def svr_part(srv: BenchServer, args: argparse.Namespace, deadline: float, state:
     }
     svc = service(url, ADMIN, srv.data, srv.model_path, "bench-svr", settings)  # the server's data folder: its store
     if state["updates"]:
+        svc.serve_newest()
         state["resumed"].append({"update": state["updates"], "tokens": state["sampled_tokens"], "learner_version": svc.status.champion})
         print(f"svr: resumed after update {state['updates']} ({state['sampled_tokens']} tokens), learner at {svc.status.champion}", flush=True)
     t1 = time.monotonic() - state["wall_s"]

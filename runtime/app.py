@@ -143,7 +143,7 @@ def create_app(
     experiments = Experiments(recorder.store, registry) if recorder is not None else None  # type: ignore[arg-type]
     adapter_root = adapter_settings.adapter_root or server.data_dir / "adapters"
     validated = adapter_validator(lambda: base_shapes_of(engine.model), adapter_root, adapter_settings.max_lora_rank)  # type: ignore[attr-defined]
-    listener, sync = _shared_store_sync(recorder, registry, experiments, validated)
+    listener, sync = _store_sync(recorder, registry, experiments, validated)
     lifespan = _lifespan(engine_settings, server, recorder_settings, sync, listener)
     app = FastAPI(title="loopwise", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
@@ -186,12 +186,13 @@ def create_app(
     return app
 
 
-def _shared_store_sync(
+def _store_sync(
     recorder: Recorder | None, registry: AdapterRegistry, experiments: Experiments | None, validated: Callable[[AdapterRef], Awaitable[AdapterRef]]
 ) -> tuple[StoreListener | None, RegistrySync | None]:
-    """On a store several runtimes share, they agree through it: the registry's changes go to the store (the listener)
-    and the others' come back (the sync); (None, None) on a store of this runtime's own."""
-    if recorder is None or not getattr(recorder.store, "shared", False):
+    """The registry's changes go to the store (the listener) and come back from it (the sync: at start-up, so a restart
+    serves what was served; on a store several runtimes share, also the others' changes while serving); (None, None)
+    without a store."""
+    if recorder is None:
         return None, None
     listener = registry.listener = StoreListener(recorder.store)
     return listener, RegistrySync(recorder.store, registry, experiments, validated)
@@ -240,11 +241,13 @@ def _lifespan(
             if recorder_settings.retention_days:
                 background.append(asyncio.create_task(prune_forever(recorder, recorder_settings.retention_days)))
         if sync is not None:
+            shared = getattr(sync.store, "shared", False)
             try:
-                await sync.sync_once()  # serve what the other runtimes serve from the first request on
+                await sync.sync_once()  # serve what was served before a restart, and what the other runtimes serve, from the first request on
             except Exception:
-                log.exception("the first sync with the shared store failed; retrying in the background")
-            background.append(asyncio.create_task(sync.run_forever(recorder_settings.store_sync_s)))
+                log.exception("restoring the adapters and aliases from the store failed" + ("; retrying in the background" if shared else ""))
+            if shared:
+                background.append(asyncio.create_task(sync.run_forever(recorder_settings.store_sync_s)))
         if s.experiments is not None:
             background.append(asyncio.create_task(evaluate_forever(s.experiments)))
         app.state.ready = True
@@ -264,7 +267,7 @@ def _lifespan(
             s.responses.close()
             s.admission.close()
             if listener is not None:
-                await asyncio.to_thread(listener.close)  # registry changes still on their way to the shared store
+                await asyncio.to_thread(listener.close)  # registry changes still on their way to the store
             if recorder is not None:
                 await asyncio.to_thread(recorder.close)  # writes everything still queued
 

@@ -48,3 +48,29 @@ def test_every_job_that_releases_promotes_the_newest_version(tmp_path: Path, mon
         assert gate == {"decision": "promoted", "new": f"{svc.state.family}@{version}"}
         assert svc.state.status.champion == f"{svc.state.family}@{version}"
     assert [c[1][1] for c in admin.calls] == [f"{svc.state.family}@1", f"{svc.state.family}@2"]
+
+
+def test_a_resumed_run_serves_the_newest_published_version_again(tmp_path: Path, monkeypatch) -> None:
+    """A server restarted for ``--resume`` once served the base model for the family (its alias was gone): every run
+    sampled the base, the learner skipped them all as stale and an arm ended on 17,799 tokens that trained nothing."""
+    cfg = ServiceConfig(
+        data_dir=tmp_path,
+        admin_url="http://127.0.0.1:9",
+        admin_key="k",
+        base_model=tmp_path,
+        settings=LearnerSettings.model_validate({"family": "fam"}),
+        agent="a",
+        gate_n=0,
+    )
+    svc = PromoteService(cfg)
+    admin, loaded, aliases = _Admin(), [], {}
+    monkeypatch.setattr(svc.state, "admin", admin)
+    monkeypatch.setattr(svc.state, "ensure_loaded", lambda v: loaded.append(v) or f"fam@{v}")
+    monkeypatch.setattr(svc.state, "champion", lambda: aliases.get("fam"))
+    assert svc.serve_newest() is None and loaded == [] and admin.calls == []  # nothing published yet: the base serves
+    for v in (1, 3, 2):
+        (tmp_path / "adapters" / "fam" / f"v{v}").mkdir(parents=True)
+    assert svc.serve_newest() == "fam@3" and loaded == [3] and admin.calls == [("alias", ("fam", "fam@3"))]
+    assert svc.state.status.champion == "fam@3"
+    aliases["fam"] = "fam@3"  # already served: loaded (a no-op when it is) and no alias flip
+    assert svc.serve_newest() == "fam@3" and admin.calls == [("alias", ("fam", "fam@3"))]

@@ -1,17 +1,22 @@
-"""Several runtimes on one shared store agree on adapters, aliases and A/B experiments.
+"""A runtime's adapters and aliases survive its restart; several runtimes on one shared store agree on them.
 
-Each runtime's ``AdapterRegistry`` and ``Experiments`` live in its own process; with a shared store
-(``store.shared``: PostgreSQL) the store's ``registry`` table and ``experiments`` table are the
-source of truth:
+Each runtime's ``AdapterRegistry`` and ``Experiments`` live in its own process; the store's ``registry``
+table and ``experiments`` table are the source of truth. On a store of the runtime's own (SQLite) they
+are read once, at start-up, so a restarted ``serve.py`` serves the versions and aliases (the learner's
+champion, the arms of a running experiment) it served before, instead of the base model; on a shared store
+(``store.shared``: PostgreSQL) they are also followed while serving:
 
 - ``StoreListener`` writes every change made on this runtime (an adapter loaded or unloaded through the
   admin API, an alias flipped by an admin, the learner or an experiment's promotion) to the store, in
   order, on one background thread (the registry's loop never waits on the database).
-- ``RegistrySync.sync_once`` (at start-up, then every ``--store-sync-s`` seconds) reads the store and
-  makes this runtime match it: loads the adapter versions it has not seen (validated against the base
-  model and ``--adapter-root`` exactly as ``POST /admin/adapters`` does: the folder must be readable here,
-  i.e. a shared filesystem), unloads those removed from the store, flips aliases, and reloads the
-  experiments' configs and states. Changes applied from the store are not written back.
+- ``RegistrySync.sync_once`` (at start-up, then on a shared store every ``--store-sync-s`` seconds) reads
+  the store and makes this runtime match it: loads the adapter versions it has not seen (validated against
+  the base model and ``--adapter-root`` exactly as ``POST /admin/adapters`` does: the folder must be readable
+  here, i.e. a shared filesystem), unloads those removed from the store, flips aliases, and reloads the
+  experiments' configs and states. Changes applied from the store are not written back. What must serve
+  (alias targets, live arms, pinned versions) is loaded last, so least-recently-used eviction never takes
+  it; of the rest only the newest that fit in ``--max-loaded-adapters`` beside it are loaded (a store
+  holding a learner's hundred versions does not load and evict a hundred at start-up).
 
 Sticky routing needs nothing shared: an experiment's arm is a pure hash of the sticky key
 (``runtime/adapters/routing.py``), the same on every runtime once they hold the same experiment config.
@@ -36,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class StoreListener:
-    """Writes this runtime's registry changes to the shared store, in order, off the event loop."""
+    """Writes this runtime's registry changes to its store, in order, off the event loop."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -47,7 +52,7 @@ class StoreListener:
             try:
                 self.store.save_registry(kind, name, value)
             except Exception:
-                log.exception("could not save %s %s to the shared store; other runtimes will not see it", kind, name)
+                log.exception("could not save %s %s to the store; a restart or another runtime will not see it", kind, name)
 
         self._writer.submit(write)
 
@@ -71,7 +76,7 @@ class StoreListener:
 
 
 class RegistrySync:
-    """Makes one runtime's registry and experiments match the shared store (see the module docstring)."""
+    """Makes one runtime's registry and experiments match the store (see the module docstring)."""
 
     def __init__(
         self,
@@ -90,6 +95,7 @@ class RegistrySync:
         wanted = set(aliases.values())
         if self.experiments is not None:
             wanted |= self.experiments.live_arms()
+        pending: list[str] = []  # the store's order: oldest change first
         for name, value in adapters.items():
             key = (value["path"], value.get("sha256"))
             if name in routed:
@@ -98,7 +104,9 @@ class RegistrySync:
             if self._seen.get(name) == key and name not in wanted:
                 continue  # loaded once and evicted here since, or refused: not again unless it must serve
             self._seen[name] = key
-            await self._load(name, value)
+            pending.append(name)
+        for name in self._load_order(pending, adapters, wanted, len(routed)):
+            await self._load(name, adapters[name])
         for name in routed - set(adapters):
             if name in self._seen:  # it was in the store and was removed there
                 self._seen.pop(name, None)
@@ -117,15 +125,22 @@ class RegistrySync:
         if self.experiments is not None:
             self.experiments.apply_stored(await asyncio.to_thread(self.experiments.saved.load))
 
+    def _load_order(self, pending: list[str], adapters: dict[str, dict[str, Any]], wanted: set[str], n_routed: int) -> list[str]:
+        """``pending`` to load, what must serve (wanted or pinned) last; of the rest, the newest that fit beside it."""
+        must = [n for n in pending if n in wanted or adapters[n].get("pinned")]
+        rest = [n for n in pending if n not in must]
+        room = max(0, self.registry.max_loaded - n_routed - len(must))
+        return rest[len(rest) - room :] + must if room else must
+
     async def _load(self, name: str, value: dict[str, Any]) -> None:
         family, _, version = name.partition("@")
         try:
             ref = AdapterRef(family=family, version=int(version), path=value["path"], pinned=bool(value.get("pinned")), sha256=value.get("sha256"))
             ref = await self._validate(ref)
             await self.registry.register(ref, notify=False)
-            log.info("loaded adapter %s from %s (published to the shared store)", name, ref.path)
+            log.info("loaded adapter %s from %s (in the store)", name, ref.path)
         except Exception as exc:  # this runtime cannot load it (not on its filesystem, invalid, full): say so, retry on change
-            log.error("cannot load adapter %s from the shared store here (%s): %s", name, value.get("path"), exc)
+            log.error("cannot load adapter %s from the store here (%s): %s", name, value.get("path"), exc)
 
     async def run_forever(self, every_s: float) -> None:
         while True:

@@ -227,3 +227,7 @@ def test_experiment_routes_sticky_persists_and_promotes(start_backend_server, da
     again = start_backend_server("--admin-key", ADMIN, "--adapter-root", str(d / "adapters"), data_dir=srv.data_dir)
     st = httpx.get(again.base_url + "/admin/experiments/ab-test", headers=AUTH, timeout=30).json()
     assert st["status"] == "promoted" and st["winner"] == "ab@2"
+    # and so does what it served: the promoted alias and both versions (a restart lost them: "ab" fell back to 404)
+    listed = httpx.get(again.base_url + "/admin/adapters", headers=AUTH, timeout=30).json()
+    assert listed["aliases"] == {"ab": "ab@2"} and {a["name"] for a in listed["data"]} == {"ab@1", "ab@2"}
+    assert chat(again, "ab", session="after-restart").json()["loopwise"]["adapter"] == "ab@2"
