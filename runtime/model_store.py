@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
+import functools
 import importlib.util
 import json
 import logging
@@ -284,7 +285,29 @@ def _hf_progress_bars(enabled: bool) -> Iterator[None]:
         show(was)
 
 
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """transformers parses the GGUF file's metadata three times (the config, the weights, the tokenizer: 49k tokens and
+    their merges each time) and builds gguf's tensor-name map once per module it maps (397 for SmolLM2): together about
+    half of the conversion (the conversion alone on a 2-core Xeon: 23.9 s before, 11.7 s with this). One reader per file
+    and one name map per architecture serve all of them. Only in the builder's child process, and undone on exit."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=2)(reader)  # type: ignore[misc,assignment]  # read-only memory maps, by path
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map  # type: ignore[misc]
+
+
 def _convert_smollm2(out_dir: Path, gguf: str, progress: bool) -> None:
+    with _gguf_read_once():
+        _convert_smollm2_files(out_dir, gguf, progress)
+
+
+def _convert_smollm2_files(out_dir: Path, gguf: str, progress: bool) -> None:
     from tqdm import tqdm
 
     phases = ["locate", "load+dequantize", "rebuild", "save", "verify"]

