@@ -24,7 +24,10 @@ One iteration (MemoPilot, arXiv 2606.08656; our reading, ``docs/methods.md``):
 ``--spawn`` starts a private server with ``--adapter-root``; with ``--url`` the server must have been
 started with that adapter root and ``--admin-key``, and ``--model`` must name its base model folder
 (``default``/``tiny``/PATH), which the trainer loads. Checkpoints go to ``--checkpoint-dir`` (default
-``<adapter-root>/../memopilot-checkpoints``) and training resumes from them.
+``<adapter-root>/../memopilot-checkpoints``). A run is resumable: ``--iterations`` is the run's number of
+updates in all, so the same command after a cut continues from the last checkpoint to the same end; the
+``--json-out`` history is written after every iteration, kept on resume, and the first iteration after a
+resume says where it resumed (``resumed_at``).
 
 Not here: the served copilot of live traffic (``memory/copilot.py``), evaluation (``experiments.memory_tournament``).
 Torch and the learner's trainer are imported only when training starts.
@@ -145,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_server_args(p)
     p.add_argument("--testbed", choices=TESTBEDS, default="rps")
-    p.add_argument("--iterations", type=int, default=3, help="updates (published versions) to make (default 3)")
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=3,
+        help="updates (published versions) of the run in all (default 3); a run resumed from its checkpoint makes the rest",
+    )
     p.add_argument("--group-size", type=int, default=4, help="G rollouts per (opponent, seed) (default 4)")
     p.add_argument("--opponents", default="all", help="comma-separated opponents (default all of the testbed)")
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..S-1 per opponent (default 1)")
@@ -203,22 +211,45 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = (args.checkpoint_dir or args.adapter_root.parent / "memopilot-checkpoints").resolve()
     opps = opponents(args.testbed) if args.opponents == "all" else tuple(o.strip() for o in args.opponents.split(","))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    history: list[dict[str, Any]] = []
     with server_url(args) as url:
         if not args.admin_key:
             raise SystemExit("error: training needs the server's --admin-key (or --spawn)")
         with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
             player = args.player_model or base_model_name(c)
         trainer = _trainer(args, ckpt)
+        done = _done(trainer)
+        resumed_at = done or None
+        history = _history(args.json_out, done)
         if trainer.version > 0:
             load_memopilot(url, args.admin_key, args.adapter_root, trainer.version)
-        for it in range(args.iterations):
-            history.append(_iteration(args, url, headers, player, opps, trainer, ckpt, it))
-            print(json.dumps(history[-1]), flush=True)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(history, indent=1))
+        if resumed_at:
+            print(f"memory_train: resumed after {done} of {args.iterations} iterations, at {FAMILY}@{trainer.version}", flush=True)
+        while _done(trainer) < args.iterations:
+            record = _iteration(args, url, headers, player, opps, trainer, ckpt, _done(trainer))
+            if resumed_at:
+                record, resumed_at = {**record, "resumed_at": {"iteration": resumed_at, "version": record["copilot"], "checkpoint": str(ckpt)}}, None
+            history.append(record)
+            print(json.dumps(record), flush=True)
+            if args.json_out:  # after every iteration: a cut run keeps what it measured
+                args.json_out.parent.mkdir(parents=True, exist_ok=True)
+                args.json_out.write_text(json.dumps(history, indent=1))
     return 0
+
+
+ITERATIONS = "memory_train_iterations"  # in the trainer's checkpointed cursor: iterations made (with or without a step)
+
+
+def _done(trainer: Any) -> int:
+    """Iterations the run has made so far, as its checkpoint says (an iteration whose rewards were all equal makes no
+    optimizer step and publishes nothing, so the version alone does not count them)."""
+    return int(trainer.cursor.get(ITERATIONS, trainer.version))
+
+
+def _history(path: Path | None, done: int) -> list[dict[str, Any]]:
+    """The iterations a resumed run already recorded (those its checkpoint holds; none on a fresh start)."""
+    if path is None or done == 0 or not path.exists():
+        return []
+    return [r for r in json.loads(path.read_text()) if int(r.get("iteration", done)) < done]
 
 
 def _trainer(args: argparse.Namespace, ckpt: Path) -> Any:
@@ -277,14 +308,19 @@ def _iteration(
     with httpx.Client(base_url=url, headers=admin_headers, timeout=60) as c:
         samples = fetch_samples(c, turns, args.testbed)
     metrics, _ = update(trainer, samples)  # the learner's pipeline: turn_grpo advantages → loss → step
-    with RuntimeAdmin(url, args.admin_key) as admin:  # checkpoint first, then publish + load (learner.update)
-        meta = {"testbed": args.testbed, "samples": len(samples)}
-        published = checkpoint_and_publish(trainer, ckpt, args.adapter_root, FAMILY, meta=meta, admin=admin)
+    trainer.cursor[ITERATIONS] = it + 1
+    published = None
+    if metrics.optimizer_step:
+        with RuntimeAdmin(url, args.admin_key) as admin:  # checkpoint first, then publish + load (learner.update)
+            meta = {"testbed": args.testbed, "samples": len(samples)}
+            published = checkpoint_and_publish(trainer, ckpt, args.adapter_root, FAMILY, meta=meta, admin=admin).name
+    else:  # all rewards equal within every group: nothing to learn, the same copilot plays the next iteration
+        trainer.save_checkpoint(ckpt)
     rewards = [t.reward for t in turns]
     return {
         "iteration": it,
         "copilot": copilot or "base",
-        "published": published.name,
+        "published": published,
         "rollouts": len(games),
         "samples": len(samples),
         "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,

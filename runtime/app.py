@@ -195,7 +195,7 @@ def _store_sync(
     if recorder is None:
         return None, None
     listener = registry.listener = StoreListener(recorder.store)
-    return listener, RegistrySync(recorder.store, registry, experiments, validated)
+    return listener, RegistrySync(recorder.store, registry, experiments, validated, listener)
 
 
 def _add_middleware(app: FastAPI, server: ServerSettings, metrics: Metrics, throttle: Throttle) -> None:

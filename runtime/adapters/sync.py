@@ -12,11 +12,14 @@ champion, the arms of a running experiment) it served before, instead of the bas
 - ``RegistrySync.sync_once`` (at start-up, then on a shared store every ``--store-sync-s`` seconds) reads
   the store and makes this runtime match it: loads the adapter versions it has not seen (validated against
   the base model and ``--adapter-root`` exactly as ``POST /admin/adapters`` does: the folder must be readable
-  here, i.e. a shared filesystem), unloads those removed from the store, flips aliases, and reloads the
-  experiments' configs and states. Changes applied from the store are not written back. What must serve
-  (alias targets, live arms, pinned versions) is loaded last, so least-recently-used eviction never takes
-  it; of the rest only the newest that fit in ``--max-loaded-adapters`` beside it are loaded (a store
-  holding a learner's hundred versions does not load and evict a hundred at start-up).
+  here, i.e. a shared filesystem), flips aliases, unloads those removed from the store (after the aliases,
+  which may free them; one still in use is kept and tried again next sync), and reloads the experiments'
+  configs and states. Changes applied from the store are not written back. This runtime's own queued
+  writes land before the store is read, and a sync during which this runtime changed something applies
+  nothing (the rows it read are older than the change: an alias just flipped here was flipped back). What
+  must serve (alias targets, live arms, pinned versions) is loaded last, so least-recently-used eviction
+  never takes it; of the rest only the newest that fit in ``--max-loaded-adapters`` beside it are loaded
+  (a store holding a learner's hundred versions does not load and evict a hundred at start-up).
 
 Sticky routing needs nothing shared: an experiment's arm is a pure hash of the sticky key
 (``runtime/adapters/routing.py``), the same on every runtime once they hold the same experiment config.
@@ -46,8 +49,11 @@ class StoreListener:
     def __init__(self, store: Any) -> None:
         self.store = store
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loopwise-registry")
+        self.generation = 0  # changes queued so far (on the registry's loop): a sync reading meanwhile reads an older store
 
     def _save(self, kind: str, name: str, value: dict[str, Any] | None) -> None:
+        self.generation += 1
+
         def write() -> None:
             try:
                 self.store.save_registry(kind, name, value)
@@ -84,12 +90,20 @@ class RegistrySync:
         registry: AdapterRegistry,
         experiments: Any,
         validate: Callable[[AdapterRef], Awaitable[AdapterRef]],
+        listener: StoreListener | None = None,
     ) -> None:
         self.store, self.registry, self.experiments, self._validate = store, registry, experiments, validate
+        self.listener = listener  # this runtime's own writes to the store
         self._seen: dict[str, tuple[str, str | None]] = {}  # adapter name → (path, sha256) already acted on
+        self._kept: set[str] = set()  # removed from the store, but could not be unloaded here yet (said once)
 
     async def sync_once(self) -> None:
+        generation = self.listener.generation if self.listener is not None else 0
+        if self.listener is not None:  # this runtime's own changes reach the store before it is read, or a sync would
+            await asyncio.to_thread(self.listener.flush)  # undo them from the older rows (an alias flipped back)
         state = await asyncio.to_thread(self.store.load_registry)
+        if self.listener is not None and self.listener.generation != generation:
+            return  # changed here while the store was read: the next sync reads both
         adapters, aliases = state["adapter"], {f: v["target"] for f, v in state["alias"].items()}
         routed = {a["name"] for a in self.registry.list() if a["state"] == "ready"}
         wanted = set(aliases.values())
@@ -107,21 +121,27 @@ class RegistrySync:
             pending.append(name)
         for name in self._load_order(pending, adapters, wanted, len(routed)):
             await self._load(name, adapters[name])
-        for name in routed - set(adapters):
-            if name in self._seen:  # it was in the store and was removed there
-                self._seen.pop(name, None)
-                try:
-                    await self.registry.unregister(name, notify=False)
-                    log.info("unloaded adapter %s (removed from the shared store)", name)
-                except AdapterError as exc:
-                    log.warning("adapter %s was removed from the shared store but stays loaded here: %s", name, exc)
-        for family, target in aliases.items():
+        if self.listener is not None and self.listener.generation != generation:
+            return  # changed here while versions loaded: the aliases read are older than the change
+        for family, target in aliases.items():  # before the unloads: an alias moved away from a removed version frees it
             if self.registry.aliases().get(family) != target:
                 try:
                     self.registry.set_alias(family, target, notify=False)
-                    log.info("alias %s → %s (from the shared store)", family, target)
+                    log.info("alias %s → %s (from the store)", family, target)
                 except AdapterError as exc:
-                    log.warning("cannot follow the shared store's alias %s → %s yet: %s", family, target, exc)
+                    log.warning("cannot follow the store's alias %s → %s yet: %s", family, target, exc)
+        for name in routed - set(adapters):
+            if name in self._seen:  # it was in the store and was removed there
+                try:
+                    await self.registry.unregister(name, notify=False)
+                except AdapterError as exc:  # still an alias target or in flight here: kept, tried again next sync
+                    if name not in self._kept:
+                        self._kept.add(name)
+                        log.warning("adapter %s was removed from the store but stays loaded here for now: %s", name, exc)
+                    continue
+                self._seen.pop(name, None)
+                self._kept.discard(name)
+                log.info("unloaded adapter %s (removed from the store)", name)
         if self.experiments is not None:
             self.experiments.apply_stored(await asyncio.to_thread(self.experiments.saved.load))
 
@@ -148,4 +168,4 @@ class RegistrySync:
             try:
                 await self.sync_once()
             except Exception:  # the store is down, or one entry is bad: serving goes on with what is loaded
-                log.exception("syncing with the shared store failed; retrying in %.1f s", every_s)
+                log.exception("syncing with the store failed; retrying in %.1f s", every_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ from safetensors.numpy import load_file
 from experiments import memory_tournament as tournament
 from experiments import memory_train as train
 from experiments.memory_train import CopilotTurn, copilot_turns, turn_advantages
+from learner import update as learner_update
 from memory.testbeds.match import RoundResult
 from memory.testbeds.play import GameRecord, Rewrite
 
@@ -81,7 +83,7 @@ def test_per_turn_index_advantages_on_a_hand_table() -> None:
     assert turn_advantages([t("a1", "A", 5, 9.0), t("a2", "A", 5, 9.0)]) == [0.0, 0.0]
 
 
-def test_train_publishes_a_changed_memopilot_and_the_tournament_plays_it(start_server, tiny_model_path: Path, tmp_path: Path) -> None:
+def test_train_publishes_a_changed_memopilot_and_the_tournament_plays_it(start_server, tiny_model_path: Path, tmp_path: Path, monkeypatch) -> None:
     adapters = tmp_path / "adapters"
     adapters.mkdir()
     server = start_server("--admin-key", "adm", "--adapter-root", str(adapters))  # in process (--threads would need a process)
@@ -106,6 +108,29 @@ def test_train_publishes_a_changed_memopilot_and_the_tournament_plays_it(start_s
     assert lora_b and any(abs(v).max() > 0 for v in lora_b)  # LoRA B starts at zero: the update moved it
     listed = httpx.get(server.base_url + "/admin/adapters", headers={"Authorization": "Bearer adm"}).json()["data"]
     assert "memopilot@1" in {a["name"] for a in listed}
+
+    # the same command with a later end resumes from the checkpoint: one more update, the history kept, the resume said
+    # (before, --iterations counted from the resume and the history was written only at the end of a run)
+    again = [*common, "--model", str(tiny_model_path), "--group-size", "4", "--opponents", "copy", "--rounds", "6", "--episode-rounds", "2"]
+    again += ["--player-max-tokens", "4", "--lr", "1e-3", "--player-temperature", "1.0", "--independent-player-seeds"]
+    again += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--json-out", str(out)]
+    assert train.main([*again, "--iterations", "2"]) == 0
+    first, second = json.loads(out.read_text())
+    assert first == it and "resumed_at" not in first
+    assert second["iteration"] == 1 and second["copilot"] == "memopilot@1" and second["published"] == "memopilot@2"
+    assert second["resumed_at"]["iteration"] == 1
+
+    # an iteration whose groups all tie makes no step: it publishes nothing (it tried to publish memopilot@2 again and
+    # died) and still counts, so a resumed run neither repeats it nor loops on it
+    def tied(trainer, samples):
+        return SimpleNamespace(optimizer_step=False, trained_samples=0, frac_reward_zero_std=1.0, loss=0.0, grad_norm=0.0), None
+
+    monkeypatch.setattr(learner_update, "update", tied)
+    assert train.main([*again, "--iterations", "3"]) == 0
+    third = json.loads(out.read_text())[2]
+    assert third["iteration"] == 2 and third["published"] is None and third["copilot"] == "memopilot@2"
+    assert train.main([*again, "--iterations", "3"]) == 0  # the run is complete: nothing more, nothing lost
+    assert len(json.loads(out.read_text())) == 3 and not (adapters / "memopilot" / "v3").exists()
 
     report = tmp_path / "tournament.json"
     rc = tournament.main(
