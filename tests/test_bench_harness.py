@@ -26,7 +26,8 @@ class _Admin:
         raise AssertionError("a benchmark's learner opened an A/B experiment")
 
 
-def test_every_job_that_releases_promotes_the_newest_version(tmp_path: Path, monkeypatch) -> None:
+def _service(tmp_path: Path) -> PromoteService:
+    """A benchmark's learner for family ``fam`` (no runtime behind its admin URL: the tests replace what calls it)."""
     cfg = ServiceConfig(
         data_dir=tmp_path,
         admin_url="http://127.0.0.1:9",
@@ -36,7 +37,11 @@ def test_every_job_that_releases_promotes_the_newest_version(tmp_path: Path, mon
         agent="a",
         gate_n=0,
     )
-    svc = PromoteService(cfg)
+    return PromoteService(cfg)
+
+
+def test_every_job_that_releases_promotes_the_newest_version(tmp_path: Path, monkeypatch) -> None:
+    svc = _service(tmp_path)
     assert isinstance(svc.release, PromoteRelease)
     assert svc.steps.release is svc.release and svc.scheduler.release is svc.release
 
@@ -53,16 +58,7 @@ def test_every_job_that_releases_promotes_the_newest_version(tmp_path: Path, mon
 def test_a_resumed_run_serves_the_newest_published_version_again(tmp_path: Path, monkeypatch) -> None:
     """A server restarted for ``--resume`` once served the base model for the family (its alias was gone): every run
     sampled the base, the learner skipped them all as stale and an arm ended on 17,799 tokens that trained nothing."""
-    cfg = ServiceConfig(
-        data_dir=tmp_path,
-        admin_url="http://127.0.0.1:9",
-        admin_key="k",
-        base_model=tmp_path,
-        settings=LearnerSettings.model_validate({"family": "fam"}),
-        agent="a",
-        gate_n=0,
-    )
-    svc = PromoteService(cfg)
+    svc = _service(tmp_path)
     admin, loaded, aliases = _Admin(), [], {}
     monkeypatch.setattr(svc.state, "admin", admin)
     monkeypatch.setattr(svc.state, "ensure_loaded", lambda v: loaded.append(v) or f"fam@{v}")

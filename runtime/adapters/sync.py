@@ -98,11 +98,11 @@ class RegistrySync:
         self._kept: set[str] = set()  # removed from the store, but could not be unloaded here yet (said once)
 
     async def sync_once(self) -> None:
-        generation = self.listener.generation if self.listener is not None else 0
+        generation = self._generation()
         if self.listener is not None:  # this runtime's own changes reach the store before it is read, or a sync would
             await asyncio.to_thread(self.listener.flush)  # undo them from the older rows (an alias flipped back)
         state = await asyncio.to_thread(self.store.load_registry)
-        if self.listener is not None and self.listener.generation != generation:
+        if self._generation() != generation:
             return  # changed here while the store was read: the next sync reads both
         adapters, aliases = state["adapter"], {f: v["target"] for f, v in state["alias"].items()}
         routed = {a["name"] for a in self.registry.list() if a["state"] == "ready"}
@@ -121,7 +121,7 @@ class RegistrySync:
             pending.append(name)
         for name in self._load_order(pending, adapters, wanted, len(routed)):
             await self._load(name, adapters[name])
-        if self.listener is not None and self.listener.generation != generation:
+        if self._generation() != generation:
             return  # changed here while versions loaded: the aliases read are older than the change
         for family, target in aliases.items():  # before the unloads: an alias moved away from a removed version frees it
             if self.registry.aliases().get(family) != target:
@@ -144,6 +144,10 @@ class RegistrySync:
                 log.info("unloaded adapter %s (removed from the store)", name)
         if self.experiments is not None:
             self.experiments.apply_stored(await asyncio.to_thread(self.experiments.saved.load))
+
+    def _generation(self) -> int:
+        """How many changes this runtime has queued for the store (0 without a listener)."""
+        return self.listener.generation if self.listener is not None else 0
 
     def _load_order(self, pending: list[str], adapters: dict[str, dict[str, Any]], wanted: set[str], n_routed: int) -> list[str]:
         """``pending`` to load, what must serve (wanted or pinned) last; of the rest, the newest that fit beside it."""
