@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
+
 from runtime.api.openai_schemas import (
     AssistantMessage,
     FunctionMessage,
@@ -80,6 +82,8 @@ class ChatFormatter:
                 kwargs["tools"] = tools
         else:
             plain = hermes_messages(plain, tools)
+        if not plain:  # templates read messages[0]: an empty conversation failed inside one (a 500)
+            raise InvalidRequest("the conversation is empty: send at least one message", param="messages")
         try:
             text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
         except ValueError as exc:
@@ -87,6 +91,10 @@ class ChatFormatter:
                 raise
             # transformers' check that the template kept the final message's text where the prompt can end
             raise InvalidRequest("this model's chat template cannot continue a final assistant message", param="messages") from exc
+        except TemplateError as exc:
+            # the template refused the conversation (its raise_exception: Llama 3.1 takes one tool call per turn, Mistral's
+            # alternate user/assistant roles) or read a field the messages lack: the request's shape, not the server
+            raise InvalidRequest(f"this model's chat template cannot render these messages: {exc}", param="messages") from exc
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return RenderedPrompt(text=text, token_ids=tuple(ids))
 

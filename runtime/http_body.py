@@ -1,9 +1,11 @@
 """Reading a JSON request body at the HTTP edge, with OpenAI-style errors.
 
 One function for every route: a body over ``limit`` is a 413 (checked while reading, so chunked
-bodies are bounded too); an empty body, invalid JSON, a non-object, JSON nested deeper than
+bodies are bounded too); an empty body, bytes that are not UTF-8, invalid JSON (integers over 4,300 digits
+included: ``runtime.json_text.loads_strict``), a non-object, JSON nested deeper than
 ``MAX_DEPTH`` (deep nesting makes recursive validators raise ``RecursionError``), or JSON carrying
-unpaired surrogate escapes is a 400 ``invalid_json``.
+unpaired surrogate escapes is a 400 ``invalid_json``; ``NaN`` or ``Infinity`` where a number goes is a 400
+``invalid_value`` naming the field (JSON has neither; a reply echoing one could not be written).
 
 :func:`json_body` is the one request-validation dependency of the wire APIs (``runtime/api/``): the body read
 within the app's ``max_body`` and validated against the route's schema, a bad field a 400 naming it
@@ -26,7 +28,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from runtime.errors import APIError, from_validation
-from runtime.json_text import MAX_DEPTH, too_deep
+from runtime.json_text import MAX_DEPTH, NonFinite, loads_strict, non_finite_path, too_deep
 
 DEFAULT_LIMIT = 4 * 1024 * 1024
 OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are parsed on a worker thread
@@ -88,15 +90,20 @@ def json_body(schema: type[M], defaults: Mapping[str, Any] | None = None) -> Cal
 
 def _parse(raw: bytes) -> Any:
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # strict UTF-8 (json.loads of bytes lets encoded lone surrogates through, which the tokenizer then fails on)
+        text = raw.decode("utf-8-sig")
+        body = loads_strict(text)
+    except NonFinite as exc:  # a field a client computed as NaN: name it, as a field's own check would
+        field = non_finite_path(text)
+        raise APIError(400, f"{field or 'the body'} is not a finite number: {exc}", param=field, code="invalid_value") from exc
+    except (ValueError, UnicodeDecodeError) as exc:  # invalid JSON, an over-long integer, bytes not UTF-8
         raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
     except RecursionError:
-        body = None  # nested deeper than the parser's own stack allows
-    if body is None or too_deep(body):
-        raise APIError(400, f"the JSON body is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
+        raise APIError(400, f"the JSON body is nested more than {MAX_DEPTH} levels deep", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if too_deep(body):
+        raise APIError(400, f"the JSON body is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
     if _SURROGATE.search(raw):  # JSON may escape lone surrogates (\ud800), which are not text: the tokenizer would fail on them
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")

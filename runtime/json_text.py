@@ -7,6 +7,11 @@ later, by the code that needs them: ``loads_json_text`` and ``read_json_file`` a
 ``json.loads`` raises ``RecursionError`` past about a thousand levels (a 500), and a value a little
 shallower than that makes recursive consumers (templates, validators) fail the same way.
 
+What Python's parser accepts beyond JSON is refused here too: ``NaN``, ``Infinity`` and ``-Infinity`` (no JSON
+encoder downstream can write them back: a reply echoing one failed with a 500), and integers of more than
+``MAX_INT_DIGITS`` digits (Python's parser raises a bare ``ValueError`` for those, which no caller expected).
+``loads_strict`` is the parser with those rules, for the request body too.
+
 Both raise ``JSONLimitExceeded`` for text over the limits. It is a ``json.JSONDecodeError``, so a caller
 that already turns invalid JSON into a 400 (``except json.JSONDecodeError as exc: ... exc.msg``) needs
 only to call ``loads_json_text`` instead of ``json.loads``; its ``msg`` names the limit.
@@ -22,6 +27,7 @@ from typing import Any
 
 MAX_DEPTH = 64  # arrays and objects inside each other; real requests (tool schemas included) stay far below
 MAX_CHARS = 4 * 1024 * 1024  # the default request body limit: text inside a body is never larger
+MAX_INT_DIGITS = 4300  # Python's own limit for int() of a string (sys.get_int_max_str_digits' default)
 
 
 class JSONLimitExceeded(json.JSONDecodeError):
@@ -30,6 +36,50 @@ class JSONLimitExceeded(json.JSONDecodeError):
     def __init__(self, msg: str, doc: str) -> None:
         super().__init__(msg, doc[:200], 0)  # the document is not kept: it may be megabytes
         self.args = (msg,)  # str(exc) is the limit alone, without "line 1 column 1 (char 0)"
+
+
+class NotJSON(ValueError):
+    """A value Python's parser would take that JSON does not have (``NaN``, ``Infinity``) or an integer too long to read."""
+
+
+class NonFinite(NotJSON):
+    """``NaN``, ``Infinity`` or ``-Infinity`` where JSON has a number."""
+
+
+def _constant(name: str) -> Any:
+    raise NonFinite(f"{name} is not a JSON value (JSON numbers are finite)")
+
+
+def non_finite_path(text: str) -> str | None:
+    """Where ``text`` (JSON that :func:`loads_strict` refused with :class:`NonFinite`) holds the first ``NaN`` or
+    ``Infinity``, as a field path (``reward``, ``tools[0].parameters.maximum``); None if it cannot say."""
+    import math
+
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return path or None
+        if isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in reversed(list(item.items())))
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(item))))
+    return None
+
+
+def _int(digits: str) -> int:
+    if len(digits) > MAX_INT_DIGITS:
+        raise NotJSON(f"an integer of {len(digits)} digits is longer than the {MAX_INT_DIGITS} digits this server reads")
+    return int(digits)
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """``json.loads`` refusing ``NaN``/``Infinity`` and over-long integers with :class:`NotJSON` (a ``ValueError``)."""
+    return json.loads(text, parse_constant=_constant, parse_int=_int)
 
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
@@ -53,7 +103,9 @@ def loads_json_text(text: str | bytes, *, max_chars: int = MAX_CHARS, max_depth:
     if len(text) > max_chars:
         raise JSONLimitExceeded(f"the JSON text is longer than {max_chars} characters", _doc(text))
     try:
-        value = json.loads(text)
+        value = loads_strict(text)
+    except NotJSON as exc:
+        raise JSONLimitExceeded(str(exc), _doc(text)) from None
     except RecursionError:  # nested deeper than the parser's own stack allows
         value, deep = None, True
     else:

@@ -38,9 +38,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, model_validator
 from starlette.background import BackgroundTask
 
+from runtime.admission import MAX_CHARS_PER_TOKEN
 from runtime.api.completions_logprobs import TokenText, legacy_logprobs, prompt_entries, text_end, token_texts, vllm_prompt_logprobs
-from runtime.api.openai_schemas import FieldError, LogitBias, Penalty, StreamOptions, _In
+from runtime.api.openai_schemas import FieldError, LogitBias, Penalty, StreamOptions, _In, stop_problem
 from runtime.engine import InvalidRequest, TokenLogprob
+from runtime.errors import APIError
 from runtime.gen_request import GenRequest
 from runtime.generation import ChoiceDone, ChoiceOut, StreamFailed, TextDelta
 from runtime.http_body import json_body
@@ -77,8 +79,8 @@ class CompletionRequest(_In):
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
-        if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise FieldError("stop", "at most 4 stop sequences are allowed")
+        if (problem := stop_problem(self.stop)) is not None:
+            raise FieldError("stop", problem)
         if self.suffix:
             raise FieldError("suffix", "suffix (fill-in-the-middle) is not supported by this model")
         if self.best_of is not None and self.best_of != self.n:
@@ -196,9 +198,17 @@ async def completions(request: Request, req: Annotated[CompletionRequest, Depend
     if req.stream and len(prompts) > 1:
         raise InvalidRequest("a streamed completion takes one prompt; send one request per prompt", param="prompt")
     gateway = services(request).gateway
-    tokenizer, vocab = gateway.tokenizer(), gateway.vocab_size()
+    tokenizer, vocab, max_len = gateway.tokenizer(), gateway.vocab_size(), gateway.engine().info.max_model_len
     single = len(prompts) == 1
-    ireqs = [to_internal(req, p, tokenizer, vocab, "prompt" if single else f"prompt[{i}]") for i, p in enumerate(prompts)]
+    params = ["prompt" if single else f"prompt[{i}]" for i in range(len(prompts))]
+    for p, param in zip(prompts, params, strict=True):  # text that could never fit is refused before any tokenizing
+        if isinstance(p, str) and len(p) > max_len * MAX_CHARS_PER_TOKEN:
+            raise APIError(
+                400, f"This model's maximum context length is {max_len} tokens. However, your prompt holds {len(p)} characters, "
+                "more than could ever fit. Please reduce the length of the prompt.", param=param, code="context_length_exceeded",
+            )  # fmt: skip
+    # tokenizing (up to 64 prompts of megabytes) on the admission's preparation pool, not the event loop
+    ireqs = await gateway.admission.prepare(lambda: [to_internal(req, p, tokenizer, vocab, param) for p, param in zip(prompts, params, strict=True)])
     _check_scores(req, ireqs)
     text = token_texts(tokenizer)
     if req.stream:

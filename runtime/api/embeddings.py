@@ -39,6 +39,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import Field, model_validator
 
+from runtime.admission import MAX_CHARS_PER_TOKEN
 from runtime.api.openai_schemas import FieldError, _In
 from runtime.engine import Embedder, EngineError, NotSupported, PoolingEngine
 from runtime.errors import APIError, from_engine
@@ -102,15 +103,28 @@ async def embeddings(request: Request, req: Annotated[EmbeddingRequest, Depends(
     if len(inputs) > MAX_INPUTS:
         raise APIError(400, f"at most {MAX_INPUTS} inputs per request", param="input")
     tokenizer, vocab, max_len = gateway.tokenizer(), gateway.vocab_size(), served.info.max_model_len
-    ids: list[tuple[int, ...]] = []
-    for i, x in enumerate(inputs):
-        param = "input" if len(inputs) == 1 else f"input[{i}]"
-        seq = tuple(tokenizer(x)["input_ids"]) if isinstance(x, str) else tuple(x)
-        if isinstance(x, list) and (bad := next((t for t in x if not 0 <= t < vocab), None)) is not None:
-            raise APIError(400, f"token id {bad} is outside this model's vocabulary (0 to {vocab - 1})", param=param)
-        if len(seq) > max_len:
-            raise APIError(400, f"input has {len(seq)} tokens; this model's maximum context length is {max_len}", param=param)
-        ids.append(seq)
+    chars = 0
+    for i, x in enumerate(inputs):  # text that could never fit is refused before any tokenizing
+        chars += len(x)
+        if isinstance(x, str) and len(x) > max_len * MAX_CHARS_PER_TOKEN:
+            msg = f"input holds {len(x)} characters, more than this model's context of {max_len} tokens could ever hold"
+            raise APIError(400, msg, param="input" if len(inputs) == 1 else f"input[{i}]")
+    if chars > MAX_TOTAL_TOKENS * MAX_CHARS_PER_TOKEN:
+        raise APIError(400, f"the inputs hold {chars} characters, more than {MAX_TOTAL_TOKENS} tokens could ever hold", param="input")
+
+    def tokenized() -> list[tuple[int, ...]]:  # on the admission's preparation pool: megabytes of text take seconds
+        ids: list[tuple[int, ...]] = []
+        for i, x in enumerate(inputs):
+            param = "input" if len(inputs) == 1 else f"input[{i}]"
+            seq = tuple(tokenizer(x)["input_ids"]) if isinstance(x, str) else tuple(x)
+            if isinstance(x, list) and (bad := next((t for t in x if not 0 <= t < vocab), None)) is not None:
+                raise APIError(400, f"token id {bad} is outside this model's vocabulary (0 to {vocab - 1})", param=param)
+            if len(seq) > max_len:
+                raise APIError(400, f"input has {len(seq)} tokens; this model's maximum context length is {max_len}", param=param)
+            ids.append(seq)
+        return ids
+
+    ids = await gateway.admission.prepare(tokenized)
     total = sum(len(s) for s in ids)
     if total > MAX_TOTAL_TOKENS:
         raise APIError(400, f"the inputs hold {total} tokens; at most {MAX_TOTAL_TOKENS} per request", param="input")

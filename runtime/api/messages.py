@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
 
-from runtime.api.openai_schemas import FieldError, FunctionDef, _In, check_json_schema
+from runtime.api.openai_schemas import FieldError, FunctionDef, _In, check_json_schema, stop_problem
 from runtime.chat_format import is_prefill
 from runtime.engine import InvalidRequest
 from runtime.errors import APIError
@@ -110,6 +110,8 @@ class MessagesRequest(_In):
     @model_validator(mode="after")
     def _supported(self) -> MessagesRequest:
         self._check_format()
+        if (problem := stop_problem(self.stop_sequences, most=16)) is not None:
+            raise FieldError("stop_sequences", problem)
         if self.top_k is not None:
             raise FieldError("top_k", "top_k is not supported by this server; use top_p")
         if self.thinking is not None and self.thinking.get("type") == "enabled":
@@ -517,4 +519,8 @@ async def create_message(request: Request, req: Annotated[MessagesRequest, Depen
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request, req: Annotated[MessagesRequest, Depends(json_body(MessagesRequest, {"max_tokens": 1}))]) -> dict[str, Any]:
-    return {"input_tokens": services(request).gateway.count_prompt_tokens(to_internal(req))}
+    """The prompt's tokens, templated and tokenized as ``/v1/messages`` would (off the event loop, size-checked first)."""
+    gateway = services(request).gateway
+    ireq = to_internal(req)
+    gateway.admission.check_size(ireq.messages, ireq.tools, gateway.engine().info.max_model_len)
+    return {"input_tokens": await gateway.admission.prepare(gateway.count_prompt_tokens, ireq)}

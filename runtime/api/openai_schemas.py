@@ -19,6 +19,17 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_STOP_CHARS = 1024  # one stop string: the decode loop looks for each one's prefixes at the text's end after every token
+
+
+def stop_problem(stop: str | list[str] | None, most: int = 4) -> str | None:
+    """Why ``stop`` (a string or a list of them) is refused, or None: more than ``most`` strings, or one over ``MAX_STOP_CHARS``."""
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > most:
+        return f"at most {most} stop sequences are allowed"
+    if any(len(x) > MAX_STOP_CHARS for x in stops):
+        return f"a stop sequence is at most {MAX_STOP_CHARS} characters long"
+    return None
 
 
 class _In(BaseModel):
@@ -209,8 +220,8 @@ class ChatCompletionRequest(_In):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
+        if (problem := stop_problem(v)) is not None:
+            raise ValueError(problem)
         return v
 
     @model_validator(mode="after")
@@ -273,6 +284,8 @@ def check_json_schema(schema: dict[str, Any]) -> None:
             raise ValueError(f"invalid JSON schema: it holds more than {MAX_SCHEMA_NODES} objects and arrays")
         children = item.values() if isinstance(item, dict) else item
         stack.extend(c for c in children if isinstance(c, dict | list))
+    if not isinstance(schema.get("$schema", ""), str):  # jsonschema looks it up as a URI: a number there raised a TypeError
+        raise ValueError("invalid JSON schema: $schema must be a string (the URI of a JSON Schema dialect)")
     try:
         validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
     except exceptions.SchemaError as exc:

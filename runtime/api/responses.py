@@ -41,6 +41,7 @@ from starlette.background import BackgroundTask
 
 from runtime.api.response_store import ResponseBackend, StoredResponse
 from runtime.api.responses_schemas import ResponsesRequest, function_tools, items_to_messages, normalize_items, tool_choice_of
+from runtime.engine import InvalidRequest
 from runtime.errors import APIError
 from runtime.gen_request import GenRequest, NamedTool
 from runtime.generation import ChoiceDone, ChoiceOut, StreamFailed, TextDelta, ToolArgsDelta, ToolCallStart
@@ -72,6 +73,8 @@ class ResponsesAPI:
             session = prev.session_id
         context += normalize_items(req.input)
         messages = items_to_messages(context, param="input")
+        if not messages:  # no input (or only reasoning items) and no earlier response: nothing to answer
+            raise InvalidRequest("input is empty: send a string or at least one message item", param="input")
         if req.instructions:
             messages.insert(0, {"role": "system", "content": req.instructions})
         tools = function_tools(req.tools)

@@ -127,16 +127,18 @@ def tool_choice_of(choice: Any, tools: list[dict[str, Any]]) -> tuple[ToolChoice
     kind = choice.get("type")
     if kind == "function":
         name = choice.get("name")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise InvalidRequest(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
         return NamedTool(name), tools
     if kind == "allowed_tools":
-        allowed = {t.get("name") for t in choice.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"}
+        listed = choice.get("tools")
+        listed = listed if isinstance(listed, list) else []
+        allowed = {t.get("name") for t in listed if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)}
         mode = choice.get("mode", "auto")
         if mode not in ("auto", "required") or not allowed or not allowed <= names:
             raise InvalidRequest("tool_choice allowed_tools needs mode auto or required and function tools that are in tools", param="tool_choice")
         return mode, [t for t in tools if t["function"]["name"] in allowed]
-    raise InvalidRequest(f"tool_choice of type {kind!r} is not supported by this server", param="tool_choice")
+    raise InvalidRequest(f"tool_choice of type {str(kind)[:64]!r} is not supported by this server", param="tool_choice")
 
 
 # ---- input items ----------------------------------------------------------------------------------
@@ -152,7 +154,7 @@ def normalize_items(raw: str | list[dict[str, Any]], param: str = "input") -> li
             raise InvalidRequest("each input item must be an object", param=f"{param}[{i}]")
         item = dict(item)
         kind = item.get("type") or ("message" if "role" in item else None)
-        if kind is None:
+        if not isinstance(kind, str):
             raise InvalidRequest("input item needs a type (message, function_call, function_call_output)", param=f"{param}[{i}].type")
         item["type"] = kind
         if kind == "message" and isinstance(item.get("content"), str):

@@ -281,3 +281,42 @@ def test_native_parser_defaults_to_qwen25_and_explicit_parser_wins(native_tok: A
     native_tok.chat_template = NATIVE_TEMPLATE.replace("<|python_tag|>", "")
     assert ChatFormatter(native_tok).parser_name == "qwen25"
     assert ChatFormatter(native_tok, parser="mistral").parser_name == "mistral"
+
+
+# Llama 3.1's template: a turn with two tool calls (what a parallel call sends back as history) is refused by the template
+LLAMA_LIKE_TEMPLATE = (
+    "{% for m in messages %}{% if m['tool_calls'] is defined and m['tool_calls'] | length != 1 %}"
+    "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}{% endif %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# a template that reads messages[0]: an empty conversation fails inside it
+FIRST_MESSAGE_TEMPLATE = "{{ messages[0]['role'] }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_a_template_refusing_the_conversation_is_a_400_naming_the_messages(tiny_model_path: Path) -> None:
+    t = AutoTokenizer.from_pretrained(tiny_model_path)
+    t.chat_template = LLAMA_LIKE_TEMPLATE
+    f = ChatFormatter(t, model_type="llama")
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+        for i, c in enumerate(("Oslo", "Rome"))
+    ]
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c0", "content": "cold"},
+        {"role": "tool", "tool_call_id": "c1", "content": "warm"},
+    ]
+    r = req(messages, tools=[WEATHER_TOOL])
+    with pytest.raises(InvalidRequest, match="single tool-calls") as info:
+        f.render(r.messages, r.tools)
+    assert info.value.param == "messages"
+
+
+def test_an_empty_conversation_is_a_400_before_the_template_reads_it(tiny_model_path: Path) -> None:
+    t = AutoTokenizer.from_pretrained(tiny_model_path)
+    t.chat_template = FIRST_MESSAGE_TEMPLATE
+    with pytest.raises(InvalidRequest, match="empty") as info:
+        ChatFormatter(t).render_plain([], None)
+    assert info.value.param == "messages"
