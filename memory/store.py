@@ -350,9 +350,11 @@ class MemoryStore(MemoryQueries):
         with self._lock:
             with self._write() as conn:
                 n = conn.execute("DELETE FROM memory_versions WHERE owner = ? AND scope = ?", (owner, scope)).rowcount
-                self._epoch = next(self._epochs)
-                self._deleted[(owner, scope)] = self._epoch
-            self._checkpoint_truncate()
+                if n:  # nothing deleted, nothing a snapshot could bring back: no epoch (a 404 costs others nothing)
+                    self._epoch = next(self._epochs)
+                    self._deleted[(owner, scope)] = self._epoch
+            if n:
+                self._checkpoint_truncate()
         return n
 
     def _checkpoint_truncate(self) -> None:

@@ -109,9 +109,10 @@ class PostgresMemoryStore(MemoryQueries):
         self._check(owner, scope)
         with self._locked(owner, scope) as (conn, bucket):
             n = conn.execute("DELETE FROM memory_versions WHERE owner = %s AND scope = %s", (owner, scope)).rowcount
-            conn.execute(
-                """INSERT INTO memory_deletions (bucket, deletions) VALUES (%s, 1)
-                   ON CONFLICT (bucket) DO UPDATE SET deletions = memory_deletions.deletions + 1""",
-                (bucket,),
-            )
+            if n:  # nothing deleted, nothing a snapshot could bring back: the bucket's count (shared by others) stays
+                conn.execute(
+                    """INSERT INTO memory_deletions (bucket, deletions) VALUES (%s, 1)
+                       ON CONFLICT (bucket) DO UPDATE SET deletions = memory_deletions.deletions + 1""",
+                    (bucket,),
+                )
         return int(n)

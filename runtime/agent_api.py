@@ -126,7 +126,7 @@ class LocalRuntimeClient:
         registry: AdapterRegistry,
         recorder: Recorder | None,
         model_id: str,
-        route: Callable[[str, str], AdapterRef | None] | None = None,
+        route: Callable[[str, str, str | None, str], AdapterRef | None] | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         self.engine = engine
@@ -152,11 +152,13 @@ class LocalRuntimeClient:
         """The version serving ``model`` for this session now, held until :meth:`release`.
 
         With the app's router, an alias is routed exactly like a chat request (an A/B experiment's arm for
-        the session, or the version the session started on); without it, the alias's current target.
+        the session, or the version the session started on, the session being the bound caller's); without it,
+        the alias's current target.
         """
         try:
             if self.route is not None:
-                ref = self.route(model, session_id)
+                caller = current_caller()
+                ref = self.route(model, session_id, caller.user, caller.owner)
             else:
                 kind, target = parse_model_name(model, self.model_id)
                 ref = None if kind == "base" else self.registry.acquire(str(target))

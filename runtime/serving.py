@@ -83,7 +83,7 @@ class Gateway:
     def __init__(
         self,
         generation: Callable[[], Generation],
-        route: Callable[[str, str, str | None], AdapterRef | None],
+        route: Callable[[str, str, str | None, str], AdapterRef | None],
         registry: AdapterRegistry,
         metrics: Metrics,
         agents: AgentHost | None,
@@ -116,7 +116,7 @@ class Gateway:
         t0 = time.perf_counter()
         streaming = acquired = False
         try:
-            lease = self._acquire(req.model, session, req.user)
+            lease = self._acquire(req.model, session, req.user, owner)
             adapter, acquired = (lease.name if lease is not None else None), True
             rid = request.state.request_id
             prep = await self.admission.prepare(svc.prepare, req, rid, session, adapter=adapter, id_prefix=id_prefix, owner=owner)
@@ -187,10 +187,10 @@ class Gateway:
         return len(svc.formatter.render_plain(req.messages, req.tools if req.tools_on else None).token_ids)
 
     # ---- adapters
-    def _acquire(self, model: str, session: str, user: str | None) -> AdapterRef | None:
+    def _acquire(self, model: str, session: str, user: str | None, owner: str) -> AdapterRef | None:
         """The adapter version serving ``model`` (None = the base), acquired until the request ends."""
         try:
-            return self.route(model, session, user)
+            return self.route(model, session, user, owner)
         except AdapterNotFound as exc:
             raise APIError(
                 404, f"The model `{model}` does not exist or you do not have access to it.", param="model", code="model_not_found"

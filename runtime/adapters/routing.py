@@ -10,7 +10,9 @@ session, user)``; the version it returns is acquired, and the caller releases it
   without a session (``ANONYMOUS``) is its own unit of randomisation, so it draws a fresh key; an arm unloaded
   mid-experiment falls back to the champion;
 - otherwise the alias's current version, except that a session stays on the version it started on while that
-  version is loaded (at most 100,000 sessions are remembered, the oldest forgotten first).
+  version is loaded. Sessions are the clients' names, so a pin belongs to the caller's owner (``X-Session-Id: s``
+  of one key never pins what ``s`` of another key gets), and each owner has its own 100,000 most recently used
+  pins (one key sending a million session names forgets only its own).
 
 ``assign_arm(key, arms, salt=experiment_id)`` hashes ``f"{salt}:{key}"`` with SHA-256, maps the digest to a
 point ``u`` in ``[0, 1)``, and picks the arm whose slice of the cumulative normalized weights contains ``u``.
@@ -46,13 +48,14 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from learner.records import PUBLIC_OWNER
 from runtime.adapters.names import AdapterNotFound, AdapterRef, parse_model_name
 from runtime.adapters.registry import AdapterRegistry
 from runtime.recorder import ANONYMOUS
 
 __all__ = ["Arm", "ModelRouter", "assign_arm", "unit_interval"]
 
-MAX_PINS = 100_000  # sessions whose starting version is remembered
+MAX_PINS = 100_000  # sessions whose starting version is remembered, per owner
 
 
 class ArmChooser(Protocol):
@@ -69,10 +72,11 @@ class ModelRouter:
         self.experiments = experiments
         self.model_id = model_id
         self.learner_families = learner_families
-        self._pins: OrderedDict[tuple[str, str], str] = OrderedDict()  # (session, family) -> version it started on
+        self._pins: dict[str, OrderedDict[tuple[str, str], str]] = {}  # owner -> (session, family) -> version it started on
 
-    def __call__(self, model: str, session: str, user: str | None = None) -> AdapterRef | None:
-        """The version serving ``model`` for ``session`` (acquired), or None for the base; ``AdapterNotFound`` when none."""
+    def __call__(self, model: str, session: str, user: str | None = None, owner: str = PUBLIC_OWNER) -> AdapterRef | None:
+        """The version serving ``model`` for ``owner``'s ``session`` (acquired), or None for the base; ``AdapterNotFound``
+        when none."""
         kind, target = parse_model_name(model, self.model_id)
         if kind == "base":
             return None
@@ -89,16 +93,27 @@ class ModelRouter:
             with contextlib.suppress(AdapterNotFound):  # an arm unloaded mid-experiment: serve the champion
                 return self.registry.acquire(arm)
         # no experiment: a session stays on the version it started on while that version is loaded
-        pin = (session, target)
-        if session != ANONYMOUS and (pinned := self._pins.get(pin)) is not None:
+        if session == ANONYMOUS:
+            return self.registry.acquire(target)
+        pins, pin = self._pins.setdefault(owner, OrderedDict()), (session, target)
+        if (pinned := pins.get(pin)) is not None:
             with contextlib.suppress(AdapterNotFound):
-                return self.registry.acquire(pinned)
+                ref = self.registry.acquire(pinned)
+                pins.move_to_end(pin)
+                return ref
         ref = self.registry.acquire(target)
-        if session != ANONYMOUS:
-            self._pins[pin] = ref.name
-            while len(self._pins) > MAX_PINS:
-                self._pins.popitem(last=False)
+        pins[pin] = ref.name
+        pins.move_to_end(pin)
+        while len(pins) > MAX_PINS:
+            pins.popitem(last=False)
         return ref
+
+    def forget_session(self, owner: str, session: str) -> None:
+        """Drop ``owner``'s pins of ``session`` (the session was deleted: a new one of that name starts afresh)."""
+        pins = self._pins.get(owner)
+        if pins:
+            for pin in [p for p in pins if p[0] == session]:
+                del pins[pin]
 
 
 @dataclass(frozen=True)

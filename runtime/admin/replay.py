@@ -94,7 +94,7 @@ async def siblings(turn_id: str, request: Request) -> dict[str, Any]:
     )
     set_owner(request.scope, ADMIN_OWNER)
     t0 = time.perf_counter()
-    lease = gateway._acquire(req.model, SESSION, None)
+    lease = gateway._acquire(req.model, SESSION, None, ADMIN_OWNER)
     try:
         prep = svc.prepare(req, request.state.request_id, SESSION, adapter=lease.name if lease else None, id_prefix="sibl-", owner=ADMIN_OWNER)
         prep.messages = list(turn.messages)  # recorded with the original's messages: same prefix key, same group

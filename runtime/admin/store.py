@@ -154,6 +154,8 @@ async def _feedback(request: Request, *, admin: bool) -> dict[str, Any]:
     fresh: list[Reward] = []
     for kind, target_id, value, key in targets:
         by = owner if owner is not None else await rec.call(rec.store.record_owner, kind, target_id)
+        if admin and key is not None:  # stored as the tenant's reward: the admin's key must not collide with the tenant's own
+            key = "admin:" + key
         reward = Reward(
             target=kind,
             target_id=target_id,
@@ -210,9 +212,13 @@ async def _targets(rec: Recorder, fb: FeedbackRequest, owner: str | None) -> lis
 @router.delete("/v1/sessions/{key}")
 async def delete_own_session(request: Request, key: str) -> dict[str, Any]:
     """The caller deletes one of its own sessions completely (another key's session of that name is not reachable)."""
-    rec = _need_recorder(request)
     owner = owner_of(request)
-    deleted, responses_deleted = await _delete_session(request, rec, owner, key)
+    rec = services(request).recorder
+    if rec is None:  # --no-record keeps no turns, but the Responses API still stores the session's responses
+        services(request).router.forget_session(owner, key)
+        deleted, responses_deleted = 0, await asyncio.to_thread(services(request).responses.delete_session, owner, key)
+    else:
+        deleted, responses_deleted = await _delete_session(request, rec, owner, key)
     if deleted == 0 and responses_deleted == 0:
         raise APIError(404, f"no session {key!r}", param="key", code="not_found")
     return {"object": "session.deleted", "session": key, "deleted_turns": deleted, "deleted_responses": responses_deleted}
@@ -225,6 +231,7 @@ async def _delete_session(request: Request, rec: Recorder, owner: str, key: str)
     before it is written from now on (nor a stored response of its turns); then the flush, after which the writer
     holds none it took before; then the journal, the store and the stored responses."""
     responses = services(request).responses
+    services(request).router.forget_session(owner, key)  # a new session of this name starts on the alias's version
     tomb = rec.tombstone(owner, key)
     # a response still on its way (its request generating, or just recorded) is not stored
     await rec.call(responses.forbid, tomb.in_flight | tomb.recent)

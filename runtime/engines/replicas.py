@@ -93,7 +93,7 @@ class ReplicaSet:
         self.health_interval_s = health_interval_s
         self.probe_timeout_s = probe_timeout_s
         self._wanted: dict[str, str] = {}  # adapter name -> path: what every replica should have loaded
-        self._pins: OrderedDict[str, int] = OrderedDict()  # session -> replica index
+        self._pins: OrderedDict[tuple[str | None, str], int] = OrderedDict()  # (owner, session) -> replica index
         self._rr = itertools.count()
         self._watchers: list[asyncio.Task[None]] = []
         self._info: EngineInfo | None = None
@@ -174,18 +174,20 @@ class ReplicaSet:
                 raise AdapterError(f"adapter {req.adapter!r} is not loaded on any live {self.backend} replica")
             n_down = sum(not r.up for r in self.replicas)
             raise EngineClosed(f"no {self.backend} replica can serve this request ({n_down} of {len(self.replicas)} down)")
-        if req.session is not None:
-            pinned = self._pins.get(req.session)
+        # a session is its owner's (two keys may name theirs alike): one key's session never steers another's to a replica
+        key = (req.owner, req.session) if req.session is not None else None
+        if key is not None:
+            pinned = self._pins.get(key)
             if pinned is not None and any(r.index == pinned for r in cands):
-                self._pins.move_to_end(req.session)
+                self._pins.move_to_end(key)
                 self.replicas[pinned].requests += 1
                 return self.replicas[pinned]
         turn = next(self._rr)
         chosen = min(cands, key=lambda r: (r.engine.in_flight, (r.index - turn) % len(self.replicas)))
         chosen.requests += 1
-        if req.session is not None:
-            self._pins[req.session] = chosen.index
-            self._pins.move_to_end(req.session)
+        if key is not None:
+            self._pins[key] = chosen.index
+            self._pins.move_to_end(key)
             while len(self._pins) > _MAX_PINS:
                 self._pins.popitem(last=False)
         return chosen

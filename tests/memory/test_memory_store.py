@@ -109,6 +109,28 @@ def test_deletion_is_complete_and_a_stale_rewrite_cannot_bring_memory_back(open_
         assert b"secret-marker" not in f.read_bytes(), f
 
 
+def test_deleting_a_document_that_does_not_exist_costs_no_one_anything(open_memory: Open) -> None:
+    """A 404 deletion changed state: on PostgreSQL it bumped its deletion bucket, shared with other owners' documents, so
+    another key could make their pending rewrites stale by deleting names it never wrote; on SQLite each one added an entry
+    to the store's deletion map for good (a key looping over fresh names grew the server's memory without bound)."""
+    import hashlib
+
+    def bucket(owner: str, scope: str) -> bytes:  # the first 16 bits of the document's hash (memory/store_pg.py)
+        return hashlib.sha256(f"{owner}\x00{scope}".encode()).digest()[:2]
+
+    s = open_memory()
+    s.write("key-a", "user:alice", "note", prov(1))
+    _, snap = s.read("key-a", "user:alice")  # a copilot rewrite under way
+    target = bucket("key-a", "user:alice")
+    same_bucket = next(f"user:x{i}" for i in range(10**6) if bucket("key-b", f"user:x{i}") == target)
+    for scope in (same_bucket, *(f"user:y{i}" for i in range(20))):
+        assert s.delete("key-b", scope) == 0
+    assert s.delete("key-a", "user:bob") == 0
+    assert s.write("key-a", "user:alice", "rewritten", prov(2), base=snap).version == 2
+    if isinstance(s, MemoryStore):
+        assert s._deleted == {}
+
+
 def test_a_concurrent_rewrite_is_refused_and_a_newer_schema_too(open_memory: Open, tmp_path: Path) -> None:
     s = open_memory()
     _, snap = s.read("key-a", "agent:x")

@@ -199,6 +199,14 @@ def test_no_record_and_no_admin_key(start_server):
     assert r.status_code == 200 and "loopwise" not in r.json() and "x-loopwise-turn-id" not in r.headers
     assert_error(httpx.post(server.url + "/feedback", json={"turn_id": "t", "reward": 1}, timeout=10), 409, code="recording_disabled")
     assert_error(httpx.get(server.base_url + "/admin/stats", timeout=10), 403, type="permission_error", code="admin_disabled")
+    # no turns are kept, but the Responses API stored this session's response: deleting the session deletes it (was a 409)
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+    stored = httpx.post(server.url + "/responses", json=body, headers={"X-Session-Id": "s-nr"}, timeout=60)
+    assert stored.status_code == 200, stored.text
+    gone = httpx.delete(server.url + "/sessions/s-nr", timeout=10)
+    assert gone.status_code == 200 and gone.json()["deleted_responses"] == 1 and gone.json()["deleted_turns"] == 0, gone.text
+    assert httpx.get(server.url + f"/responses/{stored.json()['id']}", timeout=10).status_code == 404
+    assert_error(httpx.delete(server.url + "/sessions/s-nr", timeout=10), 404, code="not_found")
 
 
 @pytest.mark.parametrize("durability", ["sync", "async"])

@@ -103,8 +103,8 @@ class Scripted(HTTPEngine):
         self.unloads.append(server_name)
 
 
-def req(n: int = 2, adapter: str | None = None, session: str | None = None) -> GenerateRequest:
-    return GenerateRequest("r", (1, 2), SamplingParams(max_new_tokens=n), adapter=adapter, session=session)
+def req(n: int = 2, adapter: str | None = None, session: str | None = None, owner: str | None = None) -> GenerateRequest:
+    return GenerateRequest("r", (1, 2), SamplingParams(max_new_tokens=n), adapter=adapter, session=session, owner=owner)
 
 
 async def served_by(rs: ReplicaSet, r: GenerateRequest) -> int:
@@ -180,6 +180,26 @@ def test_a_session_stays_on_its_replica_while_it_can():
         assert await served_by(rs, req(session="s2")) == other  # a new session goes to the least loaded
         rs.replicas[first].up = False  # its replica goes away: the session moves, and stays on the new one
         assert {await served_by(rs, req(session="s1")) for _ in range(3)} == {other}
+        gate.set()
+        await it.aclose()
+        await rs.close()
+
+    run(main())
+
+
+def test_another_keys_session_of_the_same_name_is_not_steered_to_its_replica():
+    """Replica pins were keyed by the session name alone: a key reusing another key's session name was sent to that
+    session's replica (and its prefix cache, a timing probe of what the other tenant's prompts start with)."""
+
+    async def main() -> None:
+        a, b = Scripted(0), Scripted(1)
+        rs = await started(a, b, interval=60)
+        first = await served_by(rs, req(session="s1", owner="key-a"))
+        gate = (a, b)[first].gate = asyncio.Event()
+        it = aiter(rs.stream(req(n=3, session="s1", owner="key-a")))  # key A's session keeps its replica busy
+        await anext(it)
+        assert await served_by(rs, req(session="s1", owner="key-b")) == 1 - first  # key B's "s1" goes to the least loaded
+        assert await served_by(rs, req(session="s1", owner="key-a")) == first  # key A's stays where it was
         gate.set()
         await it.aclose()
         await rs.close()

@@ -60,6 +60,20 @@ def test_idempotency_keys_are_per_owner(app):
     assert [r["value"] for r in traj["rewards"]] == [1.0]
 
 
+def test_the_admins_idempotency_keys_do_not_swallow_the_tenants_feedback(app):
+    """An admin's reward is stored as the tenant's (it rewards the tenant's turn), so it shared the tenant's idempotency
+    keys: the tenant's own feedback under a key the admin had used came back ``duplicate`` with the admin's reward."""
+    t1, t2 = _ids(chat(app, KEY1, HELLO)), _ids(chat(app, KEY1, HELLO))
+    r = app.post("/admin/feedback", json={"turn_id": t1["turn_id"], "reward": 0.0, "idempotency_key": "k"}, headers=auth(ADMIN))
+    assert r.status_code == 200 and r.json()["duplicate"] is False, r.text
+    own = app.post("/v1/feedback", json={"turn_id": t2["turn_id"], "reward": 1.0, "idempotency_key": "k"}, headers=auth(KEY1))
+    assert own.status_code == 200 and own.json()["duplicate"] is False, own.text
+    assert own.json()["rewards"][0]["target_id"] == t2["turn_id"] and own.json()["rewards"][0]["value"] == 1.0
+    again = app.post("/admin/feedback", json={"turn_id": t1["turn_id"], "reward": 0.5, "idempotency_key": "k"}, headers=auth(ADMIN))
+    assert again.json()["duplicate"] is True  # the admin's own retry is still recognised
+    assert _reward_count(app) == 2
+
+
 def test_a_key_does_not_continue_another_keys_trajectory(app):
     r = chat(app, KEY1, HELLO, session="alice")
     first = _ids(r)
