@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
 __all__ = ["GrammarMasks", "GrammarReplayError", "compile_grammar", "unpack_bitmask"]
 
@@ -65,6 +64,7 @@ class GrammarMasks:
     """Compiles recorded grammars (cached by xgrammar) and replays them over output ids; one per trainer."""
 
     def __init__(self, base_model_dir: Path, *, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        import xgrammar as xgr  # here, not at import: a learner whose turns carry no grammar never loads it
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
@@ -82,6 +82,8 @@ class GrammarMasks:
             compiled = compile_grammar(self._compiler, kind, spec)
         except (RuntimeError, ValueError) as exc:
             raise GrammarReplayError(f"cannot compile the recorded {kind} grammar: {exc}") from exc
+        import xgrammar as xgr
+
         matcher = xgr.GrammarMatcher(compiled)
         bits = xgr.allocate_token_bitmask(len(output_ids), self.vocab_size)  # (T, W), all allowed
         for j, tok in enumerate(output_ids):

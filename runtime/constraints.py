@@ -5,7 +5,8 @@ call in the format the tool-call parser reads back, also when the token limit cu
 :class:`~runtime.tool_parsers.CallFormat`: Hermes ``<tool_call>`` JSON for ``qwen25``, bare JSON with
 ``parameters`` for ``llama3``), whose ``arguments`` match the tool's JSON schema. The grammar is
 built with xgrammar and handed to the engine as EBNF text, which the SGLang backend can forward as-is.
-JSON is generated compactly (no free whitespace), so a sampling model cannot pad it forever.
+JSON is generated compactly (no free whitespace), so a sampling model cannot pad it forever. xgrammar is imported
+by the first request that needs a grammar, not at start-up.
 
 ``tool_choice: auto`` together with an output format (``response_format`` / ``text.format``) admits
 either one tool call or an answer in the format (the union of both grammars), which is what agent
@@ -19,8 +20,6 @@ from __future__ import annotations
 
 import json
 from typing import Any
-
-import xgrammar as xgr
 
 from runtime.engine import Grammar, InvalidRequest
 from runtime.gen_request import GenRequest
@@ -39,6 +38,8 @@ def grammar_for(req: GenRequest, parser_name: str) -> Grammar | None:
     if fmt is None:
         return None
     if req.tools_on:  # tool_choice auto with a structured answer: either one tool call, or the answer in the format
+        import xgrammar as xgr
+
         tools = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}} for t in req.tools}
         calls = xgr.Grammar.from_ebnf(tool_call_ebnf(tools, parser_name))
         return Grammar("ebnf", str(xgr.Grammar.union(calls, _format_grammar(fmt.kind, fmt.schema))))
@@ -56,6 +57,8 @@ _JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
 
 def json_schema_grammar(schema: dict[str, Any]) -> Any:
     """xgrammar's compact grammar of a JSON schema, with bounded strings that admit only characters JSON allows raw."""
+    import xgrammar as xgr
+
     g = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     text = str(g)
     return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)) if _BOUNDED_STRING_CHAR in text else g
@@ -63,6 +66,8 @@ def json_schema_grammar(schema: dict[str, Any]) -> Any:
 
 def _format_grammar(kind: str, schema: dict[str, Any] | None) -> Any:
     if kind == "json_object":
+        import xgrammar as xgr
+
         return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
     try:
         return json_schema_grammar(schema or {})
@@ -79,6 +84,8 @@ def tool_call_ebnf(tools: dict[str, dict[str, Any]], parser_name: str) -> str:
             f"tool_choice 'required' or a named function is not supported with the {parser_name!r} tool-call parser",
             param="tool_choice",
         )
+    import xgrammar as xgr
+
     alternatives = []
     for name, params in tools.items():
         # `{"name": <name>, "<args_key>": <arguments>}` with the arguments grammar built from the tool's own

@@ -62,7 +62,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import xgrammar as xgr
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runtime._futures import settle
@@ -186,7 +185,9 @@ class EmbeddedEngine:
         self._info: EngineInfo | None = None
         self.model: Any = None
         self.tokenizer: Any = None
-        self._grammar_compiler: Any = None
+        self._grammar_compiler: Any = None  # these two: built on the first constrained request (_grammar_tools)
+        self._grammar_worker: GrammarWorker | None = None
+        self._grammar_lock = threading.Lock()
         self.tokens_generated = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -251,10 +252,6 @@ class EmbeddedEngine:
             eos = self.tokenizer.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
         vocab = int(cfg.vocab_size)
-        tok_info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=vocab, stop_token_ids=list(eos_ids))
-        # the compiled-grammar cache is bounded: three 1000-branch anyOf schemas kept about 1 GB unbounded
-        self._grammar_compiler = xgr.GrammarCompiler(tok_info, max_threads=1, cache_limit_bytes=self.grammar_cache_bytes)
-        self._grammar_worker = GrammarWorker(tok_info, cache_bytes=self.grammar_cache_bytes)  # requests' grammars, killable
         self._info = EngineInfo(
             backend="embedded",
             model=self._model_id,
@@ -279,7 +276,7 @@ class EmbeddedEngine:
             self._cv.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
-        if getattr(self, "_grammar_worker", None) is not None:
+        if self._grammar_worker is not None:
             await asyncio.to_thread(self._grammar_worker.close)
 
     # ---- public API ------------------------------------------------------------------------
@@ -467,14 +464,32 @@ class EmbeddedEngine:
     def compile_grammar(self, grammar: Grammar, timeout_s: float | None = None) -> Any:
         """The compiled form of ``grammar``. With ``timeout_s`` (admission, off the event loop) it is compiled in the
         grammar worker process, killed at the deadline (``GrammarTimeout``); without, here (small internal grammars)."""
+        compiler, worker = self._grammar_tools()
         try:
             if timeout_s is not None:
-                return self._grammar_worker.compile(grammar.kind, grammar.spec, timeout_s)
-            return _compile(self._grammar_compiler, grammar)
+                return worker.compile(grammar.kind, grammar.spec, timeout_s)
+            return _compile(compiler, grammar)
         except (GrammarInvalid, RuntimeError, ValueError) as exc:
             raise InvalidRequest(f"invalid {grammar.kind} constraint: {exc}", param="response_format") from exc
 
+    def _grammar_tools(self) -> tuple[Any, GrammarWorker]:
+        """xgrammar's compiler and the grammar worker, built on the first constrained request (as vLLM's structured-output
+        manager builds its backend): importing xgrammar and reading the vocabulary cost a server that never sees a grammar
+        about 0.7 s of start-up for nothing."""
+        with self._grammar_lock:
+            if self._grammar_worker is None:
+                import xgrammar as xgr
+
+                info = self.info
+                tok_info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=info.vocab_size, stop_token_ids=list(info.eos_token_ids))
+                # the compiled-grammar cache is bounded: three 1000-branch anyOf schemas kept about 1 GB unbounded
+                self._grammar_compiler = xgr.GrammarCompiler(tok_info, max_threads=1, cache_limit_bytes=self.grammar_cache_bytes)
+                self._grammar_worker = GrammarWorker(tok_info, cache_bytes=self.grammar_cache_bytes)  # requests' grammars, killable
+            return self._grammar_compiler, self._grammar_worker
+
     def _matcher(self, grammar: Grammar) -> Any:
+        import xgrammar as xgr
+
         return xgr.GrammarMatcher(grammar.compiled if grammar.compiled is not None else self.compile_grammar(grammar))
 
     # ---- scheduler thread ------------------------------------------------------------------
@@ -638,6 +653,8 @@ class EmbeddedEngine:
         logits = logits.float()
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained:
+            import xgrammar as xgr  # loaded already: every constrained row's matcher was built with it
+
             bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[-1])
             for i in constrained:
                 matcher = seqs[i].matcher

@@ -164,6 +164,8 @@ def test_the_probe_refuses_an_engine_that_reports_raw_logit_logprobs_on_a_sample
 
 
 def test_the_probe_refuses_an_engine_that_mishandles_a_constrained_turns_grammar(chat_learner, monkeypatch):
+    import xgrammar
+
     import runtime.engines.embedded as embedded
     from runtime.engine import MIN_TEMPERATURE
 
@@ -175,7 +177,7 @@ def test_the_probe_refuses_an_engine_that_mishandles_a_constrained_turns_grammar
     honest = svc.release.parity(trainer, champion)
     assert refusal(honest, THRESHOLD) is None
     unmasked: list[torch.Tensor] = []
-    real_apply, real_sample = embedded.xgr.apply_token_bitmask_inplace, embedded.sample_next
+    real_apply, real_sample = xgrammar.apply_token_bitmask_inplace, embedded.sample_next
 
     def apply(logits: torch.Tensor, bitmask: torch.Tensor, indices: Any = None) -> None:
         unmasked.append(logits.clone())  # (B, V) before the mask
@@ -189,7 +191,7 @@ def test_the_probe_refuses_an_engine_that_mishandles_a_constrained_turns_grammar
             out.logprobs = lp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist()
         return out
 
-    monkeypatch.setattr(embedded.xgr, "apply_token_bitmask_inplace", apply)
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", apply)  # the engine imports xgrammar where it masks
     monkeypatch.setattr(embedded, "sample_next", sample)
     report = svc.release.parity(trainer, champion)
     assert report is not None
@@ -199,7 +201,7 @@ def test_the_probe_refuses_an_engine_that_mishandles_a_constrained_turns_grammar
     assert kinds["constrained"]["grammar_mismatch"] == 0 and "constrained probe turns" in (refusal(report, THRESHOLD) or "")
 
     # an engine that does not apply the grammar at all: its output breaks the grammar, which the trainer's policy never produces
-    monkeypatch.setattr(embedded.xgr, "apply_token_bitmask_inplace", lambda logits, bitmask, indices=None: None)
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", lambda logits, bitmask, indices=None: None)
     monkeypatch.setattr(embedded, "sample_next", real_sample)
     report = svc.release.parity(trainer, champion)
     assert report is not None
