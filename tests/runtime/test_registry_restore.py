@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.adapters.names import AdapterRef
+from runtime.adapters.names import AdapterError, AdapterRef
 from runtime.adapters.registry import AdapterRegistry
 from runtime.adapters.sync import RegistrySync, StoreListener
 
@@ -170,3 +170,31 @@ def test_an_unload_refused_here_is_tried_again_on_the_next_sync() -> None:
 
     first, after = asyncio.run(main())
     assert first == [] and after == ["fam@1"]
+
+
+def test_a_version_whose_folder_is_gone_at_restart_is_skipped_and_served_once_it_is_back(caplog: Any) -> None:
+    """The champion's folder was deleted (or its disk not mounted yet) while the runtime was down. The restore loads the
+    rest, says which one it could not load, leaves the family's alias unset (a request for ``fam`` is refused rather than
+    served by an older version or the base), and a later sync loads it and follows the alias once the folder is back."""
+    present = {"fam@1", "other@1"}
+
+    async def validate(ref: AdapterRef) -> AdapterRef:
+        if ref.name not in present:
+            raise AdapterError(f"{ref.path} is not a folder here")
+        return ref
+
+    async def main() -> tuple[list[str], dict[str, str], list[str], dict[str, str]]:
+        loads: list[str] = []
+        registry = _registry(loads)
+        store = _Store(_adapters("fam@1", "fam@2", "other@1"), {"fam": "fam@2", "other": "other@1"})
+        sync = RegistrySync(store, registry, None, validate)
+        await sync.sync_once()  # start-up: must not raise
+        before = (list(loads), registry.aliases())
+        present.add("fam@2")
+        await sync.sync_once()
+        return before[0], before[1], loads, registry.aliases()
+
+    loads_before, aliases_before, loads_after, aliases_after = asyncio.run(main())
+    assert sorted(loads_before) == ["fam@1", "other@1"] and aliases_before == {"other": "other@1"}
+    assert "cannot load adapter fam@2" in caplog.text and "/adapters/fam@2" in caplog.text
+    assert loads_after[-1] == "fam@2" and aliases_after == {"fam": "fam@2", "other": "other@1"}
