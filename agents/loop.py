@@ -74,13 +74,17 @@ Not here: HTTP (``agents/host.py``), tool execution (``tools/``), parsing the se
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import copy
+import functools
 import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, ClassVar, Literal, TypeGuard
+from typing import Any, ClassVar, Literal, TypeGuard, TypeVar
 
 import structlog
 
@@ -105,6 +109,18 @@ FINALIZE_PROMPTS = {
     "format": "Now give your final answer in the requested JSON format.",
 }
 SENTINEL = "\u2063LOOPWISE\u2063SENTINEL\u2063"  # never produced by a tokenizer's decode of normal text
+
+
+# The task's own code (environments, verifiers, process scores) and a run's templating, off the event loop and on a pool of
+# their own: a HumanEval check runs a sandboxed program for seconds and a kernel environment compiles, while the loop serves
+# every other request; a burst of heavy runs queues here instead of taking the default executor the rest of the app uses.
+_TASK_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="loopwise-task")
+_T = TypeVar("_T")
+
+
+async def _off_loop(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    ctx = contextvars.copy_context()  # the bound caller (runtime.identity) goes along, as with asyncio.to_thread
+    return await asyncio.get_running_loop().run_in_executor(_TASK_POOL, functools.partial(ctx.run, fn, *args, **kwargs))
 
 
 class BranchMismatch(RunConflict):
@@ -303,7 +319,7 @@ class AgentLoop:
     ) -> RunResult:
         if branch is not None:
             self._check_branch(branch, max_turns)
-        s = self._start(policy, lease, messages, session_id, request_id, problem, seed, max_turns, branch)
+        s = await _off_loop(self._start, policy, lease, messages, session_id, request_id, problem, seed, max_turns, branch)
         if segment is not None:  # pause after segment.turns sampled turns (``ending``)
             s.segment, s.pause_at = segment, (branch.turn if branch is not None else 0) + segment.turns
         phase = Phase.BEGIN
@@ -316,7 +332,7 @@ class AgentLoop:
             assert branch is not None
             where = f"branch of {branch.of or 'a trajectory'} at turn {branch.turn}"
             raise BranchMismatch(f"{where}: the replayed run stopped at turn {s.turn} ({s.stop_reason})")
-        result = self._result(s, await self._answer(s), eval_run, problem_ref, group)
+        result = await _off_loop(self._result, s, await self._answer(s), eval_run, problem_ref, group)
         result.horizon = horizon
         await self._finish(result)
         return result
@@ -428,7 +444,7 @@ class AgentLoop:
         )  # fmt: skip
         s.calls = self.client.parse_tool_calls(res.text, self.tool_names).tool_calls if self.tool_names else []
         if not s.forced:
-            check = turn_check(s.policy.fmt, res.text, tool_calls=len(s.calls), task=self.task, problem=s.problem, env=s.env)
+            check = await _off_loop(turn_check, s.policy.fmt, res.text, tool_calls=len(s.calls), task=self.task, problem=s.problem, env=s.env)
             s.step.correct = check.correct if check is not None else None
             await self._record(
                 res, s.ctx.ids, turn_id, s.lease, s.session_id, s.run_id, s.parent, turn, s.msgs, s.calls, res.finish_reason, s.trajectory_id,
@@ -445,7 +461,7 @@ class AgentLoop:
         """The task's per-turn process score, recorded as a reward on a sampled turn."""
         if self.task is not None and s.problem is not None:
             step = s.step
-            step.process_score = self.task.process_score(s.problem, s.text)
+            step.process_score = await _off_loop(self.task.process_score, s.problem, s.text)
             if step.process_score is not None and not s.forced:
                 source = f"verifier:{self.task.name}:process"
                 await self.client.reward(Reward(target="turn", target_id=step.turn_id, value=float(step.process_score), source=source))
@@ -480,7 +496,7 @@ class AgentLoop:
             s.observations.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result.content})
         s.history.append(TurnView(text=s.text, tool_calls=len(s.calls)))
         if s.env is not None and not s.calls:
-            env_step = s.env.step(s.text)
+            env_step = await _off_loop(s.env.step, s.text)
             s.env_reward += env_step.reward
             s.env_info = env_step.info
             step.observation = env_step.observation

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -356,3 +357,43 @@ def test_tcpo_verifier_feedback_mode_shows_the_score_between_turns(tok, tmp_path
     assert [turn_scores[t.turn_id] for t in traj.turns] == [0.0, 1.0]  # TCPO's v_t, per turn
     with pytest.raises(ValueError, match="nested"):
         get_task("feedback:feedback:calc_arith")
+
+
+class _ThreadNotingEnv(_OutcomeEnv):
+    """Notes the thread its reset and steps run on (a sandboxed check or a kernel compile blocks it for seconds)."""
+
+    def __init__(self, info: dict, threads: list[str]) -> None:
+        super().__init__(info)
+        self.threads = threads
+
+    def reset(self) -> str:
+        self.threads.append(threading.current_thread().name)
+        return super().reset()
+
+    def step(self, action_text: str):
+        self.threads.append(threading.current_thread().name)
+        return super().step(action_text)
+
+
+class _ThreadNotingTask(_OutcomeTask):
+    def __init__(self) -> None:
+        super().__init__({})
+        self.threads: list[str] = []
+
+    def make_env(self, problem):
+        self.threads.append(threading.current_thread().name)
+        return _ThreadNotingEnv(self.info, self.threads)
+
+    def process_score(self, problem, text):
+        self.threads.append(threading.current_thread().name)
+        return None
+
+
+def test_the_tasks_own_code_runs_off_the_event_loop(tok, tmp_path):
+    """A task's environment, process score and verdict ran on the event loop: a HumanEval check (a sandboxed program,
+    seconds) or a kernel compile (minutes) froze every other request of the server meanwhile."""
+    task = _ThreadNotingTask()
+    result, _, _ = run(tok, tmp_path, ["a", "b"], task=task, problem=task.problems(1)[0], max_turns=5)
+    assert result.stop_reason == "env_done" and result.reward == 1.0
+    # make_env, reset, then per turn a process score and a step: all of them on the task pool, none on the loop's thread
+    assert len(task.threads) == 6 and all(name.startswith("loopwise-task") for name in task.threads), task.threads
