@@ -28,6 +28,7 @@ from agents.config import AgentConfig
 from agents.loop import AgentLoop, BranchMismatch, RunResult
 from agents.reves import reves_run
 from agents.run_state import Branch, Segment
+from agents.t2po import MAX_RUN_SEED
 from agents.tasks import Problem, Task, get_task
 from agents.tasks.variants import signature, synthesize, variant_seed
 from learner.records import Trajectory, Turn
@@ -93,8 +94,9 @@ class RunRequest(BaseModel):
         max_length=200,
         description="a task problem by its id as runs report it (``kernels/level1/relu``), instead of problem_index",
     )
-    seed: int | None = Field(None, ge=0, description="problem seed (with task); also the sampling seed unless sample_seed is given")
-    sample_seed: int | None = Field(None, ge=0, description="sampling seed (several samples of one problem for a learning group)")
+    # at most MAX_RUN_SEED (about 4.6e15): a turn's seed is seed · 1000 + turn, within int64 and below T²PO's resample seeds
+    seed: int | None = Field(None, ge=0, le=MAX_RUN_SEED, description="problem seed (with task); also the sampling seed unless sample_seed is given")
+    sample_seed: int | None = Field(None, ge=0, le=MAX_RUN_SEED, description="sampling seed (several samples of one problem for a learning group)")
     model: str | None = Field(None, description="override the agent's model: base name, alias or family@N")
     max_turns: int | None = Field(None, ge=1, le=64)
     horizon: int | None = Field(
@@ -257,12 +259,14 @@ class ServedAgentImpl:
             forced = tools and (choice == "required" or isinstance(choice, dict))
             finalize = None
             if forced:
-                finalize = ("tool", loop.client.constraint(tools, choice, None))
+                finalize = ("tool", await loop.client.constraint(tools, choice, None))
             elif fmt:
-                finalize = ("format", loop.client.constraint([], None, fmt))
+                finalize = ("format", await loop.client.constraint([], None, fmt))
             loop = loop.for_client(tools, finalize)  # type: ignore[arg-type]
         ticket = await self.copilot.prepare(messages, session_id=session_id) if self.copilot is not None else None
-        result = await loop.run(ticket.messages if ticket else messages, session_id=session_id, request_id=request_id, seed=options.get("seed"))
+        seed = options.get("seed")  # a chat request's seed is any int64: folded into a run's seeds (seed · 1000 + turn stays int64)
+        seed = None if seed is None else int(seed) % (MAX_RUN_SEED + 1)
+        result = await loop.run(ticket.messages if ticket else messages, session_id=session_id, request_id=request_id, seed=seed)
         if ticket is not None and self.copilot is not None:
             self.copilot.after(ticket, messages, result)
         return AgentAnswer(
@@ -295,12 +299,17 @@ class ServedAgentImpl:
             name = req.task or self.config.task
             if name is None:
                 raise ValueError(f"{'problem_index' if req.problem_id is None else 'problem_id'} needs a task (the agent has none configured)")
-            task = self._tasks(name, req.task_options or dict(self.config.task_options))
+            # the agent's options are its own task's: another task named by the run gets its defaults (they raised TypeError)
+            own = dict(self.config.task_options) if name == self.config.task else {}
+            task = self._tasks(name, req.task_options or own)
             if req.problem_id is not None:  # the index, so the run records (and can be branched) like an indexed one
                 index = await asyncio.to_thread(self._problems.index_of, task, req.problem_id, req.seed or 0)
                 req = req.model_copy(update={"problem_index": index})
             assert req.problem_index is not None
-            problem = await asyncio.to_thread(self._problems.get, task, req.problem_index, req.seed or 0)  # generating can take a while
+            try:
+                problem = await asyncio.to_thread(self._problems.get, task, req.problem_index, req.seed or 0)  # generating can take a while
+            except IndexError:  # a task with a fixed set (HumanEval's 164, the kernel suite) has fewer
+                raise ValueError(f"problem_index {req.problem_index} is beyond the problems of task {name!r}") from None
             prompt = problem.prompt
             if req.reves is not None:  # the verify kind's label is the task verifier on the candidate: off the event loop
                 task, prompt = await asyncio.to_thread(reves_run, req.reves.kind, req.reves.previous, task, problem)

@@ -225,6 +225,7 @@ def should_resample(prev_turn_u: float | None, cur_turn_u: float, eta: float, tr
 
 
 RESAMPLE_SEEDS = (2**62, 2**63)  # [low, high): above every first-draft seed (run seed · 1000 + turn, run seeds below 4.6e15); int64
+MAX_RUN_SEED = RESAMPLE_SEEDS[0] // 1000 - 1  # a run's seed: its turns' seeds (seed · 1000 + turn) stay below RESAMPLE_SEEDS
 
 
 def resample_seed(run_seed: int | None, turn: int, draft: int) -> int | None:

@@ -18,6 +18,7 @@ Not here: the agent loop, stop policies or tools (``agents/``, ``tools/``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 from learner.records import Reward, Trajectory, Turn
 from runtime.adapters.names import AdapterNotFound, AdapterRef, parse_model_name
 from runtime.adapters.registry import AdapterRegistry
+from runtime.admission import Admission
 from runtime.chat_format import ChatFormatter, RenderedPrompt
 from runtime.engine import Engine, GenerateRequest, GenerateResult, Grammar, SamplingParams, StreamChunk
 from runtime.identity import current_caller
@@ -89,7 +91,7 @@ class RuntimeClient(Protocol):
     async def record(self, turns: list[Turn]) -> None: ...
     async def reward(self, reward: Reward) -> None: ...
     async def annotate(self, trajectory_id: str, meta: dict[str, Any]) -> None: ...
-    def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, output_format: dict[str, Any] | None) -> Grammar | None: ...
+    async def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, output_format: dict[str, Any] | None) -> Grammar | None: ...
     async def trajectory(self, trajectory_id: str) -> Trajectory | None: ...
 
 
@@ -128,7 +130,9 @@ class LocalRuntimeClient:
         model_id: str,
         route: Callable[[str, str, str | None, str], AdapterRef | None] | None = None,
         metrics: Metrics | None = None,
+        admission: Admission | None = None,
     ) -> None:
+        self.admission = admission  # the app's: clients' constraints are built and compiled as chat requests' are
         self.engine = engine
         self.metrics = metrics  # per-adapter requests, tokens and latency of agent model calls, as for chat requests
         self.route = route  # the app's model → version routing (A/B arms, session pins); raises AdapterNotFound
@@ -214,16 +218,26 @@ class LocalRuntimeClient:
         saved, _ = await self.recorder.call(self.recorder.store.add_reward, mine)
         await after_rewards(self.recorder, [saved])  # a run that read a copilot's memory credits its rewrite (runtime/memory_credit.py)
 
-    def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, output_format: dict[str, Any] | None) -> Grammar | None:
+    async def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, output_format: dict[str, Any] | None) -> Grammar | None:
         """The decoding constraint of a request's ``tool_choice`` (``"required"`` or ``{"name": ...}``: exactly one call to
-        one of ``tools``) or ``output_format`` (``{"kind": "json_object" | "json_schema", "schema": ...}``), as chat requests get it."""
+        one of ``tools``) or ``output_format`` (``{"kind": "json_object" | "json_schema", "schema": ...}``), as chat requests
+        get it: built on the admission's preparation pool and, with the app's admission, compiled as a chat request's is
+        (in the engine's killable grammar worker within the deadline, the caller's key penalised for a grammar bomb), so a
+        client's schema never compiles on the event loop."""
         from runtime.constraints import grammar_for
         from runtime.gen_request import GenRequest, NamedTool, OutputFormat
 
         choice = NamedTool(tool_choice["name"]) if isinstance(tool_choice, dict) else tool_choice
         fmt = OutputFormat(output_format["kind"], output_format.get("schema")) if output_format else None
         req = GenRequest(model=self.model_id, messages=[], api="agent", tools=tools, tool_choice=choice, output_format=fmt)
-        return grammar_for(req, self.formatter.parser_name)
+        if self.admission is None:
+            return grammar_for(req, self.formatter.parser_name)
+        grammar = await self.admission.prepare(grammar_for, req, self.formatter.parser_name)
+        compile_fn = getattr(self.engine, "compile_grammar", None)
+        if grammar is None or compile_fn is None:
+            return grammar
+        compiled = await self.admission.compile_grammar(compile_fn, grammar, current_caller().owner)
+        return dataclasses.replace(grammar, compiled=compiled)
 
     async def annotate(self, trajectory_id: str, meta: dict[str, Any]) -> None:
         if self.recorder is None:

@@ -234,7 +234,8 @@ def _lifespan(
         app.state.generation = Generation(engine, formatter, s.model_id, max_tokens, s.metrics, recorder=recorder)
         app.state.generation_unrecorded = Generation(engine, formatter, s.model_id, max_tokens, s.metrics)
         if s.agents is not None:
-            s.agents.bind(LocalRuntimeClient(engine, formatter, s.registry, recorder, s.model_id, route=s.router, metrics=s.metrics))
+            client = LocalRuntimeClient(engine, formatter, s.registry, recorder, s.model_id, route=s.router, metrics=s.metrics, admission=s.admission)
+            s.agents.bind(client)
         background: list[asyncio.Task[None]] = [asyncio.create_task(s.traffic.run())]
         if recorder is not None:
             recorder.start()

@@ -116,7 +116,10 @@ def get_task(name: str, **options: Any) -> Task:
         return VerifierFeedbackTask(get_task(inner, **options))
     factory = _REGISTRY.get(name)
     if factory is not None:
-        return factory(**options)
+        try:
+            return factory(**options)
+        except TypeError as exc:  # an option this task does not take (another task's, or a typo)
+            raise ValueError(f"task {name!r} does not take these options: {exc}") from None
     if name.startswith(RG_PREFIX) and len(name) > len(RG_PREFIX):
         from .rgym import ReasoningGymTask, _import_reasoning_gym
 

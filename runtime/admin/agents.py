@@ -57,6 +57,9 @@ async def _run(name: str, request: Request, *, admin: bool) -> dict[str, Any]:
             type="permission_error",
             code="permission_denied",
         )
+    text = body.get("input")  # text that could never fit the context is refused before it is templated and tokenized
+    messages = [{"content": text}] if isinstance(text, str) else body.get("messages")
+    s.admission.check_size(messages if isinstance(messages, list) else None, None, s.engine.info.max_model_len)
     session = session_of(request, body.get("user"))
     owner = ADMIN_OWNER if admin else owner_of(request)
     leave = await s.admission.enter(owner)  # one run, one slot

@@ -190,3 +190,44 @@ def test_eval_cli_reports_its_numbers(server):
     assert text.returncode == 0 and "success rate" in text.stdout and "Wilson" in text.stdout
     bad = subprocess.run([*cmd[:-2], "--url", "http://127.0.0.1:9"], cwd=root, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "no loopwise server" in bad.stderr
+
+
+def test_a_run_on_another_task_or_beyond_its_problems_is_a_400(server):
+    """A run may name a task other than the agent's: the agent's options were passed to it (HumanEval took
+    ``n_ops`` and raised TypeError: a 500), and an index past a fixed problem set raised IndexError (a 500)."""
+    cfg = {"name": "opt-agent", "task": "calc_arith", "task_options": {"n_ops": 1}, "max_turns": 1, "max_tokens_per_turn": 8}
+    assert admin(server, "POST", "/admin/agents", json=cfg).status_code == 201
+    try:
+        r = httpx.post(server.url + "/agents/opt-agent/runs", json={"task": "humaneval", "problem_index": 5000}, timeout=60)
+        err = assert_error(r, 400)
+        assert "5000" in err["message"] and "humaneval" in err["message"], err
+        ok = httpx.post(server.url + "/agents/opt-agent/runs", json={"task": "calc_arith", "problem_index": 1, "seed": 0}, timeout=120)
+        assert ok.status_code == 200, ok.text  # the agent's own task keeps its options
+    finally:
+        admin(server, "DELETE", "/admin/agents/opt-agent")
+
+
+def test_any_int64_seed_runs_a_sampling_agent(server):
+    """A turn's seed is the run's seed · 1000 + turn: a chat seed of 2**63 - 1 (valid for chat) overflowed torch's
+    generator (a 500); a runs-API seed past the runs' range is a 400 naming it."""
+    cfg = {"name": "warm-agent", "temperature": 0.7, "max_turns": 1, "max_tokens_per_turn": 4}
+    assert admin(server, "POST", "/admin/agents", json=cfg).status_code == 201
+    try:
+        for seed in (2**63 - 1, -(2**63)):
+            out = client(server).chat.completions.create(model="warm-agent", messages=[{"role": "user", "content": "x"}], seed=seed, n=2)
+            assert len(out.choices) == 2
+        r = httpx.post(server.url + "/agents/warm-agent/runs", json={"input": "x", "sample_seed": 2**62}, timeout=60)
+        err = assert_error(r, 400)
+        assert "sample_seed" in err["message"], err
+    finally:
+        admin(server, "DELETE", "/admin/agents/warm-agent")
+
+
+def test_a_run_whose_input_could_never_fit_is_refused_before_templating(server):
+    """The runs API templated and tokenized its input on the event loop with no size check (4 MB: seconds for everyone),
+    to end in context_full with a 200."""
+    r = httpx.post(server.url + "/agents/echo-agent/runs", json={"input": "word " * 40_000}, timeout=60)
+    err = assert_error(r, 400, code="context_length_exceeded")
+    assert "characters" in err["message"], err
+    r = httpx.post(server.url + "/agents/echo-agent/runs", json={"messages": [{"role": "user", "content": "word " * 40_000}]}, timeout=60)
+    assert_error(r, 400, code="context_length_exceeded")

@@ -150,3 +150,32 @@ def test_a_prompt_that_cannot_fit_is_refused_before_templating(tmp_path, tiny_mo
         r = chat(app, KEY1, [{"role": "user", "content": "word " * 800_000}])  # 4 MB: could never fit the context
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
     assert calls == []
+
+
+def test_an_agents_grammar_bomb_is_compiled_in_the_worker_and_killed_at_its_deadline(tmp_path, tiny_model_path):
+    """An agent served as a model finalizes with the client's response_format: that grammar was built on the event loop
+    and compiled by the engine at submit time, on the event loop, with no deadline (every request froze for 25 s)."""
+    from agents.host import Host
+    from runtime.settings import AdmissionSettings
+    from tools.builtins import default_registry
+
+    agent = {"name": "fmt-agent", "tools": [], "max_turns": 1, "max_tokens_per_turn": 4}
+    host = Host([agent], default_registry(python=False, cuda=False))
+    with served(tmp_path, tiny_model_path, agents=host, admission=AdmissionSettings(grammar_timeout_s=1.0, grammar_penalty_s=30)) as app:
+        small = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+        assert chat(app, KEY2, HELLO, model="fmt-agent", response_format=small).status_code == 200
+        worker = app.app.state.engine._grammar_worker
+        assert worker.compiles >= 1  # the agent's format went through the worker
+        results: dict[str, int] = {}
+
+        def bomb():
+            fmt = {"type": "json_schema", "json_schema": {"name": "b", "schema": BOMB}}
+            results["bomb"] = chat(app, KEY1, HELLO, model="fmt-agent", response_format=fmt).status_code
+
+        t = threading.Thread(target=bomb)
+        t.start()
+        time.sleep(0.2)
+        results["plain"] = chat(app, KEY2, HELLO).status_code  # served while the bomb compiles
+        t.join()
+        assert results == {"bomb": 400, "plain": 200}
+        assert worker.kills == 1
