@@ -266,7 +266,7 @@ class Generation:
                 max_new_tokens=max_new,
                 temperature=temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
-                seed=None if req.seed is None else req.seed + i,
+                seed=None if req.seed is None else _choice_seed(req.seed, i),
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
@@ -564,3 +564,8 @@ def _finish(reason: str, has_calls: bool) -> str:
 
 def _call_dict(c: ParsedToolCall) -> dict[str, Any]:
     return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def _choice_seed(seed: int, i: int) -> int:
+    """Choice ``i``'s seed: ``seed + i``, wrapped into int64 (a request's seed may be 2**63 - 1; the engines take int64)."""
+    return (seed + i + 2**63) % 2**64 - 2**63

@@ -36,6 +36,7 @@ MAX_EXPRESSION_CHARS = 500
 MAX_NODES = 200
 MAX_EXPONENT = 10_000
 MAX_BITS = 20_000
+MAX_DECIMAL_EXPONENT = int(MAX_BITS * 0.30103) + 1  # a float literal's power of ten: beyond it, beyond MAX_BITS
 _INEXACT_DIGITS = 40
 _SHOWN_DIGITS = 20
 
@@ -180,10 +181,18 @@ class _Evaluator:
                 raise CalculatorError(f"only numbers are allowed, not {value!r}")
             if isinstance(value, int):
                 return Value(_check_size(Fraction(value)))
-            text = ast.get_source_segment(self.source, node) or repr(value)
+            text = (ast.get_source_segment(self.source, node) or repr(value)).replace("_", "")
             try:
-                return Value(_check_size(Fraction(text.replace("_", ""))))
+                places = decimal.Decimal(text).adjusted()  # cheap: Fraction("1e999999999") computes 10**999999999 first
+            except (ValueError, decimal.InvalidOperation) as exc:
+                raise CalculatorError(f"cannot read number {text!r}") from exc
+            if abs(places) > MAX_DECIMAL_EXPONENT:
+                raise CalculatorError(f"number {text!r} is too large or too small (beyond 10**±{MAX_DECIMAL_EXPONENT:,})")
+            try:
+                return Value(_check_size(Fraction(text)))
             except (ValueError, ZeroDivisionError) as exc:
+                if isinstance(exc, CalculatorError):
+                    raise
                 raise CalculatorError(f"cannot read number {text!r}") from exc
         if isinstance(node, ast.BinOp):
             return _binop(node.op, self.eval(node.left), self.eval(node.right))

@@ -1,4 +1,4 @@
-"""runtime/engines/sampling.py: batched per-row sampling, logprobs and top-p, on hand-made logits."""
+"""runtime/engines/sampling.py: batched per-row sampling, logprobs and top-p, on hand-made logits; and each choice's seed (runtime/generation.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime.engines.sampling import RowSampling, _top_p_probs, sample_next
 
@@ -150,3 +152,15 @@ def test_top_p_mixed_rows_only_truncate_their_own_nucleus() -> None:
     out = _top_p_probs(probs, torch.tensor([1.0, 0.4]))
     assert out[0].tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05])
     assert out[1].tolist() == pytest.approx([0.5, 0.0, 0.0, 0.0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(-(2**63), 2**63 - 1), i=st.integers(0, 15))
+def test_each_choices_seed_is_seed_plus_i_wrapped_into_int64(seed: int, i: int) -> None:
+    """Choice i of a request is seeded ``seed + i``; at ``seed = 2**63 - 1`` that left int64, which vLLM and SGLang refuse
+    (a 400 naming the engine's field, not the client's)."""
+    from runtime.generation import _choice_seed
+
+    got = _choice_seed(seed, i)
+    assert -(2**63) <= got < 2**63
+    assert got == (seed + i if seed + i < 2**63 else seed + i - 2**64)

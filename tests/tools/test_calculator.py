@@ -80,6 +80,9 @@ def test_exactness_flag() -> None:
         ("2 ** 100000", "exponent 100000 is too large"),
         ("10 ** 9999", "result too large"),
         ("9 ** 9 ** 9", "too large"),
+        ("1e999999999", "too large or too small"),  # Fraction() of the literal computed 10**999999999 first: minutes to hours
+        ("1e-999999999 + 1", "too large or too small"),
+        ("2.5e6100", "too large or too small"),
         ("(-8) ** (1/3)", "not a real number"),
         ("sqrt(-1)", "not a real number"),
         ("max()", "max() takes 1 to 64 argument(s), got 0"),
