@@ -11,6 +11,7 @@ import asyncio
 import os
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -114,6 +115,22 @@ def test_templating_runs_off_the_event_loop_and_grammars_in_the_worker(tmp_path,
 BOMB = {"type": "object", "properties": {"s": {"type": "string", "pattern": "[a-z]{0,10000}"}}, "required": ["s"]}  # 25 s to compile here
 
 
+def _bomb_beside_a_plain_request(app: Any, **kw: Any) -> dict[str, int]:
+    """Key 1 sends the grammar bomb (``kw``: e.g. the model); 0.2 s later key 2 a plain request. Both statuses."""
+    results: dict[str, int] = {}
+
+    def bomb() -> None:
+        fmt = {"type": "json_schema", "json_schema": {"name": "b", "schema": BOMB}}
+        results["bomb"] = chat(app, KEY1, HELLO, response_format=fmt, **kw).status_code
+
+    t = threading.Thread(target=bomb)
+    t.start()
+    time.sleep(0.2)
+    results["plain"] = chat(app, KEY2, HELLO).status_code  # served while the bomb compiles
+    t.join()
+    return results
+
+
 def test_a_grammar_bomb_is_killed_at_its_deadline_and_fails_only_its_own_request(tmp_path, tiny_model_path):
     from runtime.settings import AdmissionSettings
 
@@ -121,18 +138,7 @@ def test_a_grammar_bomb_is_killed_at_its_deadline_and_fails_only_its_own_request
         small = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
         assert chat(app, KEY2, HELLO, response_format=small, max_tokens=4).status_code == 200  # the worker is up
         worker = app.app.state.engine._grammar_worker
-        results: dict[str, int] = {}
-
-        def bomb():
-            fmt = {"type": "json_schema", "json_schema": {"name": "b", "schema": BOMB}}
-            results["bomb"] = chat(app, KEY1, HELLO, response_format=fmt).status_code
-
-        t = threading.Thread(target=bomb)
-        t.start()
-        time.sleep(0.2)
-        results["plain"] = chat(app, KEY2, HELLO).status_code  # served while the bomb compiles
-        t.join()
-        assert results == {"bomb": 400, "plain": 200}
+        assert _bomb_beside_a_plain_request(app) == {"bomb": 400, "plain": 200}
         assert worker.kills == 1  # the compilation did not go on burning a core after its request gave up
         again = chat(app, KEY1, HELLO, response_format=small, max_tokens=4)
         assert again.status_code == 429 and again.json()["error"]["code"] == "grammar_penalty"
@@ -166,16 +172,5 @@ def test_an_agents_grammar_bomb_is_compiled_in_the_worker_and_killed_at_its_dead
         assert chat(app, KEY2, HELLO, model="fmt-agent", response_format=small).status_code == 200
         worker = app.app.state.engine._grammar_worker
         assert worker.compiles >= 1  # the agent's format went through the worker
-        results: dict[str, int] = {}
-
-        def bomb():
-            fmt = {"type": "json_schema", "json_schema": {"name": "b", "schema": BOMB}}
-            results["bomb"] = chat(app, KEY1, HELLO, model="fmt-agent", response_format=fmt).status_code
-
-        t = threading.Thread(target=bomb)
-        t.start()
-        time.sleep(0.2)
-        results["plain"] = chat(app, KEY2, HELLO).status_code  # served while the bomb compiles
-        t.join()
-        assert results == {"bomb": 400, "plain": 200}
+        assert _bomb_beside_a_plain_request(app, model="fmt-agent") == {"bomb": 400, "plain": 200}
         assert worker.kills == 1
