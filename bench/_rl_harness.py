@@ -216,8 +216,10 @@ def resumed_run(results: Path, design: dict[str, str], resume: bool) -> dict[str
     """What a ``--resume`` run continues: ``results`` as written so far (``{}`` without ``resume`` or the file); exits
     naming the settings that differ when it was run with another ``design``."""
     done: dict[str, Any] = json.loads(results.read_text()) if resume and results.exists() else {}
-    if done and done.get("design") != design:
-        changed = sorted(k for k in design if done.get("design", {}).get(k) != design[k])
+    # a key the design no longer holds (a setting that became a choice of which arms run now) is not compared
+    stored = {k: v for k, v in done.get("design", {}).items() if k in design}
+    if done and stored != design:
+        changed = sorted(k for k in design if stored.get(k) != design[k])
         raise SystemExit(f"--resume: {results} was run with another design (differs in {', '.join(changed)}); fix the design or start anew")
     return done
 

@@ -5,6 +5,7 @@
     .venv/bin/python bench/rtpo_compare.py --seeds 0,1,2 --budget 6000          # SmolLM2, FrozenLake
     .venv/bin/python bench/rtpo_compare.py --model tiny --seeds 0 --budget 300  # smoke run
     ... the same command --resume                                                 # continue a cut run (or add --seeds)
+    ... --resume --seeds 2 --estimators turn_grpo,rtpo                           # run those arms next, the rest later
 
 A run is resumable (runs of hours span days): ``rtpo_compare.json`` holds the design, the base evaluation and
 every finished arm; ``arm-<family>.json`` the running arm's iterations, written after each update (whose learner
@@ -174,7 +175,9 @@ def main() -> int:
     )
     args = p.parse_args()
 
-    design = {k: str(v) for k, v in vars(args).items() if k not in ("resume", "seeds")}
+    # --seeds and --estimators choose which arms of the design run now (a session that cannot fit one arm may run
+    # another first); neither changes how an arm learns
+    design = {k: str(v) for k, v in vars(args).items() if k not in ("resume", "seeds", "estimators")}
     results = args.out / "rtpo_compare.json"
     done = resumed_run(results, design, args.resume)
     arms: list[dict[str, Any]] = list(done.get("arms", []))
