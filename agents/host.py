@@ -292,6 +292,11 @@ class ServedAgentImpl:
         if req.task_options and not admin:
             # options set resources (a sandbox's time and memory, turn caps, problem sizes): the agent's own apply
             raise PermissionError("task_options are for admins (POST /admin/agents/{name}/runs); runs use the agent's configured options")
+        turns = req.horizon or req.max_turns
+        if turns is not None and turns > self.config.max_turns and not admin:
+            # a run's turns are its cost (each one a generation); a tenant may ask for fewer than the agent's cap, not more
+            field = "horizon" if req.horizon is not None else "max_turns"
+            raise ValueError(f"{field}: {turns} is above agent {self.config.name!r}'s max_turns ({self.config.max_turns}); admins may raise it")
         branch = await self._branch(req) if req.branch is not None else None
         problem: Problem | None = None
         loop = self.loop

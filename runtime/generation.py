@@ -334,6 +334,11 @@ class Generation:
             matched_stop=res.matched_stop,
         )
 
+    def settle(self, prep: Prepared) -> None:
+        """``prep``'s request has ended (answered, failed or abandoned): its turn ids not recorded by now never will be."""
+        if self.recorder is not None and prep.slots is not None:
+            self.recorder.settle(s.turn_id for s in prep.slots)
+
     async def _record(self, prep: Prepared, done: list[tuple[ChoiceOut, GenerateResult]]) -> None:
         if self.recorder is not None and done:
             await self.recorder.record([self._turn(prep, c, res) for c, res in done])

@@ -46,7 +46,9 @@ session's journaled turns (else a later replay would bring them back), and only 
 Flushing alone is not enough: a flush orders only what is already queued, while a request waiting for room or
 still generating queues its turns after the flush marker, and journaled turns count as written. Turns recorded
 after the tombstone are a new use of the session name and are kept. Tombstones live in this process only: on a
-shared store, another runtime's queue is not reached.
+shared store, another runtime's queue is not reached. A tombstone is forgotten once the writer has checked every batch
+taken before it; a request that ends without recording gives its ids back (:meth:`Recorder.settle`), so neither index
+holds more than what is still on its way, and one key's deletions or abandoned requests never push out another's.
 
 Not here: the storage engine (``learner/records/store.py``, reached through :class:`InteractionStore`).
 """
@@ -62,7 +64,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,7 +84,7 @@ class InteractionStore(Protocol):
     """What the runtime needs from the interaction store (``learner.records.store.SqliteStore`` and ``learner.records.store_pg.PostgresStore``)."""
 
     def append_turns(self, turns: Sequence[Turn]) -> None: ...
-    def add_reward(self, reward: Reward) -> tuple[Reward, bool]: ...
+    def add_reward(self, reward: Reward, max_per_target: int | None = None) -> tuple[Reward, bool]: ...
     def turns_for_completion(self, completion_id: str, owner: str | None = None, choice_index: int | None = None) -> list[str]: ...
     def find_continuation(self, session_id: str, continuation_key: str, owner: str = ...) -> TurnRef | None: ...
     def claim_continuation(self, turn_id: str) -> bool: ...
@@ -231,12 +233,14 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the recent-turn index below
         self._recent: OrderedDict[tuple[str, str, str], TurnRef] = OrderedDict()  # (owner, session, continuation_key) → turn
-        self._successors: set[str] = set()  # turn ids already continued (recent ones)
+        self._successors: OrderedDict[str, None] = OrderedDict()  # turn ids continued lately (oldest first out)
         self._pending: dict[str, int] = {}  # ids (turn, trajectory, completion) not yet committed → count
         self._index_size = index_size
         self._written = 0
         self._seq = 0  # batches taken by record() so far
         self._tombstones: OrderedDict[tuple[str, str], Tombstone] = OrderedDict()  # (owner, session) → its latest deletion
+        self._tombs_of: dict[str, int] = {}  # owner → tombstones held for it
+        self._unfiltered: set[int] = set()  # seqs of batches record() took that the writer has not checked against tombstones
         self._inflight = _InFlight(index_size)  # slots assigned, turns not yet recorded
         self._doomed: OrderedDict[str, None] = OrderedDict()  # turn ids of deleted sessions' requests still generating
         self._journal_lock = threading.Lock()  # the writer's spill and replay, and purge_journal
@@ -279,8 +283,15 @@ class Recorder:
                 parent = self.store.find_continuation(session_id, key, owner) or parent
         with self._lock:
             continues = parent is not None and not parent.has_successor and parent.turn_id not in self._successors
-            if continues and parent is not None:
-                self._successors.add(parent.turn_id)
+            if continues and parent is not None and key is not None:
+                self._successors[parent.turn_id] = None
+                while len(self._successors) > self._index_size:
+                    self._successors.popitem(last=False)
+                # the index itself says so too: once the claim above is forgotten, a regenerate of this turn must still
+                # branch (it continued the trajectory a second time, at the same index, which no estimator can take)
+                ref = self._recent.get((owner, session_id, key))
+                if ref is not None and ref.turn_id == parent.turn_id:
+                    self._recent[(owner, session_id, key)] = ref.model_copy(update={"has_successor": True})
         if continues and parent is not None and getattr(self.store, "shared", False):
             # other runtimes may be continuing the same turn right now: the store's uniqueness rule lets one of them win,
             # the others branch (the successor is stored only after generating, too late to settle it)
@@ -310,6 +321,8 @@ class Recorder:
                 else:
                     kept.append(t)
             self._seq += 1
+            if kept:
+                self._unfiltered.add(self._seq)
             self._remember_locked(kept)
             return kept, self._seq
 
@@ -324,8 +337,15 @@ class Recorder:
                 self._pending[k] = self._pending.get(k, 0) + 1
         while len(self._recent) > self._index_size:
             self._recent.popitem(last=False)
-        if len(self._successors) > self._index_size:
-            self._successors.clear()  # the store's has_successor answers for older turns
+
+    def settle(self, turn_ids: Iterable[str]) -> None:
+        """The request that ``assign`` gave ``turn_ids`` to has ended: those it did not record never will be (it failed,
+        or its client left). Forgotten here, so that the in-flight index holds only requests still running and one
+        key's failed or abandoned requests never push another key's out of it. Idempotent; recorded ids are a no-op."""
+        with self._lock:
+            for turn_id in turn_ids:
+                self._inflight.pop(turn_id)
+                self._doomed.pop(turn_id, None)
 
     def is_pending(self, some_id: str) -> bool:
         with self._lock:
@@ -340,7 +360,7 @@ class Recorder:
         forgotten: set[str] = set()
         for key in [k for k in self._recent if k[0] == owner and k[1] == session_id]:
             ref = self._recent.pop(key)
-            self._successors.discard(ref.turn_id)
+            self._successors.pop(ref.turn_id, None)
             forgotten.add(ref.turn_id)
         return forgotten
 
@@ -352,21 +372,49 @@ class Recorder:
         with self._lock:
             recent = frozenset(self._forget_locked(owner, session_id))
             in_flight = frozenset(self._inflight.take_session(key))
+            if key not in self._tombstones:
+                self._tombs_of[owner] = self._tombs_of.get(owner, 0) + 1
             tomb = self._tombstones[key] = Tombstone(self._seq, in_flight, recent)  # covers an earlier deletion's batches too
             self._tombstones.move_to_end(key)
-            while len(self._tombstones) > self._index_size:
-                self._tombstones.popitem(last=False)
+            self._prune_tombstones_locked()
             for turn_id in in_flight:
                 self._doomed[turn_id] = None
             while len(self._doomed) > self._index_size:
                 self._doomed.popitem(last=False)
         return tomb
 
+    def _prune_tombstones_locked(self) -> None:
+        """Forget the tombstones no batch can need any more; beyond ``index_size``, the oldest of the owner holding the
+        most (``self._lock`` held).
+
+        A tombstone matters only while a batch taken at or before its ``seq`` has not been checked by the writer;
+        tombstones are kept in ``seq`` order, so the prefix older than every unchecked batch goes. More than
+        ``index_size`` left (deletions by the thousand while the writer is stuck): the owner deleting the most loses its
+        own oldest, never another owner's."""
+        oldest_needed = min(self._unfiltered, default=self._seq + 1)
+        while self._tombstones:
+            key, tomb = next(iter(self._tombstones.items()))
+            if tomb.seq >= oldest_needed:
+                break
+            self._drop_tombstone_locked(key)
+        while len(self._tombstones) > self._index_size:
+            heaviest = max(self._tombs_of, key=self._tombs_of.__getitem__)
+            self._drop_tombstone_locked(next(k for k in self._tombstones if k[0] == heaviest))
+
+    def _drop_tombstone_locked(self, key: tuple[str, str]) -> None:
+        del self._tombstones[key]
+        left = self._tombs_of[key[0]] - 1
+        if left:
+            self._tombs_of[key[0]] = left
+        else:
+            del self._tombs_of[key[0]]
+
     def _undeleted(self, batches: Sequence[_Batch]) -> list[Turn]:
         """The turns of ``batches`` less those of sessions deleted after ``record`` took them (counted as dropped)."""
         kept = []
         with self._lock:
             for b in batches:
+                self._unfiltered.discard(b.seq)
                 for t in b.turns:
                     tomb = self._tombstones.get((t.owner, t.session_id))
                     if tomb is not None and b.seq <= tomb.seq:
@@ -400,7 +448,12 @@ class Recorder:
             return
         loop = asyncio.get_running_loop()
         batch = _Batch(turns, loop.create_future() if self.durability == "sync" else None, loop, seq=seq)
-        await self._put(batch)
+        try:
+            await self._put(batch)
+        except BaseException:  # cancelled while waiting for room: never queued, so no tombstone waits for it
+            with self._lock:
+                self._unfiltered.discard(seq)
+            raise
         if batch.done is not None:
             await batch.done
 

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -133,6 +133,7 @@ class Gateway:
                     nonlocal released
                     if not released:
                         released = True
+                        svc.settle(prep)
                         self._release(lease, adapter, t0, prep.completion_tokens)
                         leave()
 
@@ -140,7 +141,7 @@ class Gateway:
                 out.events = _release_after(self._count_failed(svc.events(prep, opened), adapter), done)
                 out._completion_tokens = lambda: prep.completion_tokens
                 return out
-            choices = await _unless_disconnected(request, svc.complete(prep))
+            choices = await unless_disconnected(request, svc.complete(prep))
         except EngineError as exc:
             err = from_engine(exc)
             if acquired:
@@ -152,6 +153,8 @@ class Gateway:
             raise
         finally:
             if not streaming:
+                if "prep" in locals():
+                    svc.settle(prep)  # a failed or abandoned request's turn ids are given back
                 if acquired:
                     self._release(lease, adapter, t0, prep.completion_tokens if "prep" in locals() else 0)
                 leave()
@@ -215,11 +218,13 @@ class Gateway:
             yield event
 
     # ---- agents
-    async def _agent(self, request: Request, req: GenRequest, agent: Any, *, stream: bool, id_prefix: str) -> Outcome:
+    async def _agent(self, request: Request, req: GenRequest, agent: Any, *, stream: bool, id_prefix: str) -> Outcome | None:
         """Run a served agent as the model: its final answer is the reply (``loopwise`` has its trajectory).
 
         The client's tools join the agent's (a call to one ends the run with that call), ``tool_choice``
-        ``required``/named and an output format are applied to the final answer, ``n > 1`` runs n agent runs."""
+        ``required``/named and an output format are applied to the final answer, ``n > 1`` runs n agent runs.
+        None when the client left before the runs ended: they are cancelled (their turn in flight is aborted; the
+        task's code already running in a worker thread finishes there), as a plain request's generation is."""
         if req.prompt_ids is not None:
             raise APIError(400, f"{req.model!r} is an agent; agents answer chat-style APIs, not raw-prompt completions", param="model")
         options: dict[str, Any] = {}
@@ -239,7 +244,7 @@ class Gateway:
 
         leave = await self.admission.enter(owner_of(request), req.n)  # each agent run takes one of the key's slots
         try:
-            answers = await asyncio.gather(*(one(i) for i in range(req.n)))
+            answers = await unless_disconnected(request, _all(one(i) for i in range(req.n)))
         except UnknownModel as exc:
             raise APIError(404, f"agent {agent.name!r}: {exc}", param="model", code="model_not_found") from exc
         except ValueError as exc:  # e.g. a client tool named like one of the agent's
@@ -248,6 +253,8 @@ class Gateway:
             raise from_engine(exc) from exc
         finally:
             leave()
+        if answers is None:
+            return None
         choices = []
         for i, answer in enumerate(answers):
             calls = [ParsedToolCall(name=c["name"], arguments=c["arguments"], id=c["id"]) for c in answer.tool_calls]
@@ -304,7 +311,13 @@ async def _release_after(body: AsyncIterator[T], release: Callable[[], None]) ->
         release()
 
 
-async def _unless_disconnected(request: Request, coro: Awaitable[T]) -> T | None:
+async def _all(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather`` as a coroutine: cancelled as a task, its children are cancelled and nothing is left unretrieved
+    (a bare gathering future that is cancelled logs "exception was never retrieved")."""
+    return list(await asyncio.gather(*coros))
+
+
+async def unless_disconnected(request: Request, coro: Awaitable[T]) -> T | None:
     """Await ``coro``; if the client goes away first, cancel it (which cancels its generation).
 
     The disconnect is awaited with ``request.receive()`` (once the body is read, the next message is

@@ -11,6 +11,8 @@
   task with the structure of a given one, each checked by the task's verifier.
 - Admin: ``GET /admin/agents``, ``POST /admin/agents`` (an agent config), ``DELETE /admin/agents/{name}``.
 
+A client that disconnects before its run ends cancels the run (a 499 in the access log), as a chat request's.
+
 Not here: the agent loop (``agents/``), which the runtime never imports.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from runtime.agent_api import RunConflict, RunNotFound, ServedAgent, UnknownModel
 from runtime.engine import EngineError
@@ -26,6 +29,7 @@ from runtime.errors import APIError, from_engine
 from runtime.http_body import read_json
 from runtime.identity import ADMIN_OWNER, bind_caller, check_admin_key, owner_of, session_of
 from runtime.services import Services, services
+from runtime.serving import unless_disconnected
 
 router = APIRouter()
 
@@ -43,7 +47,7 @@ def _name_taken(s: Services, name: str) -> bool:
     return name == s.model_id or name in s.registry.aliases() or any(a["name"] == name for a in s.registry.list())
 
 
-async def _run(name: str, request: Request, *, admin: bool) -> dict[str, Any]:
+async def _run(name: str, request: Request, *, admin: bool) -> dict[str, Any] | Response:
     agent = _agent_or_404(request, name)
     s = services(request)
     body = await read_json(request, s.max_body)
@@ -65,7 +69,9 @@ async def _run(name: str, request: Request, *, admin: bool) -> dict[str, Any]:
     leave = await s.admission.enter(owner)  # one run, one slot
     try:
         with bind_caller(request, body.get("user"), owner=owner):
-            return await agent.run(body, session_id=session, request_id=request.state.request_id, admin=admin)
+            # a client that leaves cancels its run (its turn in flight is aborted), as a chat request's generation is
+            out = await unless_disconnected(request, agent.run(body, session_id=session, request_id=request.state.request_id, admin=admin))
+        return out if out is not None else Response(status_code=499)
     except UnknownModel as exc:
         raise APIError(404, str(exc), param="model", code="model_not_found") from exc
     except RunNotFound as exc:
@@ -82,13 +88,13 @@ async def _run(name: str, request: Request, *, admin: bool) -> dict[str, Any]:
         leave()
 
 
-@router.post("/v1/agents/{name}/runs")
-async def run_agent(name: str, request: Request) -> dict[str, Any]:
+@router.post("/v1/agents/{name}/runs", response_model=None)
+async def run_agent(name: str, request: Request) -> dict[str, Any] | Response:
     return await _run(name, request, admin=False)
 
 
-@router.post("/admin/agents/{name}/runs")
-async def admin_run_agent(name: str, request: Request) -> dict[str, Any]:
+@router.post("/admin/agents/{name}/runs", response_model=None)
+async def admin_run_agent(name: str, request: Request) -> dict[str, Any] | Response:
     check_admin_key(request, services(request).admin_key)
     return await _run(name, request, admin=True)
 

@@ -107,6 +107,8 @@ async def siblings(turn_id: str, request: Request) -> dict[str, Any]:
     except EngineError as exc:
         raise from_engine(exc) from exc
     finally:
+        if "prep" in locals():
+            svc.settle(prep)
         gateway._release(lease, lease.name if lease else None, t0, 0)
     data = [{"text": c.text, "output_ids": list(c.output_ids), "logprobs": [lp["logprob"] for lp in c.logprobs or []]} for c in choices]
     if prep.slots is not None:

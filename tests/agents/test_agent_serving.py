@@ -231,3 +231,16 @@ def test_a_run_whose_input_could_never_fit_is_refused_before_templating(server):
     assert "characters" in err["message"], err
     r = httpx.post(server.url + "/agents/echo-agent/runs", json={"messages": [{"role": "user", "content": "word " * 40_000}]}, timeout=60)
     assert_error(r, 400, code="context_length_exceeded")
+
+
+def test_a_tenants_run_takes_at_most_the_agents_turns(server):
+    """A run's turns are its cost: a key could ask echo-agent (max_turns 2) for 64 turns (or a 64-turn horizon), 32x
+    what its admin configured. Fewer are fine; more are a 400 naming the field; the admin's runs may raise the cap."""
+    for field in ("max_turns", "horizon"):
+        r = httpx.post(server.url + "/agents/echo-agent/runs", json={"input": "hi", field: 3}, timeout=60)
+        err = assert_error(r, 400, code="invalid_value")
+        assert err["message"].startswith(f"{field}: 3") and "max_turns (2)" in err["message"], err
+    ok = httpx.post(server.url + "/agents/echo-agent/runs", json={"input": "hi", "max_turns": 1, "seed": 1}, timeout=120)
+    assert ok.status_code == 200 and ok.json()["turns"] == 1, ok.text
+    raised = admin(server, "POST", "/admin/agents/echo-agent/runs", json={"input": "hi", "horizon": 3, "seed": 1})
+    assert raised.status_code == 200 and raised.json()["turns"] == 3, raised.text

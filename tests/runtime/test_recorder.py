@@ -161,3 +161,36 @@ def test_assign_continues_once_then_branches(tmp_path):
     [other_session] = rec.assign("t", nxt, 1)
     assert other_session.parent_turn_id is None
     rec.close()
+
+
+def test_a_regenerate_branches_after_the_continuation_claims_were_forgotten(tmp_path):
+    """The claims of continued turns were cleared wholesale every ``index_size`` continuations while the stitching index
+    still said those turns had no successor: a regenerate right after a clear continued its trajectory a second time
+    at the same index (turn 1 twice), which the learner's estimators refuse (the whole batch was quarantined)."""
+    rec = Recorder(SqliteStore(tmp_path / "f.db"), index_size=4)
+    rec.start()
+
+    def turn_of(slot, msgs, reply):
+        update = {"turn_id": slot.turn_id, "trajectory_id": slot.trajectory_id, "index": slot.index, "session_id": slot.session_id}
+        return make_turn(0).model_copy(update={**update, "continuation_key": messages_key([*msgs, reply])})
+
+    def two_turns(session: str) -> tuple[list, object]:
+        """A conversation's first turn, recorded, then its continuation (assigned and recorded): (its messages, the 2nd slot)."""
+        msgs = [{"role": "user", "content": f"hi {session}"}]
+        [first] = rec.assign(session, msgs, 1)
+        reply = {"role": "assistant", "content": f"hello {session}"}
+        asyncio.run(rec.record([turn_of(first, msgs, reply)]))
+        nxt = [*msgs, reply, {"role": "user", "content": "more"}]
+        [second] = rec.assign(session, nxt, 1)
+        assert second.trajectory_id == first.trajectory_id and second.index == 1
+        asyncio.run(rec.record([turn_of(second, nxt, {"role": "assistant", "content": "ok"})]))
+        return nxt, second
+
+    for i in range(3):
+        two_turns(f"other-{i}")
+    nxt, second = two_turns("mine")
+    two_turns("later")  # the fifth continuation: past index_size
+    [again] = rec.assign("mine", nxt, 1)  # a regenerate of the second turn
+    assert again.trajectory_id != second.trajectory_id, "continued the trajectory twice at index 1"
+    assert again.parent_turn_id == second.parent_turn_id and again.index == 1
+    rec.close()
