@@ -95,7 +95,14 @@ BoolArray = NDArray[np.bool_]
 
 # Errors: ValueError ▸ AdvantageInputError (inconsistent samples or params); KeyError ▸ UnknownEstimator.
 class AdvantageInputError(ValueError):
-    """Samples or parameters an estimator cannot use (inconsistent ids, infinite rewards, bad params)."""
+    """Samples or parameters an estimator cannot use (inconsistent ids, infinite rewards, bad params).
+
+    ``trajectory_ids`` names the samples' trajectories at fault when the error is about them (empty for bad
+    parameters), so the learner quarantines those rather than their whole batch (``learner/quarantine.py``)."""
+
+    def __init__(self, message: str, trajectory_ids: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.trajectory_ids = list(trajectory_ids)
 
 
 class UnknownEstimator(KeyError):
@@ -236,12 +243,12 @@ def _batch(samples: Sequence[TurnSample]) -> _Batch:
     for s in samples:
         tr = _float(s.trajectory_reward, f"trajectory_reward of {s.trajectory_id!r}")
         if traj_group.setdefault(s.trajectory_id, s.group_id) != s.group_id:
-            raise AdvantageInputError(f"trajectory {s.trajectory_id!r} appears in two groups")
+            raise AdvantageInputError(f"trajectory {s.trajectory_id!r} appears in two groups", [s.trajectory_id])
         prev = traj_reward.setdefault(s.trajectory_id, tr)
         if not (prev == tr or (math.isnan(prev) and math.isnan(tr))):
-            raise AdvantageInputError(f"trajectory {s.trajectory_id!r} has two different trajectory rewards")
+            raise AdvantageInputError(f"trajectory {s.trajectory_id!r} has two different trajectory rewards", [s.trajectory_id])
         if (s.trajectory_id, s.turn_index) in seen:
-            raise AdvantageInputError(f"trajectory {s.trajectory_id!r} has turn {s.turn_index} twice")
+            raise AdvantageInputError(f"trajectory {s.trajectory_id!r} has turn {s.turn_index} twice", [s.trajectory_id])
         seen.add((s.trajectory_id, s.turn_index))
     traj = _codes([s.trajectory_id for s in samples])
     reward = np.array([_float(s.reward, f"reward of {s.trajectory_id!r}") for s in samples], dtype=np.float64)

@@ -17,9 +17,10 @@ same data window (its cursor lives in the last checkpoint) and fails again. So:
   failures counted against them, and ``active`` (an attempt is running now). It is written before training
   and removed once the update's checkpoint is written.
 - **What counts as a failure**: an exception from the update (``failed``; when the exception names the
-  trajectories it refused, as the trainer's :class:`learner.trainer.SampleError` does, the suspects narrow to
-  those), and a process that died mid-update without cleaning up (SIGKILL, the OOM killer, a segfault): its
-  marker is still ``active`` when the next process starts (``recover``). A normal stop does not count:
+  trajectories it refused, as the trainer's :class:`learner.trainer.SampleError` and the estimators'
+  :class:`learner.advantages.AdvantageInputError` do, the suspects narrow to those), and a process that died
+  mid-update without cleaning up (SIGKILL, the OOM killer, a segfault): its marker is still ``active`` when the
+  next process starts (``recover``). A normal stop does not count:
   ``SystemExit``/``KeyboardInterrupt`` and the runtime being away (``AdminError``, HTTP errors) end the attempt
   with ``interrupted``, and a SIGTERM marks the marker ``terminating`` first, so the SIGKILL that may follow a
   graceful-stop timeout is not taken for a crash either.
@@ -48,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from learner.samples import stored_trajectory_id
 
 __all__ = [
     "DIED",
@@ -218,7 +221,11 @@ class BatchLedger:
             return None
         self._active = False
         named = getattr(exc, "trajectory_ids", None)
-        return self._count(error_record(exc), named if isinstance(named, list | tuple | set | frozenset) else None)
+        if not isinstance(named, list | tuple | set | frozenset) or not named:
+            named = None
+        else:  # a sample's id may name a part of a stored trajectory (group completion): the stored one is the suspect
+            named = [stored_trajectory_id(str(t)) for t in named]
+        return self._count(error_record(exc), named)
 
     def recover(self) -> Outcome | None:
         """At start: a marker this folder's previous learner left ``active`` means that process died during the update

@@ -44,8 +44,9 @@ is not trained on (raise ``settle_s`` for slow feedback).
 **Group ids** (which samples an estimator compares): ``task:<agent>:<task_key>`` when the trajectory's
 meta has a task key (agent runs; ``-`` for a missing agent), with ``#<group>`` when the run was tagged
 (meta ``group``, e.g. LEAP's single-turn probes, so they never join the multi-turn episodes' group). Live chat traffic without one falls back
-to ``prompt:<prefix_key>`` of the trajectory's first turn (the hash of the messages it answered, so
-the same opening request forms a group), or, if that is empty, ``ctx:<sha256 of its context ids>``.
+to ``prompt:<owner>:<prefix_key>`` of the trajectory's first turn (the hash of the messages it answered, so
+the same opening request of one API key forms a group; two keys' never share one), or, if that is empty,
+``ctx:<owner>:<sha256 of its context ids>``.
 All turns of a trajectory share its group id; estimators tell turns apart by ``turn_index``.
 
 What is skipped, and counted in ``SkipCounts`` (in turns unless said otherwise). A trajectory is taken
@@ -280,9 +281,11 @@ def group_id_of(trajectory: Trajectory) -> str:
     if not trajectory.turns:
         return f"trajectory:{trajectory.trajectory_id}"
     first = trajectory.turns[0]
+    # chat groups are per owner: one key's ratings of the same opening messages (a shared template, or copied on purpose)
+    # must not move another key's group mean and spread, and so the sign of its advantages
     if first.prefix_key:
-        return f"prompt:{first.prefix_key}"
-    return "ctx:" + hashlib.sha256(array("i", first.context_ids).tobytes()).hexdigest()[:32]
+        return f"prompt:{trajectory.owner}:{first.prefix_key}"
+    return f"ctx:{trajectory.owner}:" + hashlib.sha256(array("i", first.context_ids).tobytes()).hexdigest()[:32]
 
 
 def request_meta(traj: Trajectory) -> dict[str, Any]:

@@ -203,6 +203,10 @@ class FeedbackSettings(_Frozen):
         600, ge=0, description="feedback requests one API key may send per minute (a burst of that many; 0 = no limit)",
         json_schema_extra={"flag": "--feedback-per-minute"},
     )  # fmt: skip
+    max_per_target: int = Field(
+        64, ge=1, description="most rewards one turn or trajectory holds from feedback (more are a 409: every one is stored and read by the learner)",
+        json_schema_extra={"flag": "--feedback-max-per-target"},
+    )  # fmt: skip
 
 
 class AdapterSettings(_Frozen):

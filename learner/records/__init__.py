@@ -45,6 +45,10 @@ class UnknownTarget(LookupError):
     """A reward names a turn or trajectory that is not in the store (or is another owner's: the same answer)."""
 
 
+class TooManyRewards(ValueError):
+    """The target already holds as many rewards as a client may give it (``add_reward``'s ``max_per_target``)."""
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
-from learner.records import ADMIN_OWNER, LEARNER_SOURCE_PREFIX, Reward, Trajectory, Turn, TurnRef, UnknownTarget
+from learner.records import ADMIN_OWNER, LEARNER_SOURCE_PREFIX, Reward, TooManyRewards, Trajectory, Turn, TurnRef, UnknownTarget
 from learner.records.store_rows import N_TURN_COLUMNS, REWARD_COLUMNS, TURN_COLUMNS, encode_json, reward_from_row, reward_row, turn_from_row, unpack
 
 __all__ = ["POSTGRESQL", "SQLITE", "Dialect", "StoreQueries", "first_seen", "is_postgres_url"]
@@ -179,12 +179,14 @@ class StoreQueries:
 
     # -- writes --------------------------------------------------------------------------------------
 
-    def add_reward(self, reward: Reward) -> tuple[Reward, bool]:
+    def add_reward(self, reward: Reward, max_per_target: int | None = None) -> tuple[Reward, bool]:
         """Store ``reward``; returns (the stored reward, created).
 
         The target must exist and belong to ``reward.owner`` (else :class:`UnknownTarget`: another owner's
         turn is indistinguishable from a missing one). A repeated idempotency key of the same owner returns
-        the first reward stored under it; idempotency keys of different owners never meet."""
+        the first reward stored under it; idempotency keys of different owners never meet. With
+        ``max_per_target`` (a client's feedback), a target that already holds that many rewards takes no more
+        (:class:`TooManyRewards`); the runtime's own rewards pass none."""
         by_key = self._q(f"SELECT {REWARD_COLUMNS} FROM rewards WHERE owner = ? AND idempotency_key = ?")
         with self._write() as conn:
             if reward.idempotency_key is not None:
@@ -196,6 +198,10 @@ class StoreQueries:
             found = conn.execute(self._q(f"SELECT owner FROM {table} WHERE {column} = ?{self._d.lock_row}"), (reward.target_id,)).fetchone()
             if found is None or found[0] != reward.owner:
                 raise UnknownTarget(f"no {reward.target} with id {reward.target_id!r}")
+            if max_per_target is not None:
+                (held,) = conn.execute(self._q("SELECT COUNT(*) FROM rewards WHERE target_id = ?"), (reward.target_id,)).fetchone()
+                if held >= max_per_target:
+                    raise TooManyRewards(f"{reward.target} {reward.target_id!r} already holds {held} rewards (at most {max_per_target})")
             inserted = conn.execute(
                 self._q(f"""INSERT INTO rewards ({REWARD_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
                              ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"""),

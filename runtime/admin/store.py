@@ -44,7 +44,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from learner.records import PUBLIC_OWNER, RESERVED_SOURCES, Reward, UnknownTarget
+from learner.records import PUBLIC_OWNER, RESERVED_SOURCES, Reward, TooManyRewards, UnknownTarget
 from runtime.api.openai_schemas import FeedbackRequest
 from runtime.errors import APIError, from_validation
 from runtime.http_body import read_json
@@ -166,9 +166,11 @@ async def _feedback(request: Request, *, admin: bool) -> dict[str, Any]:
             owner=by or PUBLIC_OWNER,
         )
         try:
-            saved, created = await rec.call(rec.store.add_reward, reward)
+            saved, created = await rec.call(rec.store.add_reward, reward, settings.max_per_target)
         except UnknownTarget as exc:  # deleted meanwhile
             raise APIError(404, f"unknown {kind} id {target_id!r}", code="not_found") from exc
+        except TooManyRewards as exc:  # each stored reward is read by the learner: a key cannot pile them up without bound
+            raise APIError(409, f"{exc}; the newest of a source is the one the learner uses", code="too_many_rewards") from exc
         duplicate = duplicate or not created
         if created:
             fresh.append(saved)

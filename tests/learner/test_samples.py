@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from learner.advantages import compute_advantages
 from learner.config import SampleConfig
 from learner.records import Reward, Trajectory, Turn
 from learner.records.store import SqliteStore
@@ -20,7 +21,15 @@ CFG = SampleConfig(max_staleness=2, settle_s=100.0)
 
 
 def make_turn(
-    tid: str, traj: str, *, index: int = 0, adapter: str | None = "fam@3", created_at: float = 1_000.0, prefix_key: str = "", temperature: float = 0.7
+    tid: str,
+    traj: str,
+    *,
+    index: int = 0,
+    adapter: str | None = "fam@3",
+    created_at: float = 1_000.0,
+    prefix_key: str = "",
+    temperature: float = 0.7,
+    owner: str = "public",
 ) -> Turn:
     n = 3 + index
     return Turn(
@@ -39,6 +48,7 @@ def make_turn(
         sampling={"temperature": temperature},
         finish_reason="stop",
         prefix_key=prefix_key,
+        owner=owner,
     )
 
 
@@ -53,13 +63,14 @@ def add_trajectory(
     t0: float = 1_000.0,
     prefix_key: str = "",
     source: str = "verifier:x",
+    owner: str = "public",
 ) -> list[Turn]:
-    ts = [make_turn(f"{traj}-t{i}", traj, index=i, adapter=adapter, created_at=t0 + i, prefix_key=prefix_key) for i in range(turns)]
+    ts = [make_turn(f"{traj}-t{i}", traj, index=i, adapter=adapter, created_at=t0 + i, prefix_key=prefix_key, owner=owner) for i in range(turns)]
     store.append_turns(ts)
     if meta is not None:
         store.set_trajectory_meta(traj, meta)
     if reward is not None:
-        store.add_reward(Reward(target="trajectory", target_id=traj, value=reward, source=source))
+        store.add_reward(Reward(target="trajectory", target_id=traj, value=reward, source=source, owner=owner))
     return ts
 
 
@@ -105,10 +116,29 @@ def test_groups_by_task_key_with_chat_fallbacks(store: SqliteStore) -> None:
     assert groups["task:calc:t1"] == ["tr-task1-0", "tr-task1-1", "tr-task1-2"]
     assert groups["task:calc:t2"] == ["tr-task2-0", "tr-task2-1"]
     assert groups["task:coder:t1"] == ["tr-other-agent"]
-    assert groups["prompt:pk-hello"] == ["tr-chat-0", "tr-chat-1"]
+    assert groups["prompt:public:pk-hello"] == ["tr-chat-0", "tr-chat-1"]
     ctx_groups = [g for g in groups if g.startswith("ctx:")]
     assert len(ctx_groups) == 1 and groups[ctx_groups[0]] == ["tr-chat-nokey"]
     assert len(groups) == 5
+
+
+def test_two_keys_same_opening_messages_never_share_a_group(store: SqliteStore) -> None:
+    """Chat groups were keyed by the opening messages alone: a key sending a victim's template (or a common one) and
+    rating it +-100 joined the victim's group and moved its mean and spread, flipping the sign of the victim's
+    advantages. GRPO within the victim's own group: its rewards 1 and 0 give +1 and -1 whatever the other key sends."""
+    for i, r in enumerate((1.0, 0.0)):
+        add_trajectory(store, f"tr-victim-{i}", prefix_key="pk-template", reward=r, owner="victim", source="feedback")
+    for i in range(4):
+        add_trajectory(store, f"tr-hostile-{i}", prefix_key="pk-template", reward=100.0, owner="hostile", source="feedback")
+    cfg = CFG.model_copy(update={"reward_sources": ["feedback"], "max_owner_share": 1.0})  # grouping alone, no share cut
+    groups = {g.group_id: g.trajectory_ids for g in make_groups(collect(store, cfg=cfg).samples)}
+    assert groups == {
+        "prompt:victim:pk-template": ["tr-victim-0", "tr-victim-1"],
+        "prompt:hostile:pk-template": [f"tr-hostile-{i}" for i in range(4)],
+    }
+    [victim] = [g for g in make_groups(collect(store, cfg=cfg).samples) if g.group_id == "prompt:victim:pk-template"]
+    # GRPO over the victim's two: (r - 0.5) / std, std = sqrt(((0.5)^2 + (0.5)^2) / (2 - 1)) (unbiased) = 1/sqrt(2)
+    assert compute_advantages("grpo", victim.samples) == pytest.approx([2**-0.5, -(2**-0.5)], abs=1e-5)
 
 
 def test_max_trajectories_keeps_whole_groups_largest_then_newest(store: SqliteStore) -> None:

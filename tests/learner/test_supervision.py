@@ -86,6 +86,24 @@ def test_a_named_culprit_narrows_the_quarantine_and_another_batch_starts_over(tm
     assert ledger.marker() is None and ledger.quarantined() == {"y"}
 
 
+def test_an_estimators_refusal_names_its_trajectory_and_only_that_is_quarantined(tmp_path):
+    """A trajectory holding one turn index twice (a regenerate stitched onto a turn already continued) made every
+    estimator raise; the error named no trajectory, so the whole batch, every tenant's, went to quarantine."""
+    from learner.advantages import TurnSample, compute_advantages
+
+    def sample(traj: str, index: int) -> TurnSample:
+        return TurnSample(trajectory_id=traj, group_id="g", turn_index=index, reward=None, trajectory_reward=1.0)
+
+    dup = [sample("a", 0), sample("b#before", 0), sample("b#before", 0), sample("c", 0)]
+    with pytest.raises(ValueError, match="turn 0 twice") as refused:
+        compute_advantages("grpo", dup)
+    ledger = BatchLedger(tmp_path)
+    for _ in range(2):
+        ledger.begin(["a", "b", "c"])
+        out = ledger.failed(refused.value)
+    assert out is not None and out.quarantined == ["b"]  # the stored trajectory of the part the estimator named
+
+
 def _child(tmp_path: Path, body: str) -> subprocess.Popen[str]:
     """A process that begins an attempt at batch [t1, t2] in ``tmp_path`` and then runs ``body`` (prints "ready" first)."""
     script = f"import os, signal, sys, time\nfrom learner.quarantine import BatchLedger\nledger = BatchLedger({str(tmp_path)!r})\n{body}"
