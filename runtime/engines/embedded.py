@@ -50,6 +50,7 @@ Not here yet: prefix caching.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -281,6 +282,12 @@ class EmbeddedEngine:
 
     # ---- public API ------------------------------------------------------------------------
     async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        grammar = req.sampling.grammar
+        if grammar is not None and grammar.compiled is None:
+            # an internal grammar (an agent's self-check format; clients' are compiled by the admission, in the
+            # killable worker): compiled off the event loop, as is the first one's xgrammar import and vocabulary read
+            compiled = await asyncio.to_thread(self.compile_grammar, grammar)
+            req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, grammar=dataclasses.replace(grammar, compiled=compiled)))
         seq = self._submit(req)
         try:
             while True:
