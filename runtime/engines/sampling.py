@@ -84,7 +84,7 @@ def sample_next(logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
     scaled = logits / temps[:, None]  # (B, V)
     logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
     # a valid row has no NaN and at least one finite logprob (all -inf: the mask allowed nothing)
-    bad = torch.isnan(logprobs).any(dim=-1) | ~torch.isfinite(logprobs).any(dim=-1)  # (B,)
+    bad = ~torch.isfinite(logprobs.amax(dim=-1))  # (B,): a NaN anywhere makes the max NaN; nothing allowed makes it -inf
     failed = bad.tolist()
     if any(failed):
         logprobs = logprobs.masked_fill(bad[:, None], 0.0)  # any finite stand-in: the row's result is discarded
@@ -96,8 +96,7 @@ def sample_next(logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
     if sampled_rows:
         idx = torch.tensor(sampled_rows)
         probs = _top_p_probs(logprobs[idx].exp(), torch.tensor([rows[i].top_p for i in sampled_rows]))  # (S, V)
-        for j, i in enumerate(sampled_rows):
-            chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+        chosen[idx] = _inverse_cdf(probs, [rows[i].generator for i in sampled_rows])
     for i in range(batch):
         if failed[i]:
             chosen[i] = 0
@@ -131,6 +130,21 @@ def penalize(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
         where = (torch.tensor(rows_j, device=dev), torch.tensor(toks, device=dev))
         adj.index_put_(where, torch.tensor(vals, dtype=dt, device=dev), accumulate=True)
     return logits.index_add(0, torch.tensor([i for i, _ in pen], device=dev), adj)
+
+
+def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of ``probs`` (S, V), non-negative and unnormalised: the first token whose cumulative mass
+    exceeds ``u`` times the row's total, ``u ~ U[0, 1)`` from the row's own generator (the global RNG where None).
+
+    Exact inverse-transform sampling, with one random number a row: ``torch.multinomial`` (and the exponential race)
+    draw from the generator once per vocabulary entry, 1 ms a row on a 49k vocabulary, a quarter of a 16-row decode
+    step. The cumulative sum is in float64, so a token's share is kept to about 1e-16 of the total; a token of mass 0
+    (masked, or cut by top-p) is never chosen, since the first index whose sum *exceeds* a value never ends a run of
+    equal sums."""
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])  # (S,)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # (S, V), non-decreasing
+    at = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return at.clamp_(max=probs.shape[-1] - 1)
 
 
 def _top_p_probs(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -164,3 +164,32 @@ def test_each_choices_seed_is_seed_plus_i_wrapped_into_int64(seed: int, i: int) 
     got = _choice_seed(seed, i)
     assert -(2**63) <= got < 2**63
     assert got == (seed + i if seed + i < 2**63 else seed + i - 2**64)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "expected"),
+    [
+        # softmax(log p / T) at T = 1 is p itself; token 1 is masked (-inf), token 3's mass is 0.3
+        (1.0, 1.0, [0.1, 0.0, 0.6, 0.3]),
+        # T = 0.5 squares and renormalises: p^2 / sum p^2 = [0.01, 0, 0.36, 0.09] / 0.46
+        (0.5, 1.0, [0.01 / 0.46, 0.0, 0.36 / 0.46, 0.09 / 0.46]),
+        # top-p 0.85 at T = 1: 0.6 (cum before 0) and 0.3 (cum before 0.6 < 0.85) stay, 0.1 (cum before 0.9) goes
+        (1.0, 0.85, [0.0, 0.0, 2 / 3, 1 / 3]),
+    ],
+)
+def test_sampled_frequencies_follow_the_distribution(temperature: float, top_p: float, expected: list[float]) -> None:
+    """The drawn tokens' frequencies match the distribution they are drawn from (within 5 standard errors over 40,000
+    draws), and a token of probability 0 (masked or cut by top-p) is never drawn."""
+    logits = torch.tensor([[math.log(0.1), -math.inf, math.log(0.6), math.log(0.3)]]).repeat(4_000, 1)
+    gens = [torch.Generator().manual_seed(1_000 + i) for i in range(4_000)]
+    rows = [row(temperature=temperature, top_p=top_p, generator=g) for g in gens]
+    counts = [0] * 4
+    for _ in range(10):
+        for t in sample_next(logits.clone(), rows).token_ids:
+            counts[t] += 1
+    n = sum(counts)
+    for tok, p in enumerate(expected):
+        if p == 0.0:
+            assert counts[tok] == 0, (tok, counts)
+        else:
+            assert abs(counts[tok] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (tok, counts[tok] / n, p)
