@@ -60,6 +60,9 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return allowed.reshape(bits.shape[0], -1)[:, :vocab_size]
 
 
+CACHE_BYTES = 256 << 20  # the compiled-grammar cache's bound (the runtime's --grammar-cache-mb default)
+
+
 class GrammarMasks:
     """Compiles recorded grammars (cached by xgrammar) and replays them over output ids; one per trainer."""
 
@@ -70,7 +73,9 @@ class GrammarMasks:
         tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # bounded, as the runtime's: every client grammar recorded with a rewarded turn is compiled here, and
+        # xgrammar keeps each compiled one (three 1000-branch anyOf schemas held about 1 GB unbounded)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
 
     def bitmask(self, grammar: Mapping[str, Any], output_ids: Sequence[int]) -> torch.Tensor:
         """The packed mask before each output token, shape (len(output_ids), ceil(V/32)) int32.

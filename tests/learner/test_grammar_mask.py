@@ -139,3 +139,15 @@ def test_unpack_bitmask_reads_bit_j_of_word_w_as_token_32w_plus_j() -> None:
     allowed = unpack_bitmask(bits, 64)
     assert torch.nonzero(allowed[0]).flatten().tolist() == [0, 2, 63]
     assert unpack_bitmask(bits, 40).shape == (1, 40)
+
+
+def test_the_learners_compiled_grammars_are_bounded_in_memory(tiny_model_path: Path) -> None:
+    """Every client grammar recorded with a rewarded turn is compiled by the learner, and xgrammar keeps each compiled one:
+    unbounded, one key's distinct schemas grew the learner's memory without end (the runtime's cache had a bound)."""
+    from transformers import AutoConfig
+
+    from learner.grammar_mask import CACHE_BYTES
+
+    vocab = int(AutoConfig.from_pretrained(str(tiny_model_path)).vocab_size)
+    masks = GrammarMasks(tiny_model_path, vocab_size=vocab, eos_token_ids=[0])
+    assert masks._compiler.cache_limit_bytes == CACHE_BYTES == 256 << 20  # -1 (unbounded) before
