@@ -25,7 +25,7 @@ as ``OMP_NUM_THREADS``, and vLLM's OpenMP threads are bound to the first N usabl
 varies, so the load average (1 / 5 / 15 min) is recorded before each server's block and printed with it,
 and the 1-minute figure with every measurement.
 
-Phases (completion tokens from ``usage`` / wall time; prompts ask for long stories, temperature 0,
+Phases (completion tokens from ``usage`` / wall time; prompts ask for long stories, temperature 0 (``--temperature``),
 ``--new-tokens`` each, with ``ignore_eos`` where the server takes it, so every server decodes the same
 number of tokens):
 1. ``--clients`` concurrent clients (default 1, 16, 64), ``--rounds`` rounds: aggregate decode tok/s,
@@ -269,9 +269,16 @@ class Server:
     url: str
     model: str  # the request's "model"
     ignore_eos: bool  # takes the SGLang/vLLM extra
+    temperature: float = 0.0  # --temperature: 0 greedy; > 0 the sampled path (OpenAI's default is 1)
 
     def body(self, text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-        body = {"model": self.model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0, **extra}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            **extra,
+        }
         if self.ignore_eos:
             body["ignore_eos"] = True
         return body
@@ -300,6 +307,10 @@ class Plan:
     adapter_paths: tuple[Path, ...] = ()
 
 
+def _temperature(plan: Plan) -> float:
+    return float(getattr(plan.args, "temperature", 0.0))
+
+
 def loopwise_url(line: str) -> str | None:
     """The base URL in ``serve.py``'s ready line (``... on http://HOST:PORT/v1``), else None."""
     m = re.search(r"on (http://[\d.]+:\d+)/v1", line)
@@ -315,7 +326,7 @@ def start_loopwise(plan: Plan, threads: int, root: Path = ROOT, name: str = "loo
     if root == ROOT:
         cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     url = start_process(cmd, loopwise_url, OUT / f"{name}-t{threads}.log", cwd=root)
-    return Server(name, url, "m", ignore_eos=True)
+    return Server(name, url, "m", ignore_eos=True, temperature=_temperature(plan))
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -333,7 +344,7 @@ def start_transformers(plan: Plan, exe: str, threads: int) -> Server:
     proc = spawn(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=thread_env(threads))
     url = f"http://localhost:{TF_PORT}"
     wait_healthy(url, proc, log)
-    return Server("transformers", url, str(plan.model_path), ignore_eos=False)
+    return Server("transformers", url, str(plan.model_path), ignore_eos=False, temperature=_temperature(plan))
 
 
 def start_vllm(plan: Plan, exe: str, threads: int) -> Server:
@@ -349,7 +360,7 @@ def start_vllm(plan: Plan, exe: str, threads: int) -> Server:
     proc = spawn(cmd, cwd=ROOT, stdout=open(OUT / f"vllm-t{threads}.out", "w"), stderr=open(log, "w"), env=env)
     url = f"http://localhost:{VLLM_PORT}"
     wait_healthy(url, proc, log, timeout=1800)
-    return Server("vllm", url, "m", ignore_eos=True)
+    return Server("vllm", url, "m", ignore_eos=True, temperature=_temperature(plan))
 
 
 def find_vllm(arg: str | None) -> tuple[str | None, str]:
@@ -703,6 +714,9 @@ def parse_args() -> argparse.Namespace:
         "--threads", default="default", type=threads_arg, help="default (every usable CPU, for every server), 1, both (the table twice), or N"
     )
     ap.add_argument("--clients", default="1,16,64")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="the requests' temperature: 0 greedy (the default), e.g. 0.7 the sampled path clients use"
+    )
     ap.add_argument("--requests-per-client", type=int, default=2, help="requests per round = this × clients (at least 4)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
