@@ -63,7 +63,7 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -239,7 +239,6 @@ class Recorder:
         self._written = 0
         self._seq = 0  # batches taken by record() so far
         self._tombstones: OrderedDict[tuple[str, str], Tombstone] = OrderedDict()  # (owner, session) → its latest deletion
-        self._tombs_of: dict[str, int] = {}  # owner → tombstones held for it
         self._unfiltered: set[int] = set()  # seqs of batches record() took that the writer has not checked against tombstones
         self._inflight = _InFlight(index_size)  # slots assigned, turns not yet recorded
         self._doomed: OrderedDict[str, None] = OrderedDict()  # turn ids of deleted sessions' requests still generating
@@ -372,8 +371,6 @@ class Recorder:
         with self._lock:
             recent = frozenset(self._forget_locked(owner, session_id))
             in_flight = frozenset(self._inflight.take_session(key))
-            if key not in self._tombstones:
-                self._tombs_of[owner] = self._tombs_of.get(owner, 0) + 1
             tomb = self._tombstones[key] = Tombstone(self._seq, in_flight, recent)  # covers an earlier deletion's batches too
             self._tombstones.move_to_end(key)
             self._prune_tombstones_locked()
@@ -392,22 +389,11 @@ class Recorder:
         ``index_size`` left (deletions by the thousand while the writer is stuck): the owner deleting the most loses its
         own oldest, never another owner's."""
         oldest_needed = min(self._unfiltered, default=self._seq + 1)
-        while self._tombstones:
-            key, tomb = next(iter(self._tombstones.items()))
-            if tomb.seq >= oldest_needed:
-                break
-            self._drop_tombstone_locked(key)
+        while self._tombstones and next(iter(self._tombstones.values())).seq < oldest_needed:
+            self._tombstones.popitem(last=False)
         while len(self._tombstones) > self._index_size:
-            heaviest = max(self._tombs_of, key=self._tombs_of.__getitem__)
-            self._drop_tombstone_locked(next(k for k in self._tombstones if k[0] == heaviest))
-
-    def _drop_tombstone_locked(self, key: tuple[str, str]) -> None:
-        del self._tombstones[key]
-        left = self._tombs_of[key[0]] - 1
-        if left:
-            self._tombs_of[key[0]] = left
-        else:
-            del self._tombs_of[key[0]]
+            heaviest, _ = Counter(owner for owner, _ in self._tombstones).most_common(1)[0]
+            del self._tombstones[next(k for k in self._tombstones if k[0] == heaviest)]
 
     def _undeleted(self, batches: Sequence[_Batch]) -> list[Turn]:
         """The turns of ``batches`` less those of sessions deleted after ``record`` took them (counted as dropped)."""

@@ -20,28 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from learner.records import Turn
 from runtime.identity import owner_of_token
 from tests.runtime._client import wait_for_metric
+from tests.security.test_delete_in_flight import turn  # one Turn per (session, i), as the deletion tests make them
 
 VICTIM, ATTACKER = "owner-victim", "owner-attacker"
-
-
-def turn(i: int, session: str, owner: str) -> Turn:
-    return Turn(
-        turn_id=f"turn-{owner}-{session}-{i}",
-        trajectory_id=f"traj-{owner}-{session}-{i}",
-        session_id=session,
-        index=0,
-        completion_id=f"c-{owner}-{session}-{i}",
-        model="m",
-        context_ids=[1, 2],
-        output_ids=[3],
-        logprobs=[-0.5],
-        loss_mask=[1],
-        finish_reason="stop",
-        owner=owner,
-    )
 
 
 def recorder(tmp_path: Any, index_size: int = 4) -> Any:
@@ -66,8 +49,8 @@ def test_another_keys_deletions_cannot_push_out_a_tombstone_still_needed(tmp_pat
 
     tomb = asyncio.run(main())
     assert tomb.dropped == 1
-    assert not rec.store.turn_exists(f"turn-{VICTIM}-mine-0")
-    assert rec.store.turn_exists(f"turn-{ATTACKER}-x-0")  # its session "x" was never deleted
+    assert not rec.store.turn_exists("turn-mine-0")
+    assert rec.store.turn_exists("turn-x-0")  # its session "x" was never deleted
     rec.close()
 
 
@@ -84,7 +67,7 @@ def test_a_tombstone_no_batch_needs_is_forgotten(tmp_path: Any) -> None:
         await rec.flush()
 
     asyncio.run(main())
-    assert rec.store.turn_exists(f"turn-{VICTIM}-s3-1")
+    assert rec.store.turn_exists("turn-s3-1")
     rec.close()
 
 
