@@ -30,7 +30,9 @@ from tests.runtime._client import MODEL, USER, client
 TEXTS = ["The cat sat on the mat.", "Stocks fell sharply on Monday."]
 
 
-def test_embeddings_answer_on_every_backend(served: Any, backend: str, tiny_model_path: Any) -> None:
+def test_embeddings_answer_on_every_backend(served: Any, backend: str, request: pytest.FixtureRequest) -> None:
+    # the model the server serves: vLLM's CPU attention needs head_dim 32, so its backend serves that variant of tiny
+    model_path = request.getfixturevalue("tiny_h32_path" if backend == "vllm" else "tiny_model_path")
     c = client(served)
     got = c.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
     last = c.embeddings.create(model=MODEL, input=TEXTS[:1], encoding_format="float", extra_body={"pooling": "last"})
@@ -38,8 +40,8 @@ def test_embeddings_answer_on_every_backend(served: Any, backend: str, tiny_mode
     source = "embedded" if backend == "embedded" else "local"
     assert got.model_extra["loopwise"] == {"source": source, "backend": backend, "pooling": "mean"}
     assert last.model_extra["loopwise"]["pooling"] == "last"
-    tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    model = AutoModel.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModel.from_pretrained(model_path, dtype=torch.float32).eval()
     for i, text in enumerate(TEXTS):
         with torch.no_grad():
             h = model(input_ids=torch.tensor([tok(text)["input_ids"]])).last_hidden_state[0].double().numpy()
