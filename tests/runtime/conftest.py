@@ -175,6 +175,14 @@ def start_backend_server(backend: str, start_server: Callable[..., Any], request
 
 
 @pytest.fixture(scope="session")
+def served_model_path(backend: str, request: pytest.FixtureRequest) -> Path:
+    """The model folder ``start_backend_server``'s servers serve: on vllm the head_dim-32 tiny (its CPU attention needs
+    it), else tiny; the reference the backend tests compare with."""
+    path: Path = request.getfixturevalue("vllm_server").launcher.model_path if backend == "vllm" else request.getfixturevalue("tiny_model_path")
+    return path
+
+
+@pytest.fixture(scope="session")
 def served(start_backend_server: Callable[..., Any]) -> Any:
     """The shared tiny-model server on each backend, for the read-only chat/streaming/tools tests."""
     return start_backend_server()

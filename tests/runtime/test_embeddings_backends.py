@@ -30,9 +30,8 @@ from tests.runtime._client import MODEL, USER, client
 TEXTS = ["The cat sat on the mat.", "Stocks fell sharply on Monday."]
 
 
-def test_embeddings_answer_on_every_backend(served: Any, backend: str, request: pytest.FixtureRequest) -> None:
-    # the model the server serves: vLLM's CPU attention needs head_dim 32, so its backend serves that variant of tiny
-    model_path = request.getfixturevalue("tiny_h32_path" if backend == "vllm" else "tiny_model_path")
+def test_embeddings_answer_on_every_backend(served: Any, backend: str, served_model_path: Any) -> None:
+    model_path = served_model_path
     c = client(served)
     got = c.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
     last = c.embeddings.create(model=MODEL, input=TEXTS[:1], encoding_format="float", extra_body={"pooling": "last"})

@@ -327,8 +327,8 @@ def test_an_engine_without_prompt_logprobs_answers_a_clear_400(tiny_model_path, 
 
 
 @pytest.fixture(scope="module")
-def served_ref(backend, request) -> Reference:
-    return Reference(request.getfixturevalue("tiny_h32_path" if backend == "vllm" else "tiny_model_path"))
+def served_ref(served_model_path) -> Reference:
+    return Reference(served_model_path)
 
 
 def test_each_backend_returns_prompt_logprobs(served, served_ref) -> None:
