@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/decode_profile.py                        # SmolLM2, batch 1 and 16, both runners
     .venv/bin/python bench/decode_profile.py --batch 64 --context 200 --threads 1 --top 15
+    .venv/bin/python bench/decode_profile.py --prefill 2000 --chunk 512 2048 --runners llama   # one prompt's prefill
 
 For each runner (``llama``: the lean forward; ``transformers``: the model's own forward) and batch
 size it fills the KV cache with ``--context`` tokens per row, then times decode steps (one forward
@@ -9,6 +10,10 @@ plus greedy sampling, as the engine runs them) in rounds that alternate between 
 load from other processes hits both alike. It reports wall and process CPU milliseconds per step
 (the median over rounds; CPU time is what other processes cannot inflate, unless threads spin), the
 ratio, and the profiler's top ops by self CPU time for one extra round of each.
+
+``--prefill N`` times instead one prompt of N tokens fed in chunks of each ``--chunk`` size (as the
+scheduler feeds a long prompt with ``--prefill-chunk``): wall milliseconds to its first logits, per
+chunk size, and the top ops of one extra prefill.
 
 Not here: HTTP, scheduling, text streaming (``bench/serving.py`` measures the server end to end).
 """
@@ -66,6 +71,48 @@ def step(runner, rows):
     return torch.argmax(logits.float(), dim=-1).tolist()
 
 
+def prefill(runner, ids: list[int], chunk: int):
+    """One prompt through ``runner`` in chunks of ``chunk`` tokens, then released; returns the last logits."""
+    from runtime.engines.runner import Chunk
+
+    runner.begin("p", len(ids))
+    try:
+        out = None
+        for start in range(0, len(ids), chunk):
+            part = ids[start : start + chunk]
+            out = runner.step([], [Chunk("p", part, start, None, start + len(part) == len(ids))])
+        return out
+    finally:
+        runner.release("p")
+
+
+def prefill_report(runners: dict, args, vocab: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(3, vocab, (args.prefill,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        for r in runners.values():
+            prefill(r, ids, args.chunk[0])  # warm-up
+        wall: dict[tuple[str, int], list[float]] = {(n, c): [] for n in runners for c in args.chunk}
+        for _ in range(args.rounds):
+            for name, r in runners.items():
+                for c in args.chunk:
+                    t0 = time.perf_counter()
+                    prefill(r, ids, c)
+                    wall[(name, c)].append((time.perf_counter() - t0) * 1e3)
+    print(f"\nprefill of {args.prefill} tokens: ms to the first logits, median of {args.rounds} rounds (load {os.getloadavg()[0]:.1f})")
+    for (name, c), w in wall.items():
+        print(f"  {name:13s} chunk {c:5d}  wall {statistics.median(w):9.1f}  (min {min(w):9.1f})")
+    for name, r in runners.items():
+        for c in args.chunk:
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                prefill(r, ids, c)
+            print(f"\n  {name}, chunk {c}: top ops by self CPU time over one prefill")
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=48)
+            print("\n".join("    " + line for line in table.splitlines()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
@@ -78,6 +125,8 @@ def main() -> None:
     ap.add_argument("--runners", nargs="+", default=["llama", "transformers"])
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--data-dir", default=str(ROOT / ".data"))
+    ap.add_argument("--prefill", type=int, default=0, help="time one prompt of this many tokens instead of decode steps")
+    ap.add_argument("--chunk", type=int, nargs="+", default=[512], help="prefill chunk sizes (with --prefill)")
     args = ap.parse_args()
 
     import torch
@@ -91,6 +140,9 @@ def main() -> None:
     runners = {name: build(path, name, args.dtype, 4096) for name in args.runners}
     vocab = next(iter(runners.values())).vocab
     print(f"model {path.name}, threads {torch.get_num_threads()}, context {args.context}, load {os.getloadavg()[0]:.1f}", flush=True)
+    if args.prefill:
+        prefill_report(runners, args, vocab)
+        return
     for batch in args.batch:
         rows = {name: filled(r, batch, args.context, vocab) for name, r in runners.items()}
         wall: dict[str, list[float]] = {n: [] for n in runners}

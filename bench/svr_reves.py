@@ -12,7 +12,8 @@ seeds) as eval runs; reported per agent: accuracy (Wilson 95% CI), mean turns, t
 stops whose answer was wrong), ECE and Brier of the final answer's stated P(correct) (bootstrap 95% CI over
 problems). Training: each update the learner runs ``--prompts`` new problems x ``--group`` fixed-horizon runs
 (``"horizon"``) and trains on their SVR turn rewards with per-turn-index GRPO; every new version serves at once
-(no gate), until the sampled training tokens reach ``--budget`` or the time is up. Targets (issue 22): wrong-stop
+(no gate), until the sampled training tokens reach ``--budget`` and the optimizer steps ``--min-updates`` (updates whose
+groups all had one reward do not change the weights and do not count), or the time is up. Targets (issue 22): wrong-stop
 ≤ 0.5, ECE halved, SVR accuracy within 2 points of the fixed agent's, SVR mean turns ≤ 40% of the fixed horizon.
 
 **REVES vs plain GRPO** (``[reves]``, ``learner/reves.py``). Two adapter families on two single-turn answer agents.
@@ -134,7 +135,14 @@ def svr_part(srv: BenchServer, args: argparse.Namespace, deadline: float, state:
         state["resumed"].append({"update": state["updates"], "tokens": state["sampled_tokens"], "learner_version": svc.status.champion})
         print(f"svr: resumed after update {state['updates']} ({state['sampled_tokens']} tokens), learner at {svc.status.champion}", flush=True)
     t1 = time.monotonic() - state["wall_s"]
-    while state["sampled_tokens"] < args.budget and time.monotonic() < deadline:
+
+    def steps() -> int:
+        return sum(1 for c in state["curve"] if c.get("optimizer_step"))
+
+    def trained_enough() -> bool:
+        return state["sampled_tokens"] >= args.budget and steps() >= args.min_updates
+
+    while not trained_enough() and time.monotonic() < deadline:
         rec = svc.update(force=True)
         state["sampled_tokens"] += int(rec.get("svr_runs", {}).get("sampled_tokens", 0))
         state["updates"] += 1
@@ -143,13 +151,17 @@ def svr_part(srv: BenchServer, args: argparse.Namespace, deadline: float, state:
         state.update(wall_s=time.monotonic() - t1, model=svc.status.champion)
         save()
         print(f"svr: update {state['updates']}: {state['curve'][-1]}", flush=True)
-    if state["sampled_tokens"] < args.budget:
-        print(f"svr: out of time at {state['sampled_tokens']} of {args.budget} tokens: evaluating now (--resume continues training)", flush=True)
+    if not trained_enough():
+        print(
+            f"svr: out of time at {state['sampled_tokens']} of {args.budget} tokens, {steps()} of at least {args.min_updates} optimizer steps: "
+            "evaluating now (--resume continues training)",
+            flush=True,
+        )
     model = svc.status.champion or state.get("model") or base
     svc.store.close()
     svc.state.trainer = None  # one model in memory at a time
     gc.collect()
-    state.update(after=evaluate(model), model=model, finished=state["sampled_tokens"] >= args.budget)
+    state.update(after=evaluate(model), model=model, optimizer_steps=steps(), finished=trained_enough())
     save()
     return state
 
@@ -244,6 +256,9 @@ def main() -> None:
     ap.add_argument("--task-options", type=json.loads, default={"n_ops": 1, "use_tools": False}, help="the agents' task options (JSON)")
     ap.add_argument("--n-eval", type=int, default=64)
     ap.add_argument("--budget", type=int, default=60_000, help="sampled training tokens per arm")
+    ap.add_argument(
+        "--min-updates", type=int, default=0, help="SVR: train on past --budget until this many optimizer steps (updates that changed the weights)"
+    )
     ap.add_argument("--minutes", type=float, default=600.0, help="stop training when this much time is used (evaluation still runs)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
