@@ -4,13 +4,15 @@
     .venv/bin/python bench/svr_reves.py --part reves --budget 60000 --n-eval 64      # a full REVES run
     .venv/bin/python bench/svr_reves.py --minutes 18 --budget 6000 --n-eval 16       # what fits in a short shared-CPU slot
     .venv/bin/python bench/svr_reves.py --model tiny --budget 400 --n-eval 4         # smoke run
+    .venv/bin/python bench/svr_reves.py --from-store --out DIR                       # a finished run's reports, rebuilt from its store
 
 **SVR** (``[svr]``, ``learner/svr_rewards.py``). Two agents share one adapter family and differ only in the stop
 rule: ``svr`` (stop once the model says Correct with confidence ≥ τ) and ``fixed`` (``--horizon`` turns). Before
 training and after, both run the same ``--n-eval`` held-out problems (a seed no training run uses, same sampling
-seeds) as eval runs; reported per agent: accuracy (Wilson 95% CI), mean turns, the wrong-stop rate (verified
-stops whose answer was wrong), ECE and Brier of the final answer's stated P(correct) (bootstrap 95% CI over
-problems). Training: each update the learner runs ``--prompts`` new problems x ``--group`` fixed-horizon runs
+seeds) as eval runs; reported per agent: accuracy (Wilson 95% CI), mean turns (bootstrap CI), the wrong-stop rate
+(verified stops whose answer was wrong; Wilson CI), ECE and Brier of the final answer's stated P(correct) (bootstrap 95%
+CI over problems), and the per-problem outcomes (``per_problem``); after training, ``comparison`` holds the targets'
+figures (svr − fixed accuracy paired by problem, svr's turns as a share of fixed's, ECE after ÷ before). Training: each update the learner runs ``--prompts`` new problems x ``--group`` fixed-horizon runs
 (``"horizon"``) and trains on their SVR turn rewards with per-turn-index GRPO; every new version serves at once
 (no gate), until the sampled training tokens reach ``--budget`` and the optimizer steps ``--min-updates`` (updates whose
 groups all had one reward do not change the weights and do not count), or the time is up. Targets (issue 22): wrong-stop
@@ -31,7 +33,9 @@ why the tables carry CIs. Results go to ``<--out>/svr_reves.json``. Not a test.
 evaluation, updates and curve, written after each update (whose learner checkpoint is written before it).
 ``--resume`` restarts the server on the same data folder (``<--out>/server``), keeps the finished evaluations and
 continues the updates from the learner's checkpoint, recording where it resumed (``resumed``); a finished part is
-skipped. The REVES part is not resumable: it reruns whole.
+skipped. The REVES part is not resumable: it reruns whole. ``--from-store`` runs nothing: it rebuilds the SVR reports of
+the run in ``--out`` from the eval runs its server recorded (each trajectory's annotated outcome), checked against the
+figures the run wrote, for a run made before a report field existed.
 """
 
 from __future__ import annotations
@@ -80,16 +84,85 @@ def eval_runs(url: str, agent: str, n: int, model: str, concurrency: int) -> lis
     return [o for o in outs if isinstance(o, dict)]
 
 
+PER_PROBLEM = ("problem_index", "correct", "turns", "stop_reason", "p_correct")
+
+
 def report_with_ci(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``adaptive_report`` with 95% CIs (accuracy and wrong-stop rate: Wilson; mean turns and ECE: bootstrap over
+    problems) and the per-problem outcomes it came from (``per_problem``: one row of ``PER_PROBLEM`` per run)."""
     r = adaptive_report(runs)
     k = sum(bool(x.get("correct")) for x in runs)
     r["accuracy_ci"] = wilson(k, len(runs)) if runs else None
+    verified = [bool(x.get("correct")) for x in runs if x.get("stop_reason") == "verified"]
+    r["wrong_stop_ci"] = wilson(sum(not c for c in verified), len(verified)) if verified else None
+    r["mean_turns_ci"] = bootstrap_ci([float(x.get("turns") or 0) for x in runs]) if len(runs) >= 2 else None
     stated = [(float(x["p_correct"]), bool(x.get("correct"))) for x in runs if isinstance(x.get("p_correct"), int | float)]
     if len(stated) >= 2:
         rng = random.Random(0)
         eces = sorted(calibration_error(*zip(*[rng.choice(stated) for _ in stated], strict=True)) for _ in range(1000))  # type: ignore[arg-type]
         r["ece_ci"] = (eces[25], eces[974])
+    r["per_problem"] = sorted(([x.get(f) for f in PER_PROBLEM] for x in runs), key=lambda row: row[0] if isinstance(row[0], int) else -1)
     return r
+
+
+def store_reports(db: Path, agents: dict[str, str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """The held-out evaluations as the server recorded them: ``{model: {label: report_with_ci(...)}}`` from the eval
+    runs of each agent in ``agents`` (``{agent name: label}``) in the SQLite store ``db``, grouped by the adapter that
+    served them (``"base"``: none). The run outcome is the trajectory's annotation (what the runs endpoint answered)."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = con.execute(
+            "SELECT t.meta, (SELECT u.adapter FROM turns u WHERE u.trajectory_id = t.trajectory_id ORDER BY u.idx LIMIT 1) FROM trajectories t"
+        ).fetchall()
+    finally:
+        con.close()
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for meta_text, adapter in rows:
+        meta = json.loads(meta_text)
+        if meta.get("eval") and meta.get("agent") in agents and meta.get("problem_seed") == HELDOUT_SEED:
+            runs.setdefault(adapter or "base", {}).setdefault(agents[meta["agent"]], []).append(meta)
+    return {model: {label: report_with_ci(rs) for label, rs in by.items()} for model, by in runs.items()}
+
+
+def svr_comparison(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The design's targets on the after-training reports: accuracy svr − fixed paired by problem (bootstrap CI), svr's
+    mean turns as a share of the fixed agent's, wrong-stop rate, and each agent's ECE after ÷ before."""
+    svr, fixed = ({int(r[0]): r for r in after[a]["per_problem"] if isinstance(r[0], int)} for a in ("svr", "fixed"))
+    both = sorted(svr.keys() & fixed.keys())
+    diffs = [float(bool(svr[i][1])) - float(bool(fixed[i][1])) for i in both]
+    out: dict[str, Any] = {
+        "paired_problems": len(both),
+        "accuracy_diff": sum(diffs) / len(diffs) if diffs else None,
+        "accuracy_diff_ci": bootstrap_ci(diffs) if len(diffs) >= 2 else None,
+        "turns_share": (after["svr"]["mean_turns"] / after["fixed"]["mean_turns"]) if after["fixed"].get("mean_turns") else None,
+        "wrong_stop_rate": after["svr"].get("wrong_stop_rate"),
+    }
+    for agent in ("svr", "fixed"):
+        b, a = before.get(agent, {}).get("ece"), after[agent].get("ece")
+        out[f"ece_ratio_{agent}"] = a / b if a is not None and b else None
+    return out
+
+
+def print_svr(s: dict[str, Any]) -> None:
+    n = s["before"]["svr"]["n"]
+    print(
+        f"\nSVR ({s['updates']} updates, {s.get('optimizer_steps')} optimizer steps, {s['sampled_tokens']} sampled training tokens; held-out n={n})"
+    )
+    print(f"{'':10} {'agent':6} {'accuracy [95% CI]':22} {'mean turns [95% CI]':22} {'wrong-stop [95% CI]':22} {'ECE [95% CI]':22} {'Brier':>6}")
+    for when in ("before", "after"):
+        for agent in ("svr", "fixed"):
+            r = s.get(when, {}).get(agent)
+            if r is None:
+                continue
+            print(f"{when:10} {agent:6} {fmt(r['accuracy'], r.get('accuracy_ci')):22} {fmt(r['mean_turns'], r.get('mean_turns_ci')):22} "
+                  f"{fmt(r['wrong_stop_rate'], r.get('wrong_stop_ci')):22} {fmt(r['ece'], r.get('ece_ci')):22} {fmt(r['brier']):>6}")  # fmt: skip
+    c = s.get("comparison")
+    if c:
+        print(f"after: accuracy svr − fixed {fmt(c['accuracy_diff'], c['accuracy_diff_ci'])} (paired, n={c['paired_problems']}); svr turns ÷ fixed "
+              f"{fmt(c['turns_share'])}; wrong-stop {fmt(c['wrong_stop_rate'])}; ECE after ÷ before: svr {fmt(c['ece_ratio_svr'])}, fixed "
+              f"{fmt(c['ece_ratio_fixed'])}")  # fmt: skip
 
 
 def svr_part(srv: BenchServer, args: argparse.Namespace, deadline: float, state: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
@@ -162,8 +235,36 @@ def svr_part(srv: BenchServer, args: argparse.Namespace, deadline: float, state:
     svc.state.trainer = None  # one model in memory at a time
     gc.collect()
     state.update(after=evaluate(model), model=model, optimizer_steps=steps(), finished=trained_enough())
+    state["comparison"] = svr_comparison(state["after"], state["before"])
     save()
     return state
+
+
+def reports_from_store(out_dir: Path) -> None:
+    """``--from-store``: rebuild the SVR part's before/after reports (with per-problem rows and every CI) from the eval
+    runs the server recorded in ``<out>/server``, check them against the reports the run wrote, and rewrite
+    ``svr_reves.json``. For a run whose bench predates a report field; the store is the record."""
+    results = out_dir / "svr_reves.json"
+    out = json.loads(results.read_text())
+    s = out["svr"]
+    by_model = store_reports(out_dir / "server" / "interactions.db", {"bench-svr": "svr", "bench-svr-fixed": "fixed"})
+    wanted = {"before": "base", "after": s.get("model")}
+    for when, model in wanted.items():
+        if when not in s:
+            continue
+        rebuilt = by_model.get(str(model))
+        if rebuilt is None:
+            raise SystemExit(f"--from-store: no eval runs of {model} in {out_dir / 'server'} (models there: {sorted(by_model)})")
+        for agent, rep in rebuilt.items():
+            for key in ("n", "accuracy", "mean_turns", "verified_stops"):
+                if s[when][agent].get(key) != rep.get(key):
+                    raise SystemExit(f"--from-store: {when} {agent} {key}: the run wrote {s[when][agent].get(key)}, the store has {rep.get(key)}")
+        s[when] = rebuilt
+    if "after" in s:
+        s["comparison"] = svr_comparison(s["after"], s["before"])
+    s["reports_from_store"] = True
+    write_json(results, out)
+    print_svr(s)
 
 
 async def _sr(url: str, agent: str, model: str, n: int, rounds: int, concurrency: int) -> list[tuple[bool, bool]]:
@@ -275,7 +376,11 @@ def main() -> None:
         "--out", type=Path, default=ROOT / "bench" / "results" / "svr_reves", help="the run's folder: svr_reves.json and the server's data"
     )
     ap.add_argument("--resume", action="store_true", help="continue the run in --out (same design): see the module docstring")
+    ap.add_argument("--from-store", action="store_true", help="no run: rebuild the SVR reports in --out from its server's recorded eval runs")
     args = ap.parse_args()
+    if args.from_store:
+        reports_from_store(args.out)
+        return
     t0 = time.monotonic()
     deadline = t0 + args.minutes * 60
     design = {k: str(v) for k, v in vars(args).items() if k not in ("resume", "minutes")}
@@ -298,14 +403,7 @@ def main() -> None:
     out["elapsed_s"] = time.monotonic() - t0
     write_json(results, out)
     if "svr" in out:
-        s = out["svr"]
-        print(f"\nSVR ({s['updates']} updates, {s['sampled_tokens']} sampled training tokens; held-out n={args.n_eval})")
-        print(f"{'':10} {'agent':6} {'accuracy [95% CI]':22} {'mean turns':>10} {'wrong-stop':>10} {'ECE [95% CI]':22} {'Brier':>6}")
-        for when in ("before", "after"):
-            for agent in ("svr", "fixed"):
-                r = s[when][agent]
-                print(f"{when:10} {agent:6} {fmt(r['accuracy'], r.get('accuracy_ci')):22} {fmt(r['mean_turns']):>10} "
-                      f"{fmt(r['wrong_stop_rate']):>10} {fmt(r['ece'], r.get('ece_ci')):22} {fmt(r['brier']):>6}")  # fmt: skip
+        print_svr(out["svr"])
     if "reves" in out:
         r = out["reves"]
         print(f"\nREVES vs GRPO (held-out n={args.n_eval}; SR = solved within {args.sr_rounds} repair rounds)")
