@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -108,9 +109,13 @@ def prefill_report(runners: dict, args, vocab: int) -> None:
         for c in args.chunk:
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 prefill(r, ids, c)
-            print(f"\n  {name}, chunk {c}: top ops by self CPU time over one prefill")
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=48)
-            print("\n".join("    " + line for line in table.splitlines()))
+            print_top_ops(prof, f"{name}, chunk {c}: top ops by self CPU time over one prefill", args.top)
+
+
+def print_top_ops(prof: Any, title: str, top: int) -> None:
+    print(f"\n  {title}")
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48)
+    print("\n".join("    " + line for line in table.splitlines()))
 
 
 def main() -> None:
@@ -167,9 +172,7 @@ def main() -> None:
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(args.steps):
                     step(r, rows[name])
-            print(f"\n  {name}, batch {batch}: top ops by self CPU time over {args.steps} steps")
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=48)
-            print("\n".join("    " + line for line in table.splitlines()))
+            print_top_ops(prof, f"{name}, batch {batch}: top ops by self CPU time over {args.steps} steps", args.top)
         with torch.inference_mode():
             for name, r in runners.items():
                 for row in rows[name]:

@@ -75,6 +75,28 @@ class Packed:
             return out
         return F.linear(x, self.weight, self.bias)
 
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x @ W^T + b)``, the activation in the GEMM's epilogue where oneDNN runs it (oneDNN's ``swish``)."""
+        if self.onednn:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "swish", [], "")
+            return out
+        return F.silu(F.linear(x, self.weight, self.bias))
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T + b + other`` (a residual) in one pass where oneDNN runs it; ``other`` is not changed."""
+        return self._binary(x, other, "add")
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``(x @ W^T + b) * other`` (SwiGLU's up projection times the activated gate) in one pass where oneDNN runs it."""
+        return self._binary(x, other, "mul")
+
+    def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        if self.onednn:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), other.contiguous(), self.weight, self.bias, op)
+            return out
+        y = F.linear(x, self.weight, self.bias)
+        return y + other if op == "add" else y * other
+
 
 def pack(modules: Sequence[nn.Linear]) -> Packed:
     """One ``Packed`` for the linears' weights stacked by output rows (their outputs side by side)."""

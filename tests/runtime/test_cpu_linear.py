@@ -37,3 +37,23 @@ def test_stacked_and_patched_linears_in_bf16() -> None:
         want = F.linear(x, model[0].weight, model[0].bias)
         assert pack_linears(model) == (1 if bf16_packable() else 0)
         torch.testing.assert_close(model(x), want, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_epilogues_equal_the_separate_ops(dtype: torch.dtype) -> None:
+    """The fused epilogues (the lean runner's residual add, SiLU of the gate, × the up projection) give what the
+    separate ops give: silu(xW^T + b), xW^T + b + r, (xW^T + b) * r; and leave ``r`` as it was."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 24, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    x = torch.randn(7, 24, generator=g).to(dtype)
+    r = torch.randn(7, 40, generator=g).to(dtype)
+    r0 = r.clone()
+    p = Packed(w, b)
+    tol = {} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 2e-2}  # bf16: one rounding fewer fused
+    y = F.linear(x.float(), w.float(), b.float())
+    with torch.inference_mode():
+        torch.testing.assert_close(p.silu(x).float(), F.silu(y), **tol)
+        torch.testing.assert_close(p.add(x, r).float(), y + r.float(), **tol)
+        torch.testing.assert_close(p.mul(x, r).float(), y * r.float(), **tol)
+    assert torch.equal(r, r0)

@@ -31,7 +31,6 @@ TEXTS = ["The cat sat on the mat.", "Stocks fell sharply on Monday."]
 
 
 def test_embeddings_answer_on_every_backend(served: Any, backend: str, served_model_path: Any) -> None:
-    model_path = served_model_path
     c = client(served)
     got = c.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
     last = c.embeddings.create(model=MODEL, input=TEXTS[:1], encoding_format="float", extra_body={"pooling": "last"})
@@ -39,8 +38,8 @@ def test_embeddings_answer_on_every_backend(served: Any, backend: str, served_mo
     source = "embedded" if backend == "embedded" else "local"
     assert got.model_extra["loopwise"] == {"source": source, "backend": backend, "pooling": "mean"}
     assert last.model_extra["loopwise"]["pooling"] == "last"
-    tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModel.from_pretrained(model_path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(served_model_path)
+    model = AutoModel.from_pretrained(served_model_path, dtype=torch.float32).eval()
     for i, text in enumerate(TEXTS):
         with torch.no_grad():
             h = model(input_ids=torch.tensor([tok(text)["input_ids"]])).last_hidden_state[0].double().numpy()

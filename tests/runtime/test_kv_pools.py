@@ -10,7 +10,7 @@ LAYERS, HEADS, DIM = 2, 2, 3
 
 
 def _pools(max_len: int = 100) -> KVPools:
-    return KVPools(LAYERS, HEADS, DIM, torch.float32, max_len, first_cap=4)
+    return KVPools(LAYERS, HEADS, DIM, torch.float32, max_len, first_cap=4, growth=4)  # caps 4, 16, 64: rows cross them fast
 
 
 def _prompt(pools: KVPools, owner: str, n: int, value: float) -> None:
@@ -38,9 +38,11 @@ def _write_next(pools: KVPools, owner: str, value: float) -> None:
     pool.lengths[row] += 1
 
 
-def test_pool_caps_grow_by_four_up_to_max_len() -> None:
+def test_pool_caps_grow_by_the_factor_up_to_max_len() -> None:
     assert [p.cap for p in _pools(100).pools] == [4, 16, 64, 100]
     assert [p.cap for p in _pools(64).pools] == [4, 16, 64]
+    # the default: caps double from 64, so a row past 64 tokens attends over less than twice its length
+    assert [p.cap for p in KVPools(LAYERS, HEADS, DIM, torch.float32, 600).pools] == [64, 128, 256, 512, 600]
 
 
 def test_join_picks_the_smallest_pool_with_room_for_one_more_token() -> None:
