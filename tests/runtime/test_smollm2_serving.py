@@ -16,7 +16,11 @@ from _client import client, stream_chat
 pytestmark = pytest.mark.slow
 
 NAME = "SmolLM2-135M-Instruct"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# "What is the capital of France?" alone sits on a near tie for the first token in fp32 ("The" 25.33, "L" 25.24): any
+# correct change of bf16 rounding (the lean runner's fused GEMM epilogues, closer to fp32 than transformers' own bf16
+# forward) can flip its greedy answer into French. With "Answer in one sentence." the margin is 1.48, and fp32, bf16
+# and the lean runner all answer "The capital of France is Paris."
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 WEATHER = {
     "type": "object",
     "properties": {
