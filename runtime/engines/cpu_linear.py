@@ -70,17 +70,11 @@ class Packed:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.onednn else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
-            return out
-        return F.linear(x, self.weight, self.bias)
+        return self._unary(x, "none")
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x @ W^T + b)``, the activation in the GEMM's epilogue where oneDNN runs it (oneDNN's ``swish``)."""
-        if self.onednn:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "swish", [], "")
-            return out
-        return F.silu(F.linear(x, self.weight, self.bias))
+        return self._unary(x, "swish")
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``x @ W^T + b + other`` (a residual) in one pass where oneDNN runs it; ``other`` is not changed."""
@@ -89,6 +83,13 @@ class Packed:
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``(x @ W^T + b) * other`` (SwiGLU's up projection times the activated gate) in one pass where oneDNN runs it."""
         return self._binary(x, other, "mul")
+
+    def _unary(self, x: torch.Tensor, attr: str) -> torch.Tensor:
+        if self.onednn:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, attr, [], "")
+            return out
+        y = F.linear(x, self.weight, self.bias)
+        return F.silu(y) if attr == "swish" else y
 
     def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
         if self.onednn:
