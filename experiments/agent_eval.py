@@ -63,22 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextmanager
-def spawned_server(model: str, admin_key: str, extra_args: Sequence[str] = (), learner: bool = False, data_dir: Path | None = None) -> Iterator[str]:
+def spawned_server(
+    model: str, admin_key: str, extra_args: Sequence[str] = (), learner: bool = False, data_dir: Path | None = None, root: Path = ROOT
+) -> Iterator[str]:
     """A private ``serve.py`` on a free port; yields its base URL.
 
     ``extra_args`` go after the defaults (the user's flags win); ``learner`` keeps the learner process
     (default off). The server's stdout after the start line is copied to ``server.stdout`` by a thread, so
     a chatty server (``--demo``) never blocks on a full pipe. Its data folder is a temporary one, removed on
-    exit, unless ``data_dir`` names one to keep."""
+    exit, unless ``data_dir`` names one to keep. ``root`` is the checkout whose ``serve.py`` runs (another one's, for a
+    side-by-side run against an older commit)."""
     with tempfile.TemporaryDirectory(prefix="loopwise-eval-") as tmp:
         data = Path(tmp) if data_dir is None else data_dir
         data.mkdir(parents=True, exist_ok=True)
-        models = ROOT / ".data" / "models"
+        models = root / ".data" / "models"
         if model in ("default", "tiny") and models.exists() and not (data / "models").exists():
             (data / "models").symlink_to(models.resolve(), target_is_directory=True)  # reuse the converted model cache
         cmd = [
             sys.executable,
-            str(ROOT / "serve.py"),
+            str(root / "serve.py"),
             "--model",
             model,
             "--port",
@@ -91,7 +94,7 @@ def spawned_server(model: str, admin_key: str, extra_args: Sequence[str] = (), l
             *extra_args,
         ]
         log = open(data / "server.log", "w+")
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=log, text=True)
         try:
             assert proc.stdout is not None
             url = None
