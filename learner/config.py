@@ -118,8 +118,9 @@ class TrainerConfig(BaseModel):
         "auto",
         description=(
             "run the forward's matmuls in bf16 under torch.autocast while the weights (the LoRA master weights included) stay in "
-            "dtype; auto = bfloat16 on a CPU with native bf16 matmuls (AMX or AVX512-BF16, where a step is ~2.6x faster than "
-            "fp32: bench/learner_step.py) when dtype is fp32, else off"
+            "dtype; auto = bfloat16 when dtype is fp32 on a CPU with native bf16 matmuls (AMX or AVX512-BF16) where a start-up "
+            "probe times them faster than fp32 by 1.2x or more (a step ran 2.6x faster on one such CPU and 0.64x as fast on "
+            "another: bench/learner_step.py), else off"
         ),
     )
     device: str = Field("auto", description="torch device; auto = cuda when available, else cpu")
@@ -615,6 +616,21 @@ class LearnerSettings(BaseModel):
     )
     patr: PatrConfig = Field(default_factory=PatrConfig)
     rods: RodsConfig = Field(default_factory=RodsConfig)
+    overlap_sampling: bool = Field(
+        False,
+        description=(
+            "the learner's own runs (LEAP's probes and episodes, SVR's fixed-horizon runs, REVES's round, PATR trees, RODS "
+            "items) for the next update are sampled while the current update's step trains, from the policy before that "
+            "step, so they are one version stale when trained (within samples.max_staleness, which must be at least 1); "
+            "off: each update samples them first, from its own weights, and the server idles while the trainer steps"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _overlap_needs_staleness(self) -> LearnerSettings:
+        if self.overlap_sampling and self.samples.max_staleness < 1:
+            raise ValueError("overlap_sampling trains runs sampled one version before the trainer's: set samples.max_staleness >= 1")
+        return self
 
     @model_validator(mode="after")
     def _self_check_rewards(self) -> LearnerSettings:

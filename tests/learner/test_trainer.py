@@ -206,15 +206,41 @@ def test_recomputed_old_logprobs_keep_stale_turns_from_being_clipped_away(model_
         cfg(behaviour_weight_cap=2.0)
 
 
-def test_autocast_auto_is_bf16_only_on_a_cpu_with_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_autocast_auto_is_bf16_only_on_a_cpu_with_native_bf16_where_it_measures_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     from learner import trainer as tm
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    probed: list[tuple[int, int]] = []
+
+    def speedup(value: float):
+        def probe(width: int, inner: int) -> float:
+            probed.append((width, inner))
+            return value
+
+        return probe
+
     monkeypatch.setattr(tm, "cpu_has_native_bf16", lambda: True)
-    assert tm.pick_autocast("auto", cpu, torch.float32) and not tm.pick_autocast("auto", cpu, torch.bfloat16)
+    monkeypatch.setattr(tm, "bf16_autocast_speedup", speedup(2.6))  # an EPYC with AVX512-BF16 measured 2.6x on a step
+    assert tm.pick_autocast("auto", cpu, torch.float32, 960, 2560) and not tm.pick_autocast("auto", cpu, torch.bfloat16)
+    assert probed == [(960, 2560)]  # at the model's shapes; a bf16 model or CUDA is never probed
     assert not tm.pick_autocast("auto", cuda, torch.float32) and not tm.pick_autocast("off", cpu, torch.float32)
-    monkeypatch.setattr(tm, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(tm, "bf16_autocast_speedup", speedup(0.64))  # a Xeon VM without AMX: autocast is slower there
     assert not tm.pick_autocast("auto", cpu, torch.float32) and tm.pick_autocast("bfloat16", cpu, torch.float32)
+    monkeypatch.setattr(tm, "bf16_autocast_speedup", speedup(1.1))  # within noise of fp32: not worth the rounding
+    assert not tm.pick_autocast("auto", cpu, torch.float32)
+    monkeypatch.setattr(tm, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(tm, "bf16_autocast_speedup", speedup(9.0))
+    n = len(probed)
+    assert not tm.pick_autocast("auto", cpu, torch.float32) and tm.pick_autocast("bfloat16", cpu, torch.float32)
+    assert len(probed) == n  # no native bf16: no probe
+
+
+def test_the_autocast_probe_times_the_same_work_both_ways() -> None:
+    # the real probe on this CPU: a positive finite ratio, cached (the second call does not time again)
+    from learner import trainer as tm
+
+    first = tm.bf16_autocast_speedup(64, 128, tokens=32, reps=1)
+    assert 0 < first < float("inf") and tm.bf16_autocast_speedup(64, 128, tokens=32, reps=1) == first
 
 
 def test_reward_stats_are_per_trajectory_outcomes_not_turn_process_scores(model_path: Path) -> None:
