@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="TOML/JSON with [lora], [trainer], [samples], [rerollouts], [leap], [svr], [svr_r1], [reves], [patr], [rods] tables "
-        "and rollouts (learner.config)",
+        "and rollouts, overlap_sampling (learner.config)",
     )
     add_model_flags(run.add_argument_group("schedule (learner.config.ScheduleConfig)"), ScheduleConfig)
     run.add_argument("--once", action="store_true", help="run one update now and exit")

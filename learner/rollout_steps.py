@@ -22,7 +22,7 @@ import copy
 import dataclasses
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import structlog
@@ -54,6 +54,17 @@ if TYPE_CHECKING:
     from learner.trainer import StepMetrics
 
 log = structlog.get_logger(__name__)
+
+
+class EngineTrainer(Protocol):
+    """What the data engines read of the trainer: the cursor their next problems come from, the version their sampling
+    seeds come from (the live trainer, or the view of the next update that ``overlap_sampling`` samples ahead for)."""
+
+    @property
+    def cursor(self) -> dict[str, Any]: ...
+
+    @property
+    def version(self) -> int: ...
 
 
 class RolloutSteps:
@@ -363,16 +374,21 @@ class RolloutSteps:
         advantages = estimate(samples, "tcpo", {**self.state.cfg.settings.trainer.estimator_params, "counterfactual_scores": scores})
         return trainer.step(samples, advantages, skipped=skipped), info
 
-    def leap_expand(self, trainer: Trainer) -> dict[str, Any]:
+    def leap_expand(self, trainer: EngineTrainer, *, model: str, announce: bool = True) -> dict[str, Any]:
         """LEAP's data engine (``learner.leap_expand``): probe the next problems, prune them with DCP, expand the useful ones.
 
         The probes and episodes are recorded as the agent's runs (the probes with their own group tag); this update
-        trains on those that have settled, later ones on the rest."""
+        trains on those that have settled, later ones on the rest.
+
+        Every data engine here reads its next problems from ``trainer.cursor`` and its sampling seeds from
+        ``trainer.version``, and samples ``model`` (the service passes :meth:`rollout_model`); ``announce=False`` leaves
+        the status alone (an engine running in the background while the trainer steps: ``overlap_sampling``)."""
         from learner.leap_expand import expand
 
         lc = self.state.cfg.settings.leap
         first = int(trainer.cursor.get(LEAP_NEXT, 0))
-        self.state.set_status("expanding", f"LEAP: probing problems {first}..{first + lc.problems_per_update - 1}")
+        if announce:
+            self.state.set_status("expanding", f"LEAP: probing problems {first}..{first + lc.problems_per_update - 1}")
         assert self.state.cfg.agent is not None
         report = expand(
             self.state.cfg.admin_url,
@@ -387,34 +403,37 @@ class RolloutSteps:
             s_hi=lc.s_hi,
             concurrency=self.state.cfg.settings.rerollouts.concurrency,
             admin=True,
-            model=self.rollout_model(trainer),
+            model=model,
         )
         out = report.to_dict()
         return {k: out[k] for k in ("n_probed", "fraction_pruned", "expanded", "compile_calls", "elapsed_s")} | {"pruned": out["dcp"]["pruned"]}
 
-    def svr_runs(self, trainer: Trainer) -> dict[str, Any]:
+    def svr_runs(self, trainer: EngineTrainer, *, model: str, announce: bool = True) -> dict[str, Any]:
         """SVR's fixed-horizon training runs of the next problems (``learner/svr_rollouts.py``); they train once they settle."""
         assert self.state.cfg.agent is not None
         first = int(trainer.cursor.get(SVR_NEXT, 0))
-        self.state.set_status(
-            "expanding", f"SVR: fixed-horizon runs of problems {first}..{first + self.state.cfg.settings.svr.problems_per_update - 1}"
-        )
+        if announce:
+            self.state.set_status(
+                "expanding", f"SVR: fixed-horizon runs of problems {first}..{first + self.state.cfg.settings.svr.problems_per_update - 1}"
+            )
         return fixed_horizon_runs(
             self.state.cfg.admin_url, self.state.cfg.admin_key, self.state.cfg.agent, self.state.cfg.settings.svr, first_problem=first,
-            sample_seed=trainer.version * 1000, concurrency=self.state.cfg.settings.rerollouts.concurrency, model=self.rollout_model(trainer),
+            sample_seed=trainer.version * 1000, concurrency=self.state.cfg.settings.rerollouts.concurrency,
+            model=model,
         )  # fmt: skip
 
-    def reves_round(self, trainer: Trainer) -> dict[str, Any]:
+    def reves_round(self, trainer: EngineTrainer, *, model: str, announce: bool = True) -> dict[str, Any]:
         """REVES (``learner/reves.py``): augment the next items with the current policy, then run the round's prompts."""
         from learner.reves import reves_round
 
         assert self.state.cfg.agent is not None
         rc = self.state.cfg.settings.reves
         first = int(trainer.cursor.get(REVES_NEXT, 0))
-        self.state.set_status("expanding", f"REVES: augmenting items {first}..{first + rc.items_per_round - 1}")
+        if announce:
+            self.state.set_status("expanding", f"REVES: augmenting items {first}..{first + rc.items_per_round - 1}")
         return reves_round(
             self.state.cfg.admin_url, self.state.cfg.admin_key, self.state.cfg.agent, rc, first_item=first, sample_seed=trainer.version * 1000,
-            model=self.rollout_model(trainer), concurrency=self.state.cfg.settings.rerollouts.concurrency,
+            model=model, concurrency=self.state.cfg.settings.rerollouts.concurrency,
         )  # fmt: skip
 
     def await_recorded(self, trajectory_ids: list[str], timeout_s: float = 30.0) -> None:
@@ -431,7 +450,7 @@ class RolloutSteps:
         if pending:
             log.warning("runs not recorded in time; a later update takes them", pending=len(pending))
 
-    def own_rollouts(self, trainer: Trainer) -> tuple[list[Sample], Advantages, dict[str, Any]]:
+    def own_rollouts(self, trainer: EngineTrainer, *, model: str, announce: bool = True) -> tuple[list[Sample], Advantages, dict[str, Any]]:
         """This update's own rollouts (``learner/sources.py``): PATR trees and/or RODS pool items, with the newest policy;
         RODS's runs (info ``trajectory_ids``) are awaited with the other data engines' before the sample collection."""
         from learner.sources import RolloutSources
@@ -447,8 +466,9 @@ class RolloutSteps:
                 store=self.state.store,
                 family=self.state.family,
             )
-        self.state.set_status("expanding", "own rollouts: " + ("PATR trees" if self.state.cfg.settings.rollouts == "patr" else "RODS pool items"))
-        out: tuple[list[Sample], Advantages, dict[str, Any]] = self.sources.round(self.rollout_model(trainer), trainer.version, trainer.cursor)
+        if announce:
+            self.state.set_status("expanding", "own rollouts: " + ("PATR trees" if self.state.cfg.settings.rollouts == "patr" else "RODS pool items"))
+        out: tuple[list[Sample], Advantages, dict[str, Any]] = self.sources.round(model, trainer.version, trainer.cursor)
         return out
 
     def rollout_model(self, trainer: Trainer) -> str:

@@ -31,6 +31,9 @@ Own rollouts (``learner/sources.py``): with ``rollouts = "patr"`` or ``[rods] en
 for traffic: every round is an update that first makes its own rollouts (PATR trees, RODS pool items) through
 the runs endpoint and trains on them (trees: their node samples with the tree advantage, next to the live
 samples; RODS runs: through the store, like traffic). Their figures go to the status (``sources``) and history.
+With ``overlap_sampling`` the next update's own runs (and LEAP's, SVR's, REVES's) are sampled in a background thread
+while the current update's step trains, from the policy before the step; the next update takes them if it starts at
+the engine positions they were made for, and otherwise samples its own (``_sample_ahead``, ``_take_ahead``).
 
 State for people: ``<data-dir>/learner/<family>/status.json`` (served by ``GET /admin/learner``),
 ``history.jsonl`` (one line per update) and ``reward.png`` (reward per update).
@@ -65,7 +68,9 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -80,7 +85,7 @@ from learner.quarantine import BatchLedger, Outcome, error_record
 from learner.reasons import unused_reasons
 from learner.release import Release
 from learner.reward_plot import plot_rewards
-from learner.rollout_steps import RolloutSteps
+from learner.rollout_steps import EngineTrainer, RolloutSteps
 from learner.samples import Cursor, Sample, collect_samples
 from learner.scheduler import Scheduler
 from learner.service_state import (
@@ -146,6 +151,7 @@ class LearnerService:
         self._stop = False
         self._busy = False  # inside a scheduling round (an update, a publish, a gate)
         self._checked = False
+        self._ahead: _Ahead | None = None  # the next update's engine runs, sampled while this update trains (overlap_sampling)
         # set by serve.py: the learner stops when its server does (uvicorn re-raises SIGTERM, so the server cannot always stop it)
         parent = os.environ.get("LOOPWISE_LEARNER_PARENT")
         self._parent = int(parent) if parent and parent.isdigit() and int(parent) == os.getppid() else None
@@ -366,6 +372,7 @@ class LearnerService:
             # weights as far as two hundred)
             return self._wait_for_more(trainer, batch, trainable)
         self.scheduler.short = None
+        self._sample_ahead(trainer, made)
         state.ledger.begin(s.trajectory_id for s in batch.samples)  # until its checkpoint, a failure counts against this batch
         metrics, rerollouts, advantages, used = self.steps.train(trainer, batch.samples, batch.skipped, made.own)
         state.trained = used or batch.samples  # RTPO/TCPO steps report no one list: the parity probe picks among the live samples
@@ -402,16 +409,88 @@ class LearnerService:
         # window; after a restart from the champion the weights are the pre-sweep ones again and the sweep starts over
         return self.steps.sweep_to_resume(trainer, restarted=self.state.status.restarts != restarts)
 
+    def _engines_enabled(self) -> bool:
+        s = self.state.cfg.settings
+        return s.leap.enabled or (s.svr.enabled and s.svr.problems_per_update > 0) or s.reves.enabled or s.rollouts == "patr" or s.rods.enabled
+
     def _data_engines(self, trainer: Trainer) -> _EngineRuns:
-        """The enabled data engines' runs (LEAP, SVR, REVES) and the learner's own rollouts, awaited until recorded."""
+        """The enabled data engines' runs (LEAP, SVR, REVES) and the learner's own rollouts, awaited until recorded: those
+        sampled ahead during the last update's step (``overlap_sampling``) when they are for this update's problems, else
+        sampled now from the trainer's current policy."""
+        if not self._engines_enabled():
+            return _EngineRuns(None, None, None, None)
+        made = self._take_ahead(trainer)
+        if made is None:
+            made = self._run_engines(trainer, self.steps.rollout_model(trainer), announce=True)
+        runs, recorded = made
+        self.steps.await_recorded(recorded)
+        return runs
+
+    def _run_engines(self, trainer: EngineTrainer, model: str, *, announce: bool) -> tuple[_EngineRuns, list[str]]:
+        """Each enabled engine once, for the problems ``trainer.cursor`` points at, sampling ``model``; and the ids of the
+        runs whose recorded outcomes the update waits for."""
         settings = self.state.cfg.settings
-        leap = self.steps.leap_expand(trainer) if settings.leap.enabled else None
-        svr_runs = self.steps.svr_runs(trainer) if settings.svr.enabled and settings.svr.problems_per_update else None
-        reves = self.steps.reves_round(trainer) if settings.reves.enabled else None
-        own = self.steps.own_rollouts(trainer) if settings.rollouts == "patr" or settings.rods.enabled else None
+        steps = self.steps
+        leap = steps.leap_expand(trainer, model=model, announce=announce) if settings.leap.enabled else None
+        svr_on = settings.svr.enabled and settings.svr.problems_per_update
+        svr_runs = steps.svr_runs(trainer, model=model, announce=announce) if svr_on else None
+        reves = steps.reves_round(trainer, model=model, announce=announce) if settings.reves.enabled else None
+        own_on = settings.rollouts == "patr" or settings.rods.enabled
+        own = steps.own_rollouts(trainer, model=model, announce=announce) if own_on else None
         own_runs = own[2].pop("trajectory_ids", []) if own is not None else []
-        self.steps.await_recorded([*(svr_runs or {}).pop("trajectory_ids", []), *(reves or {}).pop("trajectory_ids", []), *own_runs])
-        return _EngineRuns(leap, svr_runs, reves, own)
+        recorded = [*(svr_runs or {}).pop("trajectory_ids", []), *(reves or {}).pop("trajectory_ids", []), *own_runs]
+        return _EngineRuns(leap, svr_runs, reves, own), recorded
+
+    def _sample_ahead(self, trainer: Trainer, made: _EngineRuns) -> None:
+        """With ``overlap_sampling``: start the next update's engine runs in a background thread, for the problems after
+        this update's and from the policy before its step (the server samples while the trainer steps); the next update
+        takes them if it starts where this one is expected to end (``_take_ahead``)."""
+        if not (self.state.cfg.settings.overlap_sampling and self._engines_enabled()):
+            return
+        positions = self._engine_positions(trainer.cursor, made)
+        nxt = _NextUpdate({**trainer.cursor, **positions}, trainer.version + 1, positions)
+        try:
+            model = self.steps.rollout_model(trainer)
+        except (AdminError, httpx.HTTPError) as exc:  # the runtime is away: the next update samples its own, as without overlap
+            log.warning("could not pick the policy to sample ahead from; the next update samples its own", error=str(exc))
+            return
+        done: Future[tuple[_EngineRuns, list[str]]] = Future()
+
+        def work() -> None:
+            try:
+                done.set_result(self._run_engines(nxt, model, announce=False))
+            except BaseException as exc:  # handed to the next update, which samples again
+                done.set_exception(exc)
+
+        threading.Thread(target=work, name=f"{self.state.family}-sampling-ahead", daemon=True).start()
+        self._ahead = _Ahead(nxt, self.state.status.restarts, model, done)
+        log.info("sampling the next update's runs during the step", model=model, for_version=nxt.version)
+
+    def wait_for_ahead(self, timeout_s: float | None = None) -> None:
+        """Wait until the runs being sampled ahead (if any) are made; they stay for the next update. A failure there is
+        the next update's to report (it samples again)."""
+        if self._ahead is not None:
+            wait([self._ahead.done], timeout=timeout_s)
+
+    def _take_ahead(self, trainer: Trainer) -> tuple[_EngineRuns, list[str]] | None:
+        """The runs sampled ahead, once finished, if they are this update's: the trainer's cursor is at the engine positions
+        they were sampled for (the last update ended as expected; with or without an optimizer step) and no restart from
+        the champion came since. Otherwise (the last update failed, a restart, the sampling failed) None: this update
+        samples its own, and the runs made ahead stay in the store like any traffic (within the staleness bound)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        self.state.set_status("expanding", f"waiting for the runs sampled ahead from {ahead.model}")
+        try:
+            made = ahead.done.result()
+        except Exception as exc:
+            log.warning("the runs sampled ahead failed; sampling this update's now", error=f"{type(exc).__name__}: {exc}")
+            return None
+        keys = ahead.at.positions
+        if {k: trainer.cursor.get(k, 0) for k in keys} != keys or self.state.status.restarts != ahead.restarts:
+            log.info("runs sampled ahead were for another start; sampling this update's now", sampled_for=ahead.at.version, version=trainer.version)
+            return None
+        return made
 
     def _read_batch(self, trainer: Trainer, resume: dict[str, Any] | None) -> _Batch:
         """The samples past the data cursor in the update's window (a resumed sweep's own window), self-check rewards applied."""
@@ -448,25 +527,27 @@ class LearnerService:
     def _cursor_after(self, trainer: Trainer, batch: _Batch, made: _EngineRuns, *, stepped: bool) -> dict[str, Any]:
         """The trainer's cursor after this update: the data cursor past the batch, the versions that bound staleness, the
         data engines' next problems and items, the singleton baselines."""
-        settings = self.state.cfg.settings
-        keep = settings.samples.max_staleness + 1
-        leap_next = int(trainer.cursor.get(LEAP_NEXT, 0)) + (settings.leap.problems_per_update if made.leap is not None else 0)
-        svr_next = int(made.svr_runs["problems"][1]) if made.svr_runs is not None else int(trainer.cursor.get(SVR_NEXT, 0))
-        reves_next = int(made.reves["items"][1]) if made.reves is not None else int(trainer.cursor.get(REVES_NEXT, 0))
-        sources = self.steps.sources
-        own_next = sources.cursor_after(trainer.cursor) if made.own is not None and sources is not None else {}  # PATR's next problem (RODS off)
+        keep = self.state.cfg.settings.samples.max_staleness + 1
         baseline = self.steps.baseline_state if self.steps.baseline_state is not None else trainer.cursor.get(BASELINE, {})
         return {
             **batch.cursor.to_dict(),
             # an update without an optimizer step made no new version: it does not move the staleness bound either
             UPDATE_VERSIONS: ([*update_versions(trainer), trainer.version] if stepped else update_versions(trainer))[-keep:],
             LINEAGE_START: int(trainer.cursor.get(LINEAGE_START, 0)),
-            LEAP_NEXT: leap_next,
-            SVR_NEXT: svr_next,
-            REVES_NEXT: reves_next,
             BASELINE: baseline,
-            **own_next,
+            **self._engine_positions(trainer.cursor, made),
         }
+
+    def _engine_positions(self, cursor: dict[str, Any], made: _EngineRuns) -> dict[str, Any]:
+        """Where the data engines start after an update that made ``made`` from ``cursor``: LEAP's, SVR's and REVES's next
+        problems or items, PATR's next tree (RODS keeps its own pool)."""
+        settings = self.state.cfg.settings
+        leap_next = int(cursor.get(LEAP_NEXT, 0)) + (settings.leap.problems_per_update if made.leap is not None else 0)
+        svr_next = int(made.svr_runs["problems"][1]) if made.svr_runs is not None else int(cursor.get(SVR_NEXT, 0))
+        reves_next = int(made.reves["items"][1]) if made.reves is not None else int(cursor.get(REVES_NEXT, 0))
+        sources = self.steps.sources
+        own_next = sources.cursor_after(cursor) if made.own is not None and sources is not None else {}  # PATR's next problem (RODS off)
+        return {LEAP_NEXT: leap_next, SVR_NEXT: svr_next, REVES_NEXT: reves_next, **own_next}
 
     def _reports(self, rerollouts: dict[str, Any] | None, made: _EngineRuns, batch: _Batch) -> dict[str, Any]:
         """The history record's reports of what fed the step: re-rollouts or group completion, the data engines, the
@@ -532,6 +613,27 @@ class _EngineRuns:
     svr_runs: dict[str, Any] | None
     reves: dict[str, Any] | None
     own: tuple[list[Sample], Advantages, dict[str, Any]] | None  # PATR's tree samples with their advantages, and the figures
+
+
+@dataclass(frozen=True)
+class _NextUpdate:
+    """The trainer as the next update will start it, for the engines sampling ahead: its cursor with the engine positions
+    moved past this update's runs, and the version after this update's step (the sampling seeds' base)."""
+
+    cursor: dict[str, Any]
+    version: int
+    positions: dict[str, Any]  # the cursor's engine positions (``_engine_positions``)
+
+
+@dataclass
+class _Ahead:
+    """Runs sampled ahead in a background thread (``overlap_sampling``): for which start, after which restart count, from
+    which policy, and the thread's result."""
+
+    at: _NextUpdate
+    restarts: int
+    model: str
+    done: Future[tuple[_EngineRuns, list[str]]]
 
 
 @dataclass

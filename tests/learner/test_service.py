@@ -668,8 +668,8 @@ def test_leap_runs_its_data_engine_before_each_update(tmp_path, tiny_model_path,
     # the probes and episodes sample the learner's current policy, never the agent's alias (an experiment's arms)
     monkeypatch.setattr(svc.steps, "rollout_model", lambda trainer: f"kfam@{trainer.version}")
     trainer = SimpleNamespace(version=2, cursor={"leap_next_problem": 6})
-    out = svc.steps.leap_expand(trainer)
-    assert calls == [("kernel-agent", [6, 7, 8], 2, 4, 2000, "kfam@2")] and out["pruned"] == {"p0": {"class": "catastrophic"}}
+    out = svc._data_engines(trainer).leap
+    assert out is not None and calls == [("kernel-agent", [6, 7, 8], 2, 4, 2000, "kfam@2")] and out["pruned"] == {"p0": {"class": "catastrophic"}}
     with pytest.raises(Exception, match="needs the learner's agent"):
         LearnerService(replace(cfg, agent=None)).check_setup()
     svc.store.close()
@@ -715,6 +715,75 @@ def test_svr_learner_makes_fixed_horizon_runs_scores_their_turns_and_gates_the_a
     assert gate["new_report"]["n"] == 2 and 1 <= gate["new_report"]["mean_turns"] <= 3 and gate["new_report"]["accuracy"] == 0.0
     assert set(gate["new_report"]) >= {"accuracy", "mean_turns", "wrong_stop_rate", "ece", "brier"}
     svc.store.close()
+
+
+def svr_runs_of(svc: LearnerService, agent: str) -> dict[int, list[Any]]:
+    """The agent's fixed-horizon (SVR training) runs in the store, by problem index."""
+    out: dict[int, list[Any]] = {}
+    for row in svc.store.list_trajectories(limit=500):
+        if row["meta"].get("agent") == agent and row["meta"].get("horizon") is not None:
+            out.setdefault(int(row["meta"]["problem_index"]), []).append(row)
+    return out
+
+
+def test_overlap_sampling_samples_the_next_updates_runs_during_the_step_once_each(server, tiny_model_path, monkeypatch):
+    # overlap_sampling: while update k trains, its next problems' SVR runs are sampled from the policy before the step;
+    # update k+1 takes them instead of sampling again. Runs sampled for a start that did not come (the cursor moved
+    # elsewhere) are left in the store and the update samples its own problems.
+    agent = {**AGENT, "name": "svr-ahead", "stop_policy": "svr", "stop_params": {"tau": 0.7}, "max_turns": 2, "adapter_family": "ahead"}
+    assert admin(server, "POST", "/admin/agents", json=agent).status_code in (200, 201)
+    s = settings().model_dump()
+    s.update(
+        family="ahead",
+        samples={"settle_s": 0},
+        trainer={**s["trainer"], "estimator": "turn_grpo", "estimator_params": {"source": "reward"}},
+        svr={"enabled": True, "problems_per_update": 2, "group": 2, "horizon": 2, "format_penalty": 0.5},
+        overlap_sampling=True,
+    )
+    cfg = ServiceConfig(
+        data_dir=server.data_dir,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        settings=LearnerSettings.model_validate(s),
+        agent="svr-ahead",
+    )
+    svc = LearnerService(cfg)
+    threads: list[str] = []
+    real_runs = svc.steps.svr_runs
+
+    def svr_runs(trainer, **kw):
+        threads.append(__import__("threading").current_thread().name)
+        return real_runs(trainer, **kw)
+
+    monkeypatch.setattr(svc.steps, "svr_runs", svr_runs)
+    first = svc.update(force=True)
+    assert first["svr_runs"]["problems"] == [0, 2] and threads == ["MainThread", "ahead-sampling-ahead"]
+    second = svc.update(force=True)  # takes problems 2 and 3, sampled during the first update's step
+    assert second["svr_runs"]["problems"] == [2, 4] and second["svr_runs"]["runs"] == 4
+    assert threads == ["MainThread", "ahead-sampling-ahead", "ahead-sampling-ahead"]  # the main thread sampled once in all
+    assert svc.state.get_trainer().cursor["svr_next_problem"] == 4
+    runs = svr_runs_of(svc, "svr-ahead")
+    assert {p: len(v) for p, v in runs.items()} == {0: 2, 1: 2, 2: 2, 3: 2}  # every problem's group sampled once
+    # the tiny model's groups have no variance: no optimizer step, so every run sampled the base model
+    assert second["metrics"]["optimizer_step"] is False and second["metrics"]["samples"] == 8
+    # a start the runs sampled ahead (problems 4 and 5) were not for: the update samples its own problems
+    trainer = svc.state.get_trainer()
+    trainer.cursor = {**trainer.cursor, "svr_next_problem": 10}
+    third = svc.update(force=True)
+    assert third["svr_runs"]["problems"] == [10, 12]
+    runs = svr_runs_of(svc, "svr-ahead")
+    assert sorted(runs) == [0, 1, 2, 3, 4, 5, 10, 11] and all(len(v) == 2 for v in runs.values())  # the unused runs kept
+    ahead = svc._ahead
+    assert ahead is not None and ahead.at.positions["svr_next_problem"] == 12
+    svc.wait_for_ahead(120)
+    assert ahead.done.result()[0].svr_runs["problems"] == [12, 14]
+    svc.store.close()
+
+
+def test_overlap_sampling_needs_room_for_one_stale_version():
+    with pytest.raises(ValueError, match="max_staleness >= 1"):
+        LearnerSettings.model_validate({"family": "f", "overlap_sampling": True, "samples": {"max_staleness": 0}})
 
 
 def test_reves_round_runs_its_repair_and_verification_prompts_through_the_runtime(server, tiny_model_path):
@@ -773,8 +842,8 @@ def test_reves_runs_each_update_from_the_next_items_with_the_current_policy(tmp_
     )
     svc = LearnerService(cfg)
     monkeypatch.setattr(svc.steps, "rollout_model", lambda trainer: "fam@4")
-    out = svc.steps.reves_round(SimpleNamespace(version=4, cursor={"reves_next_item": 6}))
-    assert calls == [("a", 6, 4000, "fam@4", 3)] and out["items"] == [6, 9]
+    out = svc._data_engines(SimpleNamespace(version=4, cursor={"reves_next_item": 6})).reves
+    assert out is not None and calls == [("a", 6, 4000, "fam@4", 3)] and out["items"] == [6, 9]
     with pytest.raises(Exception, match=r"\[reves\] enabled needs the learner's agent"):
         LearnerService(replace(cfg, agent=None)).check_setup()
     svc.store.close()
