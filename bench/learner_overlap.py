@@ -11,8 +11,9 @@ core of a 2-core machine) with an SVR agent per arm, and the learner's own ``Lea
 rounds of ``--minutes`` each, so drift in the machine's load hits both alike.
 
 What it reports per arm (summed over its rounds): updates, optimizer steps, updates per hour, the training runs'
-sampled tokens per hour (what the trainer got to train on), trained tokens and the step's seconds; and the ratios
-on ÷ off. Runs sampled ahead that no update took by the end of a round are waited for (so they do not load the next
+sampled tokens per hour (what the trainer got to train on), trained tokens and the step's seconds, the steady rate
+(updates per hour past each round's first update, which also loads the trainer and has nothing sampled ahead); and
+the ratios on ÷ off. Runs sampled ahead that no update took by the end of a round are waited for (so they do not load the next
 round) and not counted. Results go to ``<--out>/learner_overlap.json``. Not a test.
 """
 
@@ -79,6 +80,7 @@ def arm_round(srv: BenchServer, args: argparse.Namespace, arm: str, k: int) -> d
 def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     hours = sum(r["elapsed_s"] for r in rounds) / 3600
     rows = [u for r in rounds for u in r["updates"]]
+    later = [u for r in rounds for u in r["updates"][1:]]
     return {
         "hours": hours,
         "updates": len(rows),
@@ -88,6 +90,9 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "trained_tokens": sum(u["tokens"] for u in rows),
         "step_s": sum(u["step_s"] for u in rows),
         "mean_update_s": sum(u["wall_s"] for u in rows) / max(1, len(rows)),
+        # past each round's first update (which also loads the trainer and has nothing sampled ahead): the steady rate
+        "steady_updates_per_hour": 3600 * len(later) / max(1e-9, sum(u["wall_s"] for u in later)),
+        "steady_update_s": [round(u["wall_s"], 1) for u in later],
     }
 
 
@@ -114,7 +119,7 @@ def main() -> int:
             for arm in ("off", "on"):
                 rounds.append(arm_round(srv, args, arm, k))
     arms = {arm: summary([r for r in rounds if r["arm"] == arm]) for arm in ("off", "on")}
-    ratio = {k: arms["on"][k] / arms["off"][k] for k in ("updates_per_hour", "sampled_tokens_per_hour") if arms["off"][k]}
+    ratio = {k: arms["on"][k] / arms["off"][k] for k in ("updates_per_hour", "sampled_tokens_per_hour", "steady_updates_per_hour") if arms["off"][k]}
     out = {"design": {k: v for k, v in vars(args).items() if k != "out"}, "arms": arms, "ratio_on_off": ratio, "rounds": rounds}
     write_json(args.out / "learner_overlap.json", out)
     for arm, s in arms.items():
