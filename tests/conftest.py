@@ -9,9 +9,10 @@ as a :class:`ServerProcess`, which keeps its log for assertions; ``--learner``, 
 The model cache is ``.data/models`` in the checkout (override with ``LOOPWISE_TEST_CACHE``), so SmolLM2 is
 converted at most once per machine.
 
-Two session-wide settings save CPU and change no result: ``OMP_WAIT_POLICY=passive`` (idle OpenMP threads
-sleep instead of spinning; the processes the tests start inherit it) and one SSL context shared by every
-httpx client of the test process (``one_ssl_context_for_all_clients``).
+Three session-wide settings save CPU and change no result: ``OMP_WAIT_POLICY=passive`` (idle OpenMP threads
+sleep instead of spinning; the processes the tests start inherit it), ``OMP_NUM_THREADS=1`` (one intra-op thread per
+process: the workers and their servers already share the cores) and one SSL context shared by every httpx client of
+the test process (``one_ssl_context_for_all_clients``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # doing nothing: a tiny-model chat request in process cost ~95 ms of CPU spinning, ~18 ms sleeping. Same threads, same
 # kernels, same results; ``OMP_WAIT_POLICY=active make test`` restores the spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# One OpenMP thread per process: three pytest-xdist workers and the servers and learners they start share two cores, so
+# a second intra-op thread per process only adds contention (load 4-5 on 2 cores). Tests that are about threads pass
+# --threads or set it themselves; ``OMP_NUM_THREADS=2 make test`` restores torch's default here.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 

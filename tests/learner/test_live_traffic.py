@@ -52,7 +52,7 @@ def test_live_traffic_of_every_shape_keeps_the_chat_learner_learning(start_serve
             users,
             task=task,
             problems=task.problems(64, seed=0),
-            conversations=40,
+            conversations=24,
             mix="focus=1,chat=1,responses=1,agents=1",
             seed=0,
             max_tokens=8,
