@@ -10,8 +10,8 @@ The model cache is ``.data/models`` in the checkout (override with ``LOOPWISE_TE
 converted at most once per machine.
 
 Three session-wide settings save CPU and change no result: ``OMP_WAIT_POLICY=passive`` (idle OpenMP threads
-sleep instead of spinning; the processes the tests start inherit it), ``OMP_NUM_THREADS=1`` on xdist workers (one
-intra-op thread per process: the workers and their servers already share the cores) and one SSL context shared by every httpx client of
+sleep instead of spinning; the processes the tests start inherit it), ``OMP_NUM_THREADS=1`` on a parallel run (one
+intra-op thread per process: the xdist workers and their servers already share the cores) and one SSL context shared by every httpx client of
 the test process (``one_ssl_context_for_all_clients``).
 """
 
@@ -41,15 +41,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # doing nothing: a tiny-model chat request in process cost ~95 ms of CPU spinning, ~18 ms sleeping. Same threads, same
 # kernels, same results; ``OMP_WAIT_POLICY=active make test`` restores the spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-# One OpenMP thread per process on the parallel run (a pytest-xdist worker): three workers and the servers and learners
-# they start share two cores, so a second intra-op thread per process only adds contention (load 4-5 on 2 cores; make
-# test 409 -> 379 s). Tests that are about threads pass --threads or set it themselves; ``OMP_NUM_THREADS=2 make test``
-# restores torch's default. A one-process run (``make test-engines``: real vLLM servers under hot swaps, ``JOBS=0``)
-# keeps the default: there a single-threaded engine only runs slower.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One OpenMP thread per process on the parallel run: three pytest-xdist workers and the servers and learners they
+    # start share two cores, so a second intra-op thread per process only adds contention (load 4-5 on 2 cores; make
+    # test 409 -> 379 s). Set in the controlling process, before it starts the workers, so that each worker and each
+    # process a test starts has it before torch loads. Tests that are about threads pass --threads or set it themselves;
+    # ``OMP_NUM_THREADS=2 make test`` restores torch's default. A one-process run (``make test-engines``: real vLLM
+    # servers under hot swaps, ``JOBS=0``) keeps the default: there a single-threaded engine only runs slower.
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # the order files reach the xdist workers: longest first (tests/_file_order.py)
