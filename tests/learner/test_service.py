@@ -675,31 +675,32 @@ def test_leap_runs_its_data_engine_before_each_update(tmp_path, tiny_model_path,
     svc.store.close()
 
 
+def svr_learner(
+    server, tiny_model_path: Path, name: str, family: str, *, max_turns: int, overlap_sampling: bool = False, **cfg: Any
+) -> LearnerService:
+    """An SVR agent ``name`` registered on the server and a learner of ``family`` making its fixed-horizon runs (2 problems x
+    2 runs of 2 turns per update, scored with the SVR turn reward); ``cfg`` goes to its ServiceConfig."""
+    agent = {**AGENT, "name": name, "stop_policy": "svr", "stop_params": {"tau": 0.7}, "max_turns": max_turns, "adapter_family": family}
+    assert admin(server, "POST", "/admin/agents", json=agent).status_code in (200, 201)
+    s = settings().model_dump()
+    s.update(
+        family=family,
+        samples={"settle_s": 0},
+        trainer={**s["trainer"], "estimator": "turn_grpo", "estimator_params": {"source": "reward"}},
+        svr={"enabled": True, "problems_per_update": 2, "group": 2, "horizon": 2, "format_penalty": 0.5},
+        overlap_sampling=overlap_sampling,
+    )
+    settings_ = LearnerSettings.model_validate(s)
+    base = {"data_dir": server.data_dir, "admin_url": server.base_url, "admin_key": ADMIN, "base_model": tiny_model_path}
+    return LearnerService(ServiceConfig(**base, settings=settings_, agent=name, **cfg))
+
+
 def test_svr_learner_makes_fixed_horizon_runs_scores_their_turns_and_gates_the_adaptive_agent(server, tiny_model_path):
     # [svr]: before the update the learner runs problems x group fixed-horizon runs of its SVR agent (their turns stored with
     # their self-checks) and scores every turn with the SVR turn reward; the gate measures the adaptive agent (ordinary runs)
     # with its turns, wrong-stop rate and ECE. The tiny model is random: its 8-token turns never close the format, so every
     # turn is an unparsable wrong answer, r = w_c*0 - format_penalty = -0.5, and the groups have no variance (no step)
-    agent = {**AGENT, "name": "svr-learn", "stop_policy": "svr", "stop_params": {"tau": 0.7}, "max_turns": 3, "adapter_family": "svrfam"}
-    assert admin(server, "POST", "/admin/agents", json=agent).status_code in (200, 201)
-    s = settings().model_dump()
-    s.update(
-        family="svrfam",
-        samples={"settle_s": 0},
-        trainer={**s["trainer"], "estimator": "turn_grpo", "estimator_params": {"source": "reward"}},
-        svr={"enabled": True, "problems_per_update": 2, "group": 2, "horizon": 2, "format_penalty": 0.5},
-    )
-    cfg = ServiceConfig(
-        data_dir=server.data_dir,
-        admin_url=server.base_url,
-        admin_key=ADMIN,
-        base_model=tiny_model_path,
-        settings=LearnerSettings.model_validate(s),
-        agent="svr-learn",
-        gate_n=2,
-        gate_tolerance=1.0,
-    )
-    svc = LearnerService(cfg)
+    svc = svr_learner(server, tiny_model_path, "svr-learn", "svrfam", max_turns=3, gate_n=2, gate_tolerance=1.0)
     record = svc.update(force=True)
     assert record["svr_runs"]["runs"] == 4 and record["svr_runs"]["failed"] == 0 and record["svr_runs"]["problems"] == [0, 2]
     assert record["self_check_rewards"]["scored"] == 8 and record["metrics"]["samples"] == 8  # 4 runs x 2 turns, none stopped early
@@ -730,25 +731,7 @@ def test_overlap_sampling_samples_the_next_updates_runs_during_the_step_once_eac
     # overlap_sampling: while update k trains, its next problems' SVR runs are sampled from the policy before the step;
     # update k+1 takes them instead of sampling again. Runs sampled for a start that did not come (the cursor moved
     # elsewhere) are left in the store and the update samples its own problems.
-    agent = {**AGENT, "name": "svr-ahead", "stop_policy": "svr", "stop_params": {"tau": 0.7}, "max_turns": 2, "adapter_family": "ahead"}
-    assert admin(server, "POST", "/admin/agents", json=agent).status_code in (200, 201)
-    s = settings().model_dump()
-    s.update(
-        family="ahead",
-        samples={"settle_s": 0},
-        trainer={**s["trainer"], "estimator": "turn_grpo", "estimator_params": {"source": "reward"}},
-        svr={"enabled": True, "problems_per_update": 2, "group": 2, "horizon": 2, "format_penalty": 0.5},
-        overlap_sampling=True,
-    )
-    cfg = ServiceConfig(
-        data_dir=server.data_dir,
-        admin_url=server.base_url,
-        admin_key=ADMIN,
-        base_model=tiny_model_path,
-        settings=LearnerSettings.model_validate(s),
-        agent="svr-ahead",
-    )
-    svc = LearnerService(cfg)
+    svc = svr_learner(server, tiny_model_path, "svr-ahead", "ahead", max_turns=2, overlap_sampling=True)
     threads: list[str] = []
     real_runs = svc.steps.svr_runs
 
