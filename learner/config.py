@@ -71,6 +71,14 @@ class TrainerConfig(BaseModel):
     activation_checkpointing: bool = Field(
         False, description="recompute activations in the backward pass: a fraction of the activation memory for ~30% more compute"
     )
+    pack_prefixes: bool = Field(
+        True,
+        description=(
+            "forward each distinct token prefix of a micro-batch once (learner/packing.py: a group's shared context, a "
+            "trajectory's earlier turns, a common system prompt), with a tree attention mask; the same logprobs as one row "
+            "per sample, fewer positions. Llama/Qwen-style models under sdpa or eager attention; others use one row per sample"
+        ),
+    )
     epochs: int = Field(
         1,
         ge=1,

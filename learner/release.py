@@ -3,7 +3,8 @@
 ``Release`` is the learner service's release job (one object over the service's shared ``ServiceState``).
 ``publish_and_gate`` publishes ``family@N`` (through ``learner.update.checkpoint_and_publish``, the one publish path
 of every trainer), loads it into the runtime, probes logprob parity (``learner/parity.py``), runs the held-out eval
-gate against the champion through the runs endpoint, and then makes the first passing version the champion (alias)
+gate against the champion through the runs endpoint (fixed problems and seeds: a model's runs are kept by name, so a
+champion is run once, not at every gate), and then makes the first passing version the champion (alias)
 or starts an A/B experiment against the champion. ``experiment_running`` follows that experiment to its decision; a
 version refused by the parity probe or the gate, or rolled back, is rejected: with ``restart_from_champion`` the
 next update starts from the champion's weights (``restart_from_champion``). ``publish_intermediate`` publishes an
@@ -41,6 +42,9 @@ class Release:
 
     def __init__(self, state: ServiceState) -> None:
         self.state = state
+        # a model's gate runs, by model name: the gate's problems and sampling seeds are fixed (``gate_seed``) and a name
+        # (``family@N``, the base model) is one set of weights, so a champion's runs are not made again at every gate
+        self._gate_cache: dict[tuple[str, str | None, int, int], list[dict[str, Any]]] = {}
 
     def publish_held(self) -> None:
         """Publish and gate the version trained while an experiment ran (one history line, no new metrics)."""
@@ -233,8 +237,9 @@ class Release:
             return {"decision": "passed", "reason": "no gate configured"}
         self.state.set_status("gating", f"{new} vs {champion or 'base'} on {self.state.cfg.gate_n} held-out problems")
         base = self.state.base_model_name()
-        new_runs = asyncio.run(self._gate_runs(new))
-        old_runs = asyncio.run(self._gate_runs(champion or base))
+        old = champion or base
+        reused = self._gate_key(old) in self._gate_cache
+        new_runs, old_runs = asyncio.run(self._gate_arms([new, old]))
         new_rate = sum(bool(r.get("correct")) for r in new_runs) / len(new_runs)
         old_rate = sum(bool(r.get("correct")) for r in old_runs) / len(old_runs)
         passed = new_rate >= old_rate - self.state.cfg.gate_tolerance
@@ -246,18 +251,40 @@ class Release:
             "champion_success": old_rate,
             "tolerance": self.state.cfg.gate_tolerance,
             "n": self.state.cfg.gate_n,
+            "champion_runs": "reused" if reused else "run",  # the same problems and seeds as its earlier gate: not run again
             # the adaptive agent's figures (mean turns, wrong-stop rate, ECE of its stated confidence): learner/svr_rollouts.py
             "new_report": adaptive_report(new_runs),
             "champion_report": adaptive_report(old_runs),
         }
 
-    async def _gate_runs(self, model: str) -> list[dict[str, Any]]:
+    def _gate_key(self, model: str) -> tuple[str, str | None, int, int]:
+        return (model, self.state.task(), self.state.cfg.gate_seed, self.state.cfg.gate_n)
+
+    async def _gate_arms(self, models: Sequence[str]) -> list[list[dict[str, Any]]]:
+        """Each model's runs of the gate's ``gate_n`` problems (problem seed ``gate_seed``, which is also every run's
+        sampling seed, so the arms are paired). A model whose runs are kept from an earlier gate is not run again; the
+        others run together, problems interleaved, so the server batches them."""
+        todo = [m for m in dict.fromkeys(models) if self._gate_key(m) not in self._gate_cache]
+        if todo:
+            made = await self._gate_runs(todo)
+            for m, r in zip(todo, made, strict=True):
+                self._gate_cache[self._gate_key(m)] = r
+            while len(self._gate_cache) > 8:  # oldest first: a champion's runs stay while it is the champion (read each gate)
+                self._gate_cache.pop(next(iter(self._gate_cache)))
+        out: list[list[dict[str, Any]]] = []
+        for m in models:
+            kept = self._gate_cache.pop(self._gate_key(m))
+            self._gate_cache[self._gate_key(m)] = kept  # newest last
+            out.append(kept)
+        return out
+
+    async def _gate_runs(self, models: Sequence[str]) -> list[list[dict[str, Any]]]:
         headers = {"Authorization": f"Bearer {self.state.cfg.admin_key}"}
         task = self.state.task()
-        sem = asyncio.Semaphore(8)
+        sem = asyncio.Semaphore(16)
         async with httpx.AsyncClient(base_url=self.state.cfg.admin_url, headers=headers, timeout=900) as client:
 
-            async def one(i: int) -> dict[str, Any]:
+            async def one(model: str, i: int) -> dict[str, Any]:
                 body: dict[str, Any] = {"problem_index": i, "seed": self.state.cfg.gate_seed, "model": model, "eval": True}
                 if task:
                     body["task"] = task
@@ -267,7 +294,9 @@ class Release:
                 out: dict[str, Any] = r.json()
                 return out
 
-            return list(await asyncio.gather(*(one(i) for i in range(self.state.cfg.gate_n))))
+            n = self.state.cfg.gate_n
+            done = await asyncio.gather(*(one(m, i) for i in range(n) for m in models))
+            return [list(done[k :: len(models)]) for k in range(len(models))]
 
     def experiment_running(self, name: str) -> bool:
         try:

@@ -19,7 +19,8 @@ One update:
 4. **Gate**: the agent runs ``gate_n`` held-out problems of its task on the new version and on the
    champion (the family alias, or the base model before the first version) through the runs endpoint
    (``"eval": true``, so the learner never trains on them). A version that regresses by more than
-   ``gate_tolerance`` is unloaded.
+   ``gate_tolerance`` is unloaded. The problems and sampling seeds are fixed (``gate_seed``), so a model's runs are
+   kept by name and a champion is not run again at every gate (the record's ``champion_runs``: ``run``/``reused``).
 5. **A/B**: the first passing version becomes the champion (alias set); later ones enter an experiment
    against the champion with auto-promote and auto-rollback on the task's verifier reward (without an agent
    task, as for chat traffic: on the users' ``feedback``).

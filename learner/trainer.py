@@ -64,6 +64,7 @@ micro-batches (``b % world_size == rank``) and the LoRA gradients are summed acr
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -91,6 +92,7 @@ from learner.collectives import allreduce_grads, allreduce_sums, world
 from learner.config import LoRAConfig, TrainerConfig
 from learner.grammar_mask import GrammarMasks, GrammarReplayError, unpack_bitmask
 from learner.losses import LossConfig, policy_loss
+from learner.packing import pack, plan_packed
 from learner.records.adapter_manifest import sha256_file
 from learner.samples import Sample, make_groups, stored_trajectory_id
 
@@ -218,6 +220,25 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return batches
 
 
+# causal LMs whose forward is ``lm_head(decoder(...))`` (no logit scale or soft-capping after the head) and whose decoder
+# takes a custom 4D attention mask: the packed forward (learner/packing.py) calls the decoder and the head itself
+PACKABLE = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
+def packable(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot take the prefix-packed forward pass, or None when it can."""
+    name = type(model).__name__
+    cfg = model.config
+    if name not in PACKABLE:
+        return f"{name} is not one of the packed architectures ({', '.join(sorted(PACKABLE))})"
+    attn = getattr(cfg, "_attn_implementation", None) or "eager"
+    if attn not in ("sdpa", "eager"):
+        return f"attention implementation {attn!r} (packing builds an sdpa or eager mask)"
+    if getattr(cfg, "use_sliding_window", False) or (name == "MistralForCausalLM" and getattr(cfg, "sliding_window", None)):
+        return "sliding-window attention (a custom mask would drop the window)"
+    return None
+
+
 def _micro_weight(agg: str, mb_rows: int, mb_tokens: int, rows: int, tokens: int) -> float:
     """Factor that makes the micro-batch losses sum to the whole batch's loss under ``agg``."""
     if agg == "token-mean":
@@ -248,6 +269,10 @@ class LoRATrainer:
         self._masks: GrammarMasks | None = None  # built on the first grammar-constrained sample
         self._bits_cache: dict[str, torch.Tensor] = {}  # turn id → its replayed grammar bitmask (T, V/32)
         self._build(base, lora)
+        why_not = packable(base) if cfg.pack_prefixes else "pack_prefixes is off"
+        self.packing = why_not is None
+        if cfg.pack_prefixes and why_not:
+            log.info("prefix packing off: one row per sample", reason=why_not)
         self.loss_cfg = LossConfig(
             clip_low=cfg.clip_low,
             clip_high=cfg.clip_high,
@@ -266,6 +291,7 @@ class LoRATrainer:
             device=str(self.device),
             dtype=str(self.dtype),
             autocast=self.autocast,
+            packing=self.packing,
             lora_params=sum(p.numel() for p in self.params),
         )
 
@@ -298,35 +324,57 @@ class LoRATrainer:
 
     # -- forward ----------------------------------------------------------------------------------
 
-    def _batch_tensors(self, mb: Sequence[Sample]) -> dict[str, torch.Tensor]:
-        """Left-padded ``context + output`` rows; output-aligned tensors are right-aligned in T columns."""
+    def _plan(self, samples: Sequence[Sample]) -> list[tuple[list[int], list[int] | None]]:
+        """Micro-batches: each one's sample indices and, when packed, its rows' sample counts (the indices in row order)."""
+        seqs = [s.context_ids + s.output_ids for s in samples]
+        if self.packing and all(s.context_ids for s in samples):
+            return [([i for row in rows for i in row], [len(row) for row in rows]) for rows in plan_packed(seqs, self.cfg.micro_batch_tokens)]
+        return [(idx, None) for idx in plan_micro_batches([len(x) for x in seqs], self.cfg.micro_batch_tokens)]
+
+    def _batch_tensors(self, mb: Sequence[Sample], row_sizes: Sequence[int] | None = None) -> dict[str, Any]:
+        """The model's input and the output-aligned tensors, each sample's outputs right-aligned in T columns.
+
+        Unpacked (``row_sizes`` None): one left-padded ``context + output`` row per sample. Packed: ``mb`` in row
+        order, ``row_sizes[r]`` samples per row, laid out as prefix tries (``learner.packing.pack``)."""
         rows = len(mb)
         t_out = max(len(s.output_ids) for s in mb)
-        length = max(len(s.context_ids) + len(s.output_ids) for s in mb)
-        input_ids = torch.zeros(rows, length, dtype=torch.long)  # (B, L)
-        attn = torch.zeros(rows, length, dtype=torch.long)  # (B, L)
         mask = torch.zeros(rows, t_out)  # (B, T) loss mask, row i's outputs in its last len(output) columns
         old = torch.zeros(rows, t_out)  # (B, T) behaviour logprobs
         has_old = torch.zeros(rows, dtype=torch.bool)  # (B,)
+        out: dict[str, Any] = {}
+        if row_sizes is None:
+            length = max(len(s.context_ids) + len(s.output_ids) for s in mb)
+            input_ids = torch.zeros(rows, length, dtype=torch.long)  # (B, L)
+            attn = torch.zeros(rows, length, dtype=torch.long)  # (B, L)
+            for i, s in enumerate(mb):
+                seq = s.context_ids + s.output_ids
+                input_ids[i, length - len(seq) :] = torch.tensor(seq)
+                attn[i, length - len(seq) :] = 1
+            position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L): each row starts at position 0 after its padding
+            out.update(input_ids=input_ids, attention_mask=attn, position_ids=position_ids)
+        else:
+            starts = np.cumsum([0, *row_sizes]).tolist()
+            local = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+            out["packed"] = pack(local, [s.context_ids for s in mb], [s.output_ids for s in mb])
         for i, s in enumerate(mb):
-            seq = s.context_ids + s.output_ids
-            input_ids[i, length - len(seq) :] = torch.tensor(seq)
-            attn[i, length - len(seq) :] = 1
             n = len(s.output_ids)
             mask[i, t_out - n :] = torch.tensor(s.loss_mask, dtype=torch.float32)
             if s.logprobs:
                 old[i, t_out - n :] = torch.tensor(s.logprobs, dtype=torch.float32)
                 has_old[i] = True
-        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L): each row starts at position 0 after its padding
         temps = torch.tensor([s.temperature for s in mb], dtype=torch.float32)  # (B,)
-        out = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, mask=mask, old=old, has_old=has_old, temps=temps)
+        out.update(mask=mask, old=old, has_old=has_old, temps=temps)
         if any(s.grammar for s in mb):
             allowed = torch.ones(rows, t_out, self.vocab_size, dtype=torch.bool)  # (B, T, V); padding columns stay unmasked
             for i, s in enumerate(mb):
                 if s.grammar:
                     allowed[i, t_out - len(s.output_ids) :] = unpack_bitmask(self._grammar_bits(s), self.vocab_size)
             out["allowed"] = allowed
-        return {k: v.to(self.device) for k, v in out.items()}
+        packed = out.pop("packed", None)
+        moved: dict[str, Any] = {k: v.to(self.device) for k, v in out.items()}
+        if packed is not None:
+            moved["packed"] = type(packed)(**{k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in vars(packed).items()})
+        return moved
 
     def _grammar_bits(self, s: Sample) -> torch.Tensor:
         """The recorded constraint of ``s`` replayed over its output ids (learner.grammar_mask), cached per turn."""
@@ -351,8 +399,10 @@ class LoRATrainer:
             keep.append(i)
         return keep
 
-    def _logprobs(self, t: Mapping[str, torch.Tensor], *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(self, t: Mapping[str, Any], *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs of the output tokens (B, T) under the current model (adapter state as set by the caller)."""
+        if "packed" in t:
+            return self._packed_logprobs(t, entropy=entropy)
         t_out = t["mask"].shape[1]
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.model(
@@ -375,6 +425,33 @@ class LoRATrainer:
             with torch.no_grad():
                 probs = torch.softmax(logits, dim=-1)  # (B, T, V)
                 ent = lse - (probs * torch.nan_to_num(logits, neginf=0.0)).sum(-1)  # (B, T); masked tokens have p = 0
+        return logp, ent
+
+    def _packed_logprobs(self, t: Mapping[str, Any], *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_logprobs`` of a packed micro-batch: the decoder over the prefix tries, the head only where a logit predicts an
+        output token, then each token's logprob scattered into its sample's (B, T) place (zeros elsewhere)."""
+        p = t["packed"]
+        causal_lm: Any = self.model.get_base_model()
+        attend = p.attend
+        if (getattr(causal_lm.config, "_attn_implementation", None) or "eager") == "eager":  # eager adds the mask to the scores
+            attend = torch.zeros(attend.shape, device=attend.device).masked_fill(~attend, torch.finfo(torch.float32).min)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            hidden = causal_lm.model(input_ids=p.input_ids, attention_mask=attend, position_ids=p.position_ids, use_cache=False).last_hidden_state
+            head = causal_lm.lm_head(hidden[p.row, p.pos])  # (N, V): one logit row per output token
+        logits = head.float() / t["temps"][p.sample][:, None]  # (N, V)
+        allowed = t.get("allowed")
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[p.sample, p.col][:, : logits.shape[-1]], float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1)  # (N,)
+        flat = logits.gather(-1, p.target[:, None]).squeeze(-1) - lse  # (N,)
+        shape = t["mask"].shape
+        logp = torch.zeros(shape, dtype=flat.dtype, device=flat.device).index_put((p.sample, p.col), flat)  # (B, T)
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                probs = torch.softmax(logits, dim=-1)
+                ent_flat = lse - (probs * torch.nan_to_num(logits, neginf=0.0)).sum(-1)
+                ent = torch.zeros(shape, dtype=flat.dtype, device=flat.device).index_put((p.sample, p.col), ent_flat)
         return logp, ent
 
     def check_token_ids(self, samples: Sequence[Sample]) -> None:
@@ -401,9 +478,9 @@ class LoRATrainer:
         self.check_token_ids(samples)
         self.model.eval()
         back: list[list[float]] = [[] for _ in samples]
-        for idx in plan_micro_batches([len(s.context_ids) + len(s.output_ids) for s in samples], self.cfg.micro_batch_tokens):
+        for idx, row_sizes in self._plan(samples):
             mb = [samples[i] for i in idx]
-            t = self._batch_tensors(mb)
+            t = self._batch_tensors(mb, row_sizes)
             if adapter:
                 logp, _ = self._logprobs(t)
             else:
@@ -453,7 +530,7 @@ class LoRATrainer:
         m.trained_samples = len(chosen)
         m.tokens = total_tokens = sum(s.n_tokens for s in chosen)
         self.model.train()
-        batches = plan_micro_batches([len(s.context_ids) + len(s.output_ids) for s in chosen], self.cfg.micro_batch_tokens)
+        batches = self._plan(chosen)
         seen_tokens = 0
         olds: dict[int, torch.Tensor] = {}  # micro-batch → the first epoch's old logprobs (recorded ones, else the first pass's own)
         weights: dict[int, torch.Tensor] = {}  # micro-batch → decoupled-PPO token weights (behaviour_weight_cap)
@@ -480,7 +557,7 @@ class LoRATrainer:
         self,
         chosen: Sequence[Sample],
         adv: Sequence[float],
-        batches: list[list[int]],
+        batches: list[tuple[list[int], list[int] | None]],
         total_tokens: int,
         label: str,
         m: StepMetrics,
@@ -493,11 +570,11 @@ class LoRATrainer:
         entropy_sum = 0.0
         seen_tokens = 0
         rank, size = world()  # data-parallel (learner/distributed.py): this rank's share of the micro-batches
-        for b, idx in enumerate(tqdm(batches, desc=f"learner step {label}", unit="mb", disable=not self.cfg.progress, leave=False)):
+        for b, (idx, row_sizes) in enumerate(tqdm(batches, desc=f"learner step {label}", unit="mb", disable=not self.cfg.progress, leave=False)):
             if b % size != rank:
                 continue
             mb = [chosen[i] for i in idx]
-            t = self._batch_tensors(mb)
+            t = self._batch_tensors(mb, row_sizes)
             logp, ent = self._logprobs(t, entropy=True)  # (B, T)
             # the first epoch fixes the old policy: the recorded behaviour logprobs, or ('recompute', or none recorded)
             # the trainer's own first-pass logprobs (ratio 1 in that epoch; the clip applies in later ones)

@@ -62,6 +62,16 @@ def settings() -> LearnerSettings:
     )
 
 
+def gate_runs_by_model(store) -> dict[str | None, int]:
+    """How many eval (gate) runs each serving model made, from the store (None: the base model)."""
+    counts: dict[str | None, int] = {}
+    for row in store.list_trajectories(limit=100_000):
+        traj = store.get_trajectory(row["trajectory_id"])
+        if row["meta"].get("eval") and traj is not None and traj.turns:
+            counts[traj.turns[0].adapter] = counts.get(traj.turns[0].adapter, 0) + 1
+    return counts
+
+
 def stale_after(updates: int) -> LearnerSettings:
     base = settings()
     return base.model_copy(update={"samples": base.samples.model_copy(update={"max_staleness": updates})})
@@ -109,6 +119,10 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     assert svc.status.experiment == "fam-v2" and svc.status.state == "ab"
     exp = admin(server, "GET", "/admin/experiments/fam-v2").json()
     assert sorted(a["adapter"] for a in exp["arms"]) == ["fam@1", "fam@2"]
+    # the gate's problems and seeds are fixed: fam@1's runs from its own gate are its runs as the champion, not made again
+    gates = [json.loads(x)["gate"] for x in (learner_dir(data, "fam") / "history.jsonl").read_text().splitlines()]
+    assert [g["champion_runs"] for g in gates] == ["run", "reused"] and [g["champion"] for g in gates] == [svc.state.base_model_name(), "fam@1"]
+    assert gate_runs_by_model(svc.store) == {None: 3, "fam@1": 3, "fam@2": 3}
     assert svc.tick() is False  # no new data yet: nothing to train
 
     # training goes on while the experiment runs, but the new version is held, not published
