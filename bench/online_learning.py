@@ -21,7 +21,8 @@ learner's ``reward.png`` is copied next to it.
 
 The learner's speed on the demo (``speed``): updates, optimizer steps, updates per hour of the demo's wall time,
 the minute of the first update, trained tokens and trained tokens per second of step time, from the learner's
-``history.jsonl``. With ``--baseline DIR`` (another checkout, e.g. a ``git worktree`` of an older commit, run with
+``history.jsonl``; where the learner records each update's ``timings``, also its busy seconds by part and its updates
+per busy hour (a learner faster than the demo's traffic waits between updates, which the wall-clock rate counts). With ``--baseline DIR`` (another checkout, e.g. a ``git worktree`` of an older commit, run with
 this checkout's virtualenv) the same demo first runs for the same minutes from that checkout's ``serve.py``, alone,
 and the speed figures are reported side by side with their ratios; ``--n 0`` skips the held-out comparison.
 """
@@ -139,7 +140,21 @@ def speed(t0: float, history: list[dict[str, Any]], minutes: float) -> dict[str,
         "step_s": step_s,
         "trained_tokens_per_step_s": tokens / step_s if step_s else None,
         "trained_samples": sum(int(r["metrics"].get("trained_samples", 0)) for r in trained),
+        # from the updates' own timings (learner checkouts that record them): the time the learner was busy, and its pace
+        # while busy, which the demo's traffic does not bound (a learner faster than its traffic waits between updates)
+        **_busy(history),
     }
+
+
+def _busy(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """Busy seconds (every update's and every held version's release), split by part, and updates per busy hour."""
+    timed = [r for r in history if r.get("timings")]
+    updates = sum(1 for r in history if r.get("metrics"))
+    if not timed or len(timed) < updates:  # a checkout that does not record timings
+        return {}
+    busy = sum(float(r["timings"]["total_s"]) for r in timed)
+    parts = {k: sum(float(r["timings"][k]) for r in timed) for k in ("data_s", "train_s", "checkpoint_s", "release_s")}
+    return {"busy_s": busy, "updates_per_busy_hour": updates / (busy / 3600) if busy else None, "busy_parts_s": parts}
 
 
 def main() -> int:
@@ -213,7 +228,7 @@ def main() -> int:
     if baseline is not None:
         summary["speed_ratio"] = {
             k: summary["speed"][k] / baseline[k]
-            for k in ("updates_per_hour", "optimizer_steps_per_hour", "trained_tokens", "trained_tokens_per_step_s")
+            for k in ("updates_per_hour", "optimizer_steps_per_hour", "trained_tokens", "trained_tokens_per_step_s", "updates_per_busy_hour")
             if baseline.get(k) and summary["speed"].get(k) is not None
         }
     if champion and res:

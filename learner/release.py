@@ -50,8 +50,11 @@ class Release:
         """Publish and gate the version trained while an experiment ran (one history line, no new metrics)."""
         trainer = self.state.get_trainer()
         self.state.held = False
-        record: dict[str, Any] = {"version": trainer.version, "at": time.time(), "metrics": {}, "held": True}
+        started = time.time()
+        record: dict[str, Any] = {"version": trainer.version, "at": started, "metrics": {}, "held": True}
         record["gate"] = self.publish_and_gate(trainer)
+        took = time.time() - started
+        record["timings"] = {"started_at": started, "data_s": 0.0, "train_s": 0.0, "checkpoint_s": 0.0, "release_s": took, "total_s": took}
         with open(self.state.dir / "history.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         plot_rewards(self.state.dir, self.state.family)

@@ -359,6 +359,7 @@ class LearnerService:
 
     def _update(self, force: bool, publish: bool) -> dict[str, Any]:
         self.check_setup()
+        started = time.time()
         state = self.state
         trainer = state.get_trainer()
         resume = self._restart_or_resume(trainer)
@@ -375,7 +376,9 @@ class LearnerService:
         self.scheduler.short = None
         self._sample_ahead(trainer, made)
         state.ledger.begin(s.trajectory_id for s in batch.samples)  # until its checkpoint, a failure counts against this batch
+        data_done = time.time()
         metrics, rerollouts, advantages, used = self.steps.train(trainer, batch.samples, batch.skipped, made.own)
+        train_done = time.time()
         state.trained = used or batch.samples  # RTPO/TCPO steps report no one list: the parity probe picks among the live samples
         why = unused_reasons(batch.skipped, used, advantages, warmup=self.steps.warmup) | {"trained": metrics.trained_samples}
         trainer.cursor = self._cursor_after(trainer, batch, made, stepped=metrics.optimizer_step)
@@ -395,7 +398,19 @@ class LearnerService:
             )
         state.status.version, state.status.updates, state.status.last_update_at = trainer.version, state.status.updates + 1, time.time()
         state.status.last_metrics = metrics.as_dict()
+        saved = time.time()
         record["gate"] = self._publish_or_hold(trainer, why, stepped=metrics.optimizer_step, publish=publish)
+        # where the update's time went: its data (the learner's own runs included), the step (re-rollouts included), the
+        # checkpoint and history bookkeeping, and the release (publish, parity probe, gate; 0 for a held version)
+        done = time.time()
+        record["timings"] = {
+            "started_at": started,
+            "data_s": data_done - started,
+            "train_s": train_done - data_done,
+            "checkpoint_s": saved - train_done,
+            "release_s": done - saved,
+            "total_s": done - started,
+        }
         with open(state.dir / "history.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         plot_rewards(state.dir, state.family)

@@ -17,9 +17,11 @@ and one advantage per sample, and computes nothing about rewards itself. One ``s
    non-zero advantage (zero-variance groups), the optimizer step is skipped and ``version`` stays: a
    version is a set of weights, so the staleness bound does not move for an update that changed nothing.
 2. micro-batches bounded by ``micro_batch_tokens`` padded tokens; each is one teacher-forced forward
-   pass over ``context_ids + output_ids`` (left-padded, explicit position ids), keeping only the logits
-   that predict the output tokens: the logit at position ``p`` predicts the token at ``p + 1``, so the
-   output token at position ``len(context) + j`` is scored by the logit at ``len(context) + j - 1``.
+   pass over ``context_ids + output_ids``, keeping only the logits that predict the output tokens: the
+   logit at position ``p`` predicts the token at ``p + 1``, so the output token at position
+   ``len(context) + j`` is scored by the logit at ``len(context) + j - 1``. With ``pack_prefixes`` (on) the
+   samples are laid out as prefix tries (``learner.packing``: each distinct prefix once, a tree attention
+   mask, depth position ids; Llama/Mistral/Qwen under sdpa or eager), otherwise one left-padded row each.
    Logits are divided by the sample's sampling temperature, as the engine did for its logprobs, and a
    turn decoded under a grammar (``Sample.grammar``) gets the same mask the engine applied
    (``learner.grammar_mask``), so its trained and behaviour logprobs are one distribution (a turn whose

@@ -109,6 +109,11 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     assert (data / "adapters" / "fam" / "v1").is_dir()
     history = [json.loads(x) for x in (learner_dir(data, "fam") / "history.jsonl").read_text().splitlines()]
     assert history[-1]["metrics"]["optimizer_step"] is True and history[-1]["gate"]["decision"] == "passed"
+    timings = history[-1]["timings"]  # where the update's time went: the parts add up to the whole, the release took the gate's runs
+    parts = ("data_s", "train_s", "checkpoint_s", "release_s")
+    assert all(timings[k] >= 0 for k in parts) and sum(timings[k] for k in parts) == pytest.approx(timings["total_s"], abs=1e-3)
+    assert timings["train_s"] >= history[-1]["metrics"]["step_s"] and timings["release_s"] > 0
+    assert timings["started_at"] + timings["total_s"] >= history[-1]["at"]
     assert (learner_dir(data, "fam") / "reward.png").stat().st_size > 0
     # eval-gate runs are recorded but marked, so they never count as new training data
     assert svc.scheduler.count_new() == 0
