@@ -241,6 +241,25 @@ def packable(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _scored(
+    logits: torch.Tensor, temps: torch.Tensor, targets: torch.Tensor, allowed: torch.Tensor | None, *, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each target's logprob under ``logits / temps`` (the engine's sampling distribution), masked by the recorded grammar
+    (``allowed``, as the engine applied it before its logprobs), and the distribution's entropy when asked. ``logits``
+    (..., V); ``targets`` and the results (...)."""
+    logits = logits.float() / temps
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed[..., : logits.shape[-1]], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)
+            ent = lse - (probs * torch.nan_to_num(logits, neginf=0.0)).sum(-1)  # masked tokens have p = 0
+    return logp, ent
+
+
 def _micro_weight(agg: str, mb_rows: int, mb_tokens: int, rows: int, tokens: int) -> float:
     """Factor that makes the micro-batch losses sum to the whole batch's loss under ``agg``."""
     if agg == "token-mean":
@@ -415,19 +434,8 @@ class LoRATrainer:
                 use_cache=False,
             )
         # out.logits: (B, T+1, V) for positions L-T-1 .. L-1; the last one predicts past the end → drop it
-        logits = out.logits[:, :-1, :].float() / t["temps"][:, None, None]  # (B, T, V)
-        allowed = t.get("allowed")
-        if allowed is not None:  # the recorded grammar's mask, as the engine applied it before its logprobs
-            logits = logits.masked_fill(~allowed[..., : logits.shape[-1]], float("-inf"))
         targets = t["input_ids"][:, -t_out:]  # (B, T): the tokens those logits predict
-        lse = torch.logsumexp(logits, dim=-1)  # (B, T)
-        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse  # (B, T)
-        ent = None
-        if entropy:
-            with torch.no_grad():
-                probs = torch.softmax(logits, dim=-1)  # (B, T, V)
-                ent = lse - (probs * torch.nan_to_num(logits, neginf=0.0)).sum(-1)  # (B, T); masked tokens have p = 0
-        return logp, ent
+        return _scored(out.logits[:, :-1, :], t["temps"][:, None, None], targets, t.get("allowed"), entropy=entropy)
 
     def _packed_logprobs(self, t: Mapping[str, Any], *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``_logprobs`` of a packed micro-batch: the decoder over the prefix tries, the head only where a logit predicts an
@@ -440,21 +448,15 @@ class LoRATrainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             hidden = causal_lm.model(input_ids=p.input_ids, attention_mask=attend, position_ids=p.position_ids, use_cache=False).last_hidden_state
             head = causal_lm.lm_head(hidden[p.row, p.pos])  # (N, V): one logit row per output token
-        logits = head.float() / t["temps"][p.sample][:, None]  # (N, V)
         allowed = t.get("allowed")
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed[p.sample, p.col][:, : logits.shape[-1]], float("-inf"))
-        lse = torch.logsumexp(logits, dim=-1)  # (N,)
-        flat = logits.gather(-1, p.target[:, None]).squeeze(-1) - lse  # (N,)
-        shape = t["mask"].shape
-        logp = torch.zeros(shape, dtype=flat.dtype, device=flat.device).index_put((p.sample, p.col), flat)  # (B, T)
-        ent = None
-        if entropy:
-            with torch.no_grad():
-                probs = torch.softmax(logits, dim=-1)
-                ent_flat = lse - (probs * torch.nan_to_num(logits, neginf=0.0)).sum(-1)
-                ent = torch.zeros(shape, dtype=flat.dtype, device=flat.device).index_put((p.sample, p.col), ent_flat)
-        return logp, ent
+        flat, ent_flat = _scored(
+            head, t["temps"][p.sample][:, None], p.target, None if allowed is None else allowed[p.sample, p.col], entropy=entropy
+        )  # (N,)
+
+        def placed(x: torch.Tensor) -> torch.Tensor:  # (N,) → (B, T): each token at its sample's row and column, zeros elsewhere
+            return torch.zeros(t["mask"].shape, dtype=x.dtype, device=x.device).index_put((p.sample, p.col), x)
+
+        return placed(flat), None if ent_flat is None else placed(ent_flat)
 
     def check_token_ids(self, samples: Sequence[Sample]) -> None:
         """Raise :class:`SampleError` naming the turns and trajectories whose context or output ids fall outside ``[0, vocab_size)``
