@@ -14,7 +14,7 @@ positions than one padded row per sample. The logprobs are those of the unpacked
 
 A row holds at most ``row_tokens`` positions (default: 512, or the longest sample if longer), because the ancestor
 mask is dense: attention over a row costs its length squared, the rest of the model its length. Rows go into
-micro-batches by ``rows x longest row <= micro_batch_tokens``, as unpacked rows do (``learner.trainer``).
+micro-batches by ``rows x longest row <= micro_batch_tokens`` (``plan_micro_batches``, which plans unpacked rows too).
 
 Not here: the loss, the forward pass itself (``learner.trainer``), sequence parallelism, paged or varlen kernels.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["ROW_TOKENS", "PackedRows", "pack", "plan_packed"]
+__all__ = ["ROW_TOKENS", "PackedRows", "pack", "plan_micro_batches", "plan_packed"]
 
 ROW_TOKENS = 512  # the default row length bound (a longer single sample gets a row of its own length)
 
@@ -39,6 +39,21 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices packed so that ``rows x longest row`` stays within ``max_tokens`` (a longer row goes alone).
+
+    Rows are taken longest first, which keeps padding low; the result lists indices into ``lengths``.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)  # the first row of a batch is its longest
+        else:
+            batches.append([i])
+    return batches
 
 
 def plan_packed(seqs: Sequence[Sequence[int]], micro_batch_tokens: int, row_tokens: int | None = None) -> list[list[list[int]]]:
@@ -61,16 +76,7 @@ def plan_packed(seqs: Sequence[Sequence[int]], micro_batch_tokens: int, row_toke
         else:
             rows.append([i])
             sizes.append(len(seqs[i]))
-    by_size = sorted(range(len(rows)), key=lambda r: -sizes[r])
-    batches: list[list[list[int]]] = []
-    longest = 0
-    for r in by_size:
-        if batches and (len(batches[-1]) + 1) * longest <= micro_batch_tokens:
-            batches[-1].append(rows[r])
-        else:
-            batches.append([rows[r]])
-            longest = sizes[r]  # the first row of a batch is its longest
-    return batches
+    return [[rows[r] for r in batch] for batch in plan_micro_batches(sizes, micro_batch_tokens)]
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,19 @@ class PackedRows:
     sample: torch.Tensor
     col: torch.Tensor
     positions: int
+
+    def to(self, device: torch.device) -> PackedRows:
+        return PackedRows(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            attend=self.attend.to(device),
+            row=self.row.to(device),
+            pos=self.pos.to(device),
+            target=self.target.to(device),
+            sample=self.sample.to(device),
+            col=self.col.to(device),
+            positions=self.positions,
+        )
 
 
 def pack(rows: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> PackedRows:

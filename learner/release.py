@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +31,16 @@ from learner.parity import refusal
 from learner.publish import AdminError, adapter_path
 from learner.reward_plot import plot_rewards
 from learner.samples import Sample
-from learner.service_state import CHAIN_FILE, INTERMEDIATE, LINEAGE_START, RESTART_FILE, UPDATE_VERSIONS, ServiceState, update_versions
+from learner.service_state import (
+    CHAIN_FILE,
+    INTERMEDIATE,
+    LINEAGE_START,
+    RESTART_FILE,
+    UPDATE_VERSIONS,
+    ServiceState,
+    update_timings,
+    update_versions,
+)
 from learner.svr_rollouts import adaptive_report
 from learner.update import Trainer, checkpoint_and_publish
 
@@ -44,7 +54,7 @@ class Release:
         self.state = state
         # a model's gate runs, by model name: the gate's problems and sampling seeds are fixed (``gate_seed``) and a name
         # (``family@N``, the base model) is one set of weights, so a champion's runs are not made again at every gate
-        self._gate_cache: dict[tuple[str, str | None, int, int], list[dict[str, Any]]] = {}
+        self._gate_cache: OrderedDict[tuple[str, str | None, int, int], list[dict[str, Any]]] = OrderedDict()
 
     def publish_held(self) -> None:
         """Publish and gate the version trained while an experiment ran (one history line, no new metrics)."""
@@ -53,8 +63,7 @@ class Release:
         started = time.time()
         record: dict[str, Any] = {"version": trainer.version, "at": started, "metrics": {}, "held": True}
         record["gate"] = self.publish_and_gate(trainer)
-        took = time.time() - started
-        record["timings"] = {"started_at": started, "data_s": 0.0, "train_s": 0.0, "checkpoint_s": 0.0, "release_s": took, "total_s": took}
+        record["timings"] = update_timings(started, started, started, started, time.time())  # a release only
         with open(self.state.dir / "history.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         plot_rewards(self.state.dir, self.state.family)
@@ -272,14 +281,11 @@ class Release:
             made = await self._gate_runs(todo)
             for m, r in zip(todo, made, strict=True):
                 self._gate_cache[self._gate_key(m)] = r
-            while len(self._gate_cache) > 8:  # oldest first: a champion's runs stay while it is the champion (read each gate)
-                self._gate_cache.pop(next(iter(self._gate_cache)))
-        out: list[list[dict[str, Any]]] = []
         for m in models:
-            kept = self._gate_cache.pop(self._gate_key(m))
-            self._gate_cache[self._gate_key(m)] = kept  # newest last
-            out.append(kept)
-        return out
+            self._gate_cache.move_to_end(self._gate_key(m))  # least recently read first
+        while len(self._gate_cache) > 8:  # a champion's runs stay while it is the champion (read at each gate)
+            self._gate_cache.popitem(last=False)
+        return [self._gate_cache[self._gate_key(m)] for m in models]
 
     async def _gate_runs(self, models: Sequence[str]) -> list[list[dict[str, Any]]]:
         headers = {"Authorization": f"Bearer {self.state.cfg.admin_key}"}

@@ -104,6 +104,7 @@ from learner.service_state import (
     ServiceState,
     Status,
     learner_dir,
+    update_timings,
     update_versions,
 )
 from learner.svr_rewards import apply_self_check_rewards
@@ -400,17 +401,7 @@ class LearnerService:
         state.status.last_metrics = metrics.as_dict()
         saved = time.time()
         record["gate"] = self._publish_or_hold(trainer, why, stepped=metrics.optimizer_step, publish=publish)
-        # where the update's time went: its data (the learner's own runs included), the step (re-rollouts included), the
-        # checkpoint and history bookkeeping, and the release (publish, parity probe, gate; 0 for a held version)
-        done = time.time()
-        record["timings"] = {
-            "started_at": started,
-            "data_s": data_done - started,
-            "train_s": train_done - data_done,
-            "checkpoint_s": saved - train_done,
-            "release_s": done - saved,
-            "total_s": done - started,
-        }
+        record["timings"] = update_timings(started, data_done, train_done, saved, time.time())
         with open(state.dir / "history.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         plot_rewards(state.dir, state.family)

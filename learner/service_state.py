@@ -214,6 +214,20 @@ class ServiceState:
         os.replace(tmp, self.dir / "status.json")
 
 
+def update_timings(started: float, data_done: float, train_done: float, saved: float, done: float) -> dict[str, Any]:
+    """Where an update's time went (its history line's ``timings``), from the times it passed each stage: its data (the
+    learner's own runs included), the step (re-rollouts included), the checkpoint and bookkeeping, and the release
+    (publish, parity probe, gate; about 0 for a held version)."""
+    return {
+        "started_at": started,
+        "data_s": data_done - started,
+        "train_s": train_done - data_done,
+        "checkpoint_s": saved - train_done,
+        "release_s": done - saved,
+        "total_s": done - started,
+    }
+
+
 def update_versions(trainer: Trainer) -> list[int]:
     """The trainer's version at the end of each of the last updates (oldest first), as its checkpoint keeps them."""
     v = trainer.cursor.get(UPDATE_VERSIONS)

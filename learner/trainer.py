@@ -94,7 +94,7 @@ from learner.collectives import allreduce_grads, allreduce_sums, world
 from learner.config import LoRAConfig, TrainerConfig
 from learner.grammar_mask import GrammarMasks, GrammarReplayError, unpack_bitmask
 from learner.losses import LossConfig, policy_loss
-from learner.packing import pack, plan_packed
+from learner.packing import pack, plan_micro_batches, plan_packed
 from learner.records.adapter_manifest import sha256_file
 from learner.samples import Sample, make_groups, stored_trajectory_id
 
@@ -205,21 +205,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices packed so that ``rows x longest row`` stays within ``max_tokens`` (a longer row goes alone).
-
-    Rows are taken longest first, which keeps padding low; the result lists indices into ``lengths``.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
-            batches[-1].append(i)  # the first row of a batch is its longest
-        else:
-            batches.append([i])
-    return batches
 
 
 # causal LMs whose forward is ``lm_head(decoder(...))`` (no logit scale or soft-capping after the head) and whose decoder
@@ -391,11 +376,7 @@ class LoRATrainer:
                 if s.grammar:
                     allowed[i, t_out - len(s.output_ids) :] = unpack_bitmask(self._grammar_bits(s), self.vocab_size)
             out["allowed"] = allowed
-        packed = out.pop("packed", None)
-        moved: dict[str, Any] = {k: v.to(self.device) for k, v in out.items()}
-        if packed is not None:
-            moved["packed"] = type(packed)(**{k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in vars(packed).items()})
-        return moved
+        return {k: v.to(self.device) for k, v in out.items()}
 
     def _grammar_bits(self, s: Sample) -> torch.Tensor:
         """The recorded constraint of ``s`` replayed over its output ids (learner.grammar_mask), cached per turn."""
