@@ -12,9 +12,10 @@ This is the shared-prefix (tree) attention of tree-search RL trainers (e.g. Tree
 applied to ordinary batches: for the demo's groups of 8 answers to one 80-token prompt it trains ~2x fewer
 positions than one padded row per sample. The logprobs are those of the unpacked rows up to float rounding.
 
-A row holds at most ``row_tokens`` positions (default: 512, or the longest sample if longer), because the ancestor
-mask is dense: attention over a row costs its length squared, the rest of the model its length. Rows go into
-micro-batches by ``rows x longest row <= micro_batch_tokens`` (``plan_micro_batches``, which plans unpacked rows too).
+A row holds at most ``row_tokens`` positions (default 512; more only where a sample sharing its prefix, such as a
+long trajectory's later turn, needs them), because the ancestor mask is dense: attention over a row costs its length
+squared, the rest of the model its length. Rows go into micro-batches by ``rows x longest row <= micro_batch_tokens``
+(``plan_micro_batches``, which plans unpacked rows too).
 
 Not here: the loss, the forward pass itself (``learner.trainer``), sequence parallelism, paged or varlen kernels.
 """
@@ -60,17 +61,19 @@ def plan_packed(seqs: Sequence[Sequence[int]], micro_batch_tokens: int, row_toke
     """Micro-batches of rows of sample indices: ``seqs[i]`` is sample i's ``context + output``.
 
     Samples are taken in lexicographic token order, so each one shares its longest prefix with the one before it,
-    and a row grows while its trie (the positions it would hold) stays within the row bound. Rows then go into
-    micro-batches longest first while ``rows x longest row <= micro_batch_tokens`` (a longer row goes alone)."""
+    and a row grows while its trie (the positions it would hold) stays within ``min(row_tokens, micro_batch_tokens)``;
+    a sample that shares a prefix with the row (a trajectory's later turn) may take it past that bound by at most its
+    own length, an unrelated one never. Rows then go into micro-batches
+    longest first while ``rows x longest row <= micro_batch_tokens`` (a longer row goes alone)."""
     if not seqs:
         return []
-    bound = max(row_tokens or ROW_TOKENS, max(len(s) for s in seqs))
+    bound = min(row_tokens or ROW_TOKENS, micro_batch_tokens)
     order = sorted(range(len(seqs)), key=lambda i: tuple(seqs[i]))
     rows: list[list[int]] = []
     sizes: list[int] = []
     for i in order:
         new = len(seqs[i]) - (_lcp(seqs[rows[-1][-1]], seqs[i]) if rows else 0)
-        if rows and sizes[-1] + new <= bound:
+        if rows and sizes[-1] + new <= bound + (len(seqs[i]) if new < len(seqs[i]) else 0):
             rows[-1].append(i)
             sizes[-1] += new
         else:

@@ -84,6 +84,25 @@ def test_the_plan_shares_prefixes_and_keeps_every_sample_once() -> None:
         assert len(mb) == 1 or len(mb) * max(sizes) <= 2048
 
 
+def test_only_a_sample_sharing_its_prefix_takes_a_row_past_its_bound() -> None:
+    rng = random.Random(1)
+    tok = lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]  # noqa: E731
+    turn1 = tok(300)
+    turn2 = turn1 + tok(400)  # a trajectory's turns: each context extends the last
+    turn3 = turn2 + tok(400)
+    long_alone = tok(1500)  # one long sample with nothing to share
+    short = [tok(100) for _ in range(12)]  # unrelated short samples
+    seqs = [turn1, turn2, turn3, long_alone, *short]
+    rows = [row for mb in plan_packed(seqs, micro_batch_tokens=2048, row_tokens=512) for row in mb]
+    sizes = {tuple(sorted(row)): len(pack([row], [s[:1] for s in seqs], [s[1:] for s in seqs]).input_ids[0]) for row in rows}
+    [turns] = [row for row in sizes if 0 in row]
+    others = len(turns) - 3  # short samples that joined the row while it was within the bound, before the turns grew it
+    assert {1, 2} <= set(turns) and sizes[turns] == 1100 + 100 * others and 100 * others + 300 <= 512  # the turns share it
+    assert sizes[(3,)] == 1500  # the long sample alone: no short sample joins its row
+    assert all(n <= 512 for row, n in sizes.items() if row not in (turns, (3,)))  # the short ones in rows of <= 512
+    assert sorted(i for row in rows for i in row) == list(range(len(seqs)))
+
+
 def reference_logprobs(model_path: Path, samples: list[Sample]) -> list[list[float]]:
     """One forward pass per sample, no padding, no packing: the definition of each output token's logprob."""
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
