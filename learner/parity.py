@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -128,10 +129,11 @@ def parity_probe(
     "kinds": {kind: {the same four, "temperatures" (decoded at; 0 = greedy), "grammar_mismatch" (turns)}}}``; a diff is None
     when no token was compared."""
     kinds: dict[str, dict[str, Any]] = {}
+    decoded = _decode_all(client, store, probe, model=model, max_tokens=max_tokens)
     for kind in KINDS:
         diffs: list[float] = []
         mismatch = 0
-        probes, served, temperatures = _decode(client, store, kind, probe.get(kind, ()), model=model, max_tokens=max_tokens)
+        probes, served, temperatures = decoded[kind]
         scorable = set(trainer.replayable(probes)) if probes else set()
         mine = iter(trainer.token_logprobs([p for i, p in enumerate(probes) if i in scorable]) if scorable else [])
         for i, lps in enumerate(served):
@@ -168,31 +170,42 @@ def refusal(report: Mapping[str, Any] | None, threshold: float) -> str | None:
     return f"parity: served and trainer logprobs differ by {report['mean_abs_logp_diff']:.3g} nats/token{on} (> {threshold:g})"
 
 
-def _decode(
-    client: httpx.Client, store: Any, kind: str, turn_ids: Sequence[str], *, model: str, max_tokens: int
-) -> tuple[list[Sample], list[list[float]], list[float]]:
-    """The served version's decodes of one kind's turns: each as the sample the trainer scores, its served logprobs, and
-    the temperature it was decoded at."""
-    probes: list[Sample] = []
-    served: list[list[float]] = []
-    temperatures: list[float] = []
-    for tid in turn_ids:
-        turn = store.get_turn(tid)
-        if turn is None:
-            continue
-        grammar = _served_grammar(turn.sampling)  # the endpoint replays a recorded grammar whatever the kind: mirror it
-        temperature = 0.0 if kind == "greedy" else _recorded_temperature(turn.sampling)
+def _decode_all(
+    client: httpx.Client, store: Any, probe: Mapping[str, Sequence[str]], *, model: str, max_tokens: int
+) -> dict[str, tuple[list[Sample], list[list[float]], list[float]]]:
+    """The served version's decodes of every kind's turns, by kind: each as the sample the trainer scores, its served
+    logprobs, and the temperature it was decoded at. The requests go out at once (the server batches them; one turn's
+    prefill and 16 decode steps each, which one after another took most of a probe's time); the store is read here,
+    in the caller's thread, before any of them."""
+    jobs: list[tuple[str, str, Any, float, dict[str, str] | None]] = []
+    for kind in KINDS:
+        for tid in probe.get(kind, ()):
+            turn = store.get_turn(tid)
+            if turn is None:
+                continue
+            grammar = _served_grammar(turn.sampling)  # the endpoint replays a recorded grammar whatever the kind: mirror it
+            temperature = 0.0 if kind == "greedy" else _recorded_temperature(turn.sampling)
+            jobs.append((kind, tid, turn.context_ids, temperature, grammar))
+
+    def one(job: tuple[str, str, Any, float, dict[str, str] | None]) -> tuple[list[int], list[float]]:
+        _, tid, _, temperature, _ = job
         body = {"n": 1, "model": model, "record": False, "temperature": temperature, "max_tokens": max_tokens, "seed": SEED}
         r = client.post(f"/admin/turns/{tid}/siblings", json=body)
         r.raise_for_status()
         [choice] = r.json()["data"]
-        ids, lps = list(choice["output_ids"]), list(choice["logprobs"])
+        return list(choice["output_ids"]), list(choice["logprobs"])
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), 8))) as pool:
+        answers = list(pool.map(one, jobs))
+    out: dict[str, tuple[list[Sample], list[list[float]], list[float]]] = {kind: ([], [], []) for kind in KINDS}
+    for (kind, tid, context_ids, temperature, grammar), (ids, lps) in zip(jobs, answers, strict=True):
         if not ids or not lps:
             continue
-        probes.append(_probe_sample(tid, turn.context_ids, ids, model, temperature=temperature if temperature > 0 else 1.0, grammar=grammar))
+        probes, served, temperatures = out[kind]
+        probes.append(_probe_sample(tid, context_ids, ids, model, temperature=temperature if temperature > 0 else 1.0, grammar=grammar))
         served.append(lps)  # a final stop token has no logprob here: the trainer's first len(lps) are compared
         temperatures.append(temperature)
-    return probes, served, temperatures
+    return out
 
 
 def _recorded_temperature(sampling: Mapping[str, Any]) -> float:

@@ -2,9 +2,9 @@
 
 ``Release`` is the learner service's release job (one object over the service's shared ``ServiceState``).
 ``publish_and_gate`` publishes ``family@N`` (through ``learner.update.checkpoint_and_publish``, the one publish path
-of every trainer), loads it into the runtime, probes logprob parity (``learner/parity.py``), runs the held-out eval
-gate against the champion through the runs endpoint (fixed problems and seeds: a model's runs are kept by name, so a
-champion is run once, not at every gate), and then makes the first passing version the champion (alias)
+of every trainer), loads it into the runtime, probes logprob parity (``learner/parity.py``) while the held-out eval
+gate runs against the champion through the runs endpoint (fixed problems and seeds: a model's runs are kept by name, so a
+champion is run once, not at every gate; a version the probe refuses abandons its gate), and then makes the first passing version the champion (alias)
 or starts an A/B experiment against the champion. ``experiment_running`` follows that experiment to its decision; a
 version refused by the parity probe or the gate, or rolled back, is rejected: with ``restart_from_champion`` the
 next update starts from the champion's weights (``restart_from_champion``). ``publish_intermediate`` publishes an
@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -45,6 +47,10 @@ from learner.svr_rollouts import adaptive_report
 from learner.update import Trainer, checkpoint_and_publish
 
 log = structlog.get_logger(__name__)
+
+
+class GateAbandoned(RuntimeError):
+    """The gate of a version the parity probe refused stopped sending its runs."""
 
 
 class Release:
@@ -113,9 +119,26 @@ class Release:
         version = trainer.version
         self.state.set_status("publishing", f"{self.state.family}@{version}")
         new = self.publish_current(trainer, meta={"metrics": self.state.status.last_metrics})
-        parity = self.parity(trainer, new)
-        pc = self.state.cfg.settings.parity
-        refused = refusal(parity, pc.threshold)
+        champion = self.state.champion()
+        # the gate's runs (the server's work) go on while the probe decodes and the trainer scores: a probe took 13-21 s of
+        # a demo release before the gate began. A version the probe refuses abandons its gate (runs not yet sent are not).
+        abandon = threading.Event()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gate") as pool:
+            gating = pool.submit(self.gate, new, champion, abandon)
+            try:
+                parity = self.parity(trainer, new)
+            except BaseException:
+                abandon.set()
+                raise
+            refused = refusal(parity, self.state.cfg.settings.parity.threshold)
+            if refused is not None:
+                abandon.set()
+            try:
+                gate = gating.result()
+            except Exception:
+                if refused is None:
+                    raise
+                gate = {}  # abandoned (or failed) for a version that is refused anyway
         if parity is not None and refused is not None:
             gate = {
                 "decision": "refused",
@@ -125,15 +148,15 @@ class Release:
             }
             self.state.status.last_gate = gate
             self.state.unload(new)
+            self._gate_cache.pop(self._gate_key(new), None)  # its runs, where they were all made: it is never gated again
             self._rejected(new, "refused by the parity probe")
             return gate
-        champion = self.state.champion()
-        gate = self.gate(new, champion)
         if parity is not None:
             gate["parity"] = parity
         self.state.status.last_gate = gate
         if gate["decision"] == "refused":
             self.state.unload(new)
+            self._gate_cache.pop(self._gate_key(new), None)
             self._rejected(new, "refused by the eval gate")
         elif champion is None:
             self.state.admin.set_alias(self.state.family, new)
@@ -243,15 +266,16 @@ class Release:
             (self.state.dir / RESTART_FILE).touch()
         self.state.set_status("idle", f"{version} {why}" + ("; the next update starts from the champion's weights" if restart else ""))
 
-    def gate(self, new: str, champion: str | None) -> dict[str, Any]:
-        """Held-out success of the new version vs the champion (or the base model), through the runs endpoint."""
+    def gate(self, new: str, champion: str | None, abandon: threading.Event | None = None) -> dict[str, Any]:
+        """Held-out success of the new version vs the champion (or the base model), through the runs endpoint. ``abandon``
+        set (the parity probe refused ``new``) stops sending its runs: :class:`GateAbandoned`, nothing kept."""
         if self.state.cfg.agent is None or self.state.cfg.gate_n <= 0:
             return {"decision": "passed", "reason": "no gate configured"}
         self.state.set_status("gating", f"{new} vs {champion or 'base'} on {self.state.cfg.gate_n} held-out problems")
         base = self.state.base_model_name()
         old = champion or base
         reused = self._gate_key(old) in self._gate_cache
-        new_runs, old_runs = asyncio.run(self._gate_arms([new, old]))
+        new_runs, old_runs = asyncio.run(self._gate_arms([new, old], abandon))
         new_rate = sum(bool(r.get("correct")) for r in new_runs) / len(new_runs)
         old_rate = sum(bool(r.get("correct")) for r in old_runs) / len(old_runs)
         passed = new_rate >= old_rate - self.state.cfg.gate_tolerance
@@ -272,13 +296,13 @@ class Release:
     def _gate_key(self, model: str) -> tuple[str, str | None, int, int]:
         return (model, self.state.task(), self.state.cfg.gate_seed, self.state.cfg.gate_n)
 
-    async def _gate_arms(self, models: Sequence[str]) -> list[list[dict[str, Any]]]:
+    async def _gate_arms(self, models: Sequence[str], abandon: threading.Event | None = None) -> list[list[dict[str, Any]]]:
         """Each model's runs of the gate's ``gate_n`` problems (problem seed ``gate_seed``, which is also every run's
         sampling seed, so the arms are paired). A model whose runs are kept from an earlier gate is not run again; the
         others run together, problems interleaved, so the server batches them."""
         todo = [m for m in dict.fromkeys(models) if self._gate_key(m) not in self._gate_cache]
         if todo:
-            made = await self._gate_runs(todo)
+            made = await self._gate_runs(todo, abandon)
             for m, r in zip(todo, made, strict=True):
                 self._gate_cache[self._gate_key(m)] = r
         for m in models:
@@ -287,7 +311,7 @@ class Release:
             self._gate_cache.popitem(last=False)
         return [self._gate_cache[self._gate_key(m)] for m in models]
 
-    async def _gate_runs(self, models: Sequence[str]) -> list[list[dict[str, Any]]]:
+    async def _gate_runs(self, models: Sequence[str], abandon: threading.Event | None = None) -> list[list[dict[str, Any]]]:
         headers = {"Authorization": f"Bearer {self.state.cfg.admin_key}"}
         task = self.state.task()
         sem = asyncio.Semaphore(16)
@@ -298,6 +322,8 @@ class Release:
                 if task:
                     body["task"] = task
                 async with sem:
+                    if abandon is not None and abandon.is_set():
+                        raise GateAbandoned(model)
                     r = await client.post(f"/admin/agents/{self.state.cfg.agent}/runs", json=body)  # the admin API's runs: owned by "admin"
                 r.raise_for_status()
                 out: dict[str, Any] = r.json()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -144,6 +145,7 @@ class ServiceState:
         self.restart = (self.dir / RESTART_FILE).exists()  # a version was rejected: the next update starts from the champion's weights
         self.rejected_names: set[str] = set()  # versions refused or rolled back: never used for re-rollouts
         self.held = False  # a version trained during an experiment waits to be published
+        self._status_lock = threading.Lock()
         self.trained: list[Sample] = []  # the last update's samples (the parity probe picks its turns among them)
         # this update's sample window: "now" and "min_version" as collect_samples read them (a resumed sweep's)
         self.window: dict[str, Any] = {}
@@ -208,10 +210,11 @@ class ServiceState:
 
     def set_status(self, state: str, detail: str) -> None:
         """Set the status's state and detail and write ``status.json`` (atomically)."""
-        self.status.state, self.status.detail, self.status.updated_at = state, detail, time.time()
-        tmp = self.dir / "status.json.tmp"
-        tmp.write_text(json.dumps(asdict(self.status)))
-        os.replace(tmp, self.dir / "status.json")
+        with self._status_lock:  # the release's gate and parity probe run in two threads
+            self.status.state, self.status.detail, self.status.updated_at = state, detail, time.time()
+            tmp = self.dir / "status.json.tmp"
+            tmp.write_text(json.dumps(asdict(self.status)))
+            os.replace(tmp, self.dir / "status.json")
 
 
 def update_timings(started: float, data_done: float, train_done: float, saved: float, done: float) -> dict[str, Any]:

@@ -39,11 +39,14 @@ def admin(server, method: str, path: str, **kw) -> httpx.Response:
     return httpx.request(method, server.base_url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120, **kw)
 
 
-def traffic(server, problems: range, samples: int) -> None:
-    """``samples`` runs per problem (one group each), with alternating feedback so every group has variance."""
+def traffic(server, problems: range, samples: int, model: str | None = None) -> None:
+    """``samples`` runs per problem (one group each), with alternating feedback so every group has variance (served by
+    ``model`` where given, else by the agent's own family)."""
     for p in problems:
         for k in range(samples):
-            body = {"task": "basic_arithmetic", "problem_index": p, "seed": 0, "sample_seed": k}
+            body: dict[str, Any] = {"task": "basic_arithmetic", "problem_index": p, "seed": 0, "sample_seed": k}
+            if model is not None:
+                body["model"] = model
             r = httpx.post(server.url + "/agents/learn-agent/runs", json=body, timeout=120)
             assert r.status_code == 200, r.text
             fb = httpx.post(server.url + "/feedback", json={"trajectory_id": r.json()["trajectory_id"], "reward": float(k % 2)}, timeout=60)
@@ -167,6 +170,58 @@ def test_learner_publishes_a_champion_then_starts_an_ab_experiment(server, tiny_
     assert admin(server, "POST", "/admin/experiments/fam-v3/promote", json={"arm": "fam@3"}).status_code == 200
     assert svc.release.experiment_running("fam-v3") is False
     assert svc.status.champion == "fam@3" and svc.status.experiment is None
+
+
+def test_the_gate_runs_while_the_parity_probe_decodes_and_a_refused_version_abandons_it(server, tiny_model_path, monkeypatch):
+    import threading
+
+    import learner.release as release_mod
+
+    cfg = ServiceConfig(
+        data_dir=server.data_dir,
+        admin_url=server.base_url,
+        admin_key=ADMIN,
+        base_model=tiny_model_path,
+        settings=settings().model_copy(update={"family": "ovl"}),
+        agent="learn-agent",
+        min_new_trajectories=8,
+        gate_n=3,
+        gate_tolerance=1.0,
+        poll_s=0.1,
+    )
+    svc = LearnerService(cfg)
+    gate_started, abandons = threading.Event(), []
+    real_gate, real_parity = svc.release.gate, svc.release.parity
+
+    def gate(new, champion, abandon=None):
+        abandons.append(abandon)
+        gate_started.set()
+        return real_gate(new, champion, abandon)
+
+    def parity(trainer, model, *a, **kw):
+        # run one after the other (the probe first), the gate would not have begun: this wait would time out
+        assert gate_started.wait(60), "the gate did not start while the parity probe ran"
+        return real_parity(trainer, model, *a, **kw)
+
+    monkeypatch.setattr(svc.release, "gate", gate)
+    monkeypatch.setattr(svc.release, "parity", parity)
+    traffic(server, range(6, 8), 4, model=svc.state.base_model_name())  # whatever the agent's own family serves
+    assert svc.tick() is True
+    [record] = [json.loads(x) for x in (learner_dir(server.data_dir, "ovl") / "history.jsonl").read_text().splitlines()]
+    gate_record = record["gate"]
+    assert gate_record["decision"] == "passed" and gate_record["parity"]["tokens"] > 0 and gate_record["champion_runs"] == "run"
+    assert gate_record["new"] == "ovl@1" and svc.status.champion == "ovl@1" and not abandons[0].is_set()
+
+    # a version the probe refuses: its gate is abandoned (runs not yet sent are not sent), nothing of it is kept or served
+    gate_started.clear()
+    monkeypatch.setattr(release_mod, "refusal", lambda report, threshold: "parity: refused by this test")
+    traffic(server, range(8, 10), 4, model="ovl")
+    assert svc.tick() is True
+    gate_record = [json.loads(x) for x in (learner_dir(server.data_dir, "ovl") / "history.jsonl").read_text().splitlines()][-1]["gate"]
+    assert gate_record["decision"] == "refused" and gate_record["reason"].startswith("parity:"), gate_record
+    assert abandons[1].is_set() and svc.release._gate_key("ovl@2") not in svc.release._gate_cache
+    assert "ovl@2" not in {a["name"] for a in admin(server, "GET", "/admin/adapters").json()["data"]}
+    assert svc.status.champion == "ovl@1" and svc.state.restart is True
 
 
 def test_zero_variance_data_skips_the_step_and_keeps_the_version(server, tiny_model_path, tmp_path):
