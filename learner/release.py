@@ -123,10 +123,11 @@ class Release:
         # the gate's runs (the server's work) go on while the probe decodes and the trainer scores: a probe took 13-21 s of
         # a demo release before the gate began. A version the probe refuses abandons its gate (runs not yet sent are not).
         abandon = threading.Event()
+        self.state.set_status("probing", f"logprob parity of {new} (and its gate, where one is configured)")
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gate") as pool:
             gating = pool.submit(self.gate, new, champion, abandon)
             try:
-                parity = self.parity(trainer, new)
+                parity = self.parity(trainer, new, status=False)  # the status says "gating" while both run
             except BaseException:
                 abandon.set()
                 raise
@@ -170,7 +171,7 @@ class Release:
         return gate
 
     def parity(
-        self, trainer: Trainer, model: str, candidates: Sequence[Sample] | None = None, *, intermediate: bool = False
+        self, trainer: Trainer, model: str, candidates: Sequence[Sample] | None = None, *, intermediate: bool = False, status: bool = True
     ) -> dict[str, Any] | None:
         """The logprob parity probe of a just-loaded version (``learner/parity.py``): its greedy, sampled and constrained
         turns, picked among ``candidates`` (default: the last update's trained samples) the first time; None when it is
@@ -184,7 +185,8 @@ class Release:
         if not probe:
             return None
         what = ", ".join(f"{len(ids)} {kind}" for kind, ids in probe.items())
-        self.state.set_status("probing", f"logprob parity of {model} on recorded turns ({what})")
+        if status:
+            self.state.set_status("probing", f"logprob parity of {model} on recorded turns ({what})")
         headers = {"Authorization": f"Bearer {self.state.cfg.admin_key}"}
         with httpx.Client(base_url=self.state.cfg.admin_url, headers=headers, timeout=300) as client:
             report = parity_probe(client, self.state.store, trainer, model=model, probe=probe, max_tokens=pc.max_tokens)
