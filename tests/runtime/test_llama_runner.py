@@ -99,13 +99,20 @@ def test_runner_logits_equal_the_full_forward_fp32(ctx_model_path: Path, kind: s
     _drive(runner, check, model.config.vocab_size)
 
 
-def test_llama_runner_bf16_is_as_close_to_fp32_as_the_bf16_forward(ctx_model_path: Path) -> None:
+@pytest.mark.parametrize("amx", [True, False])
+def test_llama_runner_bf16_is_as_close_to_fp32_as_the_bf16_forward(ctx_model_path: Path, amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 rounds differently when the same numbers are computed in other GEMM shapes (a chunk vs the
     whole sequence), so the bf16 runner is held to the standard of transformers' own bf16 forward: its
     distance from the fp32 logits is of the same size. A wrong KV column or position is off by the
-    logits' whole scale (order 10 on this context-sensitive model)."""
+    logits' whole scale (order 10 on this context-sensitive model). Both prompt-attention paths, whatever
+    this CPU has: bf16 where AMX is, float32 where bf16 has no matrix unit."""
+    import runtime.engines.llama_runner as llama_runner
+
+    monkeypatch.setattr(llama_runner, "_has_amx", lambda: amx)
     ref32, ref16 = _model(ctx_model_path, torch.float32), _model(ctx_model_path, torch.bfloat16)
     runner = _runner("llama", _model(ctx_model_path, torch.bfloat16))
+    assert runner.chunk_attn_dtype == (torch.bfloat16 if amx else torch.float32)
+    assert _runner("llama", _model(ctx_model_path, torch.float32)).chunk_attn_dtype == torch.float32
     ours, theirs, scale = [], [], []
 
     def check(row: torch.Tensor, ids: list[int], where: str) -> None:
