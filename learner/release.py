@@ -3,9 +3,9 @@
 ``Release`` is the learner service's release job (one object over the service's shared ``ServiceState``).
 ``publish_and_gate`` publishes ``family@N`` (through ``learner.update.checkpoint_and_publish``, the one publish path
 of every trainer), loads it into the runtime, probes logprob parity (``learner/parity.py``) while the held-out eval
-gate runs against the champion through the runs endpoint (fixed problems and seeds: a model's runs are kept by name, so a
-champion is run once, not at every gate; a version the probe refuses abandons its gate), and then makes the first passing version the champion (alias)
-or starts an A/B experiment against the champion. ``experiment_running`` follows that experiment to its decision; a
+gate runs against the champion through the runs endpoint (fixed problems and seeds: a model's runs are kept by name,
+so a champion is run once, not at every gate; a version the probe refuses abandons its gate), and then makes the
+first passing version the champion (alias) or starts an A/B experiment against the champion. ``experiment_running`` follows that experiment to its decision; a
 version refused by the parity probe or the gate, or rolled back, is rejected: with ``restart_from_champion`` the
 next update starts from the champion's weights (``restart_from_champion``). ``publish_intermediate`` publishes an
 RTPO sweep's step for its next re-rollouts (parity probe, no eval gate, no alias; a refused one is unloaded and
