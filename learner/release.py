@@ -5,11 +5,12 @@
 of every trainer), loads it into the runtime, probes logprob parity (``learner/parity.py``) while the held-out eval
 gate runs against the champion through the runs endpoint (fixed problems and seeds: a model's runs are kept by name,
 so a champion is run once, not at every gate; a version the probe refuses abandons its gate), and then makes the
-first passing version the champion (alias) or starts an A/B experiment against the champion. ``experiment_running`` follows that experiment to its decision; a
-version refused by the parity probe or the gate, or rolled back, is rejected: with ``restart_from_champion`` the
-next update starts from the champion's weights (``restart_from_champion``). ``publish_intermediate`` publishes an
-RTPO sweep's step for its next re-rollouts (parity probe, no eval gate, no alias; a refused one is unloaded and
-raises ``learner.parity.ParityRefused``); ``publish_held`` releases a version trained while an experiment ran.
+first passing version the champion (alias) or starts an A/B experiment against the champion. ``experiment_running``
+follows that experiment to its decision; a version refused by the parity probe or the gate, or rolled back, is
+rejected: with ``restart_from_champion`` the next update starts from the champion's weights
+(``restart_from_champion``). ``publish_intermediate`` publishes an RTPO sweep's step for its next re-rollouts
+(parity probe, no eval gate, no alias; a refused one is unloaded and raises ``learner.parity.ParityRefused``);
+``publish_held`` releases a version trained while an experiment ran.
 
 Not here: the publish protocol and the admin client (``learner/publish.py``), the experiment's statistics
 (the runtime's ``runtime/adapters/experiments.py``), when a release happens (``learner/scheduler.py``).
