@@ -150,7 +150,6 @@ class Release:
             }
             self.state.status.last_gate = gate
             self.state.unload(new)
-            self._gate_cache.pop(self._gate_key(new), None)  # its runs, where they were all made: it is never gated again
             self._rejected(new, "refused by the parity probe")
             return gate
         if parity is not None:
@@ -158,7 +157,6 @@ class Release:
         self.state.status.last_gate = gate
         if gate["decision"] == "refused":
             self.state.unload(new)
-            self._gate_cache.pop(self._gate_key(new), None)
             self._rejected(new, "refused by the eval gate")
         elif champion is None:
             self.state.admin.set_alias(self.state.family, new)
@@ -265,6 +263,7 @@ class Release:
         restart = self.state.cfg.settings.restart_from_champion
         self.state.restart = restart
         self.state.rejected_names.add(version)
+        self._gate_cache.pop(self._gate_key(version), None)  # its gate runs, if kept: a rejected name is never gated again
         if restart:
             (self.state.dir / RESTART_FILE).touch()
         self.state.set_status("idle", f"{version} {why}" + ("; the next update starts from the champion's weights" if restart else ""))

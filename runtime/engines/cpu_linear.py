@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,17 @@ def packed_linear_available() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` words: ``amx_bf16``, ``avx512_bf16``, ...); empty where
+    they cannot be read. Read once per process."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(w for line in text.splitlines() if line.startswith("flags") for w in line.partition(":")[2].split())
+
+
 def bf16_packable() -> bool:
     """Whether oneDNN packs bf16 weights on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only
     CPU refuses with a RuntimeError): probed once on a tiny weight. Where it cannot, bf16 linears use ``F.linear``."""

@@ -84,6 +84,7 @@ from runtime.engine import (
     collect,
 )
 from runtime.engines import llama_runner
+from runtime.engines.cpu_linear import cpu_flags
 from runtime.engines.fair_share import W_DECODE, W_PREFILL, FairQueue, owner_of
 from runtime.engines.hf_runner import HFRunner
 from runtime.engines.lora_batch import LoraBank
@@ -105,10 +106,7 @@ def pick_dtype(name: str) -> torch.dtype:
         return torch.bfloat16
     if torch.cuda.is_available():
         return torch.bfloat16
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return torch.float32
+    flags = cpu_flags()
     return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
 
 

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.engines.cpu_linear import Packed, pack
+from runtime.engines.cpu_linear import Packed, cpu_flags, pack
 from runtime.engines.kv_pools import KVPools, Staging
 from runtime.engines.lora_batch import LoraBank
 from runtime.engines.runner import Chunk, DecodeRow, LogitsOf
@@ -66,11 +65,8 @@ def fits(model: nn.Module, max_len: int) -> str | None:
 
 
 def _has_amx() -> bool:
-    """Whether the CPU has AMX (``amx_bf16`` in ``/proc/cpuinfo``'s flags); False where it cannot be read."""
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    """Whether the CPU has AMX (``amx_bf16`` among its flags); False where they cannot be read."""
+    return "amx_bf16" in cpu_flags()
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
