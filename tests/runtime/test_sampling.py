@@ -193,3 +193,78 @@ def test_sampled_frequencies_follow_the_distribution(temperature: float, top_p: 
             assert counts[tok] == 0, (tok, counts)
         else:
             assert abs(counts[tok] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (tok, counts[tok] / n, p)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.one_of(st.floats(-30, 30), st.just(-math.inf)), min_size=7, max_size=7),
+            st.sampled_from(["ok", "nan", "all_masked", "pos_inf"]),
+            st.sampled_from([0.0, 0.3, 1.0, 1.7]),
+            st.integers(0, 3),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_logprobs_and_failures_follow_the_definition(spec: list[tuple[list[float], str, float, int]]) -> None:
+    """Any batch: a row fails exactly when its logits hold a NaN or +inf or allow nothing; every other row's logprob is
+    ``log_softmax(logits / T)`` at its token (T = 1 for greedy rows), computed here in float64, its greedy token is an
+    argmax of its logits, and its top list is the best ``top_logprobs`` finite logprobs of that distribution."""
+    rows_logits, rows = [], []
+    for values, kind, temperature, k in spec:
+        v = list(values)
+        if kind == "nan":
+            v[3] = math.nan
+        elif kind == "all_masked":
+            v = [-math.inf] * len(v)
+        elif kind == "pos_inf":
+            v[2] = math.inf
+        elif all(x == -math.inf for x in v):
+            v[0] = 0.0
+        rows_logits.append(v)
+        rows.append(row(temperature=temperature, generator=torch.Generator().manual_seed(7), top_logprobs=k))
+    logits = torch.tensor(rows_logits, dtype=torch.float32)
+    out = sample_next(logits.clone(), rows)
+    for i, (_, kind, temperature, k) in enumerate(spec):
+        assert out.failed[i] == (kind != "ok"), (i, kind)
+        if out.failed[i]:
+            continue
+        t = 1.0 if temperature == 0.0 else temperature
+        ref = torch.log_softmax(logits[i].double() / t, dim=-1)
+        tok = out.token_ids[i]
+        assert ref[tok].item() > -math.inf  # a masked token is never chosen
+        assert out.logprobs[i] == pytest.approx(ref[tok].item(), abs=1e-4)
+        if temperature == 0.0:
+            assert logits[i, tok].item() == logits[i].max().item()
+        finite = sorted((x for x in ref.tolist() if x > -math.inf), reverse=True)[:k]
+        assert [v for _, v in out.top[i]] == pytest.approx(finite, abs=1e-4)
+        assert all(ref[j].item() == pytest.approx(v, abs=1e-4) for j, v in out.top[i])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 1300),
+    st.lists(st.tuples(st.integers(0, 1299), st.floats(1e-6, 5.0)), min_size=1, max_size=12),
+    st.integers(0, 2**31 - 1),
+)
+def test_inverse_cdf_draws_the_token_a_full_cumulative_sum_names(vocab: int, mass: list[tuple[int, float]], seed: int) -> None:
+    """The draw is the first token whose float64 cumulative mass exceeds ``u`` times the total, with ``u`` the row's one
+    uniform draw, whatever the vocabulary (a partial last block, mass spread over several blocks, empty blocks), and
+    never a token of mass 0."""
+    from runtime.engines.sampling import _inverse_cdf
+
+    probs = torch.zeros(3, vocab)
+    for tok, m in mass:
+        probs[0, tok % vocab] += m
+    probs[1, -1] = 1.0  # all mass on the last token
+    probs[2] = 1.0  # flat
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(3)]
+    us = [torch.rand(1, generator=torch.Generator().manual_seed(seed + i), dtype=torch.float64).item() for i in range(3)]
+    got = _inverse_cdf(probs, gens).tolist()
+    for r, (u, tok) in enumerate(zip(us, got, strict=True)):
+        cdf = probs[r].double().cumsum(0)
+        expected = int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=torch.float64), right=True).item())
+        assert probs[r, tok] > 0
+        assert tok == min(expected, vocab - 1), (r, u, tok, expected)
