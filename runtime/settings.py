@@ -102,7 +102,14 @@ class EngineSettings(_Frozen):
     max_queue: int = Field(256, ge=0, description="most requests waiting for a batch slot; beyond it the server answers 429")
     max_model_len: int | None = Field(None, ge=16, description="context window; default the model's max_position_embeddings")
     threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores (on a machine busy with other work, 1 is faster)")
-    prefill_chunk: int = Field(512, ge=16, description="prompt tokens fed per engine step, so a long prompt does not stall the requests decoding")
+    prefill_chunk: int = Field(
+        512,
+        ge=16,
+        description=(
+            "prompt tokens fed per engine step, so a long prompt does not stall the requests decoding "
+            "(while none decodes, the oldest prompt takes up to 4 times this per step)"
+        ),
+    )
     runner: Literal["auto", "llama", "transformers"] = Field(
         "auto", description="embedded engine forward: auto = the lean Llama-family runner when the model fits it, else the transformers forward"
     )

@@ -393,3 +393,51 @@ def test_invalid_grammar_is_invalid_request(tiny_model_path: Path) -> None:
     assert [e.param for e in errors] == ["response_format"] * 3
     assert "invalid ebnf constraint" in str(errors[0])
     assert "undefined_rule" in str(errors[1])
+
+
+@pytest.mark.parametrize("runner", ["llama", "transformers"])
+def test_an_idle_engine_feeds_a_long_prompt_in_bigger_pieces_and_a_busy_one_in_chunks(ctx_model_path: Path, ref_model: Any, runner: str) -> None:
+    """``prefill_chunk`` bounds a step's prompt tokens while some request decodes (its token gap); with none decoding,
+    the oldest prompt goes in pieces of up to 4 chunks (``--prefill-chunk``'s help says so). Either way the tokens are
+    transformers'."""
+    chunk, big = 16, 64
+    g = torch.Generator().manual_seed(3)
+    long_a = torch.randint(3, 200, (2 * big + 9,), generator=g).tolist()
+    long_b = torch.randint(3, 200, (70,), generator=g).tolist()
+    short = torch.randint(3, 200, (5,), generator=g).tolist()
+    steps: list[tuple[int, list[int]]] = []  # (decode rows, prompt tokens of each chunk) per forward
+
+    async def body(engine: EmbeddedEngine) -> tuple[list[int], list[int], list[int]]:
+        assert engine._runner is not None
+        inner = engine._runner.step
+
+        def spy(decode: Any, chunks: Any) -> Any:
+            steps.append((len(decode), [len(c.ids) for c in chunks]))
+            return inner(decode, chunks)
+
+        engine._runner.step = spy  # type: ignore[method-assign]
+        alone = (await engine.generate(greedy(long_a, 3))).output_ids
+        decoding = asyncio.Event()
+
+        async def decoder() -> list[int]:
+            ids: list[int] = []
+            async for c in engine.stream(greedy(short, 40)):
+                ids.extend(c.token_ids)
+                if len(ids) >= 2:
+                    decoding.set()
+            return ids
+
+        task = asyncio.create_task(decoder())
+        await decoding.wait()
+        beside = (await engine.generate(greedy(long_b, 3))).output_ids
+        return list(alone), list(beside), await task
+
+    alone, beside, short_out = with_engine(ctx_model_path, body, prefill_chunk=chunk, runner=runner)
+    assert alone == reference(ref_model, long_a, 3)
+    assert beside == reference(ref_model, long_b, 3)
+    assert short_out == reference(ref_model, short, 40)
+    idle = [sizes for rows, sizes in steps if rows == 0 and sizes]
+    assert idle[:3] == [[big], [big], [len(long_a) - 2 * big]]  # the first prompt, alone: three pieces, not nine chunks
+    busy = [sizes for rows, sizes in steps if rows > 0 and sizes]
+    assert all(sum(sizes) <= chunk for sizes in busy)  # beside a decoding request: chunks of 16
+    assert sum(sum(sizes) for sizes in busy) == len(long_b)  # every piece of the second prompt ran beside the decoder
