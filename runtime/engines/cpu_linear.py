@@ -40,7 +40,6 @@ def packed_linear_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-@functools.lru_cache(maxsize=1)
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` words: ``amx_bf16``, ``avx512_bf16``, ...); empty where
