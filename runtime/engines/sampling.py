@@ -80,9 +80,9 @@ def sample_next(logits: torch.Tensor, rows: list[RowSampling]) -> SampleOutput:
     """Sample one token per row. ``logits``: (B, V) float32, already grammar-masked (-inf).
 
     The log-softmax is never materialised: a row's logprob of token ``j`` is ``scaled[j] - logsumexp(scaled)``, so a
-    greedy batch at temperature-free rows reads the (B, V) logits a few times and writes nothing of that size (sampled
-    rows write their own probabilities). In a 64-row decode step on SmolLM2's 49k vocabulary, the division by the
-    temperature, the log-softmax and its max had been a full pass over 12 MB each."""
+    greedy batch reads the (B, V) logits a few times and writes nothing of that size (only sampled rows write their
+    probabilities, and only a row with T != 1 needs the division). In a 64-row decode step on SmolLM2's 49k vocabulary
+    the division, the log-softmax and its max had each been a full pass over 12 MB."""
     batch = logits.shape[0]
     logits = penalize(logits, rows)
     greedy = [r.temperature < MIN_TEMPERATURE for r in rows]
