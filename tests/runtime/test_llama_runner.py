@@ -175,3 +175,58 @@ def test_fits_names_what_it_cannot_serve(ctx_model_path: Path) -> None:
     model.config.sliding_window = None
     model.config.hidden_act = "gelu"
     assert "hidden_act" in (fits(model, 2048) or "")
+
+
+def _wide_head_model(dtype: torch.dtype) -> Any:
+    """A 2-layer Llama with head dim 64 (2 query heads on 1 kv head), weights drawn like ``ctx_model_path``'s."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else 0.3))
+    return model.to(dtype).eval()
+
+
+def test_llama_runner_bf16_with_the_prompt_attention_kernel_is_as_close_to_fp32_as_the_bf16_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPUs with AVX512-BF16 and no AMX the prompt chunks attend through the compiled kernel (head dim 64 here, the
+    kernel's smallest): held to the bf16 forward's distance from fp32, as above, over chunked prompts with causal
+    offsets beside decode rows. ``LOOPWISE_PROMPT_ATTENTION=torch`` turns it off."""
+    from runtime.engines import prompt_attention
+
+    if prompt_attention.why_not() is not None or prompt_attention.op() is None:
+        pytest.skip(f"the kernel is not used on this machine: {prompt_attention.why_not() or 'it did not build'}")
+    ref32, ref16 = _wide_head_model(torch.float32), _wide_head_model(torch.bfloat16)
+    runner = _runner("llama", _wide_head_model(torch.bfloat16))
+    assert runner.prompt_attention is prompt_attention.op()
+    assert _runner("llama", _wide_head_model(torch.float32)).prompt_attention is None
+    ours, theirs, scale = [], [], []
+
+    def check(row: torch.Tensor, ids: list[int], where: str) -> None:
+        truth = _last(ref32, ids)
+        ours.append(float((row.float() - truth).abs().max()))
+        theirs.append(float((_last(ref16, ids) - truth).abs().max()))
+        scale.append(float(truth.abs().max()))
+
+    _drive(runner, check, ref32.config.vocab_size)
+    assert min(scale) > 2.0
+    assert sum(ours) / len(ours) <= 2 * sum(theirs) / len(theirs), (ours, theirs)
+    assert max(ours) <= 3 * max(theirs), (max(ours), max(theirs))
+    monkeypatch.setenv("LOOPWISE_PROMPT_ATTENTION", "torch")
+    prompt_attention.op.cache_clear()
+    try:
+        assert _runner("llama", _wide_head_model(torch.bfloat16)).prompt_attention is None
+    finally:
+        prompt_attention.op.cache_clear()

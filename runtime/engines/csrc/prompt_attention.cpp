@@ -1,0 +1,248 @@
+// Causal attention for a prompt chunk in bf16 on CPUs with AVX512-BF16 and no AMX, as one torch op:
+// torch.ops.loopwise.prompt_attention(q, k, v, start, scale) -> out.
+//
+//   q (n, H, D) bf16, the chunk's queries at positions start .. start + n - 1 (rows may be strided; D contiguous)
+//   k, v (K, L, D) bf16, the prompt's keys and values, L >= start + n; query i sees keys 0 .. start + i
+//   out (n, H, D) bf16: softmax(q k^T * scale) v per head, query heads grouped per kv head (H = G K)
+//
+// Flash attention (Dao et al., 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness")
+// over tiles of 4 queries x 64 keys: scores q k^T and the product P v both with vdpbf16ps (a pair of bf16 products
+// per fp32 lane), the running softmax in fp32 (base 2), P rounded to bf16 before P v as GPU flash attention does.
+// K and V are first repacked per kv head into the pair layouts the instruction reads (keys across lanes for the
+// scores, dimensions across lanes for P v), zero-padded to whole 64-key blocks. Work items (head, 4-query tile)
+// run on ATen's thread pool, ordered so that each thread's share has about as many causal key blocks as another's.
+//
+// Not here: decode rows (the runner's pools), masks other than causal, fp32 or fp16, head dims not a multiple of 64.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int kRows = 4;    // queries per tile
+constexpr int kBlock = 64;  // keys per block of scores in registers: 4 vectors of 16 lanes
+constexpr int kSpan = 256;  // keys per running-softmax update
+constexpr int kMaxDim = 256;
+
+// 2^x for x <= 0 (and -inf -> 0): 2^floor(x) via scalef times a degree-6 polynomial of the fraction.
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(x, n);  // [0, 1)
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// K of one kv head (L, D) -> pairs of dimensions, keys across lanes: kp[d2][t][0..1] = k[t][2 d2 .. 2 d2 + 1].
+void pack_k(const uint16_t* k, int64_t row_stride, int64_t T, int64_t Tpad, int64_t D, uint16_t* kp) {
+  const int64_t D2 = D / 2;
+  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k);
+  uint32_t* kp32 = reinterpret_cast<uint32_t*>(kp);
+  for (int64_t t = 0; t < Tpad; ++t) {
+    const uint32_t* src = k32 + t * (row_stride / 2);
+    for (int64_t d2 = 0; d2 < D2; ++d2) kp32[d2 * Tpad + t] = t < T ? src[d2] : 0u;
+  }
+}
+
+// V of one kv head (L, D) -> pairs of keys, dimensions across lanes: vp[t2][d][0..1] = v[2 t2 .. 2 t2 + 1][d].
+void pack_v(const uint16_t* v, int64_t row_stride, int64_t T, int64_t Tpad, int64_t D, uint16_t* vp) {
+  for (int64_t t2 = 0; t2 < Tpad / 2; ++t2) {
+    const int64_t a = 2 * t2, b = 2 * t2 + 1;
+    uint16_t* dst = vp + t2 * D * 2;
+    for (int64_t d = 0; d < D; ++d) {
+      dst[2 * d] = a < T ? v[a * row_stride + d] : 0;
+      dst[2 * d + 1] = b < T ? v[b * row_stride + d] : 0;
+    }
+  }
+}
+
+struct Args {
+  const uint16_t* q;
+  int64_t q_tok, q_head;  // strides in elements
+  const uint16_t* kp;     // (K, D/2, Tpad, 2)
+  const uint16_t* vp;     // (K, Tpad/2, D, 2)
+  uint16_t* out;          // (n, H, D)
+  int64_t n, start, H, G, D, Tpad;
+  float scale2;  // scale * log2(e)
+};
+
+// One tile: queries i0 .. i0 + 3 (clamped to n) of head h, over key spans of up to kSpan keys: the scores of a span
+// go to a buffer (blocks of 64 keys, 4 x 4 vectors in registers), then one running-softmax update per row and span,
+// then P v for the span with the output's 4 x 64 dims in registers.
+void tile(const Args& a, int64_t h, int64_t i0) {
+  const int64_t D = a.D, D2 = D / 2, kh = h / a.G;
+  const uint16_t* kp = a.kp + kh * D2 * a.Tpad * 2;
+  const uint16_t* vp = a.vp + kh * (a.Tpad / 2) * D * 2;
+  const uint32_t* qrow[kRows];
+  int64_t last[kRows];  // the last key each query sees
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t i = std::min(i0 + r, a.n - 1);
+    qrow[r] = reinterpret_cast<const uint32_t*>(a.q + i * a.q_tok + h * a.q_head);
+    last[r] = a.start + i;
+  }
+  const int64_t keys = last[kRows - 1] + 1;
+  alignas(64) float o[kRows][kMaxDim];
+  alignas(64) float s[kRows][kSpan];
+  alignas(64) uint16_t p[kRows][kSpan];
+  alignas(64) float m[kRows], l[kRows], alpha[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+    std::memset(o[r], 0, sizeof(float) * D);
+  }
+  const __m512 scale = _mm512_set1_ps(a.scale2);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t t0 = 0; t0 < keys; t0 += kSpan) {
+    const int64_t nb = std::min<int64_t>(kSpan, keys - t0 + kBlock - 1) / kBlock;  // 64-key blocks in this span
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 acc[kRows][4];
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+      const uint16_t* kb = kp + (t0 + b * kBlock) * 2;
+      for (int64_t d2 = 0; d2 < D2; ++d2) {
+        const uint16_t* kd = kb + d2 * a.Tpad * 2;
+        __m512i kv[4];
+        for (int c = 0; c < 4; ++c) kv[c] = _mm512_loadu_si512(kd + c * 32);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512i qb = _mm512_set1_epi32(static_cast<int>(qrow[r][d2]));
+          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(qb), as_bh(kv[c]));
+        }
+      }
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_store_ps(&s[r][b * kBlock + 16 * c], _mm512_mul_ps(acc[r][c], scale));
+    }
+    const int nv = static_cast<int>(nb * 4);  // vectors of 16 keys
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t room = last[r] - t0;  // keys t0 .. t0 + room are visible to this row
+      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int c = 0; c < nv; ++c) {
+        const int64_t rc = room - 16 * c;
+        const __mmask16 ok = rc >= 15 ? static_cast<__mmask16>(0xFFFF)
+                             : rc < 0  ? static_cast<__mmask16>(0)
+                                       : _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(rc)));
+        mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_load_ps(&s[r][16 * c]));
+      }
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));  // finite: key 0 is visible to every row
+      alpha[r] = m[r] - m_new;
+      m[r] = m_new;
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < nv; ++c) {
+        const int64_t rc = room - 16 * c;
+        const __mmask16 ok = rc >= 15 ? static_cast<__mmask16>(0xFFFF)
+                             : rc < 0  ? static_cast<__mmask16>(0)
+                                       : _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(rc)));
+        const __m512 pe = _mm512_maskz_mov_ps(ok, exp2_ps(_mm512_sub_ps(_mm512_load_ps(&s[r][16 * c]), mv)));
+        const __m256bh pb = _mm512_cvtneps_pbh(pe);
+        sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(pb));  // what P v uses: the rounded probabilities
+        _mm256_store_si256(reinterpret_cast<__m256i*>(&p[r][16 * c]), reinterpret_cast<__m256i>(pb));
+      }
+      l[r] = _mm512_reduce_add_ps(sum) + l[r] * exp2_ps(_mm512_set1_ps(alpha[r]))[0];
+    }
+    __m512 al[kRows];
+    for (int r = 0; r < kRows; ++r) al[r] = exp2_ps(_mm512_set1_ps(alpha[r]));  // exp2(-inf) = 0 on the first span
+    const uint16_t* vb = vp + (t0 / 2) * D * 2;
+    const uint32_t* p32[kRows];
+    for (int r = 0; r < kRows; ++r) p32[r] = reinterpret_cast<const uint32_t*>(p[r]);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      __m512 acc[kRows][4];
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(&o[r][d0 + 16 * c]), al[r]);
+      for (int t2 = 0; t2 < nv * 8; ++t2) {
+        const uint16_t* vd = vb + t2 * D * 2 + d0 * 2;
+        __m512i vv[4];
+        for (int c = 0; c < 4; ++c) vv[c] = _mm512_loadu_si512(vd + c * 32);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512i pb = _mm512_set1_epi32(static_cast<int>(p32[r][t2]));
+          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(pb), as_bh(vv[c]));
+        }
+      }
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_store_ps(&o[r][d0 + 16 * c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows && i0 + r < a.n; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    uint16_t* dst = a.out + ((i0 + r) * a.H + h) * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256bh ob = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&o[r][d]), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(ob));
+    }
+  }
+}
+
+torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q (n, H, D), k and v (K, L, D)");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), K = k.size(0);
+  TORCH_CHECK(D % 64 == 0 && D <= kMaxDim, "head dim must be a multiple of 64, at most ", kMaxDim);
+  TORCH_CHECK(k.size(2) == D && v.size(2) == D && v.size(0) == K && H % K == 0, "shapes disagree");
+  TORCH_CHECK(start >= 0 && k.size(1) >= start + n && v.size(1) >= start + n, "k and v must hold keys 0 .. start + n - 1");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "the head dim must be contiguous");
+  TORCH_CHECK(q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0 && k.stride(1) % 2 == 0, "strides must be even");
+  auto out = torch::empty({n, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (n == 0) return out;
+  const int64_t T = start + n, Tpad = (T + kBlock - 1) / kBlock * kBlock;
+  auto kp = torch::empty({K, D / 2, Tpad, 2}, k.options());
+  auto vp = torch::empty({K, Tpad / 2, D, 2}, v.options());
+  const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  auto* kpd = reinterpret_cast<uint16_t*>(kp.data_ptr<at::BFloat16>());
+  auto* vpd = reinterpret_cast<uint16_t*>(vp.data_ptr<at::BFloat16>());
+  at::parallel_for(0, 2 * K, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      const int64_t kh = j / 2;
+      if (j % 2 == 0)
+        pack_k(kd + kh * k.stride(0), k.stride(1), T, Tpad, D, kpd + kh * (D / 2) * Tpad * 2);
+      else
+        pack_v(vd + kh * v.stride(0), v.stride(1), T, Tpad, D, vpd + kh * (Tpad / 2) * D * 2);
+    }
+  });
+  Args a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+         q.stride(0),
+         q.stride(1),
+         kpd,
+         vpd,
+         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+         n,
+         start,
+         H,
+         H / K,
+         D,
+         Tpad,
+         static_cast<float>(scale * M_LOG2E)};
+  const int64_t tiles = (n + kRows - 1) / kRows;
+  // item z -> (head, tile); tiles alternate from both ends (0, last, 1, last - 1, ...) so that any contiguous range of
+  // items, which is what parallel_for hands a thread, holds about as many causal key blocks as any other
+  at::parallel_for(0, H * tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t z = lo; z < hi; ++z) {
+      const int64_t h = z % H, w = z / H;
+      const int64_t t = (w % 2 == 0) ? w / 2 : tiles - 1 - w / 2;
+      tile(a, h, t * kRows);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loopwise, m) { m.def("prompt_attention(Tensor q, Tensor k, Tensor v, int start, float scale) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(loopwise, CPU, m) { m.impl("prompt_attention", &prompt_attention); }
