@@ -19,8 +19,8 @@ bf16, where oneDNN's packed GEMM is 1.6-3.7× faster than ``F.linear`` on SmolLM
 Decode attention per pool: scores ``q @ K^T`` as one batched GEMM over all rows and kv heads (query
 heads grouped per kv head, so K is never repeated), masked by each row's length, softmax in fp32,
 then ``P @ V``. Prompt chunks attend over their staging buffer (causal, offset by the chunk's start) through
-``scaled_dot_product_attention``, or on CPUs with AVX512-BF16 and no AMX through the compiled kernel of
-``prompt_attention``. The arithmetic follows transformers' modules op for
+``scaled_dot_product_attention``. On CPUs with AVX512-BF16 and no AMX, both go through the compiled kernels of
+``cpu_attention`` instead (bf16 models). The arithmetic follows transformers' modules op for
 op (RMSNorm in fp32, rotary in the model dtype, HF's rotary module for every rope type), so logits
 match the transformers forward to rounding.
 
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.engines import prompt_attention
+from runtime.engines import cpu_attention
 from runtime.engines.cpu_linear import Packed, cpu_flags, pack
 from runtime.engines.kv_pools import KVPools, Staging
 from runtime.engines.lora_batch import LoraBank
@@ -138,8 +138,9 @@ class LlamaRunner:
         # flash attention there took 1.22 s in bf16 and 0.70 s in fp32 for a 2,048-token prompt (SmolLM2, 2 threads)
         cpu_bf16 = self.dtype == torch.bfloat16 and self.embed.device.type == "cpu"
         self.chunk_attn_dtype = torch.float32 if cpu_bf16 and not _has_amx() else self.dtype
-        # there, rather: the compiled kernel with the CPU's bf16 pair dot products (16 vs 40 ms a layer at 1,990 tokens)
-        self.prompt_attention = prompt_attention.op() if cpu_bf16 and prompt_attention.takes(self.head_dim, self.dtype) else None
+        # there, rather: the compiled kernels with the CPU's bf16 pair dot products, for prompt chunks (16 vs 40 ms a layer at
+        # 1,990 tokens) and decode rows (reading each row's live keys only: 18 vs 44 ms for 64 rows of 150 tokens, 30 layers)
+        self.kernels = cpu_attention.ops() if cpu_bf16 and cpu_attention.takes(self.head_dim, self.dtype) else None
         self.kv = KVPools(len(self.layers), self.n_kv, self.head_dim, self.dtype, max_len, first_cap)
         self._staging: dict[Hashable, Staging] = {}
         self.scored: dict[Hashable, LogitsOf] = {}
@@ -222,8 +223,10 @@ class LlamaRunner:
             n = p.rows
             lengths = torch.tensor(p.lengths)
             flat = ((torch.arange(n)[:, None] * K + torch.arange(K)[None, :]) * p.cap + lengths[:, None]).view(-1)  # (n K,)
-            mask = torch.zeros(n, 1, p.cap).masked_fill_((torch.arange(p.cap)[None, :] > lengths[:, None])[:, None, :], float("-inf"))
-            pool_io.append((p, n, flat, mask))
+            mask = None
+            if self.kernels is None:
+                mask = torch.zeros(n, 1, p.cap).masked_fill_((torch.arange(p.cap)[None, :] > lengths[:, None])[:, None, :], float("-inf"))
+            pool_io.append((p, n, flat, lengths, mask))
         chunk_io = []
         for c in chunks:
             st = self._staging[c.key]
@@ -247,10 +250,15 @@ class LlamaRunner:
             v = qkv[:, qk_width:].view(-1, K, D)
             outs = []
             off = 0
-            for p, n, flat, mask in pool_io:
+            for p, n, flat, lengths, mask in pool_io:
                 kb, vb = p.k[li], p.v[li]
                 kb.view(-1, D).index_copy_(0, flat, k[off : off + n].reshape(-1, D))
                 vb.view(-1, D).index_copy_(0, flat, v[off : off + n].reshape(-1, D))
+                if mask is None:  # the kernel reads each row's keys up to its length
+                    assert self.kernels is not None
+                    outs.append(self.kernels.decode(q[off : off + n], kb, vb, lengths, self.scale).view(n, H * D))
+                    off += n
+                    continue
                 qg = q[off : off + n].reshape(n * K, G, D)
                 s = torch.bmm(qg, kb[:n].view(n * K, p.cap, D).transpose(1, 2))  # (n K, G, cap)
                 s = s.view(n, K * G, p.cap).float().mul_(self.scale).add_(mask)
@@ -260,8 +268,8 @@ class LlamaRunner:
             for st, start, n, end, causal in chunk_io:
                 st.k[li][:, start:end] = k[off : off + n].transpose(0, 1)
                 st.v[li][:, start:end] = v[off : off + n].transpose(0, 1)
-                if self.prompt_attention is not None:
-                    outs.append(self.prompt_attention(q[off : off + n], st.k[li], st.v[li], start, self.scale).view(n, H * D))
+                if self.kernels is not None:
+                    outs.append(self.kernels.prompt(q[off : off + n], st.k[li], st.v[li], start, self.scale).view(n, H * D))
                     off += n
                     continue
                 at = self.chunk_attn_dtype

@@ -200,18 +200,19 @@ def _wide_head_model(dtype: torch.dtype) -> Any:
     return model.to(dtype).eval()
 
 
-def test_llama_runner_bf16_with_the_prompt_attention_kernel_is_as_close_to_fp32_as_the_bf16_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPUs with AVX512-BF16 and no AMX the prompt chunks attend through the compiled kernel (head dim 64 here, the
-    kernel's smallest): held to the bf16 forward's distance from fp32, as above, over chunked prompts with causal
-    offsets beside decode rows. ``LOOPWISE_PROMPT_ATTENTION=torch`` turns it off."""
-    from runtime.engines import prompt_attention
+def test_llama_runner_bf16_with_the_cpu_attention_kernels_is_as_close_to_fp32_as_the_bf16_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPUs with AVX512-BF16 and no AMX prompt chunks and decode rows attend through the compiled kernels (head dim
+    64 here, their smallest): held to the bf16 forward's distance from fp32, as above, over chunked prompts with causal
+    offsets beside decode rows in pools of several caps, rows leaving and moving pools. ``LOOPWISE_CPU_ATTENTION=torch``
+    turns them off."""
+    from runtime.engines import cpu_attention
 
-    if prompt_attention.why_not() is not None or prompt_attention.op() is None:
-        pytest.skip(f"the kernel is not used on this machine: {prompt_attention.why_not() or 'it did not build'}")
+    if cpu_attention.why_not() is not None or cpu_attention.ops() is None:
+        pytest.skip(f"the kernels are not used on this machine: {cpu_attention.why_not() or 'they did not build'}")
     ref32, ref16 = _wide_head_model(torch.float32), _wide_head_model(torch.bfloat16)
     runner = _runner("llama", _wide_head_model(torch.bfloat16))
-    assert runner.prompt_attention is prompt_attention.op()
-    assert _runner("llama", _wide_head_model(torch.float32)).prompt_attention is None
+    assert runner.kernels is cpu_attention.ops()
+    assert _runner("llama", _wide_head_model(torch.float32)).kernels is None
     ours, theirs, scale = [], [], []
 
     def check(row: torch.Tensor, ids: list[int], where: str) -> None:
@@ -224,9 +225,9 @@ def test_llama_runner_bf16_with_the_prompt_attention_kernel_is_as_close_to_fp32_
     assert min(scale) > 2.0
     assert sum(ours) / len(ours) <= 2 * sum(theirs) / len(theirs), (ours, theirs)
     assert max(ours) <= 3 * max(theirs), (max(ours), max(theirs))
-    monkeypatch.setenv("LOOPWISE_PROMPT_ATTENTION", "torch")
-    prompt_attention.op.cache_clear()
+    monkeypatch.setenv("LOOPWISE_CPU_ATTENTION", "torch")
+    cpu_attention.ops.cache_clear()
     try:
-        assert _runner("llama", _wide_head_model(torch.bfloat16)).prompt_attention is None
+        assert _runner("llama", _wide_head_model(torch.bfloat16)).kernels is None
     finally:
-        prompt_attention.op.cache_clear()
+        cpu_attention.ops.cache_clear()

@@ -1,10 +1,9 @@
-// Causal attention for a prompt chunk in bf16 on CPUs with AVX512-BF16 and no AMX, as one torch op:
-// torch.ops.loopwise.prompt_attention(q, k, v, start, scale) -> out.
+// Attention in bf16 for the lean runner on CPUs with AVX512-BF16 and no AMX, as two torch ops.
 //
+// torch.ops.loopwise.prompt_attention(q, k, v, start, scale) -> out: a prompt chunk's causal attention
 //   q (n, H, D) bf16, the chunk's queries at positions start .. start + n - 1 (rows may be strided; D contiguous)
 //   k, v (K, L, D) bf16, the prompt's keys and values, L >= start + n; query i sees keys 0 .. start + i
 //   out (n, H, D) bf16: softmax(q k^T * scale) v per head, query heads grouped per kv head (H = G K)
-//
 // Flash attention (Dao et al., 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness")
 // over tiles of 4 queries x 64 keys: scores q k^T and the product P v both with vdpbf16ps (a pair of bf16 products
 // per fp32 lane), the running softmax in fp32 (base 2), P rounded to bf16 before P v as GPU flash attention does.
@@ -12,7 +11,13 @@
 // scores, dimensions across lanes for P v), zero-padded to whole 64-key blocks. Work items (head, 4-query tile)
 // run on ATen's thread pool, ordered so that each thread's share has about as many causal key blocks as another's.
 //
-// Not here: decode rows (the runner's pools), masks other than causal, fp32 or fp16, head dims not a multiple of 64.
+// torch.ops.loopwise.decode_attention(q, k, v, lengths, scale) -> out: one query token per row over a KV pool
+//   q (n, H, D) bf16; k, v (rows, K, cap, D) bf16, a pool of runner/kv_pools.py; row r sees keys 0 .. lengths[r]
+//   out (n, H, D) bf16
+// Reads only each row's live keys (the batched-GEMM path reads all cap columns under a mask); per (row, kv head) the
+// scores by pair dot products over D, an exact softmax in fp32, P v in fp32 with V widened from bf16.
+//
+// Not here: masks other than causal or a length, fp32 or fp16, head dims not a multiple of 64, AMX tiles.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -24,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -241,8 +247,158 @@ torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
+// ---- decode rows over the runner's pools ------------------------------------------------------------------------------
+
+// v[0..15], 16 vectors of partial sums -> one vector whose lane j is the sum of v[j]'s 16 lanes (a transposing tree of
+// unpacks and 128-bit shuffles: 45 operations for 16 sums).
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int w = 0; w < 8; ++w)  // per 128-bit lane: [v2w (0+2), v2w+1 (0+2), v2w (1+3), v2w+1 (1+3)]
+    t[w] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * w], v[2 * w + 1]), _mm512_unpackhi_ps(v[2 * w], v[2 * w + 1]));
+  for (int w = 0; w < 4; ++w) {  // per 128-bit lane: that lane's sums of v4w .. v4w+3
+    const __m512d x = _mm512_castps_pd(t[2 * w]), y = _mm512_castps_pd(t[2 * w + 1]);
+    u[w] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // across the four 128-bit lanes: lane group w of the result holds u[w]'s totals, so lane j is v[j]'s
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+// P v for NG query heads of one kv head: out[g] = sum over keys t of p[g][t] v[t], dims d0 .. d0 + 63, in fp32.
+template <int NG>
+void pv(const float* p, int64_t p_stride, const uint16_t* v, int64_t D, int64_t keys, int64_t d0, float* out, int64_t out_stride) {
+  __m512 acc[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < keys; ++t) {
+    const uint16_t* vt = v + t * D + d0;
+    __m512 vv[4];
+    for (int c = 0; c < 4; ++c)
+      vv[c] = _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + 16 * c))));
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * out_stride + d0 + 16 * c, acc[g][c]);
+}
+
+struct DecodeArgs {
+  const uint16_t* q;
+  int64_t q_tok, q_head;  // strides in elements
+  const uint16_t* k;      // (rows, K, cap, D)
+  const uint16_t* v;
+  const int64_t* lengths;
+  uint16_t* out;  // (n, H, D)
+  int64_t K, G, D, cap;
+  float scale2;  // scale * log2(e)
+};
+
+// One (row, kv head): its G query heads over keys 0 .. lengths[row] (the column this step wrote included). Scores by
+// pair dot products over D (16 keys' partial sums reduced at once), an exact two-pass softmax in fp32, P v in fp32.
+void decode_item(const DecodeArgs& a, int64_t row, int64_t kh, std::vector<float>& buf) {
+  const int64_t G = a.G, D = a.D, keys = a.lengths[row] + 1, kpad = (keys + 15) / 16 * 16;
+  buf.resize(static_cast<size_t>(G * kpad + G * D + G));
+  float* s = buf.data();    // (G, kpad): scores, then unnormalised probabilities
+  float* o = s + G * kpad;  // (G, D): unnormalised outputs
+  float* inv = o + G * D;   // (G,): 1 / the probabilities' sum
+  const uint16_t* kb = a.k + (row * a.K + kh) * a.cap * D;
+  const uint16_t* vb = a.v + (row * a.K + kh) * a.cap * D;
+  const __m512 scale = _mm512_set1_ps(a.scale2);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* qg = a.q + row * a.q_tok + (kh * G + g) * a.q_head;
+    __m512i qv[kMaxDim / 32];
+    for (int64_t c = 0; c < D / 32; ++c) qv[c] = _mm512_loadu_si512(qg + 32 * c);
+    for (int64_t t0 = 0; t0 < keys; t0 += 16) {
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        const uint16_t* kt = kb + std::min(t0 + j, keys - 1) * D;  // past the last key: a repeat, masked below
+        __m512 x = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D / 32; ++c) x = _mm512_dpbf16_ps(x, as_bh(qv[c]), as_bh(_mm512_loadu_si512(kt + 32 * c)));
+        acc[j] = x;
+      }
+      _mm512_storeu_ps(s + g * kpad + t0, _mm512_mul_ps(sum16(acc), scale));
+    }
+    float* sg = s + g * kpad;
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t0 = 0; t0 < kpad; t0 += 16) {
+      const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(16, keys - t0))));
+      mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_loadu_ps(sg + t0));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < kpad; t0 += 16) {
+      const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(16, keys - t0))));
+      const __m512 e = _mm512_maskz_mov_ps(ok, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), m)));
+      _mm512_storeu_ps(sg + t0, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const float* p = s + g0 * kpad;
+      float* og = o + g0 * D;
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: pv<1>(p, kpad, vb, D, keys, d0, og, D); break;
+        case 2: pv<2>(p, kpad, vb, D, keys, d0, og, D); break;
+        case 3: pv<3>(p, kpad, vb, D, keys, d0, og, D); break;
+        default: pv<4>(p, kpad, vb, D, keys, d0, og, D); break;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    uint16_t* dst = a.out + (row * a.K * G + kh * G + g) * D;
+    const __m512 iv = _mm512_set1_ps(inv[g]);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256bh ob = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + g * D + d), iv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(ob));
+    }
+  }
+}
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && lengths.dim() == 1, "q (n, H, D), k and v (rows, K, cap, D), lengths (n,)");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous(), "lengths: contiguous int64");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && lengths.device().is_cpu(), "CPU tensors only");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), K = k.size(1), cap = k.size(2);
+  TORCH_CHECK(D % 64 == 0 && D <= kMaxDim, "head dim must be a multiple of 64, at most ", kMaxDim);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(3) == D && H % K == 0 && k.size(0) >= n && lengths.size(0) == n, "shapes disagree");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && q.stride(2) == 1, "k and v contiguous, q's head dim contiguous");
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(len[r] >= 0 && len[r] < cap, "row ", r, ": length ", len[r], " outside the pool's ", cap, " columns");
+  auto out = torch::empty({n, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  DecodeArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+               q.stride(0),
+               q.stride(1),
+               reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()),
+               len,
+               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+               K,
+               H / K,
+               D,
+               cap,
+               static_cast<float>(scale * M_LOG2E)};
+  at::parallel_for(0, n * K, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf;
+    for (int64_t z = lo; z < hi; ++z) decode_item(a, z / K, z % K, buf);
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(loopwise, m) { m.def("prompt_attention(Tensor q, Tensor k, Tensor v, int start, float scale) -> Tensor"); }
+TORCH_LIBRARY(loopwise, m) {
+  m.def("prompt_attention(Tensor q, Tensor k, Tensor v, int start, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(loopwise, CPU, m) { m.impl("prompt_attention", &prompt_attention); }
+TORCH_LIBRARY_IMPL(loopwise, CPU, m) {
+  m.impl("prompt_attention", &prompt_attention);
+  m.impl("decode_attention", &decode_attention);
+}

@@ -1,0 +1,161 @@
+"""The compiled attention kernels against the definition of attention, computed in float64.
+
+    prompt: out[i, h] = softmax_j<=start+i(q[i, h] . k[h // G, j] * scale) @ v[h // G, :start+i+1]
+    decode: out[r, h] = softmax_j<=lengths[r](q[r, h] . k[r, h // G, j] * scale) @ v[r, h // G, :lengths[r]+1]
+
+The kernel rounds what bf16 hardware rounds (its inputs, the probabilities before ``P v``, the output), so the bound is
+a few bf16 steps of the values' scale; a wrong causal offset, head group, stride or padded key is off by the values'
+whole scale. It skips where the kernels are not used (no AVX512-BF16, or AMX), saying so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.engines import cpu_attention
+
+
+def _ops() -> cpu_attention.Ops:
+    if cpu_attention.why_not() is not None:
+        pytest.skip(f"the kernels are not used on this machine: {cpu_attention.why_not()}")
+    ops = cpu_attention.ops()
+    if ops is None:
+        pytest.skip("the kernels did not build here (see the log's cpu_attention.unavailable)")
+    return ops
+
+
+def _definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    n, H, _ = q.shape
+    G = H // k.shape[0]
+    out = torch.empty(n, H, q.shape[2], dtype=torch.float64)
+    for i in range(n):
+        for h in range(H):
+            keys, vals = k[h // G, : start + i + 1].double(), v[h // G, : start + i + 1].double()
+            w = torch.softmax(keys @ q[i, h].double() * scale, dim=0)
+            out[i, h] = w @ vals
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(1, 90),
+    start=st.integers(0, 300),
+    extra=st.integers(0, 70),  # staging room past the chunk's end (a prompt longer than this chunk)
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    head_dim=st.sampled_from([64, 128]),
+    spread=st.sampled_from([0.5, 3.0, 12.0]),  # score scale: flat to peaked softmax
+    seed=st.integers(0, 2**16),
+)
+def test_the_prompt_kernel_is_causal_attention(
+    n: int, start: int, extra: int, kv_heads: int, group: int, head_dim: int, spread: float, seed: int
+) -> None:
+    op = _ops().prompt
+    g = torch.Generator().manual_seed(seed)
+    H, L = kv_heads * group, start + n + extra
+    # q as the runner passes it: a strided view of the fused (n, H + 2K, D) projection
+    fused = torch.randn(n, H + 2 * kv_heads, head_dim, generator=g).mul(spread).bfloat16()
+    q = fused[:, :H]
+    k = torch.randn(kv_heads, L, head_dim, generator=g).bfloat16()
+    v = torch.randn(kv_heads, L, head_dim, generator=g).bfloat16()
+    v[:, start + n :] = float("nan")  # keys past the chunk's end must not be read into the output
+    scale = head_dim**-0.5
+    got = op(q, k, v, start, scale)
+    assert got.shape == (n, H, head_dim) and got.dtype == torch.bfloat16
+    want = _definition(q, k, v, start, scale)
+    bound = 2**-6 * float(v[:, : start + n].abs().max())  # P rounded to bf16 (2^-9 relative) summed, the output's rounding
+    err = (got.double() - want).abs().max().item()
+    assert err <= bound, (err, bound)
+
+
+def test_the_first_query_sees_only_the_first_key() -> None:
+    """start 0: query 0's output is v[0] exactly (one key, probability 1), whatever the scores."""
+    op = _ops().prompt
+    q = torch.randn(5, 6, 64).mul(30).bfloat16()
+    k, v = torch.randn(2, 5, 64).bfloat16(), torch.randn(2, 5, 64).bfloat16()
+    out = op(q, k, v, 0, 0.125)
+    for h in range(6):
+        assert torch.equal(out[0, h], v[h // 3, 0])
+
+
+def test_bad_shapes_are_refused() -> None:
+    op = _ops().prompt
+    q, k = torch.randn(4, 2, 64).bfloat16(), torch.randn(1, 4, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="keys 0 .. start"):
+        op(q, k, k, 1, 0.1)  # 5 keys needed, 4 given
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        op(torch.randn(4, 2, 32).bfloat16(), torch.randn(1, 4, 32).bfloat16(), torch.randn(1, 4, 32).bfloat16(), 0, 0.1)
+    with pytest.raises(RuntimeError, match="bf16"):
+        op(q.float(), k, k, 0, 0.1)
+    assert not cpu_attention.takes(32, torch.bfloat16) and not cpu_attention.takes(64, torch.float32)
+
+
+def test_the_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOPWISE_CPU_ATTENTION", "torch")
+    assert cpu_attention.why_not() == "LOOPWISE_CPU_ATTENTION=torch"
+    cpu_attention.ops.cache_clear()
+    try:
+        assert cpu_attention.ops() is None
+    finally:
+        cpu_attention.ops.cache_clear()
+
+
+def _decode_definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    n, H, D = q.shape
+    G = H // k.shape[1]
+    out = torch.empty(n, H, D, dtype=torch.float64)
+    for r in range(n):
+        keys = int(lengths[r]) + 1
+        for h in range(H):
+            w = torch.softmax(k[r, h // G, :keys].double() @ q[r, h].double() * scale, dim=0)
+            out[r, h] = w @ v[r, h // G, :keys].double()
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 20),
+    spare=st.integers(0, 5),  # rows allocated past the ones in use
+    cap=st.sampled_from([8, 64, 100, 256]),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 6),
+    head_dim=st.sampled_from([64, 128]),
+    spread=st.sampled_from([0.5, 3.0, 12.0]),
+    data=st.data(),
+)
+def test_the_decode_kernel_is_attention_over_each_rows_keys(
+    n: int, spare: int, cap: int, kv_heads: int, group: int, head_dim: int, spread: float, data: st.DataObject
+) -> None:
+    op = _ops().decode
+    seed = data.draw(st.integers(0, 2**16))
+    lengths = torch.tensor(data.draw(st.lists(st.integers(0, cap - 1), min_size=n, max_size=n)), dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    H = kv_heads * group
+    fused = torch.randn(n, H + 2 * kv_heads, head_dim, generator=g).mul(spread).bfloat16()
+    q = fused[:, :H]  # strided, as the runner passes it
+    k = torch.randn(n + spare, kv_heads, cap, head_dim, generator=g).bfloat16()
+    v = torch.randn(n + spare, kv_heads, cap, head_dim, generator=g).bfloat16()
+    for r in range(n):  # a row's columns past its length must not be read
+        k[r, :, int(lengths[r]) + 1 :] = float("nan")
+        v[r, :, int(lengths[r]) + 1 :] = float("nan")
+    k[n:] = float("nan")
+    v[n:] = float("nan")
+    scale = head_dim**-0.5
+    got = op(q, k, v, lengths, scale)
+    assert got.shape == (n, H, head_dim) and got.dtype == torch.bfloat16
+    want = _decode_definition(q, k, v, lengths, scale)
+    bound = 2**-7 * float(torch.nan_to_num(v[:n], nan=0.0).abs().max())  # the output's bf16 rounding and fp32 sums
+    err = (got.double() - want).abs().max().item()
+    assert err <= bound, (err, bound)
+
+
+def test_the_decode_kernel_refuses_a_length_outside_the_pool() -> None:
+    op = _ops().decode
+    q, k = torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 1, 16, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(q, k, k, torch.tensor([3, 16]), 0.1)
+    with pytest.raises(RuntimeError, match="int64"):
+        op(q, k, k, torch.tensor([3, 5], dtype=torch.int32), 0.1)
