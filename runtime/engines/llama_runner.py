@@ -20,7 +20,7 @@ Decode attention per pool: scores ``q @ K^T`` as one batched GEMM over all rows 
 heads grouped per kv head, so K is never repeated), masked by each row's length, softmax in fp32,
 then ``P @ V``. Prompt chunks attend over their staging buffer (causal, offset by the chunk's start) through
 ``scaled_dot_product_attention``. On CPUs with AVX512-BF16 and no AMX, both go through the compiled kernels of
-``cpu_attention`` instead (bf16 models). The arithmetic follows transformers' modules op for
+``cpu_kernels`` instead (bf16 models). The arithmetic follows transformers' modules op for
 op (RMSNorm in fp32, rotary in the model dtype, HF's rotary module for every rope type), so logits
 match the transformers forward to rounding.
 
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.engines import cpu_attention
+from runtime.engines import cpu_kernels
 from runtime.engines.cpu_linear import Packed, cpu_flags, pack
 from runtime.engines.kv_pools import KVPools, Staging
 from runtime.engines.lora_batch import LoraBank
@@ -140,7 +140,7 @@ class LlamaRunner:
         self.chunk_attn_dtype = torch.float32 if cpu_bf16 and not _has_amx() else self.dtype
         # there, rather: the compiled kernels with the CPU's bf16 pair dot products, for prompt chunks (16 vs 40 ms a layer at
         # 1,990 tokens) and decode rows (reading each row's live keys only: 18 vs 44 ms for 64 rows of 150 tokens, 30 layers)
-        self.kernels = cpu_attention.ops() if cpu_bf16 and cpu_attention.takes(self.head_dim, self.dtype) else None
+        self.kernels = cpu_kernels.ops() if cpu_bf16 and cpu_kernels.takes(self.head_dim, self.dtype) else None
         self.kv = KVPools(len(self.layers), self.n_kv, self.head_dim, self.dtype, max_len, first_cap)
         self._staging: dict[Hashable, Staging] = {}
         self.scored: dict[Hashable, LogitsOf] = {}
@@ -196,23 +196,30 @@ class LlamaRunner:
                 self.kv.join(c.key, self._staging.pop(c.key))
         if not pick:
             return torch.empty(0, self.vocab)
-        x = _rms(hidden[torch.tensor(pick)], *self.final_norm)
+        x = self._rms(hidden[torch.tensor(pick)], *self.final_norm)
         return self.lm_head(x)
 
     def _logits_of(self, hidden: torch.Tensor) -> LogitsOf:
         """A scored chunk's logits from its hidden states ``(n, hidden)``, computed per position range when asked."""
 
         def rows(lo: int, hi: int) -> torch.Tensor:
-            out: torch.Tensor = self.lm_head(_rms(hidden[lo:hi], *self.final_norm))
+            out: torch.Tensor = self.lm_head(self._rms(hidden[lo:hi], *self.final_norm))
             return out
 
         return rows
 
     # ---- the forward ------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.kernels is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
+            return self.kernels.rms_norm(x, weight, eps)  # the same bf16 numbers as _rms, in one pass
+        return _rms(x, weight, eps)
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, pools: list[Any], chunks: Sequence[Chunk]) -> torch.Tensor:
         H, K, D, G = self.n_heads, self.n_kv, self.head_dim, self.group
         x = F.embedding(ids, self.embed)  # (N, hidden)
         cos, sin = self.rotary(x[None], positions[None])  # (1, N, D) each
+        fused_rope = self.kernels.rope_ if self.kernels is not None and x.dtype == torch.bfloat16 else None
+        rot = (cos[0].contiguous(), sin[0].contiguous())  # (N, D) each, for the fused pass
         cos = cos[0, :, None, :]  # (N, 1, D)
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated), exactly (negation is exact)
         sin = torch.cat((-sin[0, :, None, : D // 2], sin[0, :, None, D // 2 :]), dim=-1)
@@ -236,7 +243,7 @@ class LlamaRunner:
         lora = self.bank.plan is not None
         qk_width = (H + K) * D
         for li, layer in enumerate(self.layers):
-            h = _rms(x, layer.ln1, layer.eps)
+            h = self._rms(x, layer.ln1, layer.eps)
             qkv = layer.qkv(h)  # (N, (H + 2K) D)
             if lora:
                 self.bank.add(f"{layer.name}.self_attn.q_proj", h, qkv[:, : H * D])
@@ -245,7 +252,10 @@ class LlamaRunner:
             qk = qkv[:, :qk_width].view(-1, H + K, D)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qk = torch.cat([_rms(qk[:, :H], *layer.q_norm), _rms(qk[:, H:], *layer.k_norm)], dim=1)
-            qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin  # (N, H + K, D), transformers' rotary
+            if fused_rope is not None:
+                fused_rope(qk, *rot, H + K)  # in place: qkv's q and k columns
+            else:
+                qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin  # (N, H + K, D), transformers' rotary
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, qk_width:].view(-1, K, D)
             outs = []
@@ -288,7 +298,7 @@ class LlamaRunner:
             x = layer.o.add(attn, x)  # the residual in the GEMM's epilogue
             if lora:
                 self.bank.add(f"{layer.name}.self_attn.o_proj", attn, x)
-            h = _rms(x, layer.ln2, layer.eps)
+            h = self._rms(x, layer.ln2, layer.eps)
             if lora:  # the adapters' deltas go in before the activation
                 gate, up = layer.gate(h), layer.up(h)
                 self.bank.add(f"{layer.name}.mlp.gate_proj", h, gate)

@@ -200,18 +200,18 @@ def _wide_head_model(dtype: torch.dtype) -> Any:
     return model.to(dtype).eval()
 
 
-def test_llama_runner_bf16_with_the_cpu_attention_kernels_is_as_close_to_fp32_as_the_bf16_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama_runner_bf16_with_the_cpu_kernels_kernels_is_as_close_to_fp32_as_the_bf16_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPUs with AVX512-BF16 and no AMX prompt chunks and decode rows attend through the compiled kernels (head dim
     64 here, their smallest): held to the bf16 forward's distance from fp32, as above, over chunked prompts with causal
-    offsets beside decode rows in pools of several caps, rows leaving and moving pools. ``LOOPWISE_CPU_ATTENTION=torch``
+    offsets beside decode rows in pools of several caps, rows leaving and moving pools. ``LOOPWISE_CPU_KERNELS=torch``
     turns them off."""
-    from runtime.engines import cpu_attention
+    from runtime.engines import cpu_kernels
 
-    if cpu_attention.why_not() is not None or cpu_attention.ops() is None:
-        pytest.skip(f"the kernels are not used on this machine: {cpu_attention.why_not() or 'they did not build'}")
+    if cpu_kernels.why_not() is not None or cpu_kernels.ops() is None:
+        pytest.skip(f"the kernels are not used on this machine: {cpu_kernels.why_not() or 'they did not build'}")
     ref32, ref16 = _wide_head_model(torch.float32), _wide_head_model(torch.bfloat16)
     runner = _runner("llama", _wide_head_model(torch.bfloat16))
-    assert runner.kernels is cpu_attention.ops()
+    assert runner.kernels is cpu_kernels.ops()
     assert _runner("llama", _wide_head_model(torch.float32)).kernels is None
     ours, theirs, scale = [], [], []
 
@@ -225,9 +225,9 @@ def test_llama_runner_bf16_with_the_cpu_attention_kernels_is_as_close_to_fp32_as
     assert min(scale) > 2.0
     assert sum(ours) / len(ours) <= 2 * sum(theirs) / len(theirs), (ours, theirs)
     assert max(ours) <= 3 * max(theirs), (max(ours), max(theirs))
-    monkeypatch.setenv("LOOPWISE_CPU_ATTENTION", "torch")
-    cpu_attention.ops.cache_clear()
+    monkeypatch.setenv("LOOPWISE_CPU_KERNELS", "torch")
+    cpu_kernels.ops.cache_clear()
     try:
         assert _runner("llama", _wide_head_model(torch.bfloat16)).kernels is None
     finally:
-        cpu_attention.ops.cache_clear()
+        cpu_kernels.ops.cache_clear()

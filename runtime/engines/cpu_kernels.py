@@ -1,16 +1,18 @@
-"""Compiled bf16 attention for the lean runner on CPUs with AVX512-BF16 and no AMX (``csrc/cpu_attention.cpp``).
+"""Compiled bf16 kernels for the lean runner on CPUs with AVX512-BF16 and no AMX (``csrc/cpu_kernels.cpp``).
 
-Two ops: ``prompt_attention`` (a prompt chunk's causal attention over its staging buffer) and ``decode_attention``
-(one token per row over a KV pool, reading only each row's live keys). Why: on such a CPU (AMD Zen 4, Intel Cooper
-Lake), PyTorch's CPU flash attention has no bf16 matrix unit to use and ran at ~42 ms a layer for a 1,990-token prompt
-on SmolLM2 (half of the prefill, fp32 and bf16 alike), and the decode path's batched GEMMs read every column of a
-pool under a mask. The kernels use the CPU's bf16 pair dot products instead. Where AMX exists, PyTorch's kernels use
-it and stay; without AVX512-BF16, or for a shape the kernels do not take, ``ops()`` is None and the runner uses
-``scaled_dot_product_attention`` and the batched GEMMs.
+Four ops: ``prompt_attention`` (a prompt chunk's causal attention over its staging buffer), ``decode_attention`` (one
+token per row over a KV pool, reading only each row's live keys), and the two elementwise passes around them,
+``rms_norm`` and the in-place rotary embedding ``rope_`` (one pass each instead of PyTorch's four; bit for bit the same
+bf16 numbers as transformers' modules). Why: on such a CPU (AMD Zen 4, Intel Cooper Lake), PyTorch's CPU flash
+attention has no bf16 matrix unit to use and ran at ~42 ms a layer for a 1,990-token prompt on SmolLM2 (half of the
+prefill, fp32 and bf16 alike), the decode path's batched GEMMs read every column of a pool under a mask, and the small
+elementwise ops cost more in dispatch than in arithmetic at decode shapes. The attention kernels use the CPU's bf16 pair
+dot products. Where AMX exists, PyTorch's kernels use it and stay; without AVX512-BF16, or for a shape the kernels do
+not take, ``ops()`` is None and the runner uses PyTorch's ops.
 
-The kernel is compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s; ``make install``
+The kernels are compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja, ~15 s; ``make install``
 does it, else the first engine start) into ``$LOOPWISE_KERNEL_DIR`` (default ``~/.cache/loopwise/kernels``), keyed
-by the source, torch's version and the flags. ``LOOPWISE_CPU_ATTENTION=torch`` turns them off. A failed build logs why
+by the source, torch's version and the flags. ``LOOPWISE_CPU_KERNELS=torch`` turns them off. A failed build logs why
 once and leaves the torch path.
 
 Not here: other dtypes or ISAs (AVX2-only CPUs serve fp32 through PyTorch).
@@ -33,7 +35,7 @@ import torch
 from runtime.engines.cpu_linear import cpu_flags
 
 log = structlog.get_logger()
-SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fno-math-errno", "-fopenmp"]
 _lock = threading.Lock()
 
@@ -42,12 +44,14 @@ _lock = threading.Lock()
 class Ops:
     prompt: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]  # q, k, v, start, scale
     decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]  # q, k, v, lengths, scale
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # x (N, d), weight, eps
+    rope_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None]  # x (N, >= heads, D) in place, cos, sin (N, D), heads
 
 
 def why_not() -> str | None:
     """None when this machine should use the kernel; else why not (before any build)."""
-    if os.environ.get("LOOPWISE_CPU_ATTENTION", "").lower() == "torch":
-        return "LOOPWISE_CPU_ATTENTION=torch"
+    if os.environ.get("LOOPWISE_CPU_KERNELS", "").lower() == "torch":
+        return "LOOPWISE_CPU_KERNELS=torch"
     flags = cpu_flags()
     if "avx512_bf16" not in flags:
         return "the CPU has no AVX512-BF16"
@@ -59,7 +63,7 @@ def why_not() -> str | None:
 def build_dir() -> Path:
     root = Path(os.environ.get("LOOPWISE_KERNEL_DIR") or Path.home() / ".cache" / "loopwise" / "kernels").expanduser()
     key = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_FLAGS).encode() + sys.version.encode()).hexdigest()[:12]
-    return root / f"cpu_attention-{key}"
+    return root / f"cpu_kernels-{key}"
 
 
 @functools.cache
@@ -74,10 +78,10 @@ def ops() -> Ops | None:
 
             where = build_dir()
             where.mkdir(parents=True, exist_ok=True)
-            if not (where / "loopwise_cpu_attention.so").exists():
-                log.info("cpu_attention.build", dir=str(where), note="once per machine, ~15 s")
+            if not (where / "loopwise_cpu_kernels.so").exists():
+                log.info("cpu_kernels.build", dir=str(where), note="once per machine, ~15 s")
             cpp_extension.load(
-                name="loopwise_cpu_attention",
+                name="loopwise_cpu_kernels",
                 sources=[str(SOURCE)],
                 extra_cflags=_FLAGS,
                 extra_ldflags=["-fopenmp"],  # ATen's parallel_for is OpenMP pragmas in headers; libgomp is torch's own at run time
@@ -86,9 +90,10 @@ def ops() -> Ops | None:
                 verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, an assembler without AVX512-BF16: the torch path serves
-            log.warning("cpu_attention.unavailable", error=f"{type(exc).__name__}: {exc}"[:500])
+            log.warning("cpu_kernels.unavailable", error=f"{type(exc).__name__}: {exc}"[:500])
             return None
-    return Ops(prompt=torch.ops.loopwise.prompt_attention, decode=torch.ops.loopwise.decode_attention)
+    lw = torch.ops.loopwise
+    return Ops(prompt=lw.prompt_attention, decode=lw.decode_attention, rms_norm=lw.rms_norm, rope_=lw.rope_)
 
 
 def takes(head_dim: int, dtype: torch.dtype) -> bool:
@@ -99,6 +104,6 @@ def takes(head_dim: int, dtype: torch.dtype) -> bool:
 if __name__ == "__main__":  # `make install`: build them now rather than at the first engine start
     reason = why_not()
     if reason is not None:
-        print(f"cpu attention kernels: not used here ({reason})")
+        print(f"cpu kernels: not used here ({reason})")
     else:
-        print(f"cpu attention kernels: {'built' if ops() is not None else 'not built (see the warning)'} in {build_dir()}")
+        print(f"cpu kernels: {'built' if ops() is not None else 'not built (see the warning)'} in {build_dir()}")

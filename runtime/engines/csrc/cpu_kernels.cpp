@@ -1,4 +1,5 @@
-// Attention in bf16 for the lean runner on CPUs with AVX512-BF16 and no AMX, as two torch ops.
+// bf16 kernels for the lean runner on CPUs with AVX512-BF16 and no AMX, as torch ops: attention (prompt chunks, decode
+// rows) and the RMSNorm and rotary passes around it.
 //
 // torch.ops.loopwise.prompt_attention(q, k, v, start, scale) -> out: a prompt chunk's causal attention
 //   q (n, H, D) bf16, the chunk's queries at positions start .. start + n - 1 (rows may be strided; D contiguous)
@@ -16,6 +17,9 @@
 //   out (n, H, D) bf16
 // Reads only each row's live keys (the batched-GEMM path reads all cap columns under a mask); per (row, kv head) the
 // scores by pair dot products over D, an exact softmax in fp32, P v in fp32 with V widened from bf16.
+//
+// torch.ops.loopwise.rms_norm(x, weight, eps) and torch.ops.loopwise.rope_(x, cos, sin, heads): transformers'
+// LlamaRMSNorm and rotary embedding on bf16 rows, rounding where its bf16 ops round, one pass each.
 //
 // Not here: masks other than causal or a length, fp32 or fp16, head dims not a multiple of 64, AMX tiles.
 #include <ATen/Parallel.h>
@@ -391,14 +395,88 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
+// ---- the elementwise passes around attention ----------------------------------------------------------------------
+
+inline __m512 bf16x16_to_ps(const uint16_t* p) {
+  return _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+inline __m512 round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+inline void store_bf16x16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+
+// transformers' LlamaRMSNorm on bf16 rows: y = bf16(x / sqrt(mean(x^2) + eps)) * weight, the product rounded to bf16
+// (the mean in fp32, summed in another order than PyTorch's: the two agree to fp32 rounding before the bf16 cast).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x (N, d) and weight (d,) bf16");
+  const int64_t N = x.size(0), d = x.size(1);
+  TORCH_CHECK(weight.numel() == d && weight.is_contiguous() && x.stride(1) == 1 && d % 16 == 0, "shapes disagree");
+  auto out = torch::empty({N, d}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto* xd = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wd = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint16_t* xi = xd + i * xs;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < d; j += 16) {
+        const __m512 v = bf16x16_to_ps(xi + j);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(d) + static_cast<float>(eps));
+      const __m512 rv = _mm512_set1_ps(r);
+      for (int64_t j = 0; j < d; j += 16)
+        store_bf16x16(od + i * d + j, _mm512_mul_ps(round_bf16(_mm512_mul_ps(bf16x16_to_ps(xi + j), rv)), bf16x16_to_ps(wd + j)));
+    }
+  });
+  return out;
+}
+
+// transformers' rotary embedding in bf16, in place on the first `heads` heads of each row of x (N, >= heads, D):
+// x = bf16(bf16(x cos) + bf16(rotate_half(x) sin)), cos and sin (N, D) bf16 for the rows' positions.
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16, "bf16");
+  const int64_t N = x.size(0), D = x.size(2), half = D / 2;
+  TORCH_CHECK(x.size(1) >= heads && x.stride(2) == 1 && x.stride(1) == D && half % 16 == 0, "x (N, heads, D) with D contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == N * D && sin.numel() == N * D, "cos and sin (N, D)");
+  auto* xd = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* cd = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  const auto* sd = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint16_t* c = cd + i * D;
+      const uint16_t* s = sd + i * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        uint16_t* row = xd + i * xs + h * D;
+        for (int64_t j = 0; j < half; j += 16) {
+          const __m512 a = bf16x16_to_ps(row + j), b = bf16x16_to_ps(row + half + j);
+          // first half: a cos - b sin; second half: b cos + a sin (rotate_half = [-b, a])
+          const __m512 lo_ = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, bf16x16_to_ps(c + j))),
+                                           round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), bf16x16_to_ps(s + j))));
+          const __m512 hi_ = _mm512_add_ps(round_bf16(_mm512_mul_ps(b, bf16x16_to_ps(c + half + j))),
+                                           round_bf16(_mm512_mul_ps(a, bf16x16_to_ps(s + half + j))));
+          store_bf16x16(row + j, lo_);
+          store_bf16x16(row + half + j, hi_);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loopwise, m) {
   m.def("prompt_attention(Tensor q, Tensor k, Tensor v, int start, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(loopwise, CPU, m) {
   m.impl("prompt_attention", &prompt_attention);
   m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_", &rope_);
 }

@@ -15,15 +15,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.engines import cpu_attention
+from runtime.engines import cpu_kernels
 
 
-def _ops() -> cpu_attention.Ops:
-    if cpu_attention.why_not() is not None:
-        pytest.skip(f"the kernels are not used on this machine: {cpu_attention.why_not()}")
-    ops = cpu_attention.ops()
+def _ops() -> cpu_kernels.Ops:
+    if cpu_kernels.why_not() is not None:
+        pytest.skip(f"the kernels are not used on this machine: {cpu_kernels.why_not()}")
+    ops = cpu_kernels.ops()
     if ops is None:
-        pytest.skip("the kernels did not build here (see the log's cpu_attention.unavailable)")
+        pytest.skip("the kernels did not build here (see the log's cpu_kernels.unavailable)")
     return ops
 
 
@@ -90,17 +90,17 @@ def test_bad_shapes_are_refused() -> None:
         op(torch.randn(4, 2, 32).bfloat16(), torch.randn(1, 4, 32).bfloat16(), torch.randn(1, 4, 32).bfloat16(), 0, 0.1)
     with pytest.raises(RuntimeError, match="bf16"):
         op(q.float(), k, k, 0, 0.1)
-    assert not cpu_attention.takes(32, torch.bfloat16) and not cpu_attention.takes(64, torch.float32)
+    assert not cpu_kernels.takes(32, torch.bfloat16) and not cpu_kernels.takes(64, torch.float32)
 
 
 def test_the_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOOPWISE_CPU_ATTENTION", "torch")
-    assert cpu_attention.why_not() == "LOOPWISE_CPU_ATTENTION=torch"
-    cpu_attention.ops.cache_clear()
+    monkeypatch.setenv("LOOPWISE_CPU_KERNELS", "torch")
+    assert cpu_kernels.why_not() == "LOOPWISE_CPU_KERNELS=torch"
+    cpu_kernels.ops.cache_clear()
     try:
-        assert cpu_attention.ops() is None
+        assert cpu_kernels.ops() is None
     finally:
-        cpu_attention.ops.cache_clear()
+        cpu_kernels.ops.cache_clear()
 
 
 def _decode_definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
@@ -159,3 +159,43 @@ def test_the_decode_kernel_refuses_a_length_outside_the_pool() -> None:
         op(q, k, k, torch.tensor([3, 16]), 0.1)
     with pytest.raises(RuntimeError, match="int64"):
         op(q, k, k, torch.tensor([3, 5], dtype=torch.int32), 0.1)
+
+
+def _torch_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm as the runner's PyTorch path computes it."""
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * w
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 70), width=st.sampled_from([64, 576, 1024]), spread=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))
+def test_rms_norm_is_transformers_rmsnorm_in_bf16(rows: int, width: int, spread: float, seed: int) -> None:
+    """The same bf16 numbers as the PyTorch path, up to the fp32 sum's order: at most one bf16 step apart, rarely."""
+    ops = _ops()
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, width + 32, generator=g).mul(spread).bfloat16()
+    x = wide[:, :width]  # rows strided, as a slice of a wider activation
+    w = torch.randn(width, generator=g).bfloat16()
+    got, want = ops.rms_norm(x, w, 1e-5), _torch_rms(x, w, 1e-5)
+    differ = got != want
+    assert int(differ.sum()) <= max(1, got.numel() // 1000)
+    step = want.float().abs() * 2**-7 + 1e-30  # one bf16 step at the value's scale
+    assert bool(((got.float() - want.float()).abs() <= step).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), heads=st.integers(1, 5), extra=st.integers(0, 3), head_dim=st.sampled_from([64, 128]), seed=st.integers(0, 2**16))
+def test_rope_is_transformers_rotary_in_bf16_in_place(rows: int, heads: int, extra: int, head_dim: int, seed: int) -> None:
+    """x cos + rotate_half(x) sin with bf16 rounding after each op, exactly; the heads past ``heads`` are untouched."""
+    ops = _ops()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, heads + extra, head_dim, generator=g).mul(4).bfloat16()
+    angle = torch.rand(rows, head_dim // 2, generator=g) * 300
+    cos, sin = torch.cat([angle.cos(), angle.cos()], -1).bfloat16(), torch.cat([angle.sin(), angle.sin()], -1).bfloat16()
+    half = head_dim // 2
+    rot = x[:, :heads]
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)  # transformers' rotate_half
+    want = rot * cos[:, None] + rotated * sin[:, None]
+    before = x.clone()
+    ops.rope_(x, cos, sin, heads)
+    assert torch.equal(x[:, :heads], want)
+    assert torch.equal(x[:, heads:], before[:, heads:])
