@@ -19,10 +19,10 @@ bf16, where oneDNN's packed GEMM is 1.6-3.7× faster than ``F.linear`` on SmolLM
 Decode attention per pool: scores ``q @ K^T`` as one batched GEMM over all rows and kv heads (query
 heads grouped per kv head, so K is never repeated), masked by each row's length, softmax in fp32,
 then ``P @ V``. Prompt chunks attend over their staging buffer (causal, offset by the chunk's start) through
-``scaled_dot_product_attention``. On CPUs with AVX512-BF16 and no AMX, both go through the compiled kernels of
-``cpu_kernels`` instead (bf16 models). The arithmetic follows transformers' modules op for
-op (RMSNorm in fp32, rotary in the model dtype, HF's rotary module for every rope type), so logits
-match the transformers forward to rounding.
+``scaled_dot_product_attention``. On CPUs with AVX512-BF16 and no AMX (bf16 models), both attentions, the
+RMSNorms and the rotary pass go through the compiled kernels of ``cpu_kernels`` instead. The arithmetic follows
+transformers' modules op for op (RMSNorm in fp32, rotary in the model dtype, HF's rotary module for every rope
+type's angles), so logits match the transformers forward to rounding.
 
 LoRA: ``LoraBank.add`` adds each token's adapter delta to the matching column slice of the fused
 outputs (q/k/v of qkv) or to the output (o, gate, up, down: o's and down's after the residual, which is the same sum).

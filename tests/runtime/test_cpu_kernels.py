@@ -199,3 +199,20 @@ def test_rope_is_transformers_rotary_in_bf16_in_place(rows: int, heads: int, ext
     ops.rope_(x, cos, sin, heads)
     assert torch.equal(x[:, :heads], want)
     assert torch.equal(x[:, heads:], before[:, heads:])
+
+
+def test_a_failed_build_leaves_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler, no ninja, an assembler without AVX512-BF16: ``ops()`` is None (the runner then serves through
+    PyTorch's ops), on any CPU."""
+    from torch.utils import cpp_extension
+
+    def broken(**_: object) -> None:
+        raise RuntimeError("g++: command not found")
+
+    monkeypatch.setattr(cpu_kernels, "why_not", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    cpu_kernels.ops.cache_clear()
+    try:
+        assert cpu_kernels.ops() is None
+    finally:
+        cpu_kernels.ops.cache_clear()
