@@ -200,7 +200,7 @@ def _wide_head_model(dtype: torch.dtype) -> Any:
     return model.to(dtype).eval()
 
 
-def test_llama_runner_bf16_with_the_cpu_kernels_kernels_is_as_close_to_fp32_as_the_bf16_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama_runner_bf16_with_the_cpu_kernels_is_as_close_to_fp32_as_the_bf16_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPUs with AVX512-BF16 and no AMX prompt chunks and decode rows attend through the compiled kernels (head dim
     64 here, their smallest): held to the bf16 forward's distance from fp32, as above, over chunked prompts with causal
     offsets beside decode rows in pools of several caps, rows leaving and moving pools. ``LOOPWISE_CPU_KERNELS=torch``
