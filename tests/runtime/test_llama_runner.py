@@ -88,6 +88,22 @@ def _last(model: Any, ids: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
 
 
+def _assert_as_close_to_fp32_as_the_bf16_forward(runner: Any, ref32: Any, ref16: Any) -> None:
+    """Drive ``runner`` (bf16) and hold every logits row to transformers' bf16 forward's distance from fp32's."""
+    ours, theirs, scale = [], [], []
+
+    def check(row: torch.Tensor, ids: list[int], where: str) -> None:
+        truth = _last(ref32, ids)
+        ours.append(float((row.float() - truth).abs().max()))
+        theirs.append(float((_last(ref16, ids) - truth).abs().max()))
+        scale.append(float(truth.abs().max()))
+
+    _drive(runner, check, ref32.config.vocab_size)
+    assert min(scale) > 2.0
+    assert sum(ours) / len(ours) <= 2 * sum(theirs) / len(theirs), (ours, theirs)
+    assert max(ours) <= 3 * max(theirs), (max(ours), max(theirs))
+
+
 @pytest.mark.parametrize("kind", ["llama", "transformers"])
 def test_runner_logits_equal_the_full_forward_fp32(ctx_model_path: Path, kind: str) -> None:
     model = _model(ctx_model_path, torch.float32)
@@ -113,18 +129,7 @@ def test_llama_runner_bf16_is_as_close_to_fp32_as_the_bf16_forward(ctx_model_pat
     runner = _runner("llama", _model(ctx_model_path, torch.bfloat16))
     assert runner.chunk_attn_dtype == (torch.bfloat16 if amx else torch.float32)
     assert _runner("llama", _model(ctx_model_path, torch.float32)).chunk_attn_dtype == torch.float32
-    ours, theirs, scale = [], [], []
-
-    def check(row: torch.Tensor, ids: list[int], where: str) -> None:
-        truth = _last(ref32, ids)
-        ours.append(float((row.float() - truth).abs().max()))
-        theirs.append(float((_last(ref16, ids) - truth).abs().max()))
-        scale.append(float(truth.abs().max()))
-
-    _drive(runner, check, ref32.config.vocab_size)
-    assert min(scale) > 2.0
-    assert sum(ours) / len(ours) <= 2 * sum(theirs) / len(theirs), (ours, theirs)
-    assert max(ours) <= 3 * max(theirs), (max(ours), max(theirs))
+    _assert_as_close_to_fp32_as_the_bf16_forward(runner, ref32, ref16)
 
 
 def test_released_rows_do_not_change_the_others(ctx_model_path: Path) -> None:
@@ -213,18 +218,7 @@ def test_llama_runner_bf16_with_the_cpu_kernels_is_as_close_to_fp32_as_the_bf16_
     runner = _runner("llama", _wide_head_model(torch.bfloat16))
     assert runner.kernels is cpu_kernels.ops()
     assert _runner("llama", _wide_head_model(torch.float32)).kernels is None
-    ours, theirs, scale = [], [], []
-
-    def check(row: torch.Tensor, ids: list[int], where: str) -> None:
-        truth = _last(ref32, ids)
-        ours.append(float((row.float() - truth).abs().max()))
-        theirs.append(float((_last(ref16, ids) - truth).abs().max()))
-        scale.append(float(truth.abs().max()))
-
-    _drive(runner, check, ref32.config.vocab_size)
-    assert min(scale) > 2.0
-    assert sum(ours) / len(ours) <= 2 * sum(theirs) / len(theirs), (ours, theirs)
-    assert max(ours) <= 3 * max(theirs), (max(ours), max(theirs))
+    _assert_as_close_to_fp32_as_the_bf16_forward(runner, ref32, ref16)
     monkeypatch.setenv("LOOPWISE_CPU_KERNELS", "torch")
     cpu_kernels.ops.cache_clear()
     try:
