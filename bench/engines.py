@@ -162,8 +162,9 @@ def make_adapters(model: Path, root: Path, n: int) -> list[Path]:
     return out
 
 
-async def hot_swaps(base: str, convs: list[list[dict]], adapters: list[Path]) -> list[float]:
-    """Swap ``swap@k`` in as the alias while 16 clients load the base model; seconds from POST to the first answer from it."""
+async def hot_swaps(base: str, convs: list[list[dict]], adapters: list[Path]) -> list[tuple[float, float]]:
+    """Swap ``swap@k`` in as the alias while 16 clients load the base model: per swap, seconds from POST to the first
+    answer from it, and the POST's own share (the adapter loaded into every replica)."""
     auth = {"Authorization": f"Bearer {ADMIN}"}
     out = []
     stop_load = asyncio.Event()
@@ -179,12 +180,13 @@ async def hot_swaps(base: str, convs: list[list[dict]], adapters: list[Path]) ->
             t0 = time.perf_counter()
             r = await client.post(base + "/admin/adapters", json={"path": str(path), "family": "swap", "alias": True}, headers=auth)
             r.raise_for_status()
+            posted = time.perf_counter() - t0
             version = r.json()["name"]
             while True:
                 _, _, _, adapter = await via_loopwise(client, base, convs[0], 1, model="swap")
                 if adapter == version:
                     break
-            out.append(time.perf_counter() - t0)
+            out.append((time.perf_counter() - t0, posted))
         stop_load.set()
         await asyncio.gather(*background)
     return out
@@ -382,8 +384,9 @@ def sglang_phase(args: argparse.Namespace, model: Path, work: Path, convs: list[
     return res
 
 
-def swap_stats(swaps: list[float]) -> dict:
-    return {"each": swaps, "median": statistics.median(swaps), "max": max(swaps)}
+def swap_stats(swaps: list[tuple[float, float]]) -> dict:
+    total, post = [t for t, _ in swaps], [p for _, p in swaps]
+    return {"each": total, "median": statistics.median(total), "max": max(total), "post_each": post, "post_median": statistics.median(post)}
 
 
 def report(res: dict) -> None:
@@ -418,7 +421,8 @@ def report(res: dict) -> None:
         if "hot_swap_s" in res.get(engine, {}):
             h = res[engine]["hot_swap_s"]
             print(
-                f"hot swap into {label}, {res['clients']}-client load: median {h['median']:.3f}s, max {h['max']:.3f}s over {len(h['each'])} (target <= 1 s)"
+                f"hot swap into {label}, {res['clients']}-client load: median {h['median']:.3f}s, max {h['max']:.3f}s over {len(h['each'])} (target <= 1 s);"
+                f" of it the POST (loading every replica): median {h.get('post_median', float('nan')):.3f}s"
             )
     if "logprobs" in res.get("sglang", {}):
         lp = res["sglang"]["logprobs"]
