@@ -2,13 +2,14 @@
 
 Four ops: ``prompt_attention`` (a prompt chunk's causal attention over its staging buffer), ``decode_attention`` (one
 token per row over a KV pool, reading only each row's live keys), and the two elementwise passes around them,
-``rms_norm`` and the in-place rotary embedding ``rope_`` (one pass each instead of PyTorch's four or five; rounding where
-transformers' bf16 modules round: the rotary bit for bit, the norm up to the order of its fp32 sum). Why: on such a CPU (AMD Zen 4, Intel Cooper Lake), PyTorch's CPU flash
-attention has no bf16 matrix unit to use and ran at ~42 ms a layer for a 1,990-token prompt on SmolLM2 (half of the
-prefill, fp32 and bf16 alike), the decode path's batched GEMMs read every column of a pool under a mask, and the small
-elementwise ops cost more in dispatch than in arithmetic at decode shapes. The attention kernels use the CPU's bf16 pair
-dot products. Where AMX exists, PyTorch's kernels use it and stay; without AVX512-BF16, or for a shape the kernels do
-not take, ``ops()`` is None and the runner uses PyTorch's ops.
+``rms_norm`` and the in-place rotary embedding ``rope_`` (one pass each instead of PyTorch's four or five; rounding
+where transformers' bf16 modules round: the rotary bit for bit, the norm up to the order of its fp32 sum). Why: on
+such a CPU (AMD Zen 4, Intel Cooper Lake), PyTorch's CPU flash attention has no bf16 matrix unit to use and ran at ~42
+ms a layer for a 1,990-token prompt on SmolLM2 (half of the prefill, fp32 and bf16 alike), the decode path's batched
+GEMMs read every column of a pool under a mask, and the small elementwise ops cost more in dispatch than in arithmetic
+at decode shapes. The attention kernels use the CPU's bf16 pair dot products. Where AMX exists, PyTorch's kernels use
+it and stay; without AVX512-BF16, or for a shape the kernels do not take, ``ops()`` is None and the runner uses
+PyTorch's ops.
 
 The kernels are compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja, ~15 s; ``make install``
 does it, else the first engine start) into ``$LOOPWISE_KERNEL_DIR`` (default ``~/.cache/loopwise/kernels``), keyed
