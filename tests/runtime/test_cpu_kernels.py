@@ -169,7 +169,8 @@ def _torch_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 70), width=st.sampled_from([64, 576, 1024]), spread=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))
 def test_rms_norm_is_transformers_rmsnorm_in_bf16(rows: int, width: int, spread: float, seed: int) -> None:
-    """The same bf16 numbers as the PyTorch path, up to the fp32 sum's order: at most one bf16 step apart, rarely."""
+    """The same bf16 numbers as the PyTorch path, up to the fp32 sum's order: rarely, the normalised value rounds to
+    the neighbouring bf16 number before the weight multiplies it (then the product rounds again)."""
     ops = _ops()
     g = torch.Generator().manual_seed(seed)
     wide = torch.randn(rows, width + 32, generator=g).mul(spread).bfloat16()
@@ -178,8 +179,9 @@ def test_rms_norm_is_transformers_rmsnorm_in_bf16(rows: int, width: int, spread:
     got, want = ops.rms_norm(x, w, 1e-5), _torch_rms(x, w, 1e-5)
     differ = got != want
     assert int(differ.sum()) <= max(1, got.numel() // 1000)
-    step = want.float().abs() * 2**-7 + 1e-30  # one bf16 step at the value's scale
-    assert bool(((got.float() - want.float()).abs() <= step).all())
+    step = want.float().abs() * 2**-7 + 1e-30  # one bf16 step at the value's scale, at most
+    # one step of the normalised value carried through the weight, plus the product's own rounding
+    assert bool(((got.float() - want.float()).abs() <= 2 * step).all())
 
 
 @settings(max_examples=30, deadline=None)
