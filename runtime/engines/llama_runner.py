@@ -219,10 +219,12 @@ class LlamaRunner:
         x = F.embedding(ids, self.embed)  # (N, hidden)
         cos, sin = self.rotary(x[None], positions[None])  # (1, N, D) each
         fused_rope = self.kernels.rope_ if self.kernels is not None and x.dtype == torch.bfloat16 else None
-        rot = (cos[0].contiguous(), sin[0].contiguous())  # (N, D) each, for the fused pass
-        cos = cos[0, :, None, :]  # (N, 1, D)
-        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated), exactly (negation is exact)
-        sin = torch.cat((-sin[0, :, None, : D // 2], sin[0, :, None, D // 2 :]), dim=-1)
+        if fused_rope is not None:
+            rot = (cos[0].contiguous(), sin[0].contiguous())  # (N, D) each
+        else:
+            cos = cos[0, :, None, :]  # (N, 1, D)
+            # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated), exactly (negation is exact)
+            sin = torch.cat((-sin[0, :, None, : D // 2], sin[0, :, None, D // 2 :]), dim=-1)
         # per pool: where its rows write this step (flat row indices into the (rows * K * cap, D) view of a
         # layer's buffer), and which columns each row may attend to
         pool_io = []

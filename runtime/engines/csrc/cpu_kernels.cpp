@@ -59,6 +59,32 @@ inline __m512 exp2_ps(__m512 x) {
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
+inline __m512 bf16x16_to_ps(const uint16_t* p) {
+  return _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+inline __m512 round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+inline void store_bf16x16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+
+// The lanes 0 .. n - 1 of a 16-lane vector (none for n <= 0, all for n >= 16).
+inline __mmask16 first_lanes(int64_t n) {
+  if (n >= 16) return static_cast<__mmask16>(0xFFFF);
+  if (n <= 0) return static_cast<__mmask16>(0);
+  return static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// acc[r][c] += pairs[r] . vecs[c] for 4 rows x 4 vectors of 16 fp32 lanes: vecs are 4 x 32 bf16 (16 pairs each) at
+// `vecs`, pairs[r] one bf16 pair broadcast to every lane. The register tile of both the scores and P v.
+inline void pair_tile(__m512 (&acc)[kRows][4], const uint16_t* vecs, const uint32_t (&pairs)[kRows]) {
+  __m512i v[4];
+  for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_si512(vecs + c * 32);
+  for (int r = 0; r < kRows; ++r) {
+    const __m512i b = _mm512_set1_epi32(static_cast<int>(pairs[r]));
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(b), as_bh(v[c]));
+  }
+}
+
 // K of one kv head (L, D) -> pairs of dimensions, keys across lanes: kp[d2][t][0..1] = k[t][2 d2 .. 2 d2 + 1].
 void pack_k(const uint16_t* k, int64_t row_stride, int64_t T, int64_t Tpad, int64_t D, uint16_t* kp) {
   const int64_t D2 = D / 2;
@@ -117,7 +143,6 @@ void tile(const Args& a, int64_t h, int64_t i0) {
     std::memset(o[r], 0, sizeof(float) * D);
   }
   const __m512 scale = _mm512_set1_ps(a.scale2);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t t0 = 0; t0 < keys; t0 += kSpan) {
     const int64_t nb = std::min<int64_t>(kSpan, keys - t0 + kBlock - 1) / kBlock;  // 64-key blocks in this span
     for (int64_t b = 0; b < nb; ++b) {
@@ -126,13 +151,8 @@ void tile(const Args& a, int64_t h, int64_t i0) {
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
       const uint16_t* kb = kp + (t0 + b * kBlock) * 2;
       for (int64_t d2 = 0; d2 < D2; ++d2) {
-        const uint16_t* kd = kb + d2 * a.Tpad * 2;
-        __m512i kv[4];
-        for (int c = 0; c < 4; ++c) kv[c] = _mm512_loadu_si512(kd + c * 32);
-        for (int r = 0; r < kRows; ++r) {
-          const __m512i qb = _mm512_set1_epi32(static_cast<int>(qrow[r][d2]));
-          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(qb), as_bh(kv[c]));
-        }
+        const uint32_t q2[kRows] = {qrow[0][d2], qrow[1][d2], qrow[2][d2], qrow[3][d2]};
+        pair_tile(acc, kb + d2 * a.Tpad * 2, q2);
       }
       for (int r = 0; r < kRows; ++r)
         for (int c = 0; c < 4; ++c) _mm512_store_ps(&s[r][b * kBlock + 16 * c], _mm512_mul_ps(acc[r][c], scale));
@@ -142,10 +162,7 @@ void tile(const Args& a, int64_t h, int64_t i0) {
       const int64_t room = last[r] - t0;  // keys t0 .. t0 + room are visible to this row
       __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (int c = 0; c < nv; ++c) {
-        const int64_t rc = room - 16 * c;
-        const __mmask16 ok = rc >= 15 ? static_cast<__mmask16>(0xFFFF)
-                             : rc < 0  ? static_cast<__mmask16>(0)
-                                       : _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(rc)));
+        const __mmask16 ok = first_lanes(room - 16 * c + 1);
         mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_load_ps(&s[r][16 * c]));
       }
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));  // finite: key 0 is visible to every row
@@ -154,10 +171,7 @@ void tile(const Args& a, int64_t h, int64_t i0) {
       const __m512 mv = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
       for (int c = 0; c < nv; ++c) {
-        const int64_t rc = room - 16 * c;
-        const __mmask16 ok = rc >= 15 ? static_cast<__mmask16>(0xFFFF)
-                             : rc < 0  ? static_cast<__mmask16>(0)
-                                       : _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(rc)));
+        const __mmask16 ok = first_lanes(room - 16 * c + 1);
         const __m512 pe = _mm512_maskz_mov_ps(ok, exp2_ps(_mm512_sub_ps(_mm512_load_ps(&s[r][16 * c]), mv)));
         const __m256bh pb = _mm512_cvtneps_pbh(pe);
         sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(pb));  // what P v uses: the rounded probabilities
@@ -175,13 +189,8 @@ void tile(const Args& a, int64_t h, int64_t i0) {
       for (int r = 0; r < kRows; ++r)
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(&o[r][d0 + 16 * c]), al[r]);
       for (int t2 = 0; t2 < nv * 8; ++t2) {
-        const uint16_t* vd = vb + t2 * D * 2 + d0 * 2;
-        __m512i vv[4];
-        for (int c = 0; c < 4; ++c) vv[c] = _mm512_loadu_si512(vd + c * 32);
-        for (int r = 0; r < kRows; ++r) {
-          const __m512i pb = _mm512_set1_epi32(static_cast<int>(p32[r][t2]));
-          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(pb), as_bh(vv[c]));
-        }
+        const uint32_t p2[kRows] = {p32[0][t2], p32[1][t2], p32[2][t2], p32[3][t2]};
+        pair_tile(acc, vb + t2 * D * 2 + d0 * 2, p2);
       }
       for (int r = 0; r < kRows; ++r)
         for (int c = 0; c < 4; ++c) _mm512_store_ps(&o[r][d0 + 16 * c], acc[r][c]);
@@ -190,10 +199,7 @@ void tile(const Args& a, int64_t h, int64_t i0) {
   for (int r = 0; r < kRows && i0 + r < a.n; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
     uint16_t* dst = a.out + ((i0 + r) * a.H + h) * D;
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m256bh ob = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&o[r][d]), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(ob));
-    }
+    for (int64_t d = 0; d < D; d += 16) store_bf16x16(dst + d, _mm512_mul_ps(_mm512_load_ps(&o[r][d]), inv));
   }
 }
 
@@ -278,8 +284,7 @@ void pv(const float* p, int64_t p_stride, const uint16_t* v, int64_t D, int64_t 
   for (int64_t t = 0; t < keys; ++t) {
     const uint16_t* vt = v + t * D + d0;
     __m512 vv[4];
-    for (int c = 0; c < 4; ++c)
-      vv[c] = _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + 16 * c))));
+    for (int c = 0; c < 4; ++c) vv[c] = bf16x16_to_ps(vt + 16 * c);
     for (int g = 0; g < NG; ++g) {
       const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
       for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
@@ -311,7 +316,6 @@ void decode_item(const DecodeArgs& a, int64_t row, int64_t kh, std::vector<float
   const uint16_t* kb = a.k + (row * a.K + kh) * a.cap * D;
   const uint16_t* vb = a.v + (row * a.K + kh) * a.cap * D;
   const __m512 scale = _mm512_set1_ps(a.scale2);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t g = 0; g < G; ++g) {
     const uint16_t* qg = a.q + row * a.q_tok + (kh * G + g) * a.q_head;
     __m512i qv[kMaxDim / 32];
@@ -329,13 +333,13 @@ void decode_item(const DecodeArgs& a, int64_t row, int64_t kh, std::vector<float
     float* sg = s + g * kpad;
     __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t t0 = 0; t0 < kpad; t0 += 16) {
-      const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(16, keys - t0))));
+      const __mmask16 ok = first_lanes(keys - t0);
       mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_loadu_ps(sg + t0));
     }
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < kpad; t0 += 16) {
-      const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(16, keys - t0))));
+      const __mmask16 ok = first_lanes(keys - t0);
       const __m512 e = _mm512_maskz_mov_ps(ok, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), m)));
       _mm512_storeu_ps(sg + t0, e);
       sum = _mm512_add_ps(sum, e);
@@ -357,10 +361,7 @@ void decode_item(const DecodeArgs& a, int64_t row, int64_t kh, std::vector<float
   for (int64_t g = 0; g < G; ++g) {
     uint16_t* dst = a.out + (row * a.K * G + kh * G + g) * D;
     const __m512 iv = _mm512_set1_ps(inv[g]);
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m256bh ob = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + g * D + d), iv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(ob));
-    }
+    for (int64_t d = 0; d < D; d += 16) store_bf16x16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + g * D + d), iv));
   }
 }
 
@@ -396,14 +397,6 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 }
 
 // ---- the elementwise passes around attention ----------------------------------------------------------------------
-
-inline __m512 bf16x16_to_ps(const uint16_t* p) {
-  return _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-}
-inline __m512 round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
-inline void store_bf16x16(uint16_t* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
-}
 
 // transformers' LlamaRMSNorm on bf16 rows: y = bf16(x / sqrt(mean(x^2) + eps)) * weight, the product rounded to bf16
 // (the mean in fp32, summed in another order than PyTorch's: the two agree to fp32 rounding before the bf16 cast).
