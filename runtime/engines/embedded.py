@@ -84,7 +84,7 @@ from runtime.engine import (
     TokenLogprob,
     collect,
 )
-from runtime.engines import llama_runner
+from runtime.engines import cpu_kernels, llama_runner
 from runtime.engines.cpu_linear import cpu_flags
 from runtime.engines.fair_share import W_DECODE, W_PREFILL, FairQueue, owner_of
 from runtime.engines.hf_runner import HFRunner
@@ -92,7 +92,7 @@ from runtime.engines.lora_batch import LoraBank
 from runtime.engines.lora_weights import LoraWeights, read_lora
 from runtime.engines.prompt_scoring import score_prompt
 from runtime.engines.runner import Chunk, DecodeRow, Runner
-from runtime.engines.sampling import Penalties, RowSampling, sample_next
+from runtime.engines.sampling import ArgmaxLse, Penalties, RowSampling, sample_next
 from runtime.engines.textstream import TextStream
 from runtime.grammar_worker import GrammarInvalid, GrammarWorker, compile_grammar
 
@@ -176,6 +176,7 @@ class EmbeddedEngine:
         self._running: list[_Seq] = []  # decoding; the scheduler thread alone touches these two lists
         self._prefilling: list[_Seq] = []  # admitted, prompt not fully fed yet (oldest first)
         self._runner: Runner | None = None
+        self._argmax_lse: ArgmaxLse | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._commands: deque[tuple[Callable[[], None], asyncio.Future[None]]] = deque()
@@ -249,6 +250,8 @@ class EmbeddedEngine:
         else:
             self._lora = LoraBank(self.model)
             self._runner = llama_runner.LlamaRunner(self.model, self._lora, max_len)
+        kernels = cpu_kernels.ops()  # where built: the sampler's argmax and log-sum-exp in one compiled pass, any runner
+        self._argmax_lse = kernels.argmax_lse if kernels is not None else None
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -675,7 +678,7 @@ class EmbeddedEngine:
                 assert matcher is not None
                 matcher.fill_next_token_bitmask(bitmask, i)
             xgr.apply_token_bitmask_inplace(logits, bitmask, indices=constrained)
-        sampled = sample_next(logits, [s.row for s in seqs])
+        sampled = sample_next(logits, [s.row for s in seqs], self._argmax_lse)
         now = time.perf_counter()
         finished = []
         for i, seq in enumerate(seqs):

@@ -20,7 +20,8 @@ Decode attention per pool: scores ``q @ K^T`` as one batched GEMM over all rows 
 heads grouped per kv head, so K is never repeated), masked by each row's length, softmax in fp32,
 then ``P @ V``. Prompt chunks attend over their staging buffer (causal, offset by the chunk's start) through
 ``scaled_dot_product_attention``. On CPUs with AVX512-BF16 and no AMX (bf16 models), both attentions, the
-RMSNorms and the rotary pass go through the compiled kernels of ``cpu_kernels`` instead. The arithmetic follows
+RMSNorms and the rotary pass go through the compiled kernels of ``cpu_kernels`` instead (the decode kernel also
+writes the step's keys and values into the pools, where the PyTorch path uses ``index_copy_``). The arithmetic follows
 transformers' modules op for op (RMSNorm in fp32, rotary in the model dtype, HF's rotary module for every rope
 type's angles), so logits match the transformers forward to rounding.
 
@@ -231,11 +232,12 @@ class LlamaRunner:
         for p in pools:
             n = p.rows
             lengths = torch.tensor(p.lengths)
-            flat = ((torch.arange(n)[:, None] * K + torch.arange(K)[None, :]) * p.cap + lengths[:, None]).view(-1)  # (n K,)
-            mask = None
+            by_torch = None  # the kernel writes and masks by the lengths
             if self.kernels is None:
+                flat = ((torch.arange(n)[:, None] * K + torch.arange(K)[None, :]) * p.cap + lengths[:, None]).view(-1)  # (n K,)
                 mask = torch.zeros(n, 1, p.cap).masked_fill_((torch.arange(p.cap)[None, :] > lengths[:, None])[:, None, :], float("-inf"))
-            pool_io.append((p, n, flat, lengths, mask))
+                by_torch = (flat, mask)
+            pool_io.append((p, n, lengths, by_torch))
         chunk_io = []
         for c in chunks:
             st = self._staging[c.key]
@@ -262,15 +264,16 @@ class LlamaRunner:
             v = qkv[:, qk_width:].view(-1, K, D)
             outs = []
             off = 0
-            for p, n, flat, lengths, mask in pool_io:
+            for p, n, lengths, by_torch in pool_io:
                 kb, vb = p.k[li], p.v[li]
-                kb.view(-1, D).index_copy_(0, flat, k[off : off + n].reshape(-1, D))
-                vb.view(-1, D).index_copy_(0, flat, v[off : off + n].reshape(-1, D))
-                if mask is None:  # the kernel reads each row's keys up to its length
+                if by_torch is None:  # the kernel writes each row's key and value at its length, then reads its keys up to it
                     assert self.kernels is not None
-                    outs.append(self.kernels.decode(q[off : off + n], kb, vb, lengths, self.scale).view(n, H * D))
+                    outs.append(self.kernels.decode(q[off : off + n], kb, vb, lengths, self.scale, k[off : off + n], v[off : off + n]).view(n, H * D))
                     off += n
                     continue
+                flat, mask = by_torch
+                kb.view(-1, D).index_copy_(0, flat, k[off : off + n].reshape(-1, D))
+                vb.view(-1, D).index_copy_(0, flat, v[off : off + n].reshape(-1, D))
                 qg = q[off : off + n].reshape(n * K, G, D)
                 s = torch.bmm(qg, kb[:n].view(n * K, p.cap, D).transpose(1, 2))  # (n K, G, cap)
                 s = s.view(n, K * G, p.cap).float().mul_(self.scale).add_(mask)

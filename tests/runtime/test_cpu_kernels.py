@@ -10,6 +10,8 @@ whole scale. It skips where the kernels are not used (no AVX512-BF16, or AMX), s
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -124,10 +126,11 @@ def _decode_definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length
     group=st.integers(1, 6),
     head_dim=st.sampled_from([64, 128]),
     spread=st.sampled_from([0.5, 3.0, 12.0]),
+    write_new=st.booleans(),  # the kernel first writes this step's key and value into the pool (the runner's way)
     data=st.data(),
 )
 def test_the_decode_kernel_is_attention_over_each_rows_keys(
-    n: int, spare: int, cap: int, kv_heads: int, group: int, head_dim: int, spread: float, data: st.DataObject
+    n: int, spare: int, cap: int, kv_heads: int, group: int, head_dim: int, spread: float, write_new: bool, data: st.DataObject
 ) -> None:
     op = _ops().decode
     seed = data.draw(st.integers(0, 2**16))
@@ -135,7 +138,8 @@ def test_the_decode_kernel_is_attention_over_each_rows_keys(
     g = torch.Generator().manual_seed(seed)
     H = kv_heads * group
     fused = torch.randn(n, H + 2 * kv_heads, head_dim, generator=g).mul(spread).bfloat16()
-    q = fused[:, :H]  # strided, as the runner passes it
+    q = fused[:, :H]  # strided, as the runner passes it (q, k and v are column ranges of one projection)
+    k_new, v_new = fused[:, H : H + kv_heads], fused[:, H + kv_heads :]
     k = torch.randn(n + spare, kv_heads, cap, head_dim, generator=g).bfloat16()
     v = torch.randn(n + spare, kv_heads, cap, head_dim, generator=g).bfloat16()
     for r in range(n):  # a row's columns past its length must not be read
@@ -143,9 +147,17 @@ def test_the_decode_kernel_is_attention_over_each_rows_keys(
         v[r, :, int(lengths[r]) + 1 :] = float("nan")
     k[n:] = float("nan")
     v[n:] = float("nan")
+    k_after, v_after = k.clone(), v.clone()  # the pools as they must be after the call
+    if write_new:
+        for r in range(n):
+            at = int(lengths[r])
+            k_after[r, :, at], v_after[r, :, at] = k_new[r], v_new[r]
+            k[r, :, at] = v[r, :, at] = float("nan")  # unwritten, the step's column would poison the output
     scale = head_dim**-0.5
-    got = op(q, k, v, lengths, scale)
+    got = op(q, k, v, lengths, scale, k_new, v_new) if write_new else op(q, k, v, lengths, scale)
     assert got.shape == (n, H, head_dim) and got.dtype == torch.bfloat16
+    # bit for bit, NaN included: the step's columns written, nothing else touched
+    assert torch.equal(k.view(torch.int16), k_after.view(torch.int16)) and torch.equal(v.view(torch.int16), v_after.view(torch.int16))
     want = _decode_definition(q, k, v, lengths, scale)
     bound = 2**-7 * float(torch.nan_to_num(v[:n], nan=0.0).abs().max())  # the output's bf16 rounding and fp32 sums
     err = (got.double() - want).abs().max().item()
@@ -159,6 +171,49 @@ def test_the_decode_kernel_refuses_a_length_outside_the_pool() -> None:
         op(q, k, k, torch.tensor([3, 16]), 0.1)
     with pytest.raises(RuntimeError, match="int64"):
         op(q, k, k, torch.tensor([3, 5], dtype=torch.int32), 0.1)
+    with pytest.raises(RuntimeError, match="both or neither"):
+        op(q, k, k, torch.tensor([3, 5]), 0.1, torch.randn(2, 1, 64).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="k_new and v_new"):
+        op(q, k, k, torch.tensor([3, 5]), 0.1, torch.randn(2, 2, 64).bfloat16(), torch.randn(2, 2, 64).bfloat16())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    vocab=st.integers(1, 3000),
+    grid=st.sampled_from([0.0, 0.5, 4.0]),  # values rounded to multiples of it: ties (0: none forced)
+    spread=st.sampled_from([1.0, 30.0]),
+    masked=st.floats(0.0, 0.95),  # the share set to -inf, as a grammar mask does
+    seed=st.integers(0, 2**16),
+)
+def test_argmax_lse_is_each_rows_first_maximum_and_log_sum_exp(rows: int, vocab: int, grid: float, spread: float, masked: float, seed: int) -> None:
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * spread
+    if grid:
+        x = torch.round(x / grid) * grid
+    x[torch.rand(rows, vocab, generator=g) < masked] = float("-inf")
+    x[:, int(torch.randint(vocab, (1,), generator=g))] = 0.0  # at least one allowed token per row
+    ids, lse = _ops().argmax_lse(x)
+    assert ids.dtype == torch.long and lse.dtype == torch.float32 and ids.shape == lse.shape == (rows,)
+    assert ids.tolist() == [int(np.argmax(r)) for r in x.numpy()]  # numpy's argmax: the first of tied maxima
+    want = torch.logsumexp(x.double(), dim=-1)
+    # fp32 terms and sums (a relative 1e-6 of the sum: 1e-6 of the log), then the result's own rounding
+    bound = 2e-6 + 2 * torch.from_numpy(np.spacing(want.abs().float().numpy())).double()
+    assert ((lse.double() - want).abs() <= bound).all(), ((lse.double() - want).abs().max(), bound.max())
+
+
+def test_argmax_lse_gives_a_non_finite_lse_where_a_row_is_no_distribution() -> None:
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[1.0, nan, 3.0], [-inf, -inf, -inf], [1.0, inf, 2.0], [2.0, 5.0, 5.0]])
+    ids, lse = _ops().argmax_lse(x)
+    assert torch.isnan(lse[0]) and lse[1].item() == -inf and not torch.isfinite(lse[2])
+    assert ids[3].item() == 1 and lse[3].item() == pytest.approx(math.log(math.exp(2) + 2 * math.exp(5)), abs=1e-6)
+    with pytest.raises(RuntimeError, match="fp32"):
+        _ops().argmax_lse(x.double())
+    with pytest.raises(RuntimeError, match="rows contiguous"):
+        _ops().argmax_lse(x.t())
 
 
 def _torch_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,10 +6,22 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.engines.sampling import RowSampling, _top_p_probs, sample_next
+from runtime.engines import cpu_kernels
+from runtime.engines.sampling import ArgmaxLse, RowSampling, _top_p_probs, sample_next
+
+
+@pytest.fixture(params=["torch", "compiled"])
+def compiled(request: pytest.FixtureRequest) -> ArgmaxLse | None:
+    """None (PyTorch's argmax and logsumexp), or the compiled ``argmax_lse`` where this machine builds the kernels."""
+    if request.param == "torch":
+        return None
+    ops = cpu_kernels.ops() if cpu_kernels.why_not() is None else None
+    if ops is None:
+        pytest.skip(f"the compiled kernels are not used here: {cpu_kernels.why_not() or 'the build failed'}")
+    return ops.argmax_lse
 
 
 def row(temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None, top_logprobs: int = 0) -> RowSampling:
@@ -33,6 +45,18 @@ def test_greedy_picks_argmax_with_log_softmax_logprob() -> None:
     denom = sum(math.exp(x) for x in [1.0, 3.0, 2.0, -1.0, 0.5])
     assert out.logprobs[0] == pytest.approx(3.0 - math.log(denom), abs=1e-6)
     assert out.top == [[], []]
+
+
+@pytest.mark.parametrize("where", [[17, 60], [3, 19], [40, 41, 95], [0, 99]])
+def test_greedy_takes_the_first_of_tied_maxima(where: list[int], compiled: ArgmaxLse | None) -> None:
+    """Ties in one 16-wide lane, across lanes and across blocks: the lowest index, as ``torch.argmax`` documents."""
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(sum(where)))
+    logits[1, where] = 9.0
+    logits[2, :] = float("-inf")  # a grammar allowing two tokens, tied
+    logits[2, where[-2:]] = 0.5
+    out = sample_next(logits.clone(), [row(), row(), row()], compiled)
+    assert out.token_ids[1:] == [where[0], where[-2]]
+    assert out.logprobs[2] == pytest.approx(math.log(0.5), abs=1e-6)
 
 
 def test_temperature_scales_the_logprobs() -> None:
@@ -195,9 +219,9 @@ def test_sampled_frequencies_follow_the_distribution(temperature: float, top_p: 
             assert abs(counts[tok] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (tok, counts[tok] / n, p)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    st.lists(
+    spec=st.lists(
         st.tuples(
             st.lists(st.one_of(st.floats(-30, 30), st.just(-math.inf)), min_size=7, max_size=7),
             st.sampled_from(["ok", "nan", "all_masked", "pos_inf"]),
@@ -208,10 +232,11 @@ def test_sampled_frequencies_follow_the_distribution(temperature: float, top_p: 
         max_size=6,
     )
 )
-def test_logprobs_and_failures_follow_the_definition(spec: list[tuple[list[float], str, float, int]]) -> None:
+def test_logprobs_and_failures_follow_the_definition(spec: list[tuple[list[float], str, float, int]], compiled: ArgmaxLse | None) -> None:
     """Any batch: a row fails exactly when its logits hold a NaN or +inf or allow nothing; every other row's logprob is
-    ``log_softmax(logits / T)`` at its token (T = 1 for greedy rows), computed here in float64, its greedy token is an
-    argmax of its logits, and its top list is the best ``top_logprobs`` finite logprobs of that distribution."""
+    ``log_softmax(logits / T)`` at its token (T = 1 for greedy rows), computed here in float64, its greedy token is the
+    first argmax of its logits, and its top list is the best ``top_logprobs`` finite logprobs of that distribution. With
+    PyTorch's argmax and logsumexp, and with the compiled kernel where it is built."""
     rows_logits, rows = [], []
     for values, kind, temperature, k in spec:
         v = list(values)
@@ -226,7 +251,7 @@ def test_logprobs_and_failures_follow_the_definition(spec: list[tuple[list[float
         rows_logits.append(v)
         rows.append(row(temperature=temperature, generator=torch.Generator().manual_seed(7), top_logprobs=k))
     logits = torch.tensor(rows_logits, dtype=torch.float32)
-    out = sample_next(logits.clone(), rows)
+    out = sample_next(logits.clone(), rows, compiled)
     for i, (_, kind, temperature, k) in enumerate(spec):
         assert out.failed[i] == (kind != "ok"), (i, kind)
         if out.failed[i]:
@@ -237,7 +262,7 @@ def test_logprobs_and_failures_follow_the_definition(spec: list[tuple[list[float
         assert ref[tok].item() > -math.inf  # a masked token is never chosen
         assert out.logprobs[i] == pytest.approx(ref[tok].item(), abs=1e-4)
         if temperature == 0.0:
-            assert logits[i, tok].item() == logits[i].max().item()
+            assert tok == logits[i].tolist().index(logits[i].max().item())  # the first of tied maxima, as torch.argmax
         finite = sorted((x for x in ref.tolist() if x > -math.inf), reverse=True)[:k]
         assert [v for _, v in out.top[i]] == pytest.approx(finite, abs=1e-4)
         assert all(ref[j].item() == pytest.approx(v, abs=1e-4) for j, v in out.top[i])

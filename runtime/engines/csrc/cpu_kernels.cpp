@@ -12,11 +12,15 @@
 // scores, dimensions across lanes for P v), zero-padded to whole 64-key blocks. Work items (head, 4-query tile)
 // run on ATen's thread pool, ordered so that each thread's share has about as many causal key blocks as another's.
 //
-// torch.ops.loopwise.decode_attention(q, k, v, lengths, scale) -> out: one query token per row over a KV pool
+// torch.ops.loopwise.decode_attention(q, k, v, lengths, scale, k_new, v_new) -> out: one query token per row over a KV pool
 //   q (n, H, D) bf16; k, v (rows, K, cap, D) bf16, a pool of runner/kv_pools.py; row r sees keys 0 .. lengths[r]
+//   k_new, v_new (n, K, D) bf16 or None: this step's key and value of each row, written into column lengths[r] first
 //   out (n, H, D) bf16
 // Reads only each row's live keys (the batched-GEMM path reads all cap columns under a mask); per (row, kv head) the
 // scores by pair dot products over D, an exact softmax in fp32, P v in fp32 with V widened from bf16.
+//
+// torch.ops.loopwise.argmax_lse(x) -> (ids, lse): each row's first maximum and log-sum-exp, x (B, V) fp32 -> (B,)
+// int64 and (B,) fp32; a row holding NaN or +inf, or only -inf, has a non-finite lse (its id is then meaningless).
 //
 // torch.ops.loopwise.rms_norm(x, weight, eps) and torch.ops.loopwise.rope_(x, cos, sin, heads): transformers'
 // LlamaRMSNorm and rotary embedding on bf16 rows, rounding where its bf16 ops round, one pass each.
@@ -33,6 +37,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -297,8 +303,11 @@ void pv(const float* p, int64_t p_stride, const uint16_t* v, int64_t D, int64_t 
 struct DecodeArgs {
   const uint16_t* q;
   int64_t q_tok, q_head;  // strides in elements
-  const uint16_t* k;      // (rows, K, cap, D)
-  const uint16_t* v;
+  uint16_t* k;            // (rows, K, cap, D)
+  uint16_t* v;
+  const uint16_t* k_new;  // (n, K, D) with strides new_tok, new_head, 1; nullptr: the pools hold this step's keys already
+  const uint16_t* v_new;
+  int64_t k_new_tok, k_new_head, v_new_tok, v_new_head;
   const int64_t* lengths;
   uint16_t* out;  // (n, H, D)
   int64_t K, G, D, cap;
@@ -313,8 +322,12 @@ void decode_item(const DecodeArgs& a, int64_t row, int64_t kh, std::vector<float
   float* s = buf.data();    // (G, kpad): scores, then unnormalised probabilities
   float* o = s + G * kpad;  // (G, D): unnormalised outputs
   float* inv = o + G * D;   // (G,): 1 / the probabilities' sum
-  const uint16_t* kb = a.k + (row * a.K + kh) * a.cap * D;
-  const uint16_t* vb = a.v + (row * a.K + kh) * a.cap * D;
+  uint16_t* kb = a.k + (row * a.K + kh) * a.cap * D;
+  uint16_t* vb = a.v + (row * a.K + kh) * a.cap * D;
+  if (a.k_new != nullptr) {  // this (row, kv head) owns the column: no other work item writes or reads it
+    std::memcpy(kb + (keys - 1) * D, a.k_new + row * a.k_new_tok + kh * a.k_new_head, D * sizeof(uint16_t));
+    std::memcpy(vb + (keys - 1) * D, a.v_new + row * a.v_new_tok + kh * a.v_new_head, D * sizeof(uint16_t));
+  }
   const __m512 scale = _mm512_set1_ps(a.scale2);
   for (int64_t g = 0; g < G; ++g) {
     const uint16_t* qg = a.q + row * a.q_tok + (kh * G + g) * a.q_head;
@@ -365,7 +378,8 @@ void decode_item(const DecodeArgs& a, int64_t row, int64_t kh, std::vector<float
   }
 }
 
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& lengths, double scale) {
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& lengths, double scale,
+                               const std::optional<torch::Tensor>& k_new, const std::optional<torch::Tensor>& v_new) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && lengths.dim() == 1, "q (n, H, D), k and v (rows, K, cap, D), lengths (n,)");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous(), "lengths: contiguous int64");
@@ -376,12 +390,29 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && q.stride(2) == 1, "k and v contiguous, q's head dim contiguous");
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) TORCH_CHECK(len[r] >= 0 && len[r] < cap, "row ", r, ": length ", len[r], " outside the pool's ", cap, " columns");
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "k_new and v_new: both or neither");
+  const uint16_t* kn = nullptr;
+  const uint16_t* vn = nullptr;
+  if (k_new.has_value()) {
+    for (const torch::Tensor* t : {&*k_new, &*v_new}) {
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == K && t->size(2) == D && t->stride(2) == 1, "k_new and v_new (n, K, D), D contiguous");
+      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->device().is_cpu(), "k_new and v_new: bf16 CPU tensors");
+    }
+    kn = reinterpret_cast<const uint16_t*>(k_new->data_ptr<at::BFloat16>());
+    vn = reinterpret_cast<const uint16_t*>(v_new->data_ptr<at::BFloat16>());
+  }
   auto out = torch::empty({n, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   DecodeArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                q.stride(0),
                q.stride(1),
-               reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
-               reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()),
+               reinterpret_cast<uint16_t*>(k.data_ptr<at::BFloat16>()),
+               reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>()),
+               kn,
+               vn,
+               kn ? k_new->stride(0) : 0,
+               kn ? k_new->stride(1) : 0,
+               vn ? v_new->stride(0) : 0,
+               vn ? v_new->stride(1) : 0,
                len,
                reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
                K,
@@ -458,11 +489,65 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
   });
 }
 
+// ---- sampling ---------------------------------------------------------------------------------------------------
+
+// Each row's first maximum (torch.argmax's tie rule) and log-sum-exp, in two passes over the row (it stays in L2):
+// the maximum with, per lane, the first index that reached it; then the sum of exp(x - max).
+std::tuple<torch::Tensor, torch::Tensor> argmax_lse(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1, "x (B, V) fp32, rows contiguous");
+  const int64_t B = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0 && V <= std::numeric_limits<int32_t>::max() - 16, "V outside 1 .. 2^31 - 17");
+  auto ids = torch::empty({B}, x.options().dtype(at::kLong));
+  auto lse = torch::empty({B}, x.options());
+  const float* xd = x.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  int64_t* id = ids.data_ptr<int64_t>();
+  float* ld = lse.data_ptr<float>();
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float* r = xd + i * xs;
+      __m512 mx = _mm512_set1_ps(-inf);
+      __m512i at = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i step = _mm512_set1_epi32(16);
+      __mmask16 nan = 0;
+      for (int64_t j = 0; j < V; j += 16) {
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-inf), first_lanes(V - j), r + j);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, mx, _CMP_GT_OQ);  // strict: a lane keeps its first index of a tie
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_mask_mov_ps(mx, gt, v);
+        at = _mm512_mask_mov_epi32(at, gt, idx);
+        idx = _mm512_add_epi32(idx, step);
+      }
+      const float m = _mm512_reduce_max_ps(mx);
+      id[i] = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_EQ_OQ), at);
+      if (nan) {
+        ld[i] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      if (std::isinf(m)) {  // +inf: an infinite sum; only -inf: nothing allowed
+        ld[i] = m;
+        continue;
+      }
+      const __m512 mm = _mm512_set1_ps(m), l2e = _mm512_set1_ps(static_cast<float>(M_LOG2E));
+      __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t j = 0; j < V; j += 16) {  // four partial sums: shorter dependency chains, smaller rounding error
+        const __mmask16 ok = first_lanes(V - j);
+        const __m512 v = _mm512_maskz_loadu_ps(ok, r + j);
+        sum[(j >> 4) & 3] = _mm512_add_ps(sum[(j >> 4) & 3], _mm512_maskz_mov_ps(ok, exp2_ps(_mm512_mul_ps(_mm512_sub_ps(v, mm), l2e))));
+      }
+      ld[i] = m + std::log(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3]))));
+    }
+  });
+  return {ids, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loopwise, m) {
   m.def("prompt_attention(Tensor q, Tensor k, Tensor v, int start, float scale) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor(a!) k, Tensor(b!) v, Tensor lengths, float scale, Tensor? k_new=None, Tensor? v_new=None) -> Tensor");
+  m.def("argmax_lse(Tensor x) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()");
 }
@@ -472,4 +557,5 @@ TORCH_LIBRARY_IMPL(loopwise, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);
+  m.impl("argmax_lse", &argmax_lse);
 }
