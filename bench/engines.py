@@ -23,8 +23,10 @@ engines come from different phases; within a phase the sides alternate round by 
 Overhead targets: loopwise-vs-direct p50 ratio ≤ 1.10 (prompt lengths checked against loopwise's
 ``usage.prompt_tokens``). Hot swap: ``--swaps`` times, POST a new adapter version (r=8, q/k/v/o_proj) with
 ``alias: true`` while 16 clients keep the base model busy; seconds until the first answer through the alias
-comes from the new version (target ≤ 1 s). Results go to bench/results/engines.json after each phase, with
-load averages; the launched servers' logs to the work folder printed first. Not a test.
+comes from the new version (target ≤ 1 s); on vLLM each swap is followed by the same swap straight into the
+replicas (load on each, a one-token completion naming it), the floor under the same load. Results go to
+bench/results/engines.json after each phase, with load averages; the launched servers' logs to the work folder
+printed first. Not a test.
 """
 
 from __future__ import annotations
@@ -162,11 +164,14 @@ def make_adapters(model: Path, root: Path, n: int) -> list[Path]:
     return out
 
 
-async def hot_swaps(base: str, convs: list[list[dict]], adapters: list[Path]) -> list[tuple[float, float]]:
+async def hot_swaps(base: str, convs: list[list[dict]], adapters: list[Path], vllm: tuple[list[str], list[int]] | None = None) -> dict:
     """Swap ``swap@k`` in as the alias while 16 clients load the base model: per swap, seconds from POST to the first
-    answer from it, and the POST's own share (the adapter loaded into every replica)."""
+    answer from it, and the POST's own share (the adapter loaded into every replica). With ``vllm`` (the replicas'
+    URLs and the first conversation's prompt ids), each swap is followed by the same swap straight into vLLM under
+    the same load, as an operator without loopwise would do it: ``/v1/load_lora_adapter`` on every replica at once,
+    then a one-token ``/v1/completions`` naming the adapter (replicas in turn): the floor loopwise sits on."""
     auth = {"Authorization": f"Bearer {ADMIN}"}
-    out = []
+    out: dict[str, list[tuple[float, float]]] = {"loopwise": [], "direct": []}
     stop_load = asyncio.Event()
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
 
@@ -176,7 +181,7 @@ async def hot_swaps(base: str, convs: list[list[dict]], adapters: list[Path]) ->
 
         background = [asyncio.create_task(load_client(c)) for c in convs]
         await asyncio.sleep(2.0)
-        for path in adapters:
+        for k, path in enumerate(adapters):
             t0 = time.perf_counter()
             r = await client.post(base + "/admin/adapters", json={"path": str(path), "family": "swap", "alias": True}, headers=auth)
             r.raise_for_status()
@@ -186,7 +191,20 @@ async def hot_swaps(base: str, convs: list[list[dict]], adapters: list[Path]) ->
                 _, _, _, adapter = await via_loopwise(client, base, convs[0], 1, model="swap")
                 if adapter == version:
                     break
-            out.append((time.perf_counter() - t0, posted))
+            out["loopwise"].append((time.perf_counter() - t0, posted))
+            if vllm is None:
+                continue
+            urls, prompt = vllm
+            name = f"direct-swap-{k}"
+            t0 = time.perf_counter()
+            loads = await asyncio.gather(*(client.post(u + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}) for u in urls))
+            for resp in loads:
+                resp.raise_for_status()
+            posted = time.perf_counter() - t0
+            await direct(client, urls[k % len(urls)], name, prompt, 1)
+            out["direct"].append((time.perf_counter() - t0, posted))
+            for u in urls:  # vLLM forgets the name (its engine's LRU cache drops the weights when it needs the slot)
+                (await client.post(u + "/v1/unload_lora_adapter", json={"lora_name": name})).raise_for_status()
         stop_load.set()
         await asyncio.gather(*background)
     return out
@@ -279,7 +297,8 @@ def vllm_phase(args: argparse.Namespace, model: Path, work: Path, convs: list[li
             s["tok_s_ratio"] = s["two_replicas"]["tok_s"] / s["one_replica"]["tok_s"]
             print(f"partial, vLLM scaling (load {load_average()}): {json.dumps(s)}", flush=True)
         if adapters:
-            res["hot_swap_s"] = swap_stats(asyncio.run(hot_swaps(two_url, convs, adapters)))
+            swaps = asyncio.run(hot_swaps(two_url, convs, adapters, ([v1, v2], ids[0])))
+            res["hot_swap_s"], res["direct_hot_swap_s"] = swap_stats(swaps["loopwise"]), swap_stats(swaps["direct"])
         res["load"] = load_average()
         return res
     finally:
@@ -372,7 +391,7 @@ def sglang_phase(args: argparse.Namespace, model: Path, work: Path, convs: list[
         res["overhead"] = asyncio.run(overhead())
         print(f"partial, SGLang overhead (load {load_average()}): {json.dumps(res['overhead'])}", flush=True)
         if adapters:
-            res["hot_swap_s"] = swap_stats(asyncio.run(hot_swaps(base, convs, adapters)))
+            res["hot_swap_s"] = swap_stats(asyncio.run(hot_swaps(base, convs, adapters))["loopwise"])
         for temperature in LOGPROB_TEMPERATURES:
             recorded[temperature] = asyncio.run(record_turns(base, convs, temperature))
         res["load"] = load_average()
@@ -424,6 +443,12 @@ def report(res: dict) -> None:
                 f"hot swap into {label}, {res['clients']}-client load: median {h['median']:.3f}s, max {h['max']:.3f}s over {len(h['each'])} (target <= 1 s);"
                 f" of it the POST (loading every replica): median {h.get('post_median', float('nan')):.3f}s"
             )
+            if "direct_hot_swap_s" in res[engine]:
+                d = res[engine]["direct_hot_swap_s"]
+                print(
+                    f"  the same swaps straight into vLLM, same load: median {d['median']:.3f}s, max {d['max']:.3f}s (load on every replica:"
+                    f" median {d['post_median']:.3f}s); loopwise / direct median {h['median'] / d['median']:.2f}"
+                )
     if "logprobs" in res.get("sglang", {}):
         lp = res["sglang"]["logprobs"]
         for temperature in LOGPROB_TEMPERATURES:
