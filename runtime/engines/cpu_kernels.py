@@ -1,4 +1,4 @@
-"""Compiled bf16 kernels for the lean runner on CPUs with AVX512-BF16 and no AMX (``csrc/cpu_kernels.cpp``).
+"""Compiled kernels for the embedded engine on CPUs with AVX512-BF16 and no AMX (``csrc/cpu_kernels.cpp``).
 
 Five ops: ``prompt_attention`` (a prompt chunk's causal attention over its staging buffer), ``decode_attention`` (one
 token per row over a KV pool: it writes the step's key and value into the pool, then reads only each row's live keys),

@@ -1,5 +1,5 @@
-// bf16 kernels for the lean runner on CPUs with AVX512-BF16 and no AMX, as torch ops: attention (prompt chunks, decode
-// rows) and the RMSNorm and rotary passes around it.
+// Kernels for the embedded engine on CPUs with AVX512-BF16 and no AMX, as torch ops: the lean runner's bf16 attention
+// (prompt chunks, decode rows) and the RMSNorm and rotary passes around it, and the sampler's argmax and log-sum-exp.
 //
 // torch.ops.loopwise.prompt_attention(q, k, v, start, scale) -> out: a prompt chunk's causal attention
 //   q (n, H, D) bf16, the chunk's queries at positions start .. start + n - 1 (rows may be strided; D contiguous)
