@@ -90,8 +90,8 @@ def chat_traffic(server, tag: str, *, temperature: float | None = None, response
 def raw_logit_logprobs(real: Any) -> Any:
     """The sampling step of an engine that reports ``log_softmax(logits)`` whatever the temperature (tokens still drawn at T)."""
 
-    def sample(logits: torch.Tensor, rows: list[Any]) -> Any:
-        out = real(logits, rows)
+    def sample(logits: torch.Tensor, rows: list[Any], *rest: Any) -> Any:
+        out = real(logits, rows, *rest)
         raw = torch.log_softmax(logits, dim=-1)  # (B, V), the grammar mask kept: only the temperature is ignored
         out.logprobs = raw.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist()
         return out
@@ -183,8 +183,9 @@ def test_the_probe_refuses_an_engine_that_mishandles_a_constrained_turns_grammar
         unmasked.append(logits.clone())  # (B, V) before the mask
         real_apply(logits, bitmask, indices=indices)
 
-    def sample(logits: torch.Tensor, rows: list[Any]) -> Any:  # SGLang's way: tokens drawn under the mask, logprobs of the unmasked logits / T
-        out = real_sample(logits, rows)
+    def sample(logits: torch.Tensor, rows: list[Any], *rest: Any) -> Any:
+        """SGLang's way: tokens drawn under the mask, logprobs of the unmasked logits / T."""
+        out = real_sample(logits, rows, *rest)
         if unmasked:
             temps = torch.tensor([r.temperature if r.temperature >= MIN_TEMPERATURE else 1.0 for r in rows])  # (B,)
             lp = torch.log_softmax(unmasked.pop() / temps[:, None], dim=-1)  # (B, V)
