@@ -5,6 +5,7 @@
     .venv/bin/python bench/serving.py --vllm /path/to/venv/bin/vllm # vLLM's CPU build (default: $LOOPWISE_VLLM_VENV/bin/vllm)
     .venv/bin/python bench/serving.py --peers none --model tiny     # a quick smoke run
     .venv/bin/python bench/serving.py --baseline /tmp/base          # + an older checkout's serve.py (before vs after)
+    .venv/bin/python bench/serving.py --peers vllm --blocks 2       # loopwise, vLLM, loopwise, vLLM: drift hits both
 
 Servers, in this order: loopwise (this checkout's ``serve.py``), ``--baseline``'s, ``transformers serve
 --continuous-batching``, vLLM's CPU build (``make vllm``'s virtualenv, ``$LOOPWISE_VLLM_VENV``). One is up
@@ -29,7 +30,8 @@ Phases (completion tokens from ``usage`` / wall time; prompts ask for long stori
 ``--new-tokens`` each, with ``ignore_eos`` where the server takes it, so every server decodes the same
 number of tokens):
 1. ``--clients`` concurrent clients (default 1, 16, 64), ``--rounds`` rounds: aggregate decode tok/s,
-   median of the rounds. Targets on a 2-core machine: 1 client ≥ 50 tok/s in bf16; 16 and 64 clients
+   median of the rounds (with ``--blocks N`` the servers' sequence runs N times, A, B, A, B, and each server's
+   rounds of every block are pooled: on a VM whose speed drifts, one block each puts the drift on one side). Targets on a 2-core machine: 1 client ≥ 50 tok/s in bf16; 16 and 64 clients
    ≥ 1.3× ``transformers serve``.
 2. Long prompt: a ~2,000-token prompt (``--long-prompt``) on the idle server, its time to first token;
    then 16 streaming clients decode and, once each has its first token, a prompt of the same length
@@ -409,30 +411,63 @@ def run_all(
     counts: list[int],
     measure: Callable[[Server, ServerSpec, int], dict[str, Any]],
     release: Callable[[Server | None, dict[str, int]], None] = release,
+    blocks: int = 1,
 ) -> list[dict[str, Any]]:
     """For each thread count, each server in turn: start it, ``measure`` it, ``release`` it (stopped, its port and memory back)
-    before the next starts. One run per thread count: every server's figures, the skipped and the failed ones with why."""
+    before the next starts; with ``blocks`` > 1 the whole sequence repeats (A, B, A, B, ...) and each server's blocks are
+    pooled (``merge_blocks``), so that the machine's drift over the run reaches every server alike. One run per thread
+    count: every server's figures, the skipped and the failed ones with why (a server that failed once is reported failed)."""
     runs = []
     for threads in counts:
-        run: dict[str, Any] = {"threads": threads, "servers": {}, "skipped": {}, "failed": {}}
-        for spec in specs:
-            if spec.missing:
-                print(f"== {spec.name}: skipped, {spec.missing}", flush=True)
-                run["skipped"][spec.name] = spec.missing
-                continue
-            before, mem = load_avg(), meminfo_mb()
-            print(f"== {spec.name}, {threads} thread(s): load average before {before[0]} / {before[1]} / {before[2]} (1 / 5 / 15 min)", flush=True)
-            server = None
-            try:
-                server = spec.start(threads)
-                run["servers"][spec.name] = {"load_before": before, **measure(server, spec, threads)}
-            except Exception as exc:  # one server failing (a start timeout, an HTTP error) does not end the other servers' blocks
-                print(f"== {spec.name} failed: {type(exc).__name__}: {exc}", flush=True)
-                run["failed"][spec.name] = f"{type(exc).__name__}: {exc}"
-            finally:
-                release(server, mem)
+        run: dict[str, Any] = {"threads": threads, "blocks": blocks, "servers": {}, "skipped": {}, "failed": {}}
+        for block in range(blocks):
+            for spec in specs:
+                if spec.missing:
+                    if block == 0:
+                        print(f"== {spec.name}: skipped, {spec.missing}", flush=True)
+                    run["skipped"][spec.name] = spec.missing
+                    continue
+                if spec.name in run["failed"]:
+                    continue
+                before, mem = load_avg(), meminfo_mb()
+                label = f", block {block + 1} of {blocks}" if blocks > 1 else ""
+                print(
+                    f"== {spec.name}, {threads} thread(s){label}: load average before {before[0]} / {before[1]} / {before[2]} (1 / 5 / 15 min)",
+                    flush=True,
+                )
+                server = None
+                try:
+                    server = spec.start(threads)
+                    out = {"load_before": before, **measure(server, spec, threads)}
+                    prev = run["servers"].get(spec.name)
+                    run["servers"][spec.name] = out if prev is None else merge_blocks(prev, out)
+                except Exception as exc:  # one server failing (a start timeout, an HTTP error) does not end the other servers' blocks
+                    print(f"== {spec.name} failed: {type(exc).__name__}: {exc}", flush=True)
+                    run["failed"][spec.name] = f"{type(exc).__name__}: {exc}"
+                    run["servers"].pop(spec.name, None)
+                finally:
+                    release(server, mem)
         runs.append(run)
     return runs
+
+
+def merge_blocks(prev: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """One server's figures over its blocks: the rounds of every block together (the table takes their median), the long
+    prompt's figures the median over blocks (each block's kept in ``long_prompt_blocks``), the first block's load
+    average and in-process figures."""
+    out = dict(prev)
+    for c, fig in new.get("clients", {}).items():
+        mine = out.setdefault("clients", {}).setdefault(c, {"tok_s": [], "load": []})
+        out["clients"][c] = {"tok_s": [*mine["tok_s"], *fig["tok_s"]], "load": [*mine["load"], *fig["load"]]}
+    if "long_prompt" in new:
+        seen = [*prev.get("long_prompt_blocks", [prev["long_prompt"]] if "long_prompt" in prev else []), new["long_prompt"]]
+        out["long_prompt_blocks"] = seen
+        keys = [k for k in new["long_prompt"] if all(isinstance(b.get(k), int | float) and not isinstance(b.get(k), bool) for b in seen)]
+        out["long_prompt"] = {**new["long_prompt"], **{k: statistics.median(b[k] for b in seen) for k in keys}}
+    if "adapters" in new:
+        mine_a = out.get("adapters", {"single": [], "mixed": []})
+        out["adapters"] = {k: [*mine_a.get(k, []), *v] for k, v in new["adapters"].items()}
+    return out
 
 
 # ---- loads ------------------------------------------------------------------------------------
@@ -720,6 +755,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--requests-per-client", type=int, default=2, help="requests per round = this × clients (at least 4)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=1,
+        help="repeat the servers' sequence this many times (A, B, A, B, ...), pooling each server's rounds: drift reaches all alike",
+    )
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--long-prompt", type=int, default=2000, help="tokens of the long prompt (0: skip the phase)")
@@ -754,7 +795,7 @@ def main() -> None:
 
             adapter_paths = tuple(build_adapters(model_path, tmp / "adapters", n=4))
         plan = Plan(args, model_path, dtype, tmp, clients, text, n_tok, adapter_paths)
-        runs = run_all(server_specs(plan), counts, partial(measure, plan))
+        runs = run_all(server_specs(plan), counts, partial(measure, plan), blocks=args.blocks)
     finally:
         while STARTED:
             stop_process(STARTED.pop())

@@ -93,6 +93,56 @@ def test_servers_run_one_at_a_time_and_every_pass_repeats_the_table() -> None:
         assert all(len(s["load_before"]) == 3 for s in run["servers"].values())
 
 
+def test_blocks_alternate_the_servers_and_pool_each_ones_rounds() -> None:
+    order: list[str] = []
+    tok = {"loopwise": iter([100.0, 90.0, 300.0, 310.0]), "vllm": iter([80.0, 70.0, 400.0, 390.0])}  # a drift between blocks
+    ttft = {"loopwise": iter([1.0, 3.0]), "vllm": iter([2.0, 6.0])}
+
+    def start(name: str) -> Callable[[int], Server]:
+        return lambda threads: Server(name, f"http://127.0.0.1:1/{name}", "m", ignore_eos=True)
+
+    def measure(server: Server, spec: ServerSpec, threads: int) -> dict[str, Any]:
+        order.append(server.name)
+        t = [next(tok[server.name]), next(tok[server.name])]
+        lp = {"idle_ttft_s": next(ttft[server.name]), "ttft_s": 5.0, "max_decode_gap_s": None, "load": 1.0}
+        return {"clients": {"16": {"tok_s": t, "load": [1.0, 1.0]}}, "long_prompt": lp, "adapters": {"single": [t[0]], "mixed": [t[1]]}}
+
+    specs = [ServerSpec("loopwise", start("loopwise")), ServerSpec("vllm", start("vllm"))]
+    (run,) = serving.run_all(specs, [2], measure, lambda server, mem: None, blocks=2)
+    assert order == ["loopwise", "vllm", "loopwise", "vllm"]
+    lw, v = run["servers"]["loopwise"], run["servers"]["vllm"]
+    assert lw["clients"]["16"]["tok_s"] == [100.0, 90.0, 300.0, 310.0] and len(lw["clients"]["16"]["load"]) == 4
+    assert v["adapters"] == {"single": [80.0, 400.0], "mixed": [70.0, 390.0]}
+    assert lw["long_prompt"]["idle_ttft_s"] == 2.0 and v["long_prompt"]["idle_ttft_s"] == 4.0  # medians over the blocks
+    assert lw["long_prompt"]["max_decode_gap_s"] is None and len(v["long_prompt_blocks"]) == 2
+    rows = dict((label, values) for label, values, _ in serving.table_rows(run, [16], 2000))
+    assert rows["tok/s, 16 clients"] == [200.0, 235.0]  # each server's median over both blocks' rounds
+    assert run["blocks"] == 2
+
+
+def test_a_server_failing_in_a_later_block_is_reported_failed_not_half_measured() -> None:
+    calls = {"vllm": 0}
+
+    def start(name: str) -> Callable[[int], Server]:
+        def go(threads: int) -> Server:
+            if name == "vllm":
+                calls["vllm"] += 1
+                if calls["vllm"] == 2:
+                    raise RuntimeError("did not become healthy")
+            return Server(name, f"http://127.0.0.1:1/{name}", "m", ignore_eos=True)
+
+        return go
+
+    def measure(server: Server, spec: ServerSpec, threads: int) -> dict[str, Any]:
+        return {"clients": {"1": {"tok_s": [1.0], "load": [0.1]}}}
+
+    specs = [ServerSpec("loopwise", start("loopwise")), ServerSpec("vllm", start("vllm"))]
+    (run,) = serving.run_all(specs, [2], measure, lambda server, mem: None, blocks=3)
+    assert list(run["servers"]) == ["loopwise"] and run["failed"] == {"vllm": "RuntimeError: did not become healthy"}
+    assert calls["vllm"] == 2  # not started again once it failed
+    assert run["servers"]["loopwise"]["clients"]["1"]["tok_s"] == [1.0, 1.0, 1.0]
+
+
 def fake_run() -> dict[str, Any]:
     loopwise = {
         "load_before": [0.5, 0.4, 0.3],
