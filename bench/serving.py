@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -438,7 +439,8 @@ def run_all(
                 server = None
                 try:
                     server = spec.start(threads)
-                    out = {"load_before": before, **measure(server, spec, threads)}
+                    once = spec if block == 0 else dataclasses.replace(spec, in_process=False)  # merge_blocks keeps the first block's
+                    out = {"load_before": before, **measure(server, once, threads)}
                     prev = run["servers"].get(spec.name)
                     run["servers"][spec.name] = out if prev is None else merge_blocks(prev, out)
                 except Exception as exc:  # one server failing (a start timeout, an HTTP error) does not end the other servers' blocks
@@ -456,17 +458,15 @@ def merge_blocks(prev: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     prompt's figures the median over blocks (each block's kept in ``long_prompt_blocks``), the first block's load
     average and in-process figures."""
     out = dict(prev)
-    for c, fig in new.get("clients", {}).items():
-        mine = out.setdefault("clients", {}).setdefault(c, {"tok_s": [], "load": []})
-        out["clients"][c] = {"tok_s": [*mine["tok_s"], *fig["tok_s"]], "load": [*mine["load"], *fig["load"]]}
+    mine = prev.get("clients", {})
+    out["clients"] = {c: {k: [*mine.get(c, {}).get(k, []), *fig[k]] for k in ("tok_s", "load")} for c, fig in new.get("clients", {}).items()}
     if "long_prompt" in new:
-        seen = [*prev.get("long_prompt_blocks", [prev["long_prompt"]] if "long_prompt" in prev else []), new["long_prompt"]]
+        seen = [*prev.get("long_prompt_blocks", [prev["long_prompt"]]), new["long_prompt"]]  # every block takes the phase
         out["long_prompt_blocks"] = seen
         keys = [k for k in new["long_prompt"] if all(isinstance(b.get(k), int | float) and not isinstance(b.get(k), bool) for b in seen)]
         out["long_prompt"] = {**new["long_prompt"], **{k: statistics.median(b[k] for b in seen) for k in keys}}
     if "adapters" in new:
-        mine_a = out.get("adapters", {"single": [], "mixed": []})
-        out["adapters"] = {k: [*mine_a.get(k, []), *v] for k, v in new["adapters"].items()}
+        out["adapters"] = {k: [*prev["adapters"][k], *v] for k, v in new["adapters"].items()}
     return out
 
 
