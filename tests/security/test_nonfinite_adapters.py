@@ -6,6 +6,7 @@ neighbours' columns by multiplying with zero, and ``inf * 0`` is NaN)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -14,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from runtime.adapters.names import AdapterInvalid, AdapterRef
 from runtime.adapters.validation import adapter_validator, base_shapes_of, validate_adapter
@@ -79,6 +82,67 @@ def test_non_finite_weights_are_refused_naming_the_tensor(good, shapes, tmp_path
 def test_finite_weights_pass_in_every_float_dtype(good, shapes, tmp_path, dtype):
     fine = poisoned(good, tmp_path / "fine", value=60000.0 if dtype == torch.float16 else 1e30, dtype=dtype)  # large, but finite
     assert validate_adapter(fine, base_shapes=shapes, max_rank=16)["peft_type"] == "LORA"
+
+
+_NUMPY_OF = {"F16": "float16", "F32": "float32", "F64": "float64", "I32": "int32"}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    specs=st.lists(
+        st.tuples(st.sampled_from(["F16", "BF16", "F32", "F64", "I32"]), st.integers(1, 40), st.sets(st.integers(0, 39), max_size=3)),
+        min_size=1,
+        max_size=8,
+    ),
+    chunk=st.sampled_from([8, 24, 64, 16 << 20]),
+    bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+)
+def test_the_finite_check_finds_any_bad_tensor_in_files_of_mixed_dtypes(tmp_path, monkeypatch, specs, chunk, bad):
+    """Tensors of several dtypes back to back in any order (integers in between, never checked), bad values
+    anywhere, checked in chunks of any size: the file passes exactly when no float tensor holds a bad value, and a
+    refusal names a poisoned tensor with its own count."""
+    import numpy as np
+
+    import runtime.adapters.validation as validation
+
+    monkeypatch.setattr(validation, "_FINITE_CHUNK_BYTES", chunk)
+    tensors, poisoned_counts = [], {}
+    for i, (dtype, n, at) in enumerate(specs):
+        values = np.linspace(-3.0, 3.0, n)
+        hits = sorted(j for j in at if j < n)
+        if dtype == "I32":
+            data = np.arange(n, dtype=np.int32).tobytes()
+        else:
+            values[hits] = bad
+            poisoned_counts[f"t{i}"] = len(hits)
+            if dtype == "BF16":  # numpy has no bfloat16: torch's bits
+                data = torch.tensor(values, dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+            else:
+                data = values.astype(_NUMPY_OF[dtype]).tobytes()
+        tensors.append((f"t{i}", dtype, n, data))
+    path = tmp_path / f"w-{len(list(tmp_path.iterdir()))}.safetensors"
+    write_safetensors(path, tensors)
+    if not any(poisoned_counts.values()):
+        validation._check_finite(path)
+        return
+    with pytest.raises(AdapterInvalid) as info:
+        validation._check_finite(path)
+    named = re.search(r"tensor '(t\d+)' holds (\d+) non-finite", str(info.value))
+    assert named and int(named[2]) == poisoned_counts.get(named[1]), (str(info.value), poisoned_counts)
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, str, int, bytes]]) -> None:
+    """A safetensors file with the tensors' data in the order given (``safe_open`` sorts by dtype when it writes)."""
+    import json
+    import struct
+
+    header, offset = {}, 0
+    for key, dtype, n, data in tensors:
+        header[key] = {"dtype": dtype, "shape": [n], "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(t[3] for t in tensors))
 
 
 def test_the_shared_validator_refuses_them_off_the_event_loop(good, shapes, tmp_path):
