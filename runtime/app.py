@@ -28,6 +28,7 @@ process startup and the composition (``serve.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -264,6 +265,8 @@ def _lifespan(
             app.state.ready = False
             for task in background:
                 task.cancel()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(s.registry.settled(), 10.0)  # an evicted adapter's unload, still under way
             await engine.close()
             s.responses.close()
             s.admission.close()

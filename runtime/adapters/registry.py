@@ -3,8 +3,8 @@
 What it does: ``AdapterRegistry`` routes for one event loop. Registration only after a successful load,
 versions never reused for other weights, atomic alias flips, ``acquire``/``release`` around every
 request, unload only after in-flight requests drain, LRU eviction that skips pinned/in-flight/alias
-targets. A ``RegistryListener`` is told of each change (``runtime/adapters/sync.py`` writes them to a
-shared store).
+targets and unloads its victim once the new version routes (a hot swap waits for one engine call). A
+``RegistryListener`` is told of each change (``runtime/adapters/sync.py`` writes them to a shared store).
 
 What it does not: load weights (the engine does, through ``load_fn``/``unload_fn``), check adapter folders
 (``runtime/adapters/validation.py``), speak HTTP (``runtime/admin/adapters.py``), or pick A/B arms
@@ -54,7 +54,8 @@ class AdapterRegistry:
     either is counted before removal (and unload waits for it) or fails with ``AdapterNotFound``; it
     never holds a version that gets unloaded under it. (SGLang's async ``acquire`` needs its writer lock
     for the same guarantee.) ``_lock`` serialises the engine calls (``load_fn``/``unload_fn``) and the
-    checks that precede them; draining waits outside it.
+    checks that precede them; draining waits outside it. An eviction's unload is the one engine call that runs
+    after the lock is released (its successor routes first); every later engine call waits for it (``_settle``).
     """
 
     def __init__(self, *, max_loaded: int, load_fn: Callable[[AdapterRef], Awaitable[None]], unload_fn: Callable[[str], Awaitable[None]]) -> None:
@@ -67,6 +68,7 @@ class AdapterRegistry:
         self._aliases: dict[str, str] = {}  # family -> name
         self._tick = 0
         self._lock = asyncio.Lock()
+        self._eviction: asyncio.Task[None] | None = None  # the last eviction's unload, finishing after its successor routes
         # told of every change made with notify=True (runtime/adapters/sync.py writes them to a shared store)
         self.listener: RegistryListener | None = None
 
@@ -75,26 +77,71 @@ class AdapterRegistry:
         return max((r.version for r in seen if r.family == family), default=0) + 1
 
     async def register(self, ref: AdapterRef, *, make_alias: bool = False, notify: bool = True) -> AdapterRef:
+        """Load ``ref`` and route it (and point its family's alias at it with ``make_alias``).
+
+        At capacity the least recently used evictable version leaves routing first and stays loaded (listed as
+        draining) while ``ref`` loads: the engine holds one adapter more for that moment, and the victim is unloaded
+        in the background once ``ref`` routes, so a hot swap waits for one engine call, not two. An engine that
+        refuses the extra load (no spare slot) gets the old order: the victim is unloaded, then ``ref`` is loaded
+        once more. A load that fails or is cancelled before the victim was unloaded routes the victim again."""
         async with self._lock:
+            await self._settle()  # the last eviction's unload first: the engine holds one spare adapter at most
             name = ref.name
             if name in self._routed or name in self._draining:
                 raise AdapterExists(f"{name} is already registered; versions are immutable, use {ref.family}@{self.next_version(ref.family)}")
             old = self._retired.get(name)
             if old is not None and (old.path, old.sha256) != (ref.path, ref.sha256):
                 raise AdapterExists(f"{name} was served before from other files; use {ref.family}@{self.next_version(ref.family)}")
+            victim = None
             if len(self._routed) + len(self._draining) >= self.max_loaded:
                 victim = self._pick_victim()
                 del self._routed[victim.ref.name]  # out of routing before the await (see class docstring)
-                logger.info("evicting adapter %s (least recently used)", victim.ref.name)
+                self._draining[victim.ref.name] = victim  # still loaded until ref is
+                logger.info("evicting adapter %s (least recently used) for %s", victim.ref.name, name)
+            try:
+                await self._load_fn(ref)  # raises → never registered
+            except Exception as exc:
+                if victim is None:
+                    raise
+                logger.info("loading %s beside %s failed (%s); unloading %s first", name, victim.ref.name, exc, victim.ref.name)
+                del self._draining[victim.ref.name]
                 await self._unload(victim.ref)
-            await self._load_fn(ref)  # raises → never registered
+                await self._load_fn(ref)
+                victim = None
+            except BaseException:  # cancelled: the victim is still loaded, so it routes again
+                if victim is not None:
+                    del self._draining[victim.ref.name]
+                    self._routed[victim.ref.name] = victim
+                raise
             self._retired.pop(name, None)
             self._routed[name] = _Entry(ref, tick=self._next_tick())
             if make_alias:
                 self._aliases[ref.family] = name
             if notify and self.listener is not None:
                 self.listener.registered(ref, make_alias)
+            if victim is not None:
+                self._eviction = asyncio.create_task(self._finish_eviction(victim), name=f"evict-{victim.ref.name}")
             return ref
+
+    async def _finish_eviction(self, victim: _Entry) -> None:
+        """Unload an evicted version once its successor routes (the engine calls after it wait: ``_settle``)."""
+        try:
+            await self._unload(victim.ref)
+        except Exception:
+            logger.exception("unloading evicted adapter %s failed", victim.ref.name)
+        finally:
+            self._draining.pop(victim.ref.name, None)
+
+    async def _settle(self) -> None:
+        """Wait for the last eviction's unload (under ``_lock``, before any other engine call)."""
+        if self._eviction is not None:
+            await asyncio.shield(self._eviction)  # cancelled here, it finishes anyway and the next call waits again
+            self._eviction = None
+
+    async def settled(self) -> None:
+        """Wait until every eviction's unload has finished (tests, shutdown)."""
+        async with self._lock:
+            await self._settle()
 
     def _pick_victim(self) -> _Entry:
         targets = set(self._aliases.values())
@@ -186,6 +233,7 @@ class AdapterRegistry:
                 raise AdapterInUse(f"{name} still has {entry.in_flight} request(s) in flight after {timeout}s; left loaded") from None
             raise
         async with self._lock:
+            await self._settle()
             del self._draining[name]
             await self._unload(entry.ref)
 

@@ -6,9 +6,10 @@ SIGTERM then SIGKILL on stop). ``vllm_launchers(...)`` builds one per replica; `
 
 The command is ``<vllm python> -m vllm.entrypoints.cli.main serve MODEL`` with what loopwise needs:
 
-- ``--enable-lora --max-lora-rank R --max-loras N --max-cpu-loras N``: dynamic adapters, ``R`` the
+- ``--enable-lora --max-lora-rank R --max-loras N --max-cpu-loras N+1``: dynamic adapters, ``R`` the
   smallest rank vLLM allows (1, 8, 16, 32, 64, ...) that is at least ``--max-lora-rank``, ``N`` =
-  ``--max-loaded-adapters`` (in vLLM a base-model request takes no LoRA slot);
+  ``--max-loaded-adapters`` (in vLLM a base-model request takes no LoRA slot), one more in vLLM's CPU cache for
+  the moment of a hot swap at capacity (the registry loads the new version before it unloads the evicted one);
 - ``--logprobs-mode processed_logprobs``: logprobs of the distribution tokens are sampled from
   (``logits / T``, grammar mask applied), loopwise's convention (``runtime/engines/vllm.py``);
 - ``--generation-config vllm``: no sampling defaults from ``generation_config.json`` (loopwise sends
@@ -119,7 +120,7 @@ class VLLMLauncher(ServerLauncher):
             "--max-loras",
             str(self.max_loaded_adapters),
             "--max-cpu-loras",
-            str(self.max_loaded_adapters),
+            str(self.max_loaded_adapters + 1),  # a hot swap at capacity loads the new version before unloading the old
             "--logprobs-mode",
             "processed_logprobs",
             "--generation-config",

@@ -229,17 +229,28 @@ def test_parse_model_name_refuses(model: str) -> None:
 
 # ---------------------------------------------------------------- registry
 class FakeEngine:
-    def __init__(self, fail: set[str] = frozenset()) -> None:
+    """Records its calls; ``capacity`` (None: no limit) refuses a load when full, as SGLang's ``--max-loaded-loras``
+    does; ``gate`` (when set) holds every load until it is set; ``peak`` is the most adapters it ever held."""
+
+    def __init__(self, fail: set[str] = frozenset(), capacity: int | None = None) -> None:
         self.loaded: list[str] = []
         self.calls: list[tuple[str, str]] = []
         self.fail = set(fail)
+        self.capacity = capacity
+        self.gate: asyncio.Event | None = None
+        self.peak = 0
 
     async def load(self, ref: AdapterRef) -> None:
         await asyncio.sleep(0)
         self.calls.append(("load", ref.name))
+        if self.gate is not None:
+            await self.gate.wait()
         if ref.name in self.fail:
             raise RuntimeError(f"cannot load {ref.name}")
+        if self.capacity is not None and len(self.loaded) >= self.capacity:
+            raise RuntimeError(f"{len(self.loaded)} adapters loaded: no slot for {ref.name}")
         self.loaded.append(ref.name)
+        self.peak = max(self.peak, len(self.loaded))
 
     async def unload(self, name: str) -> None:
         await asyncio.sleep(0)
@@ -247,8 +258,8 @@ class FakeEngine:
         self.loaded.remove(name)
 
 
-def registry(max_loaded: int = 8, fail: set[str] = frozenset()) -> tuple[AdapterRegistry, FakeEngine]:
-    eng = FakeEngine(fail)
+def registry(max_loaded: int = 8, fail: set[str] = frozenset(), capacity: int | None = None) -> tuple[AdapterRegistry, FakeEngine]:
+    eng = FakeEngine(fail, capacity)
     return AdapterRegistry(max_loaded=max_loaded, load_fn=eng.load, unload_fn=eng.unload), eng
 
 
@@ -400,9 +411,11 @@ def test_lru_eviction_skips_pinned_in_flight_and_alias_targets() -> None:
         async with reg.lease("idle@1"):  # idle@1 used recently → idle@2 is least recently used
             pass
         await reg.register(ref("x", 1))
-        assert eng.calls[-2:] == [("unload", "idle@2"), ("load", "x@1")]
+        await reg.settled()  # the victim is unloaded once its successor routes
+        assert eng.calls[-2:] == [("load", "x@1"), ("unload", "idle@2")]
         await reg.register(ref("y", 1))
-        assert eng.calls[-2:] == [("unload", "idle@1"), ("load", "y@1")]
+        await reg.settled()
+        assert eng.calls[-2:] == [("load", "y@1"), ("unload", "idle@1")]
         assert sorted(eng.loaded) == ["busy@1", "champ@1", "pinned@1", "x@1", "y@1"]
         with pytest.raises(AdapterNotFound):
             reg.acquire("idle@1")  # evicted adapters are out of routing
@@ -416,8 +429,83 @@ def test_lru_eviction_skips_pinned_in_flight_and_alias_targets() -> None:
         assert len(eng.calls) == n_calls and "z@1" not in {r["name"] for r in reg.list()}
         reg.release(busy)  # busy@1 drains → evictable again
         await reg.register(ref("z", 1))
-        assert eng.calls[-2:] == [("unload", "busy@1"), ("load", "z@1")]
+        await reg.settled()
+        assert eng.calls[-2:] == [("load", "z@1"), ("unload", "busy@1")]
+        assert eng.peak == 6  # one over max_loaded, for the moment of each handover
         assert len(reg.list()) == 5
+
+    asyncio.run(main())
+
+
+def test_a_hot_swap_at_capacity_loads_before_it_unloads() -> None:
+    """At capacity the victim leaves routing at once but stays loaded (listed as draining) while its successor
+    loads; the successor routes, and only then is the victim unloaded: the swap waits for one engine call. The
+    next engine call waits for that unload, so the engine never holds more than one adapter over max_loaded."""
+
+    async def main() -> None:
+        reg, eng = registry(max_loaded=2)
+        await reg.register(ref("fam", 1), make_alias=True)
+        await reg.register(ref("old", 1))
+        eng.gate = asyncio.Event()
+        swap = asyncio.create_task(reg.register(ref("fam", 2), make_alias=True))
+        await asyncio.sleep(0.01)
+        assert eng.calls[-1] == ("load", "fam@2") and "old@1" in eng.loaded
+        assert {r["name"]: r["state"] for r in reg.list()} == {"fam@1": "ready", "old@1": "draining"}
+        with pytest.raises(AdapterNotFound):
+            reg.acquire("old@1")
+        assert reg.resolve("fam").name == "fam@1"  # the alias flips with the load, not before
+        eng.gate.set()
+        await swap
+        assert reg.resolve("fam").name == "fam@2"
+        await reg.register(ref("other", 1))  # waits for old@1's unload before its own engine calls
+        await reg.settled()
+        assert [c for c in eng.calls if c[0] == "unload"] == [("unload", "old@1"), ("unload", "fam@1")]
+        assert eng.calls.index(("unload", "old@1")) < eng.calls.index(("load", "other@1"))
+        assert sorted(eng.loaded) == ["fam@2", "other@1"] and eng.peak == 3
+        assert sorted(r["name"] for r in reg.list()) == ["fam@2", "other@1"]
+
+    asyncio.run(main())
+
+
+def test_an_engine_without_a_spare_slot_gets_the_victim_unloaded_first() -> None:
+    """An engine that refuses the extra adapter (SGLang at ``--max-loaded-loras``): the victim is unloaded and
+    the load is tried once more, so the swap still lands."""
+
+    async def main() -> None:
+        reg, eng = registry(max_loaded=2, capacity=2)
+        await reg.register(ref("a", 1))
+        await reg.register(ref("b", 1))
+        await reg.register(ref("c", 1), make_alias=True)
+        await reg.settled()
+        assert eng.calls[-3:] == [("load", "c@1"), ("unload", "a@1"), ("load", "c@1")]
+        assert sorted(eng.loaded) == ["b@1", "c@1"] and reg.resolve("c").name == "c@1"
+        assert sorted(r["name"] for r in reg.list()) == ["b@1", "c@1"]
+
+    asyncio.run(main())
+
+
+def test_a_failed_or_cancelled_swap_at_capacity() -> None:
+    """A load cancelled while the victim is still loaded routes the victim again; a load that fails beside it and
+    again after it was unloaded raises, and the registry holds neither (the victim was evicted, as before)."""
+
+    async def main() -> None:
+        reg, eng = registry(max_loaded=1, fail={"bad@1"})
+        await reg.register(ref("keep", 1))
+        eng.gate = asyncio.Event()
+        task = asyncio.create_task(reg.register(ref("new", 1)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert reg.acquire("keep@1").name == "keep@1" and eng.loaded == ["keep@1"]
+        reg.release(reg.resolve("keep@1"))
+        eng.gate = None
+        with pytest.raises(RuntimeError, match="cannot load bad@1"):
+            await reg.register(ref("bad", 1))
+        assert eng.calls[-3:] == [("load", "bad@1"), ("unload", "keep@1"), ("load", "bad@1")]
+        assert reg.list() == [] and eng.loaded == []
+        await reg.register(ref("next", 1))  # and the registry goes on
+        assert [r["name"] for r in reg.list()] == ["next@1"]
 
     asyncio.run(main())
 

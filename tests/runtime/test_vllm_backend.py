@@ -171,7 +171,7 @@ def test_launch_command_has_what_loopwise_needs(tmp_path, monkeypatch):
     cmd = " ".join(launcher.command("127.0.0.1", 9))
     for part in (
         f"{python} -m vllm.entrypoints.cli.main serve /m --host 127.0.0.1 --port 9 --served-model-name smol",
-        "--enable-lora --max-lora-rank 32 --max-loras 4 --max-cpu-loras 4",
+        "--enable-lora --max-lora-rank 32 --max-loras 4 --max-cpu-loras 5",
         "--logprobs-mode processed_logprobs",
         "--generation-config vllm",
         '"disable_any_whitespace": true',

@@ -43,7 +43,7 @@ def test_vllm_launch_starts_vllm_and_stops_it(start_server, tiny_h32_path):
         *("--backend", "vllm", "--vllm-launch", "--vllm-kv-cache", "64M", "--dtype", "float32", "--max-loaded-adapters", "3", "--max-lora-rank", "4"),
         model=tiny_h32_path,
     )
-    flags = ("serve", "--enable-lora", "--max-lora-rank 8", "--max-loras 3", "--max-cpu-loras 3", "--logprobs-mode processed_logprobs")
+    flags = ("serve", "--enable-lora", "--max-lora-rank 8", "--max-loras 3", "--max-cpu-loras 4", "--logprobs-mode processed_logprobs")
     VLLM.check_launch(srv, flags)
 
 
