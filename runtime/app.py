@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import re
 import time
@@ -252,6 +253,7 @@ def _lifespan(
                 background.append(asyncio.create_task(sync.run_forever(recorder_settings.store_sync_s)))
         if s.experiments is not None:
             background.append(asyncio.create_task(evaluate_forever(s.experiments)))
+        freeze_heap()
         app.state.ready = True
         log.info(
             "serving model %s (tool-call parser %s, recording %s)",
@@ -276,6 +278,18 @@ def _lifespan(
                 await asyncio.to_thread(recorder.close)  # writes everything still queued
 
     return lifespan
+
+
+def freeze_heap() -> None:
+    """Collect once, then move everything alive into CPython's permanent generation (``gc.freeze``), as vLLM does
+    after its warm-up and SGLang's ``freeze_gc``: the ~430k objects torch, transformers and the app leave behind
+    made each full collection ~250 ms of CPU with the GIL held, a stall of every stream, the engine's steps and
+    the event loop at once (up to 1.4 s beside busy engine processes on 2 cores). Objects made later are collected
+    as before; frozen ones are still freed by reference counting, only cycles among them stay."""
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.info("froze %d objects out of the garbage collector's reach in %.2f s", gc.get_freeze_count(), time.perf_counter() - started)
 
 
 class _RequestContext:
