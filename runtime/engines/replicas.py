@@ -354,6 +354,7 @@ class ReplicaSet:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(r.wake.wait(), self.health_interval_s)
             r.wake.clear()
+            asked = set(r.engine.adapters().values())  # a load that lands while the probe is out is not in its list
             try:
                 listed = await asyncio.wait_for(r.engine.probe(), self.probe_timeout_s)
             except (EngineError, TimeoutError) as exc:
@@ -369,18 +370,20 @@ class ReplicaSet:
                 log.exception("replica_probe_crashed", url=r.url)
                 continue
             r.failures = 0
-            ours = set(r.engine.adapters().values())
+            ours = asked & set(r.engine.adapters().values())  # mapped before the probe asked and still: must be listed
             if listed is not None and not ours <= listed:
                 r.needs_sync = True
             due = any(n not in r.engine.adapters() and r.retry_at.get(n, 0.0) <= time.monotonic() for n in self._wanted)
             if not r.up or r.needs_sync or due or any(n not in self._wanted for n in r.engine.adapters()):
                 try:
-                    await self._sync(r, listed)
+                    await self._sync(r, listed, asked)
                 except EngineError as exc:
                     log.warning("replica_sync_failed", url=r.url, error=str(exc))
 
-    async def _sync(self, r: Replica, listed: set[str] | None) -> None:
-        """Bring a replica's adapters in line with what is wanted (after it came back, or lost some), then route to it."""
+    async def _sync(self, r: Replica, listed: set[str] | None, asked: set[str] | None = None) -> None:
+        """Bring a replica's adapters in line with what is wanted (after it came back, or lost some), then route to it.
+        ``listed`` is what its probe answered; ``asked``, the server names mapped when the probe was sent (None: all),
+        so a load that landed while the probe was out is not taken for one the server lost."""
         async with r.lock:
             came_back = not r.up
             if came_back:
@@ -390,7 +393,8 @@ class ReplicaSet:
                 if listed is None:  # the server cannot list its adapters: whatever we had there is suspect
                     await r.engine.discard(r.engine.forget_adapters())
                 else:
-                    r.engine.forget_adapters([n for n, server_name in mapped.items() if server_name not in listed])
+                    lost = [n for n, server_name in mapped.items() if server_name not in listed and (asked is None or server_name in asked)]
+                    r.engine.forget_adapters(lost)
                 r.needs_sync = False
             reloaded, failed = [], []
             now = time.monotonic()

@@ -295,6 +295,38 @@ def test_a_quick_restart_between_two_probes_is_noticed_from_the_adapter_list():
     run(main())
 
 
+class SlowListing(Scripted):
+    """A server whose probe answer (its adapter list, taken when asked) is still on its way while loads land."""
+
+    async def probe(self) -> set[str] | None:
+        self._check_up()
+        listed = set(self.server_side)
+        if self.probe_stall is not None:
+            await self.probe_stall.wait()
+        return listed
+
+
+def test_a_load_that_lands_while_a_probe_is_out_is_not_taken_for_a_lost_adapter():
+    """The probe's list predates the load: the monitor must not forget the new version there and load it again (it
+    did: the replica stopped serving the version a hot swap had just made routable until the second load)."""
+
+    async def main() -> None:
+        a, b = Scripted(0), SlowListing(1)
+        rs = await started(a, b)
+        b.probe_stall = asyncio.Event()
+        await asyncio.sleep(0.2)  # b's monitor is waiting on a probe that listed nothing
+        await rs.load_adapter("fam@1", "/adapters/f")
+        name = b.adapters()["fam@1"]
+        stall, b.probe_stall = b.probe_stall, None
+        stall.set()
+        await asyncio.sleep(0.3)  # several probes more
+        assert b.adapters()["fam@1"] == name and b.loads == [name] and b.unloads == []
+        assert rs.replicas[1].up and rs.replicas[1].has("fam@1")  # and it routes the version all along
+        await rs.close()
+
+    run(main())
+
+
 def test_a_lost_adapter_found_by_a_request_fails_over_and_is_reloaded():
     async def main() -> None:
         a, b = Scripted(0, listing=False), Scripted(1, listing=False)  # nothing but requests can tell
