@@ -1,10 +1,11 @@
 """Run an engine server (SGLang, vLLM) as a child process of ``serve.py``: start it, wait until it is healthy, stop it.
 
 ``ServerLauncher`` is one child: ``start()`` picks the host and port (from ``url``, else a free port on
-127.0.0.1), starts the command in its own process group (the servers run scheduler and worker
-subprocesses), forwards each line of its output into our structlog log (logger = the backend's name),
-waits until ``health_path`` answers 200 (or the child exits, or ``launch_timeout_s`` passes) and returns
-the base URL. ``stop()`` sends SIGTERM to the process group, then SIGKILL after a grace period.
+127.0.0.1), starts the command in its own process group (the servers run scheduler and worker subprocesses)
+within our session (one autogroup for the CPU scheduler: see ``start``), forwards each line of its output into
+our structlog log (logger = the backend's name), waits until ``health_path`` answers 200 (or the child exits,
+or ``launch_timeout_s`` passes) and returns the base URL. ``stop()`` sends SIGTERM to the process group, then
+SIGKILL after a grace period.
 Subclasses (``runtime/engines/sglang_launcher.py``, ``runtime/engines/vllm_launcher.py``) give the command and its
 environment. ``start_all`` starts several children at once (replicas) and stops them all if one fails.
 
@@ -73,11 +74,15 @@ class ServerLauncher:
         log.info(f"{self.name}_launch", command=" ".join(cmd))
         self.proc = subprocess.Popen(
             cmd,
+            stdin=subprocess.DEVNULL,  # a background process group of our session must never read the terminal
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            start_new_session=True,  # its own process group, so stop() reaches the server's subprocesses too
+            # its own process group, so stop() reaches the server's subprocesses too, but our session: where the kernel
+            # groups tasks by session for fair CPU shares (sched_autogroup_enabled, most distributions' default), an
+            # engine in a session of its own left loopwise's event loop waiting hundreds of ms for a core beside it
+            process_group=0,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.child_env()},
         )
         log.info(f"{self.name}_started", pid=self.proc.pid, url=self.url)
