@@ -83,7 +83,8 @@ class AdapterRegistry:
         draining) while ``ref`` loads: the engine holds one adapter more for that moment, and the victim is unloaded
         in the background once ``ref`` routes, so a hot swap waits for one engine call, not two. An engine that
         refuses the extra load (no spare slot) gets the old order: the victim is unloaded, then ``ref`` is loaded
-        once more. A load that fails or is cancelled before the victim was unloaded routes the victim again."""
+        once more (if that fails too the error propagates and the victim stays evicted, as before). A load cancelled
+        while the victim is still loaded routes the victim again."""
         async with self._lock:
             await self._settle()  # the last eviction's unload first: the engine holds one spare adapter at most
             name = ref.name
